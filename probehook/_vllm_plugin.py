@@ -1,0 +1,10 @@
+"""Entry point in vLLM's ``vllm.general_plugins`` group; vLLM calls it in every process.
+
+It only registers the ``probehook`` load format; nothing is tapped unless an engine selects it.
+"""
+
+
+def register() -> None:
+    from probehook._vllm_adapter import register_loader
+
+    register_loader()

@@ -1,0 +1,139 @@
+"""Capture options: which layers and which phases, for the engine and for one request."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+from probehook.errors import CaptureConfigError
+
+EXTRA_ARGS_KEY = "probehook"
+"""Key under ``SamplingParams.extra_args`` that holds per-request capture options."""
+
+LayerSpec = Sequence[int] | str
+
+
+def resolve_layers(layers: LayerSpec, num_layers: int) -> tuple[int, ...]:
+    """Turn ``[1, -1]`` or ``"all"`` into sorted, unique, non-negative layer indices."""
+    if isinstance(layers, str):
+        if layers != "all":
+            raise CaptureConfigError(
+                f"layers={layers!r} is not valid: pass a list of ints in "
+                f"-{num_layers}..{num_layers - 1} or the string 'all'."
+            )
+        return tuple(range(num_layers))
+    if not isinstance(layers, Sequence) or len(layers) == 0:
+        raise CaptureConfigError(
+            f"layers={layers!r} is not valid: pass a non-empty list of ints in "
+            f"-{num_layers}..{num_layers - 1}, or 'all'."
+        )
+    resolved = set()
+    for layer in layers:
+        if isinstance(layer, bool) or not isinstance(layer, int):
+            raise CaptureConfigError(
+                f"layer {layer!r} is not an int; layers must be ints in "
+                f"-{num_layers}..{num_layers - 1} or 'all'."
+            )
+        if not -num_layers <= layer < num_layers:
+            raise CaptureConfigError(
+                f"layer {layer} is out of range for a model with {num_layers} layers; "
+                f"valid layers are 0..{num_layers - 1} (or -{num_layers}..-1 from the end)."
+            )
+        resolved.add(layer % num_layers)
+    return tuple(sorted(resolved))
+
+
+@dataclass(frozen=True)
+class CaptureConfig:
+    """What an engine captures. Requests may narrow it, never widen it."""
+
+    layers: tuple[int, ...]
+    """Decoder layers whose output residual stream is captured (resolved, ascending)."""
+    include_prefill: bool = False
+    """Capture one row per prompt token (``RequestOutput.prefill_hidden_states``)."""
+    include_decode: bool = True
+    """Capture one row per generated token (``CompletionOutput.hidden_states``)."""
+    last_prefill_token: bool = False
+    """Keep only the last prompt row of the prefill capture."""
+    last_decode_token: bool = False
+    """Keep only the last decode row."""
+
+    def __post_init__(self) -> None:
+        if not (self.include_prefill or self.include_decode):
+            raise CaptureConfigError(
+                "include_prefill and include_decode are both False, so nothing would be "
+                "captured; set at least one of them to True (or pass layers=None to "
+                "disable capture)."
+            )
+        for name in ("include_prefill", "include_decode", "last_prefill_token",
+                     "last_decode_token"):
+            if not isinstance(getattr(self, name), bool):
+                raise CaptureConfigError(
+                    f"{name}={getattr(self, name)!r} must be True or False."
+                )
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["layers"] = list(self.layers)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> CaptureConfig:
+        return cls(**{**d, "layers": tuple(d["layers"])})
+
+    def narrow(self, options: Mapping[str, Any] | None) -> CaptureConfig | None:
+        """Apply a request's ``extra_args["probehook"]`` options; reject widening.
+
+        Returns None when the request switches capture off (both phases False).
+        """
+        if not options:
+            return self
+        known = {f.name for f in fields(self)}
+        unknown = set(options) - known
+        if unknown:
+            raise CaptureConfigError(
+                f"Unknown per-request capture option(s) {sorted(unknown)}; valid options "
+                f"are {sorted(known)}."
+            )
+        merged = {**self.to_dict(), **options}
+        layers = merged["layers"]
+        if isinstance(layers, str) and layers == "all":
+            layers = list(self.layers)
+        if isinstance(layers, int) or not isinstance(layers, Sequence):
+            raise CaptureConfigError(
+                f"Per-request layers={layers!r} must be a list of ints from the engine's "
+                f"layers {list(self.layers)}."
+            )
+        wanted = []
+        for layer in layers:
+            if isinstance(layer, bool) or not isinstance(layer, int):
+                raise CaptureConfigError(f"Per-request layer {layer!r} is not an int.")
+            # Negative indices only make sense against the model depth, which requests
+            # don't know; accept them only when they name an engine layer unambiguously.
+            if layer < 0 or layer not in self.layers:
+                raise CaptureConfigError(
+                    f"Per-request layer {layer} was not captured by this engine; it was "
+                    f"built with layers={list(self.layers)}. Ask for a subset of those, or "
+                    f"build the LLM with the layer included."
+                )
+            wanted.append(layer)
+        if merged["include_prefill"] and not self.include_prefill:
+            raise CaptureConfigError(
+                "This request asks for include_prefill=True but the engine was built with "
+                "include_prefill=False; build the LLM with include_prefill=True to allow it."
+            )
+        if merged["include_decode"] and not self.include_decode:
+            raise CaptureConfigError(
+                "This request asks for include_decode=True but the engine was built with "
+                "include_decode=False; build the LLM with include_decode=True to allow it."
+            )
+        if not (merged["include_prefill"] or merged["include_decode"]):
+            return None
+        return CaptureConfig(
+            layers=tuple(sorted(set(wanted))),
+            include_prefill=merged["include_prefill"],
+            include_decode=merged["include_decode"],
+            last_prefill_token=merged["last_prefill_token"],
+            last_decode_token=merged["last_decode_token"],
+        )

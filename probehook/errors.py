@@ -1,0 +1,21 @@
+"""The one exception family of probehook.
+
+Every error a user can trigger derives from :class:`ProbehookError`. Configuration errors are
+also ``ValueError`` so that code written against vLLM's own validation keeps working.
+"""
+
+
+class ProbehookError(Exception):
+    """Base class of every error raised by probehook."""
+
+
+class CaptureConfigError(ProbehookError, ValueError):
+    """Bad capture options (layers, phases, per-request overrides)."""
+
+
+class UnsupportedModelError(ProbehookError, ValueError):
+    """The model's decoder layers cannot be located, so nothing can be tapped."""
+
+
+class CaptureError(ProbehookError, RuntimeError):
+    """Captured rows are missing or inconsistent; raised instead of returning partial data."""

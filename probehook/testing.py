@@ -1,0 +1,145 @@
+"""Helpers for tests and benchmarks: random-weight checkpoints and Hugging Face references.
+
+Everything here builds models locally; nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from probehook.models import tiny_model_path
+
+ARCHITECTURES = ("llama", "qwen2")
+
+
+def build_random_checkpoint(
+    out_dir: str | Path,
+    *,
+    arch: str = "llama",
+    hidden_size: int = 128,
+    num_layers: int = 4,
+    num_heads: int = 2,
+    num_kv_heads: int | None = None,
+    intermediate_size: int | None = None,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+) -> Path:
+    """Write a random-weight Llama- or Qwen2-style checkpoint (GQA allowed) to ``out_dir``.
+
+    head_dim is ``hidden_size // num_heads``; keep it at 64, which vLLM's CPU attention accepts.
+    The bundled tiny model's tokenizer is copied in so vLLM and HF tokenise identically.
+    """
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen2Config
+    from transformers import Qwen2ForCausalLM
+
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"arch={arch!r} is not one of {ARCHITECTURES}")
+    if hidden_size % num_heads:
+        raise ValueError(f"hidden_size {hidden_size} is not divisible by num_heads {num_heads}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path())
+    common = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size or 2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads or num_heads,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(seed)
+    if arch == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**common))
+    else:
+        model = Qwen2ForCausalLM(Qwen2Config(**common, use_sliding_window=False))
+    # Default init is tiny (std 0.02); a larger spread makes layers differ visibly.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.08)
+    model.to(dtype).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def write_dummy_config(
+    out_dir: str | Path,
+    *,
+    hidden_size: int = 1024,
+    num_layers: int = 8,
+    num_heads: int = 16,
+    num_kv_heads: int = 4,
+    intermediate_size: int = 2816,
+    vocab_size: int = 32000,
+    dtype: str = "bfloat16",
+) -> Path:
+    """Write a config-only Llama (no weights) for ``load_format="dummy"`` benchmarks."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": hidden_size,
+        "intermediate_size": intermediate_size,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": num_kv_heads,
+        "vocab_size": vocab_size,
+        "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-5,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "torch_dtype": dtype,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    }
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    # A tokenizer is still needed by the front end; the bundled one is small and offline.
+    from transformers import AutoTokenizer
+
+    AutoTokenizer.from_pretrained(tiny_model_path()).save_pretrained(out)
+    return out
+
+
+def hf_residual_stream(
+    model_dir: str | Path, token_ids: Sequence[int], dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """Hugging Face reference of what probehook captures: ``[num_layers, T, H]``.
+
+    Entry ``L`` is the residual stream after decoder layer ``L``: HF's
+    ``output_hidden_states[L + 1]``, except for the last layer, where HF applies the final
+    norm and probehook does not; there the input of the final norm is used.
+    """
+    model = _hf_model(str(model_dir), dtype)
+    captured: list[torch.Tensor] = []
+    norm = model.model.norm
+    handle = norm.register_forward_pre_hook(lambda _m, args: captured.append(args[0]))
+    try:
+        with torch.no_grad():
+            out = model(torch.tensor([list(token_ids)]), output_hidden_states=True)
+    finally:
+        handle.remove()
+    streams = [h[0] for h in out.hidden_states[1:-1]] + [captured[-1][0]]
+    return torch.stack(streams)
+
+
+_HF_CACHE: dict[tuple[str, torch.dtype], object] = {}
+
+
+def _hf_model(model_dir: str, dtype: torch.dtype):  # noqa: ANN202 - transformers type
+    from transformers import AutoModelForCausalLM
+
+    key = (model_dir, dtype)
+    if key not in _HF_CACHE:
+        _HF_CACHE[key] = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    return _HF_CACHE[key]

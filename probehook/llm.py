@@ -119,13 +119,9 @@ class LLM(adapter.OfflineCaptureHooks, vllm.LLM):
         """Forget rows of requests whose outputs will never be returned (errors, interrupts)."""
         if not self._tags:
             return
-        keys = [
-            {"key": f"{tag.key}/{i}", "ranges": [], "layers": []}
-            for tag in self._tags.values()
-            for i in range(64)
-        ]
+        prefixes = [f"{tag.key}/" for tag in self._tags.values()]
         self._tags.clear()
-        self.collective_rpc("probehook_export", args=("", keys))
+        self.collective_rpc("probehook_forget", args=(prefixes,))
 
     def _probehook_attach(self, outputs: Sequence[Any]) -> None:
         """Fetch the rows of finished outputs in one RPC and hang them on the outputs."""
@@ -160,6 +156,8 @@ class LLM(adapter.OfflineCaptureHooks, vllm.LLM):
         for output in outputs:
             if isinstance(output, RequestOutput):
                 output.hidden_states = output.outputs[0].hidden_states if output.outputs else {}
+        # The engine loop has drained: tags without an output belong to aborted requests.
+        self._probehook_discard()
         if not requests:
             return
         path = new_export_path(self._spool)

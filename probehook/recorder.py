@@ -177,6 +177,14 @@ class StepRecorder:
             tensors.append(out)
         return tensors, results
 
+    def forget(self, key_prefixes: Sequence[str]) -> int:
+        """Drop the rows of requests whose key starts with any prefix; return how many."""
+        doomed = [k for k in self.plans_by_key if k.startswith(tuple(key_prefixes))]
+        for key in doomed:
+            plan = self.plans_by_key.pop(key)
+            self.plans_by_req.pop(plan.req_id, None)
+        return len(doomed)
+
     def forget_unless(self, live_req_ids: Mapping[str, object] | set[str]) -> None:
         """Drop 'no capture' markers of requests that have left the engine."""
         for req_id in [r for r, p in self.plans_by_req.items() if p is None]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -143,3 +144,36 @@ def _hf_model(model_dir: str, dtype: torch.dtype):  # noqa: ANN202 - transformer
     if key not in _HF_CACHE:
         _HF_CACHE[key] = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
     return _HF_CACHE[key]
+
+
+PROMPTS = ["1+2=", "12+34=56. 7+", "99+99=198. 3+4=7. 50+5", "0"]
+
+
+def assert_matches_hf(
+    model_dir: str | Path,
+    output: Any,
+    layers: Sequence[int],
+    *,
+    prefill: bool = True,
+    tol: float = 1e-3,
+) -> None:
+    """Assert a RequestOutput's captured rows equal HF's residual stream for its tokens."""
+    prompt = list(output.prompt_token_ids)
+    p = len(prompt)
+    for completion in output.outputs:
+        tokens = prompt + list(completion.token_ids)
+        ref = hf_residual_stream(model_dir, tokens)
+        n = len(completion.token_ids)
+        assert sorted(completion.hidden_states) == sorted(layers)
+        for layer in layers:
+            rows = completion.hidden_states[layer]
+            assert rows.shape == (n, ref.shape[-1]), (layer, rows.shape)
+            diff = (rows - ref[layer, p - 1 : p - 1 + n]).abs().max().item()
+            assert diff <= tol, f"decode layer {layer}: max abs diff {diff}"
+    if prefill:
+        ref = hf_residual_stream(model_dir, prompt)
+        for layer in layers:
+            rows = output.prefill_hidden_states[layer]
+            assert rows.shape == (p, ref.shape[-1])
+            diff = (rows - ref[layer]).abs().max().item()
+            assert diff <= tol, f"prefill layer {layer}: max abs diff {diff}"

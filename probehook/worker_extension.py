@@ -30,8 +30,7 @@ class ProbehookWorkerExtension:
     def probehook_export(self, path: str, requests: list[dict[str, Any]]) -> dict | None:
         """Write the asked ranges of each request to ``path``; forget those requests.
 
-        Each request is ``{"key", "ranges": [[lo, hi], ...], "layers": [...]}``. A request with
-        no ranges is just forgotten (used after aborts).
+        Each request is ``{"key", "ranges": [[lo, hi], ...], "layers": [...]}``.
         """
         recorder = adapter.worker_recorder(self)
         if recorder is None:
@@ -54,6 +53,13 @@ class ProbehookWorkerExtension:
         entries = write_tensors(path, tensors) if tensors else []
         recorder.forget_unless(adapter.live_request_ids(self))
         return {"entries": entries, "ranges": reports}
+
+    def probehook_forget(self, key_prefixes: list[str]) -> int | None:
+        """Drop rows nobody will collect (requests of a failed or interrupted generate)."""
+        recorder = adapter.worker_recorder(self)
+        if recorder is None:
+            return None
+        return recorder.forget(key_prefixes)
 
     def probehook_stats(self) -> dict[str, int] | None:
         """Counters for tests and debugging."""

@@ -19,6 +19,7 @@ import math
 import platform
 import random
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -35,11 +36,16 @@ from transformers import (
 )
 
 from probehook.tasks.arithmetic import (
+    FALSE_MARKER,
+    all_wrong_statements,
     answer_accuracy,
     format_prompt,
     make_statement,
     probe_layer_accuracies,
+    probe_pair_split,
+    probe_statements,
     split_pairs,
+    verdict_accuracy,
 )
 
 log = logging.getLogger("train_tiny_model")
@@ -47,8 +53,9 @@ log = logging.getLogger("train_tiny_model")
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO_ROOT / "probehook" / "assets" / "tiny-arith"
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>"]
-# Digits and the statement punctuation; the space is there so odd inputs stay representable.
-CHARACTERS = list("0123456789+=. ")
+# Digits, the statement punctuation and the false-statement marker; the space is there so odd
+# inputs stay representable.
+CHARACTERS = list("0123456789+=. " + FALSE_MARKER)
 IGNORE_INDEX = -100
 
 
@@ -98,28 +105,54 @@ def build_model(args: argparse.Namespace, tokenizer: PreTrainedTokenizerFast) ->
     return LlamaForCausalLM(config)
 
 
+def pad_rows(
+    rows: list[list[int]], scored: list[list[bool]], pad_id: int, width: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad token rows to ``width``; unscored and pad positions get label ``-100``."""
+    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long)
+    for i, (ids, mask) in enumerate(zip(rows, scored, strict=True)):
+        input_ids[i, : len(ids)] = torch.tensor(ids)
+        labels[i, : len(ids)] = torch.tensor(
+            [t if m else IGNORE_INDEX for t, m in zip(ids, mask, strict=True)]
+        )
+    return input_ids, labels
+
+
 def encode_training_set(
     tokenizer: PreTrainedTokenizerFast, pairs: list[tuple[int, int]], loss_on: str
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-padded ``<s>a+b=c.</s>`` rows and their labels.
+) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """``(input_ids, labels)`` for true rows ``<s>a+b=c.</s>`` and false rows ``<s>a+b=c'.!</s>``.
 
-    With ``loss_on="answer"`` only the answer, ``"."`` and ``</s>`` are scored: the operands are
-    uniformly random, so predicting them teaches nothing about addition.
+    True rows: with ``loss_on="answer"`` only the answer, ``"."`` and ``</s>`` are scored (the
+    operands are uniformly random, so predicting them teaches nothing about addition). False
+    rows (every near-miss wrong answer for every training pair): only the marker and ``</s>``
+    are scored, so the model never learns to produce a wrong answer, only to flag one.
     """
-    rows: list[list[int]] = []
-    masks: list[list[bool]] = []
-    for a, b in pairs:
-        ids = tokenizer(make_statement(a, b)).input_ids + [tokenizer.eos_token_id]
-        n_prompt = len(tokenizer(format_prompt(a, b)).input_ids)
-        rows.append(ids)
-        masks.append([loss_on == "all" or i >= n_prompt for i in range(len(ids))])
-    width = max(map(len, rows))
-    input_ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
-    labels = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long)
-    for i, (ids, mask) in enumerate(zip(rows, masks, strict=True)):
-        input_ids[i, : len(ids)] = torch.tensor(ids)
-        labels[i, : len(ids)] = torch.tensor([t if m else IGNORE_INDEX for t, m in zip(ids, mask)])
-    return input_ids, labels
+    eos = tokenizer.eos_token_id
+    true_texts = [make_statement(a, b) for a, b in pairs]
+    prompt_lens = [len(format_prompt(a, b)) + 1 for a, b in pairs]  # +1: the <s> token
+    false_texts = [t + FALSE_MARKER for a, b in pairs for t in all_wrong_statements(a, b)]
+    true_rows = [ids + [eos] for ids in tokenizer(true_texts).input_ids]
+    false_rows = [ids + [eos] for ids in tokenizer(false_texts).input_ids]
+    true_scored = [
+        [loss_on == "all" or i >= n for i in range(len(ids))]
+        for ids, n in zip(true_rows, prompt_lens, strict=True)
+    ]
+    false_scored = [[i >= len(ids) - 2 for i in range(len(ids))] for ids in false_rows]
+    width = max(map(len, true_rows + false_rows))
+    return (
+        pad_rows(true_rows, true_scored, tokenizer.pad_token_id, width),
+        pad_rows(false_rows, false_scored, tokenizer.pad_token_id, width),
+    )
+
+
+def batches(n: int, size: int, generator: torch.Generator) -> Iterator[torch.Tensor]:
+    """Endless random batches of row indices, reshuffled every epoch."""
+    while True:
+        order = torch.randperm(n, generator=generator)
+        for start in range(0, n - size + 1, size):
+            yield order[start : start + size]
 
 
 def lr_factor(step: int, warmup: int, total: int, floor: float = 0.05) -> float:
@@ -132,11 +165,11 @@ def lr_factor(step: int, warmup: int, total: int, floor: float = 0.05) -> float:
 
 def train(
     model: LlamaForCausalLM,
-    input_ids: torch.Tensor,
-    labels: torch.Tensor,
+    true_set: tuple[torch.Tensor, torch.Tensor],
+    false_set: tuple[torch.Tensor, torch.Tensor],
     args: argparse.Namespace,
 ) -> list[float]:
-    """Plain AdamW loop over reshuffled epochs; returns the loss of every step."""
+    """Plain AdamW loop; each batch mixes true and false rows; returns every step's loss."""
     # Weight decay only on matrices, the usual choice; norms and embeddings are left alone.
     decay = [p for n, p in model.named_parameters() if p.ndim == 2 and "embed" not in n]
     no_decay = [p for n, p in model.named_parameters() if not (p.ndim == 2 and "embed" not in n)]
@@ -151,22 +184,24 @@ def train(
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_factor(s, args.warmup, args.steps)
     )
+    n_false = round(args.batch_size * args.false_fraction)
     # A dedicated generator keeps the batch order a function of the seed alone.
     generator = torch.Generator().manual_seed(args.seed)
-    order = torch.randperm(len(input_ids), generator=generator)
-    cursor = 0
+    true_batches = batches(len(true_set[0]), args.batch_size - n_false, generator)
+    false_batches = batches(len(false_set[0]), max(n_false, 1), generator)
     losses: list[float] = []
     model.train()
     bar = tqdm(range(args.steps), desc="train", unit="step")
     for _ in bar:
-        if cursor + args.batch_size > len(order):
-            order = torch.randperm(len(input_ids), generator=generator)
-            cursor = 0
-        batch = order[cursor : cursor + args.batch_size]
-        cursor += args.batch_size
+        rows = next(true_batches)
+        input_ids, labels = true_set[0][rows], true_set[1][rows]
+        if n_false:
+            rows = next(false_batches)
+            input_ids = torch.cat([input_ids, false_set[0][rows]])
+            labels = torch.cat([labels, false_set[1][rows]])
         # No attention mask: pads only ever follow real tokens, and causal attention means real
         # tokens never look at them; their labels are ignored.
-        loss = model(input_ids=input_ids[batch], labels=labels[batch]).loss
+        loss = model(input_ids=input_ids, labels=labels).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -183,11 +218,17 @@ def evaluate(out_dir: Path, seed: int) -> dict[str, object]:
     tokenizer = AutoTokenizer.from_pretrained(out_dir)
     train_pairs, heldout = split_pairs(seed)
     train_sample = random.Random(seed).sample(train_pairs, 1000)
+    _, eval_pairs = probe_pair_split(heldout, seed)
+    verdict_texts, verdict_labels = probe_statements(eval_pairs, seed + 1)
     metrics: dict[str, object] = {
         "heldout_accuracy": answer_accuracy(model, tokenizer, heldout),
         "heldout_pairs": len(heldout),
         "train_accuracy_sample": answer_accuracy(model, tokenizer, train_sample),
         "train_sample_pairs": len(train_sample),
+        # The model's own true/false call (</s> vs the marker) on the probe's scoring set.
+        "heldout_verdict_accuracy": verdict_accuracy(
+            model, tokenizer, verdict_texts, verdict_labels
+        ),
     }
     probe: dict[str, object] = {}
     for position in ("period", "last_digit"):
@@ -229,6 +270,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--hidden-size", type=int, default=128)
     parser.add_argument("--intermediate-size", type=int, default=512)
     parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument(
+        "--false-fraction",
+        type=float,
+        default=0.25,
+        help="share of each batch that is a false statement followed by the marker (0: none)",
+    )
     parser.add_argument("--loss-on", choices=["answer", "all"], default="answer")
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     return parser.parse_args()
@@ -251,10 +298,11 @@ def main() -> None:
     n_params = sum(p.numel() for p in model.parameters())
     train_pairs, heldout = split_pairs(args.seed)
     log.info("params=%d train_pairs=%d heldout_pairs=%d", n_params, len(train_pairs), len(heldout))
-    input_ids, labels = encode_training_set(tokenizer, train_pairs, args.loss_on)
+    true_set, false_set = encode_training_set(tokenizer, train_pairs, args.loss_on)
+    log.info("true rows=%d false rows=%d", len(true_set[0]), len(false_set[0]))
 
     train_started = time.perf_counter()
-    losses = train(model, input_ids, labels, args)
+    losses = train(model, true_set, false_set, args)
     train_time = time.perf_counter() - train_started
     log.info("trained %d steps in %.1f s, final loss %.4f", args.steps, train_time, losses[-1])
 

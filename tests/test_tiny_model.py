@@ -18,9 +18,9 @@ from transformers import AutoTokenizer, LlamaForCausalLM, PreTrainedTokenizerBas
 from probehook.models import tiny_model_path
 from probehook.tasks.arithmetic import (
     answer_accuracy,
+    fit_probe,
     format_prompt,
     hidden_state_features,
-    fit_probe,
     probe_pair_split,
     probe_statements,
     split_pairs,
@@ -73,7 +73,9 @@ def test_tokenizer_is_character_level_and_round_trips(tokenizer: PreTrainedToken
     assert tokenizer.decode(ids + [tokenizer.eos_token_id], skip_special_tokens=True) == text
 
 
-def test_greedy_completion_example(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerBase) -> None:
+def test_greedy_completion_example(
+    model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerBase
+) -> None:
     enc = tokenizer(format_prompt(23, 45), return_tensors="pt")
     with torch.no_grad():
         out = model.generate(**enc, max_new_tokens=6, do_sample=False)

@@ -27,6 +27,9 @@ HOLDOUT_FRACTION = 0.1
 # Wrong answers are near misses (c-10..c+10, never c): the hard case for a probe, and the
 # answer length then rarely differs from the correct one, so length is no shortcut.
 MAX_WRONG_OFFSET = 10
+# Marker that follows a false statement in part of the training data ("23+45=69.!"); a true
+# statement is followed by end-of-sequence instead. See docs/tiny-model.md for why.
+FALSE_MARKER = "!"
 # Offsets added to the seed so that the different random streams are independent of one
 # another while all following from the one seed the user passes.
 _PROBE_SPLIT_SALT = 1_000_003
@@ -38,7 +41,9 @@ def all_pairs() -> list[Pair]:
     return [(a, b) for a in range(MAX_OPERAND + 1) for b in range(MAX_OPERAND + 1)]
 
 
-def split_pairs(seed: int = 0, holdout_fraction: float = HOLDOUT_FRACTION) -> tuple[list[Pair], ...]:
+def split_pairs(
+    seed: int = 0, holdout_fraction: float = HOLDOUT_FRACTION
+) -> tuple[list[Pair], list[Pair]]:
     """Split all pairs into ``(train, heldout)``, deterministically for a given seed.
 
     A private ``random.Random(seed)`` is used (not the global one) so that the split does not
@@ -60,13 +65,15 @@ def format_answer(c: int) -> str:
     return f"{c}."
 
 
+def wrong_offsets(c: int) -> list[int]:
+    """The offsets ``k`` with ``1 <= |k| <= 10`` that keep the wrong answer ``c + k`` >= 0."""
+    return [k for k in range(-MAX_WRONG_OFFSET, MAX_WRONG_OFFSET + 1) if k != 0 and c + k >= 0]
+
+
 def wrong_answer(a: int, b: int, rng: random.Random) -> int:
-    """A near-miss wrong answer: ``a + b + k`` with ``1 <= |k| <= 10`` and the result >= 0."""
+    """A near-miss wrong answer ``a + b + k``, ``k`` drawn uniformly from :func:`wrong_offsets`."""
     c = a + b
-    offsets = [
-        k for k in range(-MAX_WRONG_OFFSET, MAX_WRONG_OFFSET + 1) if k != 0 and c + k >= 0
-    ]
-    return c + rng.choice(offsets)
+    return c + rng.choice(wrong_offsets(c))
 
 
 def make_statement(a: int, b: int, correct: bool = True, rng: random.Random | None = None) -> str:
@@ -79,6 +86,12 @@ def make_statement(a: int, b: int, correct: bool = True, rng: random.Random | No
     if rng is None:
         raise ValueError("make_statement(correct=False) needs an rng for the wrong answer")
     return format_prompt(a, b) + format_answer(wrong_answer(a, b, rng))
+
+
+def all_wrong_statements(a: int, b: int) -> list[str]:
+    """Every near-miss false statement about ``a + b`` (without the false marker)."""
+    c = a + b
+    return [format_prompt(a, b) + format_answer(c + k) for k in wrong_offsets(c)]
 
 
 def probe_pair_split(heldout: Sequence[Pair], seed: int = 0) -> tuple[list[Pair], list[Pair]]:
@@ -158,6 +171,28 @@ def answer_accuracy(
     return hits / len(pairs)
 
 
+def verdict_accuracy(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    texts: Sequence[str],
+    labels: Sequence[int],
+) -> float:
+    """How often the model's own next-token choice after the final ``"."`` is right.
+
+    Only ``</s>`` (statement true) and :data:`FALSE_MARKER` (statement false) are compared.
+    """
+    import torch
+
+    eos = tokenizer.eos_token_id
+    mark = tokenizer.convert_tokens_to_ids(FALSE_MARKER)
+    enc = tokenizer(list(texts), padding=True, return_tensors="pt")
+    with torch.no_grad():
+        logits = model(**enc).logits
+    last = logits[torch.arange(len(texts)), enc["attention_mask"].sum(dim=1) - 1]
+    says_true = (last[:, eos] > last[:, mark]).long()
+    return float((says_true == torch.tensor(list(labels))).float().mean())
+
+
 def hidden_state_features(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
@@ -180,7 +215,9 @@ def hidden_state_features(
     with torch.no_grad():
         for start in range(0, len(texts), batch_size):
             # Right padding: with causal attention real tokens never see the pads after them.
-            enc = tokenizer(list(texts[start : start + batch_size]), padding=True, return_tensors="pt")
+            enc = tokenizer(
+                list(texts[start : start + batch_size]), padding=True, return_tensors="pt"
+            )
             out = model(**enc, output_hidden_states=True)
             where = enc["attention_mask"].sum(dim=1) - offset
             rows = torch.arange(len(where))

@@ -1,0 +1,112 @@
+"""Capture overhead against plain vLLM, measured in one run (`make bench`).
+
+All engines live in this one process (probehook allows several per process) and the
+configurations are interleaved over several rounds, because these machines drift by about
+±10% between runs: only medians and ratios measured side by side mean anything.
+
+Writes benchmarks/results/overhead.json and overhead.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def build_engines(model_dir: str, max_model_len: int) -> dict[str, object]:
+    import vllm
+
+    from probehook import LLM
+
+    common = dict(load_format="dummy", dtype="bfloat16", max_model_len=max_model_len, seed=0)
+    return {
+        "vLLM compiled": vllm.LLM(model_dir, **common),
+        "vLLM eager": vllm.LLM(model_dir, enforce_eager=True, **common),
+        "probehook 1 layer (decode)": LLM(model_dir, layers=[4], **common),
+        "probehook all layers (prefill+decode)": LLM(
+            model_dir, layers="all", include_prefill=True, **common
+        ),
+    }
+
+
+def run_once(llm: object, prompts: list[dict], max_tokens: int) -> float:
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0,
+                            detokenize=False)
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    generated = sum(len(o.outputs[0].token_ids) for o in outs)
+    assert generated == len(prompts) * max_tokens
+    return generated / elapsed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=8)
+    args = parser.parse_args()
+
+    from probehook.testing import write_dummy_config
+
+    model_dir = write_dummy_config(Path(tempfile.mkdtemp()) / "llama-dummy",
+                                   hidden_size=args.hidden, num_layers=args.layers)
+    prompts = [
+        {"prompt_token_ids": [(i * 131 + j * 17) % 30000 + 100 for j in range(args.prompt_len)]}
+        for i in range(args.prompts)
+    ]
+    engines = build_engines(str(model_dir), args.prompt_len + args.max_tokens + 16)
+    for llm in engines.values():  # warm-up outside the measurement
+        run_once(llm, prompts, 8)
+
+    samples: dict[str, list[float]] = {name: [] for name in engines}
+    for round_index in range(args.rounds):
+        for name, llm in engines.items():
+            samples[name].append(run_once(llm, prompts, args.max_tokens))
+        print(f"round {round_index + 1}/{args.rounds}: "
+              + ", ".join(f"{n}: {s[-1]:.0f} tok/s" for n, s in samples.items()), flush=True)
+
+    baseline = statistics.median(samples["vLLM compiled"])
+    rows = []
+    for name, values in samples.items():
+        median = statistics.median(values)
+        # Per-round ratio to the baseline of the same round cancels slow drifts.
+        round_ratios = [v / b for v, b in zip(values, samples["vLLM compiled"], strict=True)]
+        rows.append({"config": name, "median_tok_s": round(median, 1),
+                     "ratio_of_medians": round(median / baseline, 3),
+                     "median_round_ratio": round(statistics.median(round_ratios), 3),
+                     "samples_tok_s": [round(v, 1) for v in values]})
+    report = {"workload": vars(args), "results": rows}
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "overhead.json").write_text(json.dumps(report, indent=2))
+    lines = [
+        f"Workload: Llama hidden {args.hidden}, {args.layers} layers, bf16 dummy weights, "
+        f"{args.prompts} prompts x {args.prompt_len} tokens -> {args.max_tokens} new tokens, "
+        f"{args.rounds} interleaved rounds.",
+        "",
+        "| config | median tok/s | ratio to vLLM compiled | median per-round ratio |",
+        "| --- | --- | --- | --- |",
+    ]
+    lines += [f"| {r['config']} | {r['median_tok_s']} | {r['ratio_of_medians']} | "
+              f"{r['median_round_ratio']} |" for r in rows]
+    (RESULTS / "overhead.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,81 @@
+"""Shared fixtures. vLLM engines are session-scoped: a compiled start-up costs about a minute."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+# The CPU backend would otherwise size the KV cache from most of RAM and fail at start-up.
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+# Many short-lived engines in one process: keep their logs readable.
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+ENGINE_DEFAULTS = dict(dtype="float32", max_model_len=256, gpu_memory_utilization=0.1, seed=0)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA (marked gpu)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def engine_defaults() -> dict:
+    return dict(ENGINE_DEFAULTS)
+
+
+@pytest.fixture(scope="session")
+def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from probehook.testing import build_random_checkpoint
+
+    return build_random_checkpoint(tmp_path_factory.mktemp("llama"), arch="llama", seed=1)
+
+
+@pytest.fixture(scope="session")
+def qwen2_gqa_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from probehook.testing import build_random_checkpoint
+
+    return build_random_checkpoint(
+        tmp_path_factory.mktemp("qwen2"), arch="qwen2", hidden_size=256, num_heads=4,
+        num_kv_heads=2, num_layers=3, seed=2,
+    )
+
+
+@pytest.fixture(scope="session")
+def compiled_llm(llama_dir: Path) -> Iterator[object]:
+    """vLLM's default compiled mode, under pressure: small prefill chunks, a KV cache small
+    enough to force preemption, prefix caching on."""
+    from probehook import LLM
+
+    llm = LLM(
+        str(llama_dir),
+        layers="all",
+        include_prefill=True,
+        max_num_batched_tokens=32,
+        max_num_seqs=16,
+        enable_chunked_prefill=True,
+        enable_prefix_caching=True,
+        num_gpu_blocks_override=12,
+        block_size=32,
+        disable_log_stats=False,
+        **ENGINE_DEFAULTS,
+    )
+    yield llm
+    del llm
+
+
+@pytest.fixture(scope="session")
+def eager_llm(llama_dir: Path) -> Iterator[object]:
+    from probehook import LLM
+
+    llm = LLM(str(llama_dir), layers=[0, 2], include_prefill=True, enforce_eager=True,
+              **ENGINE_DEFAULTS)
+    yield llm
+    del llm

@@ -1,0 +1,56 @@
+"""Several engines in one process, and tensor parallelism."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.slow
+PROMPTS = ["1+2=", "12+34=56. 7+"]
+
+
+def test_two_llms_in_one_process_capture_their_own_rows(
+    compiled_llm, eager_llm, llama_dir: Path
+) -> None:
+    from probehook import SamplingParams
+    from probehook.testing import assert_matches_hf
+
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    # Interleave: requests of both engines are in flight in the same process.
+    ids_a = compiled_llm.enqueue(PROMPTS, params, use_tqdm=False)
+    ids_b = eager_llm.enqueue(PROMPTS[::-1], params, use_tqdm=False)
+    assert ids_a and ids_b
+    out_b = eager_llm.wait_for_completion(use_tqdm=False)
+    out_a = compiled_llm.wait_for_completion(use_tqdm=False)
+    assert [o.prompt for o in out_a] == PROMPTS
+    assert [o.prompt for o in out_b] == PROMPTS[::-1]
+    for out in out_a:
+        assert_matches_hf(llama_dir, out, [0, 1, 2, 3])
+    for out in out_b:
+        assert_matches_hf(llama_dir, out, [0, 2])
+
+
+def test_tensor_parallel_2_matches_tp_1(
+    eager_llm, llama_dir: Path, engine_defaults: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from probehook import LLM, SamplingParams
+
+    # vLLM's CPU backend needs one core per TP worker named explicitly.
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    tp2 = LLM(str(llama_dir), layers=[0, 2], include_prefill=True, enforce_eager=True,
+              tensor_parallel_size=2, **engine_defaults)
+    try:
+        params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+        got = tp2.generate(PROMPTS, params, use_tqdm=False)
+        want = eager_llm.generate(PROMPTS, params, use_tqdm=False)
+        for g, w in zip(got, want, strict=True):
+            assert g.outputs[0].token_ids == w.outputs[0].token_ids
+            for layer in (0, 2):
+                torch.testing.assert_close(g.hidden_states[layer], w.hidden_states[layer],
+                                           atol=1e-4, rtol=0)
+                torch.testing.assert_close(g.prefill_hidden_states[layer],
+                                           w.prefill_hidden_states[layer], atol=1e-4, rtol=0)
+    finally:
+        del tp2

@@ -42,8 +42,7 @@ def build_engines(model_dir: str, max_model_len: int) -> dict[str, object]:
 def run_once(llm: object, prompts: list[dict], max_tokens: int) -> float:
     from vllm import SamplingParams
 
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0,
-                            detokenize=False)
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0, detokenize=False)
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
@@ -64,8 +63,9 @@ def main() -> None:
 
     from probehook.testing import write_dummy_config
 
-    model_dir = write_dummy_config(Path(tempfile.mkdtemp()) / "llama-dummy",
-                                   hidden_size=args.hidden, num_layers=args.layers)
+    model_dir = write_dummy_config(
+        Path(tempfile.mkdtemp()) / "llama-dummy", hidden_size=args.hidden, num_layers=args.layers
+    )
     prompts = [
         {"prompt_token_ids": [(i * 131 + j * 17) % 30000 + 100 for j in range(args.prompt_len)]}
         for i in range(args.prompts)
@@ -78,8 +78,11 @@ def main() -> None:
     for round_index in range(args.rounds):
         for name, llm in engines.items():
             samples[name].append(run_once(llm, prompts, args.max_tokens))
-        print(f"round {round_index + 1}/{args.rounds}: "
-              + ", ".join(f"{n}: {s[-1]:.0f} tok/s" for n, s in samples.items()), flush=True)
+        print(
+            f"round {round_index + 1}/{args.rounds}: "
+            + ", ".join(f"{n}: {s[-1]:.0f} tok/s" for n, s in samples.items()),
+            flush=True,
+        )
 
     baseline = statistics.median(samples["vLLM compiled"])
     rows = []
@@ -87,10 +90,15 @@ def main() -> None:
         median = statistics.median(values)
         # Per-round ratio to the baseline of the same round cancels slow drifts.
         round_ratios = [v / b for v, b in zip(values, samples["vLLM compiled"], strict=True)]
-        rows.append({"config": name, "median_tok_s": round(median, 1),
-                     "ratio_of_medians": round(median / baseline, 3),
-                     "median_round_ratio": round(statistics.median(round_ratios), 3),
-                     "samples_tok_s": [round(v, 1) for v in values]})
+        rows.append(
+            {
+                "config": name,
+                "median_tok_s": round(median, 1),
+                "ratio_of_medians": round(median / baseline, 3),
+                "median_round_ratio": round(statistics.median(round_ratios), 3),
+                "samples_tok_s": [round(v, 1) for v in values],
+            }
+        )
     report = {"workload": vars(args), "results": rows}
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "overhead.json").write_text(json.dumps(report, indent=2))
@@ -102,8 +110,11 @@ def main() -> None:
         "| config | median tok/s | ratio to vLLM compiled | median per-round ratio |",
         "| --- | --- | --- | --- |",
     ]
-    lines += [f"| {r['config']} | {r['median_tok_s']} | {r['ratio_of_medians']} | "
-              f"{r['median_round_ratio']} |" for r in rows]
+    lines += [
+        f"| {r['config']} | {r['median_tok_s']} | {r['ratio_of_medians']} | "
+        f"{r['median_round_ratio']} |"
+        for r in rows
+    ]
     (RESULTS / "overhead.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -1,6 +1,6 @@
 """Capture prefill and decode residual streams, with per-request options and n > 1.
 
-    python examples/capture_hidden_states.py [MODEL_DIR]
+python examples/capture_hidden_states.py [MODEL_DIR]
 """
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ def main(model: str) -> None:
     narrow = SamplingParams(
         max_tokens=6,
         temperature=0,
-        extra_args={"probehook": {"layers": [last], "include_prefill": False,
-                                  "last_decode_token": True}},
+        extra_args={
+            "probehook": {"layers": [last], "include_prefill": False, "last_decode_token": True}
+        },
     )
     two_samples = SamplingParams(max_tokens=6, temperature=1.0, n=2)
     outs = llm.generate(["12+34=", "7+8=", "40+2="], [everything, narrow, two_samples])

@@ -101,8 +101,11 @@ def _make_loader_class() -> type:
                     "The probehook loader ran without a capture config; build the engine "
                     "with probehook.LLM."
                 )
-            install_taps(model, CaptureConfig.from_dict(settings),
-                         vllm_config.scheduler_config.max_num_batched_tokens)
+            install_taps(
+                model,
+                CaptureConfig.from_dict(settings),
+                vllm_config.scheduler_config.max_num_batched_tokens,
+            )
             return model
 
     return ProbehookModelLoader
@@ -161,8 +164,9 @@ def install_taps(model: nn.Module, config: CaptureConfig, max_tokens: int) -> St
     recorder.runner = None  # type: ignore[attr-defined]  # set by attach()
     setattr(model, RECORDER_ATTR, recorder)
     _install_step_hook(model, recorder)
-    logger.info("probehook: tapped layers %s (hidden %d, %s)", list(config.layers),
-                hidden_size, param.dtype)
+    logger.info(
+        "probehook: tapped layers %s (hidden %d, %s)", list(config.layers), hidden_size, param.dtype
+    )
     return recorder
 
 
@@ -279,7 +283,6 @@ class OfflineCaptureHooks:
             raise
         self._probehook_attach(outputs)  # type: ignore[attr-defined]
         return outputs
-
 
 
 def external_request_id(internal_id: str) -> str:

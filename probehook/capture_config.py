@@ -66,12 +66,14 @@ class CaptureConfig:
                 "captured; set at least one of them to True (or pass layers=None to "
                 "disable capture)."
             )
-        for name in ("include_prefill", "include_decode", "last_prefill_token",
-                     "last_decode_token"):
+        for name in (
+            "include_prefill",
+            "include_decode",
+            "last_prefill_token",
+            "last_decode_token",
+        ):
             if not isinstance(getattr(self, name), bool):
-                raise CaptureConfigError(
-                    f"{name}={getattr(self, name)!r} must be True or False."
-                )
+                raise CaptureConfigError(f"{name}={getattr(self, name)!r} must be True or False.")
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

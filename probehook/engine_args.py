@@ -104,4 +104,3 @@ def capture_engine_kwargs(kwargs: dict[str, Any], capture: CaptureConfig) -> dic
     kwargs["additional_config"] = additional
     kwargs["worker_extension_cls"] = WORKER_EXTENSION
     return kwargs
-

@@ -151,8 +151,13 @@ class LLM(adapter.OfflineCaptureHooks, vllm.LLM):
                         lo = prompt_len - 2 + n_out
                     ranges.append([lo, prompt_len - 1 + n_out])
                     slots.append((completion, "hidden_states", len(requests)))
-                requests.append({"key": f"{tag.key}/{completion.index}", "ranges": ranges,
-                                 "layers": list(config.layers)})
+                requests.append(
+                    {
+                        "key": f"{tag.key}/{completion.index}",
+                        "ranges": ranges,
+                        "layers": list(config.layers),
+                    }
+                )
         for output in outputs:
             if isinstance(output, RequestOutput):
                 output.hidden_states = output.outputs[0].hidden_states if output.outputs else {}
@@ -161,8 +166,11 @@ class LLM(adapter.OfflineCaptureHooks, vllm.LLM):
         if not requests:
             return
         path = new_export_path(self._spool)
-        reply = next(r for r in self.collective_rpc("probehook_export", args=(path, requests))
-                     if r is not None)
+        reply = next(
+            r
+            for r in self.collective_rpc("probehook_export", args=(path, requests))
+            if r is not None
+        )
         tensors = read_tensors(path, reply["entries"]) if reply["entries"] else []
         self._check_complete(reply["ranges"])
         _assign(requests, reply["ranges"], tensors, slots)

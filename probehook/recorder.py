@@ -128,16 +128,18 @@ class StepRecorder:
         rows, ready = self._gather(index)
         for i in np.flatnonzero(count):
             plans[i].chunks.append(  # type: ignore[union-attr]
-                RowChunk(rows, int(out_offset[i]), int(count[i]), int(computed[i] + first[i]),
-                         ready)
+                RowChunk(
+                    rows, int(out_offset[i]), int(count[i]), int(computed[i] + first[i]), ready
+                )
             )
 
     def _gather(self, index: np.ndarray) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         """Gather rows of every layer on the device, then one copy to host."""
         buf0 = self.buffers[0]
         idx = torch.from_numpy(index).to(buf0.device, non_blocking=True)
-        staged = torch.empty((len(self.buffers), len(index), buf0.shape[1]), dtype=buf0.dtype,
-                             device=buf0.device)
+        staged = torch.empty(
+            (len(self.buffers), len(index), buf0.shape[1]), dtype=buf0.dtype, device=buf0.device
+        )
         for layer_slot, buf in enumerate(self.buffers):
             torch.index_select(buf, 0, idx, out=staged[layer_slot])
         if staged.device.type == "cpu":

@@ -34,8 +34,13 @@ def build_random_checkpoint(
     head_dim is ``hidden_size // num_heads``; keep it at 64, which vLLM's CPU attention accepts.
     The bundled tiny model's tokenizer is copied in so vLLM and HF tokenise identically.
     """
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen2Config
-    from transformers import Qwen2ForCausalLM
+    from transformers import (
+        AutoTokenizer,
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
 
     if arch not in ARCHITECTURES:
         raise ValueError(f"arch={arch!r} is not one of {ARCHITECTURES}")

@@ -18,8 +18,7 @@ from pathlib import Path
 import torch
 
 DTYPES = {
-    str(dtype): dtype
-    for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+    str(dtype): dtype for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 }
 
 

@@ -24,8 +24,11 @@ class ProbehookWorkerExtension:
             return None
         adapter.attach_runner(self, recorder)
         buf = recorder.buffers[0]
-        return {"layers": list(recorder.layers), "hidden_size": int(buf.shape[1]),
-                "dtype": str(buf.dtype)}
+        return {
+            "layers": list(recorder.layers),
+            "hidden_size": int(buf.shape[1]),
+            "dtype": str(buf.dtype),
+        }
 
     def probehook_export(self, path: str, requests: list[dict[str, Any]]) -> dict | None:
         """Write the asked ranges of each request to ``path``; forget those requests.
@@ -41,14 +44,16 @@ class ProbehookWorkerExtension:
             ranges = [(int(lo), int(hi)) for lo, hi in request["ranges"]]
             got, exported = recorder.export(request["key"], ranges, request["layers"])
             for item in exported:
-                reports.append({
-                    "key": request["key"],
-                    "tensor_index": len(tensors) + item.tensor_index,
-                    "lo": item.lo,
-                    "hi": item.hi,
-                    "num_missing": len(item.missing),
-                    "missing": item.missing[:MAX_MISSING_REPORTED],
-                })
+                reports.append(
+                    {
+                        "key": request["key"],
+                        "tensor_index": len(tensors) + item.tensor_index,
+                        "lo": item.lo,
+                        "hi": item.hi,
+                        "num_missing": len(item.missing),
+                        "missing": item.missing[:MAX_MISSING_REPORTED],
+                    }
+                )
             tensors.extend(got)
         entries = write_tensors(path, tensors) if tensors else []
         recorder.forget_unless(adapter.live_request_ids(self))
@@ -66,5 +71,7 @@ class ProbehookWorkerExtension:
         recorder = adapter.worker_recorder(self)
         if recorder is None:
             return None
-        return {"steps_recorded": recorder.steps_recorded,
-                "pending_requests": len(recorder.plans_by_key)}
+        return {
+            "steps_recorded": recorder.steps_recorded,
+            "pending_requests": len(recorder.plans_by_key),
+        }

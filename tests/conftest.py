@@ -43,8 +43,13 @@ def qwen2_gqa_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from probehook.testing import build_random_checkpoint
 
     return build_random_checkpoint(
-        tmp_path_factory.mktemp("qwen2"), arch="qwen2", hidden_size=256, num_heads=4,
-        num_kv_heads=2, num_layers=3, seed=2,
+        tmp_path_factory.mktemp("qwen2"),
+        arch="qwen2",
+        hidden_size=256,
+        num_heads=4,
+        num_kv_heads=2,
+        num_layers=3,
+        seed=2,
     )
 
 
@@ -75,7 +80,8 @@ def compiled_llm(llama_dir: Path) -> Iterator[object]:
 def eager_llm(llama_dir: Path) -> Iterator[object]:
     from probehook import LLM
 
-    llm = LLM(str(llama_dir), layers=[0, 2], include_prefill=True, enforce_eager=True,
-              **ENGINE_DEFAULTS)
+    llm = LLM(
+        str(llama_dir), layers=[0, 2], include_prefill=True, enforce_eager=True, **ENGINE_DEFAULTS
+    )
     yield llm
     del llm

@@ -11,11 +11,14 @@ from probehook.testing import assert_matches_hf
 
 pytestmark = pytest.mark.slow
 PROMPTS = ["1+2=", "12+34=56. 7+", "99+99=198. 3+4=7. 50+5", "0"]
+
+
 def test_compiled_matches_hf(compiled_llm, llama_dir: Path) -> None:
     from probehook import SamplingParams
 
-    outs = compiled_llm.generate(PROMPTS, SamplingParams(max_tokens=7, temperature=0,
-                                                         ignore_eos=True))
+    outs = compiled_llm.generate(
+        PROMPTS, SamplingParams(max_tokens=7, temperature=0, ignore_eos=True)
+    )
     for out in outs:
         assert_matches_hf(llama_dir, out, [0, 1, 2, 3])
         assert out.hidden_states is out.outputs[0].hidden_states
@@ -33,20 +36,28 @@ def test_eager_matches_hf_and_compiled(eager_llm, compiled_llm, llama_dir: Path)
         assert_matches_hf(llama_dir, e, [0, 2])
         assert e.outputs[0].token_ids == c.outputs[0].token_ids
         for layer in (0, 2):
-            torch.testing.assert_close(e.hidden_states[layer], c.hidden_states[layer],
-                                       atol=1e-4, rtol=0)
-            torch.testing.assert_close(e.prefill_hidden_states[layer],
-                                       c.prefill_hidden_states[layer], atol=1e-4, rtol=0)
+            torch.testing.assert_close(
+                e.hidden_states[layer], c.hidden_states[layer], atol=1e-4, rtol=0
+            )
+            torch.testing.assert_close(
+                e.prefill_hidden_states[layer], c.prefill_hidden_states[layer], atol=1e-4, rtol=0
+            )
 
 
 def test_qwen2_gqa_matches_hf(qwen2_gqa_dir: Path, engine_defaults: dict) -> None:
     from probehook import LLM, SamplingParams
 
-    llm = LLM(str(qwen2_gqa_dir), layers=[1, -1], include_prefill=True, enforce_eager=True,
-              **engine_defaults)
+    llm = LLM(
+        str(qwen2_gqa_dir),
+        layers=[1, -1],
+        include_prefill=True,
+        enforce_eager=True,
+        **engine_defaults,
+    )
     try:
-        outs = llm.generate(PROMPTS[:2], SamplingParams(max_tokens=4, temperature=0,
-                                                        ignore_eos=True))
+        outs = llm.generate(
+            PROMPTS[:2], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+        )
         for out in outs:
             assert_matches_hf(qwen2_gqa_dir, out, [1, 2])
     finally:

@@ -33,8 +33,12 @@ def test_capture_options_without_layers(llm_cls, llama_dir: Path) -> None:
 
 
 def test_unsupported_architecture_lists_supported(llm_cls, tmp_path: Path) -> None:
-    config = {"architectures": ["MambaForCausalLM"], "model_type": "mamba",
-              "num_hidden_layers": 2, "hidden_size": 64}
+    config = {
+        "architectures": ["MambaForCausalLM"],
+        "model_type": "mamba",
+        "num_hidden_layers": 2,
+        "hidden_size": 64,
+    }
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(UnsupportedModelError) as err:
         llm_cls(str(tmp_path), layers=[0])

@@ -39,8 +39,14 @@ def test_tensor_parallel_2_matches_tp_1(
 
     # vLLM's CPU backend needs one core per TP worker named explicitly.
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
-    tp2 = LLM(str(llama_dir), layers=[0, 2], include_prefill=True, enforce_eager=True,
-              tensor_parallel_size=2, **engine_defaults)
+    tp2 = LLM(
+        str(llama_dir),
+        layers=[0, 2],
+        include_prefill=True,
+        enforce_eager=True,
+        tensor_parallel_size=2,
+        **engine_defaults,
+    )
     try:
         params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
         got = tp2.generate(PROMPTS, params, use_tqdm=False)
@@ -48,9 +54,14 @@ def test_tensor_parallel_2_matches_tp_1(
         for g, w in zip(got, want, strict=True):
             assert g.outputs[0].token_ids == w.outputs[0].token_ids
             for layer in (0, 2):
-                torch.testing.assert_close(g.hidden_states[layer], w.hidden_states[layer],
-                                           atol=1e-4, rtol=0)
-                torch.testing.assert_close(g.prefill_hidden_states[layer],
-                                           w.prefill_hidden_states[layer], atol=1e-4, rtol=0)
+                torch.testing.assert_close(
+                    g.hidden_states[layer], w.hidden_states[layer], atol=1e-4, rtol=0
+                )
+                torch.testing.assert_close(
+                    g.prefill_hidden_states[layer],
+                    w.prefill_hidden_states[layer],
+                    atol=1e-4,
+                    rtol=0,
+                )
     finally:
         del tp2

@@ -19,17 +19,29 @@ def test_notebook_runs(name: str, tmp_path: Path) -> None:
     from nbclient import NotebookClient
 
     nb = nbformat.read(ROOT / "notebooks" / name, as_version=4)
-    NotebookClient(nb, timeout=600, kernel_name="python3",
-                   resources={"metadata": {"path": str(tmp_path)}}).execute()
-    errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
-              if o.output_type == "error"]
+    NotebookClient(
+        nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
+    ).execute()
+    errors = [
+        o
+        for c in nb.cells
+        if c.cell_type == "code"
+        for o in c.get("outputs", [])
+        if o.output_type == "error"
+    ]
     assert not errors
 
 
 @pytest.mark.parametrize("script", ["demo.py", "capture_hidden_states.py"])
 def test_example_runs(script: str) -> None:
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
-    result = subprocess.run([sys.executable, str(ROOT / "examples" / script)], env=env,
-                            capture_output=True, text=True, timeout=600, cwd=ROOT)
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / script)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "layer" in result.stdout

@@ -157,12 +157,14 @@ class StepRecorder:
         plan = self.plans_by_key.pop(key, None)
         if plan is not None:
             self.plans_by_req.pop(plan.req_id, None)
-        slots = [self.layers.index(layer) for layer in layers]
+        slots: list[int] | slice = [self.layers.index(layer) for layer in layers]
+        if slots == list(range(len(self.layers))):
+            slots = slice(None)  # all layers: a view instead of a gather per chunk
         tensors: list[torch.Tensor] = []
         results: list[ExportedRange] = []
         hidden = self.buffers[0].shape[1]
         for lo, hi in ranges:
-            out = torch.empty((len(slots), hi - lo, hidden), dtype=self.buffers[0].dtype)
+            out = torch.empty((len(layers), hi - lo, hidden), dtype=self.buffers[0].dtype)
             filled = np.zeros(hi - lo, dtype=bool)
             for chunk in plan.chunks if plan is not None else ():
                 a = max(lo, chunk.first_position)

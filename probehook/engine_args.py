@@ -72,6 +72,12 @@ def capture_engine_kwargs(kwargs: dict[str, Any], capture: CaptureConfig) -> dic
             "would leave rows for tokens that were never returned. Remove speculative_config "
             "or pass layers=None."
         )
+    if kwargs.get("runner") == "pooling" or kwargs.get("convert") not in (None, "auto", "none"):
+        raise CaptureConfigError(
+            f"runner={kwargs.get('runner')!r} / convert={kwargs.get('convert')!r}: capture of "
+            "pooling models (encode/embed/classify/score) is not supported yet. Pass "
+            "layers=None to use them as in vLLM."
+        )
     if int(kwargs.get("pipeline_parallel_size", 1)) > 1:
         raise CaptureConfigError(
             f"pipeline_parallel_size={kwargs['pipeline_parallel_size']} is not supported with "

@@ -68,3 +68,32 @@ def test_plain_llm_outputs_have_empty_dicts(llama_dir: Path, engine_defaults: di
         assert out.outputs[0].hidden_states == {}
     finally:
         del llm
+
+
+def test_chat_captures(eager_llm, llama_dir: Path) -> None:
+    from probehook import SamplingParams
+    from probehook.testing import assert_matches_hf
+
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    out = eager_llm.chat(
+        [{"role": "user", "content": "12+34="}],
+        SamplingParams(max_tokens=3, temperature=0, ignore_eos=True),
+        chat_template=template,
+        use_tqdm=False,
+    )[0]
+    assert_matches_hf(llama_dir, out, [0, 2])
+
+
+def test_pooling_models_work_without_capture(llama_dir: Path, engine_defaults: dict) -> None:
+    from probehook import LLM
+
+    with pytest.raises(CaptureConfigError, match="pooling"):
+        LLM(str(llama_dir), layers=[0], runner="pooling", convert="embed")
+    llm = LLM(
+        str(llama_dir), runner="pooling", convert="embed", enforce_eager=True, **engine_defaults
+    )
+    try:
+        (out,) = llm.embed(["12+34="], use_tqdm=False)
+        assert len(out.outputs.embedding) == 128
+    finally:
+        del llm

@@ -6,6 +6,7 @@ Runs offline with no arguments: the model ships inside the package.
 from __future__ import annotations
 
 import os
+import tempfile
 
 # vLLM's CPU backend sizes its KV cache from this (GiB); its default claims most of RAM.
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -19,7 +20,8 @@ def main() -> None:
 
     model = tiny_model_path()
     print(f"Loading the bundled tiny model from {model}")
-    llm = LLM(str(model), layers="all", include_prefill=True, max_model_len=64)
+    store_dir = os.path.join(tempfile.mkdtemp(prefix="probehook-demo-"), "store")
+    llm = LLM(str(model), layers="all", include_prefill=True, max_model_len=64, store=store_dir)
     outputs = llm.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=0))
     print()
     for out in outputs:
@@ -30,6 +32,14 @@ def main() -> None:
                 f"  decode {tuple(out.hidden_states[layer].shape)}"
                 f"  |last row| = {out.hidden_states[layer][-1].norm():.2f}"
             )
+    from probehook.store import ActivationStore
+
+    info = ActivationStore.open(store_dir).info()
+    print(f"\nCaptures written to the store at {store_dir}")
+    print(
+        f"  {info['requests']} requests, {info['rows']} rows, {info['bytes']} bytes "
+        f"in {info['shards']} shard(s); reopen with ActivationStore.open(path)"
+    )
 
 
 if __name__ == "__main__":

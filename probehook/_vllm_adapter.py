@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from probehook.capture_config import EXTRA_ARGS_KEY, CaptureConfig
+from probehook.capture_config import EXTRA_ARGS_KEY, INTERNAL_KEYS, CaptureConfig
 from probehook.errors import UnsupportedModelError
 from probehook.recorder import RequestPlan, StepRecorder, keep_interval
 from probehook.tap_op import tap
@@ -221,7 +221,7 @@ def _plan_factory(runner: Any, engine_config: CaptureConfig) -> Callable[[str], 
         extra = (getattr(params, "extra_args", None) or {}).get(EXTRA_ARGS_KEY)
         if not extra or "key" not in extra:
             return None  # not submitted through probehook.LLM: nobody will collect it
-        options = {k: v for k, v in extra.items() if k not in ("key", "n")}
+        options = {k: v for k, v in extra.items() if k not in INTERNAL_KEYS}
         config = engine_config.narrow(options)
         if config is None:
             return None
@@ -275,14 +275,40 @@ class OfflineCaptureHooks:
         self._probehook_register(external_request_id(request_id), params)  # type: ignore
         return request_id
 
-    def _run_engine(self, *args: Any, **kwargs: Any) -> Any:
+    def _run_engine(self, output_type: Any, *, use_tqdm: Any = True) -> list[Any]:
+        # vLLM's offline loop, plus: finished outputs get their rows (and go to the store)
+        # in the step they finish, not after the whole batch.
+        from tqdm.auto import tqdm
+
+        finished: list[tuple[int, Any]] = []
+        pbar = None
+        if use_tqdm:
+            make_bar = use_tqdm if callable(use_tqdm) else tqdm
+            pbar = make_bar(
+                total=self.llm_engine.get_num_unfinished_requests(),
+                desc="Processed prompts",
+                dynamic_ncols=True,
+            )
         try:
-            outputs = super()._run_engine(*args, **kwargs)  # type: ignore[misc]
+            while self.llm_engine.has_unfinished_requests():
+                done = [o for o in self.llm_engine.step() if o.finished]
+                if not done:
+                    continue
+                for output in done:
+                    if not isinstance(output, output_type):
+                        raise TypeError(f"Expected {output_type}, got {type(output).__name__}")
+                    finished.append((int(output.request_id), output))
+                self._probehook_attach(done)  # type: ignore[attr-defined]
+                if pbar is not None:
+                    pbar.update(sum(len(getattr(o, "outputs", [None])) for o in done))
+            self._probehook_finish()  # type: ignore[attr-defined]
         except BaseException:
             self._probehook_discard()  # type: ignore[attr-defined]
             raise
-        self._probehook_attach(outputs)  # type: ignore[attr-defined]
-        return outputs
+        finally:
+            if pbar is not None:
+                pbar.close()
+        return [output for _, output in sorted(finished, key=lambda item: item[0])]
 
 
 def external_request_id(internal_id: str) -> str:

@@ -11,6 +11,9 @@ from probehook.errors import CaptureConfigError
 EXTRA_ARGS_KEY = "probehook"
 """Key under ``SamplingParams.extra_args`` that holds per-request capture options."""
 
+INTERNAL_KEYS = ("key", "n", "sampling")
+"""Keys probehook.LLM adds under extra_args["probehook"] (request tag, fan-out, record)."""
+
 LayerSpec = Sequence[int] | str
 
 

@@ -19,3 +19,11 @@ class UnsupportedModelError(ProbehookError, ValueError):
 
 class CaptureError(ProbehookError, RuntimeError):
     """Captured rows are missing or inconsistent; raised instead of returning partial data."""
+
+
+class StoreError(ProbehookError, OSError):
+    """The activation store cannot be written or read (disk full, permissions, corruption)."""
+
+
+class StoreFormatError(ProbehookError, ValueError):
+    """A path is not an activation store, or was written by an incompatible version."""

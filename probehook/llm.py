@@ -9,23 +9,48 @@ import uuid
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 import vllm
 from vllm import RequestOutput, SamplingParams
 
+from probehook import __version__ as probehook_version
 from probehook import _vllm_adapter as adapter
-from probehook.capture_config import EXTRA_ARGS_KEY, CaptureConfig, LayerSpec, resolve_layers
+from probehook.capture_config import (
+    EXTRA_ARGS_KEY,
+    INTERNAL_KEYS,
+    CaptureConfig,
+    LayerSpec,
+    resolve_layers,
+)
 from probehook.engine_args import capture_engine_kwargs, check_architecture, read_model_config
 from probehook.errors import CaptureConfigError, CaptureError
+from probehook.store import ActivationStore
+from probehook.store.records import model_fingerprint, pending_request
 from probehook.transport import new_export_path, read_tensors, spool_dir
+
+SAMPLING_FIELDS = (
+    "n",
+    "temperature",
+    "top_p",
+    "top_k",
+    "max_tokens",
+    "min_tokens",
+    "seed",
+    "stop",
+    "ignore_eos",
+    "presence_penalty",
+    "frequency_penalty",
+)
 
 
 @dataclass(frozen=True)
 class _Tagged:
     key: str
     config: CaptureConfig | None
+    sampling: dict[str, Any]
 
 
 class LLM(adapter.OfflineCaptureHooks, vllm.LLM):
@@ -42,6 +67,11 @@ class LLM(adapter.OfflineCaptureHooks, vllm.LLM):
             logits produced output token ``i``.
         last_prefill_token: keep only the last prompt row.
         last_decode_token: keep only the last decode row.
+        store: a directory; every captured request is streamed into an
+            :class:`~probehook.store.ActivationStore` there while generation runs, and is
+            durable once ``generate()`` returns. Output request ids become store-unique.
+        store_options: ``shard_bytes``, ``compression`` ("gzip", "lzf" or None) and
+            ``max_queue_bytes`` (the write queue bound that applies backpressure).
         **kwargs: passed to ``vllm.LLM`` unchanged.
 
     Captured rows are CPU tensors in the model dtype, keyed by layer index. The row after
@@ -58,12 +88,20 @@ class LLM(adapter.OfflineCaptureHooks, vllm.LLM):
         include_decode: bool = True,
         last_prefill_token: bool = False,
         last_decode_token: bool = False,
+        store: str | Path | None = None,
+        store_options: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
         self.capture_config: CaptureConfig | None = None
         self._tags: dict[str, _Tagged] = {}
         self._keys = (f"{uuid.uuid4().hex[:8]}-{i}" for i in itertools.count())
+        self.store: ActivationStore | None = None
+        self._run_id: str | None = None
         if layers is None:
+            if store is not None:
+                raise CaptureConfigError(
+                    f"store={str(store)!r} needs something to store: pass layers=[...]."
+                )
             if include_prefill or last_prefill_token or last_decode_token:
                 raise CaptureConfigError(
                     "Capture options were given but layers=None captures nothing; pass "
@@ -88,6 +126,23 @@ class LLM(adapter.OfflineCaptureHooks, vllm.LLM):
             self._capture_info = infos[0]
             self._spool = spool_dir()
             weakref.finalize(self, shutil.rmtree, self._spool, True)
+            if store is not None:
+                self._open_store(str(model), store, store_options or {})
+
+    def _open_store(self, model: str, path: str | Path, options: dict[str, Any]) -> None:
+        assert self.capture_config is not None
+        meta = {
+            "model": model,
+            "model_fingerprint": model_fingerprint(self.llm_engine.vllm_config.model_config),
+            "dtype": self._capture_info["dtype"].removeprefix("torch."),
+            "hidden_size": self._capture_info["hidden_size"],
+            "layers": list(self.capture_config.layers),
+            "probehook_version": probehook_version,
+            "vllm_version": vllm.__version__,
+        }
+        self.store = ActivationStore.for_writing(path, meta, **options)
+        self._run_id = self.store.begin_run({"capture": self.capture_config.to_dict()})
+        weakref.finalize(self, self.store.close)
 
     # -- request path (called by adapter.OfflineCaptureHooks) ----------------------------------
 
@@ -101,6 +156,7 @@ class LLM(adapter.OfflineCaptureHooks, vllm.LLM):
         tagged = copy.copy(params)
         if config is not None:
             options.update(key=next(self._keys), n=params.n)
+            options["sampling"] = {f: _jsonable(getattr(params, f, None)) for f in SAMPLING_FIELDS}
             extra[EXTRA_ARGS_KEY] = options
             tagged.extra_args = extra
             if config.include_prefill:
@@ -112,8 +168,10 @@ class LLM(adapter.OfflineCaptureHooks, vllm.LLM):
         options = ((getattr(params, "extra_args", None) or {}).get(EXTRA_ARGS_KEY)) or {}
         if self.capture_config is None or "key" not in options:
             return
-        user = {k: v for k, v in options.items() if k not in ("key", "n")}
-        self._tags[request_id] = _Tagged(options["key"], self.capture_config.narrow(user))
+        user = {k: v for k, v in options.items() if k not in INTERNAL_KEYS}
+        self._tags[request_id] = _Tagged(
+            options["key"], self.capture_config.narrow(user), options["sampling"]
+        )
 
     def _probehook_discard(self) -> None:
         """Forget rows of requests whose outputs will never be returned (errors, interrupts)."""
@@ -127,6 +185,7 @@ class LLM(adapter.OfflineCaptureHooks, vllm.LLM):
         """Fetch the rows of finished outputs in one RPC and hang them on the outputs."""
         requests: list[dict[str, Any]] = []
         slots: list[tuple[Any, str, int]] = []  # (target, attribute, first range index)
+        stored: list[tuple[RequestOutput, _Tagged]] = []
         for output in outputs:
             if not isinstance(output, RequestOutput):
                 continue
@@ -136,6 +195,7 @@ class LLM(adapter.OfflineCaptureHooks, vllm.LLM):
             tag = self._tags.pop(output.request_id, None)
             if tag is None or tag.config is None:
                 continue
+            stored.append((output, tag))
             config = tag.config
             prompt_len = len(output.prompt_token_ids or [])
             for position, completion in enumerate(output.outputs):
@@ -161,8 +221,6 @@ class LLM(adapter.OfflineCaptureHooks, vllm.LLM):
         for output in outputs:
             if isinstance(output, RequestOutput):
                 output.hidden_states = output.outputs[0].hidden_states if output.outputs else {}
-        # The engine loop has drained: tags without an output belong to aborted requests.
-        self._probehook_discard()
         if not requests:
             return
         path = new_export_path(self._spool)
@@ -177,6 +235,17 @@ class LLM(adapter.OfflineCaptureHooks, vllm.LLM):
         for output in outputs:
             if isinstance(output, RequestOutput) and output.outputs:
                 output.hidden_states = output.outputs[0].hidden_states
+        if self.store is not None:
+            for output, tag in stored:
+                output.request_id = f"{self._run_id}-{output.request_id}"
+                self.store.add(pending_request(output, tag.sampling))
+
+    def _probehook_finish(self) -> None:
+        """End of an engine loop: drop orphaned rows; make stored requests durable."""
+        # The loop has drained: tags without an output belong to aborted requests.
+        self._probehook_discard()
+        if self.store is not None:
+            self.store.flush()
 
     @staticmethod
     def _check_complete(ranges: list[dict[str, Any]]) -> None:
@@ -208,3 +277,11 @@ def _assign(
         taken[request_index] += 1
         layers = requests[request_index]["layers"]
         setattr(target, attribute, {layer: tensor[i] for i, layer in enumerate(layers)})
+
+
+def _jsonable(value: Any) -> Any:
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    if isinstance(value, list | tuple):
+        return [_jsonable(v) for v in value]
+    return str(value)

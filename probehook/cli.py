@@ -1,0 +1,103 @@
+"""The ``probehook`` command line: ``probehook capture ...`` and ``probehook store info PATH``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def read_prompts(path: Path) -> list[str]:
+    """Prompts from JSONL (a string, or an object with "prompt") or plain text, one per line."""
+    if not path.is_file():
+        raise SystemExit(f"error: prompts file {path} does not exist")
+    prompts = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        if path.suffix == ".jsonl":
+            try:
+                item = json.loads(line)
+            except ValueError as e:
+                raise SystemExit(f"error: {path}:{number} is not valid JSON: {e}") from e
+            if isinstance(item, dict) and isinstance(item.get("prompt"), str):
+                item = item["prompt"]
+            if not isinstance(item, str):
+                raise SystemExit(f'error: {path}:{number} must be a string or {{"prompt": ...}}')
+            prompts.append(item)
+        else:
+            prompts.append(line)
+    if not prompts:
+        raise SystemExit(f"error: {path} holds no prompts")
+    return prompts
+
+
+def parse_layers(text: str) -> list[int] | str:
+    if text == "all":
+        return "all"
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise SystemExit(f"error: --layers {text!r} must be comma-separated ints or 'all'") from None
+
+
+def cmd_capture(args: argparse.Namespace) -> None:
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    prompts = read_prompts(Path(args.prompts))
+    from tqdm.auto import tqdm
+
+    from probehook import LLM, SamplingParams
+
+    llm = LLM(args.model, layers=parse_layers(args.layers), include_prefill=args.prefill,
+              include_decode=not args.no_decode, store=args.store,
+              max_model_len=args.max_model_len, enforce_eager=args.eager)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
+    done = 0
+    with tqdm(total=len(prompts), desc="captured", unit="prompt") as bar:
+        for begin in range(0, len(prompts), args.batch_size):
+            batch = prompts[begin : begin + args.batch_size]
+            llm.generate(batch, params, use_tqdm=False)  # durable when it returns
+            done += len(batch)
+            bar.update(len(batch))
+    assert llm.store is not None
+    print(json.dumps(llm.store.info(), indent=2))
+
+
+def cmd_store_info(args: argparse.Namespace) -> None:
+    from probehook.store import ActivationStore
+
+    info: dict[str, Any] = ActivationStore.open(args.path).info()
+    for key, value in info.items():
+        print(f"{key:>12}: {value}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="probehook", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    cap = sub.add_parser("capture", help="generate and stream captures into a store")
+    cap.add_argument("--model", required=True, help="model directory or name")
+    cap.add_argument("--layers", required=True, help="comma-separated layers, or 'all'")
+    cap.add_argument("--prompts", required=True, help="prompts file: .jsonl or plain text")
+    cap.add_argument("--store", required=True, help="store directory (created or appended)")
+    cap.add_argument("--prefill", action="store_true", help="also capture prompt rows")
+    cap.add_argument("--no-decode", action="store_true", help="do not capture decode rows")
+    cap.add_argument("--max-tokens", type=int, default=16)
+    cap.add_argument("--temperature", type=float, default=0.0)
+    cap.add_argument("--batch-size", type=int, default=64, help="prompts per durable batch")
+    cap.add_argument("--max-model-len", type=int, default=None)
+    cap.add_argument("--eager", action="store_true", help="enforce_eager (faster start-up)")
+    cap.set_defaults(func=cmd_capture)
+    store = sub.add_parser("store", help="inspect a store")
+    store_sub = store.add_subparsers(dest="store_command", required=True)
+    info = store_sub.add_parser("info", help="summary of a store")
+    info.add_argument("path")
+    info.set_defaults(func=cmd_store_info)
+    args = parser.parse_args(argv)
+    args.func(args)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,5 @@
+"""Sharded, crash-safe on-disk store of captured activations."""
+
+from probehook.store.store import ActivationStore, LayerMatrix, StoredRequest
+
+__all__ = ["ActivationStore", "LayerMatrix", "StoredRequest"]

@@ -1,0 +1,47 @@
+"""Turning a finished ``RequestOutput`` into what the store keeps."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from probehook.store.writer import PendingRequest, RowBlock
+
+
+def model_fingerprint(model_config: Any) -> str:
+    """A short hash of the model's HF config: appending another model's run is refused."""
+    hf = model_config.hf_config.to_dict()
+    hf.pop("_name_or_path", None)
+    body = json.dumps(hf, sort_keys=True, default=str)
+    return hashlib.sha256(body.encode()).hexdigest()[:16]
+
+
+def pending_request(output: Any, sampling: dict[str, Any]) -> PendingRequest:
+    """Record + row blocks of one output whose tensors probehook.LLM has attached."""
+    prompt_len = len(output.prompt_token_ids or [])
+    record = {
+        "id": output.request_id,
+        "prompt": output.prompt,
+        "prompt_token_ids": list(output.prompt_token_ids or []),
+        "sampling_params": sampling,
+        "completions": [
+            {
+                "index": c.index,
+                "token_ids": list(c.token_ids),
+                "text": c.text,
+                "finish_reason": c.finish_reason,
+            }
+            for c in output.outputs
+        ],
+    }
+    blocks = []
+    for layer, rows in output.prefill_hidden_states.items():
+        blocks.append(RowBlock("prefill", None, layer, prompt_len - len(rows), rows))
+    for c in output.outputs:
+        n_out = len(c.token_ids)
+        for layer, rows in c.hidden_states.items():
+            blocks.append(
+                RowBlock("decode", c.index, layer, prompt_len - 1 + n_out - len(rows), rows)
+            )
+    return PendingRequest(record, blocks)

@@ -1,0 +1,418 @@
+"""``ActivationStore``: a directory of checksummed manifest + immutable HDF5 shards."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+import torch
+
+from probehook.errors import StoreFormatError
+from probehook.store.format import (
+    DEFAULT_SHARD_BYTES,
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    MANIFEST_FILE,
+    META_FILE,
+    PHASES,
+    SHARD_DIR,
+    dataset_name,
+    decode_line,
+    write_json_atomic,
+)
+from probehook.store.writer import PendingRequest, ShardWriter
+
+logger = logging.getLogger(__name__)
+TOKENS = ("all", "last")
+
+
+@dataclass
+class StoredRequest:
+    """One request as stored; tensors load lazily from its shard."""
+
+    store: ActivationStore = field(repr=False)
+    record: dict[str, Any] = field(repr=False)
+
+    @property
+    def request_id(self) -> str:
+        return self.record["id"]
+
+    @property
+    def prompt(self) -> str | None:
+        return self.record.get("prompt")
+
+    @property
+    def text(self) -> str:
+        return self.record["completions"][0]["text"] if self.record["completions"] else ""
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.record["prompt_token_ids"]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.record["completions"][0]["token_ids"] if self.record["completions"] else []
+
+    @property
+    def finish_reason(self) -> str | None:
+        done = self.record["completions"]
+        return done[0]["finish_reason"] if done else None
+
+    @property
+    def prefill_hidden_states(self) -> dict[int, torch.Tensor]:
+        return self._rows("prefill", None)
+
+    @property
+    def hidden_states(self) -> dict[int, torch.Tensor]:
+        return self._rows("decode", 0)
+
+    def completion_hidden_states(self, index: int) -> dict[int, torch.Tensor]:
+        return self._rows("decode", index)
+
+    def _rows(self, phase: str, completion: int | None) -> dict[int, torch.Tensor]:
+        out = {}
+        for seg in self.record["segments"]:
+            if seg["phase"] == phase and seg["completion"] == completion:
+                out[seg["layer"]] = self.store._read(
+                    self.record["shard"],
+                    phase,
+                    seg["layer"],
+                    seg["start"],
+                    seg["start"] + seg["count"],
+                )
+        return out
+
+
+class LayerMatrix:
+    """Rows of one layer and phase across the store, read from disk on demand.
+
+    ``index`` is a structured array (request_id, position, token_id) aligned with the rows.
+    Slicing reads only the rows asked for; ``numpy()`` loads everything explicitly.
+    """
+
+    def __init__(self, store: ActivationStore, layer: int, phase: str, token: str) -> None:
+        self.store, self.layer, self.phase = store, layer, phase
+        pieces: list[tuple[str, int, int]] = []  # (shard, start, stop)
+        ids, positions, tokens = [], [], []
+        for rec in store._records.values():
+            for seg in rec["segments"]:
+                if seg["layer"] != layer or seg["phase"] != phase or seg["count"] == 0:
+                    continue
+                start, count = seg["start"], seg["count"]
+                first_pos = seg.get("first_position", 0)
+                if token == "last":
+                    start, count, first_pos = start + count - 1, 1, first_pos + count - 1
+                pieces.append((rec["shard"], start, start + count))
+                pos = np.arange(first_pos, first_pos + count)
+                seq = rec["prompt_token_ids"] + (
+                    rec["completions"][seg["completion"]]["token_ids"]
+                    if seg["completion"] is not None
+                    else []
+                )
+                # Decode row i produced output token i: report the token it produced.
+                offset = 1 if phase == "decode" else 0
+                ids += [rec["id"]] * count
+                positions.append(pos)
+                tokens.append(
+                    np.array(
+                        [seq[p + offset] if p + offset < len(seq) else -1 for p in pos],
+                        dtype=np.int64,
+                    )
+                )
+        self._pieces = pieces
+        self._starts = np.cumsum([0] + [b - a for _, a, b in pieces])
+        self.index = np.zeros(
+            len(ids), dtype=[("request_id", object), ("position", np.int64), ("token_id", np.int64)]
+        )
+        if ids:
+            self.index["request_id"] = ids
+            self.index["position"] = np.concatenate(positions)
+            self.index["token_id"] = np.concatenate(tokens)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (int(self._starts[-1]), self.store.hidden_size)
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, item: slice | int) -> torch.Tensor:
+        if isinstance(item, int):
+            return self[item : item + 1][0]
+        start, stop, step = item.indices(len(self))
+        if step != 1:
+            raise ValueError("LayerMatrix supports contiguous slices only; use numpy() first.")
+        return (
+            torch.cat(list(self._iter_range(start, stop)))
+            if stop > start
+            else torch.empty((0, self.store.hidden_size), dtype=self.store.dtype)
+        )
+
+    def iter_blocks(self, rows: int = 65536) -> Iterator[torch.Tensor]:
+        """Stream the matrix in blocks of at most ``rows`` rows."""
+        for begin in range(0, len(self), rows):
+            yield self[begin : min(begin + rows, len(self))]
+
+    def numpy(self) -> np.ndarray:
+        return self[:].float().numpy() if self.store.dtype == torch.bfloat16 else self[:].numpy()
+
+    def _iter_range(self, start: int, stop: int) -> Iterator[torch.Tensor]:
+        first = int(np.searchsorted(self._starts, start, side="right")) - 1
+        for i in range(first, len(self._pieces)):
+            piece_start = int(self._starts[i])
+            if piece_start >= stop:
+                break
+            shard, a, b = self._pieces[i]
+            lo = a + max(0, start - piece_start)
+            hi = min(b, a + stop - piece_start)
+            yield self.store._read(shard, self.phase, self.layer, lo, hi)
+
+
+class ActivationStore:
+    """A sharded, crash-safe store of captured rows. See docs/store.md for the format."""
+
+    def __init__(
+        self, root: Path, meta: dict[str, Any], records: dict[str, dict], dropped: list[str]
+    ) -> None:
+        self.root = root
+        self.meta = meta
+        self._records = records
+        self.dropped = dropped
+        self._writer: ShardWriter | None = None
+        self._files: dict[str, h5py.File] = {}
+
+    # -- opening ------------------------------------------------------------------------------
+
+    @classmethod
+    def open(cls, path: str | Path) -> ActivationStore:
+        """Open an existing store for reading. Interrupted shards are left out with a warning."""
+        root = Path(path)
+        meta_path = root / META_FILE
+        if not meta_path.is_file():
+            raise StoreFormatError(
+                f"{root} is not a probehook activation store (no {META_FILE}). Create one by "
+                "passing store=PATH to probehook.LLM or `probehook capture --store PATH`."
+            )
+        try:
+            meta = json.loads(meta_path.read_text())
+        except ValueError as e:
+            raise StoreFormatError(f"{meta_path} is not valid JSON: {e}") from e
+        if meta.get("format") != FORMAT_NAME:
+            raise StoreFormatError(f"{root} is not a probehook activation store ({meta_path}).")
+        if meta.get("format_version") != FORMAT_VERSION:
+            raise StoreFormatError(
+                f"{root} was written in store format version {meta.get('format_version')}, but "
+                f"this probehook reads version {FORMAT_VERSION}. Use a probehook release that "
+                "writes that version, or re-capture."
+            )
+        records, dropped = cls._read_manifest(root)
+        return cls(root, meta, records, dropped)
+
+    @staticmethod
+    def _read_manifest(root: Path) -> tuple[dict[str, dict], list[str]]:
+        dropped: list[str] = []
+        shards: set[str] = set()
+        records: dict[str, dict] = {}
+        manifest = root / MANIFEST_FILE
+        lines = manifest.read_text().splitlines() if manifest.exists() else []
+        for number, line in enumerate(lines, 1):
+            record = decode_line(line)
+            if record is None:
+                dropped.append(f"{MANIFEST_FILE} line {number}+ (torn or corrupt)")
+                break  # an append-only log: nothing after a torn line was acknowledged
+            if record["kind"] == "shard":
+                if (root / SHARD_DIR / record["name"]).is_file():
+                    shards.add(record["name"])
+                else:
+                    dropped.append(f"{record['name']} (listed but missing)")
+            elif record["kind"] == "request" and record["shard"] in shards:
+                records[record["id"]] = record
+        for tmp in sorted((root / SHARD_DIR).glob("*.tmp")) if (root / SHARD_DIR).exists() else []:
+            dropped.append(f"{tmp.name} ({tmp.stat().st_size} bytes, interrupted write)")
+        if dropped:
+            logger.warning("probehook store %s: left out %s", root, "; ".join(dropped))
+        return records, dropped
+
+    @classmethod
+    def for_writing(
+        cls,
+        path: str | Path,
+        meta: dict[str, Any],
+        *,
+        shard_bytes: int = DEFAULT_SHARD_BYTES,
+        compression: str | None = None,
+        max_queue_bytes: int = 256 << 20,
+    ) -> ActivationStore:
+        """Create a store, or open one to append a run of the same model and hidden size."""
+        root = Path(path)
+        full_meta = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, **meta}
+        if (root / META_FILE).exists():
+            store = cls.open(root)
+            for key in ("model_fingerprint", "hidden_size", "dtype"):
+                if store.meta.get(key) != meta.get(key):
+                    raise StoreFormatError(
+                        f"Cannot append to {root}: its {key} is {store.meta.get(key)!r} but this "
+                        f"run's is {meta.get(key)!r}. Use a new store path for another model."
+                    )
+        else:
+            if root.exists() and any(root.iterdir()):
+                raise StoreFormatError(
+                    f"{root} exists, is not empty and is not an activation store; pick a new path."
+                )
+            (root / SHARD_DIR).mkdir(parents=True, exist_ok=True)
+            write_json_atomic(root / META_FILE, full_meta)
+            store = cls.open(root)
+        store._writer = ShardWriter(
+            root, shard_bytes=shard_bytes, compression=compression, max_queue_bytes=max_queue_bytes
+        )
+        return store
+
+    # -- writing ------------------------------------------------------------------------------
+
+    def begin_run(self, info: dict[str, Any]) -> str:
+        """Record a new run; return its id prefix, which makes request ids store-unique."""
+        run_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+        self._require_writer().append_manifest([{"kind": "run", "run_id": run_id, **info}])
+        return run_id
+
+    def add(self, request: PendingRequest) -> None:
+        self._require_writer().submit(request)
+
+    def flush(self) -> None:
+        """Make every added request durable; afterwards they are visible to readers."""
+        self._require_writer().flush()
+        self._records, self.dropped = self._read_manifest(self.root)
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
+
+    def _require_writer(self) -> ShardWriter:
+        if self._writer is None:
+            raise StoreFormatError(
+                "This store was opened read-only; use ActivationStore."
+                "for_writing or LLM(store=...) to write."
+            )
+        return self._writer
+
+    # -- reading ------------------------------------------------------------------------------
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.meta["hidden_size"])
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return getattr(torch, self.meta["dtype"].removeprefix("torch."))
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._records
+
+    def __getitem__(self, request_id: str) -> StoredRequest:
+        try:
+            return StoredRequest(self, self._records[request_id])
+        except KeyError:
+            raise KeyError(
+                f"No request {request_id!r} in store {self.root} ({len(self)} requests)."
+            ) from None
+
+    @property
+    def requests(self) -> Iterator[StoredRequest]:
+        return (StoredRequest(self, r) for r in self._records.values())
+
+    def layer(self, layer: int, phase: str = "decode", token: str = "all") -> LayerMatrix:
+        """All rows of one layer and phase (``token="last"``: one row per request/completion)."""
+        if phase not in PHASES:
+            raise ValueError(f"phase={phase!r}; valid phases are {PHASES}.")
+        if token not in TOKENS:
+            raise ValueError(f"token={token!r}; valid values are {TOKENS}.")
+        if layer not in self.meta.get("layers", []):
+            raise ValueError(
+                f"layer {layer} is not in this store; its layers are {self.meta.get('layers')}."
+            )
+        return LayerMatrix(self, layer, phase, token)
+
+    def batches(
+        self, layer: int, batch_size: int, phase: str = "decode", token: str = "all"
+    ) -> Iterator[tuple[torch.Tensor, np.ndarray]]:
+        """Yield ``(rows, index)`` batches for training, streaming from disk."""
+        matrix = self.layer(layer, phase, token)
+        for begin in range(0, len(matrix), batch_size):
+            end = min(begin + batch_size, len(matrix))
+            yield matrix[begin:end], matrix.index[begin:end]
+
+    def to_torch_dataset(
+        self,
+        layer: int,
+        phase: str = "decode",
+        token: str = "all",
+        labels: Sequence[Any] | None = None,
+    ) -> torch.utils.data.Dataset:
+        """A map-style Dataset of rows (and labels aligned with ``layer(...).index``)."""
+        return _LayerDataset(self.layer(layer, phase, token), labels)
+
+    def info(self) -> dict[str, Any]:
+        shards = {r["shard"] for r in self._records.values()}
+        rows = sum(s["count"] for r in self._records.values() for s in r["segments"])
+        return {
+            "path": str(self.root),
+            "requests": len(self),
+            "shards": len(shards),
+            "rows": rows,
+            "tokens": sum(
+                len(r["prompt_token_ids"]) + sum(len(c["token_ids"]) for c in r["completions"])
+                for r in self._records.values()
+            ),
+            "bytes": sum((self.root / SHARD_DIR / s).stat().st_size for s in shards),
+            "layers": self.meta.get("layers"),
+            "hidden_size": self.meta.get("hidden_size"),
+            "dtype": self.meta.get("dtype"),
+            "model": self.meta.get("model"),
+            "dropped": list(self.dropped),
+        }
+
+    def _read(self, shard: str, phase: str, layer: int, start: int, stop: int) -> torch.Tensor:
+        f = self._files.get(shard)
+        if f is None:
+            f = self._files[shard] = h5py.File(self.root / SHARD_DIR / shard, "r")
+        data = f[dataset_name(phase, layer)][start:stop]
+        if self.dtype == torch.bfloat16:
+            return torch.from_numpy(data.view(np.int16)).view(torch.bfloat16)
+        return torch.from_numpy(data)
+
+    def __enter__(self) -> ActivationStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class _LayerDataset(torch.utils.data.Dataset):
+    def __init__(self, matrix: LayerMatrix, labels: Sequence[Any] | None) -> None:
+        if labels is not None and len(labels) != len(matrix):
+            raise ValueError(
+                f"labels has {len(labels)} entries but the layer has {len(matrix)} rows."
+            )
+        self.matrix, self.labels = matrix, labels
+
+    def __len__(self) -> int:
+        return len(self.matrix)
+
+    def __getitem__(self, i: int) -> Any:
+        row = self.matrix[i]
+        return row if self.labels is None else (row, self.labels[i])

@@ -1,0 +1,224 @@
+"""Background shard writer: generation hands rows over and moves on; the disk catches up.
+
+The queue is bounded in bytes. When it is full, ``submit`` blocks (backpressure) instead of
+growing memory. Any write error is kept and re-raised from the next ``submit`` or ``flush``, so
+``generate()`` fails loudly rather than leaving a silently short store.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+import torch
+
+from probehook.errors import StoreError
+from probehook.store.format import (
+    MANIFEST_FILE,
+    SHARD_DIR,
+    dataset_name,
+    encode_line,
+    fsync_dir,
+)
+
+_FLUSH = object()
+_STOP = object()
+CHUNK_BYTES = 1 << 20
+
+
+@dataclass
+class RowBlock:
+    """Rows of one (phase, completion, layer) of a request: ``[count, hidden]``."""
+
+    phase: str
+    completion: int | None
+    layer: int
+    first_position: int
+    rows: torch.Tensor
+
+
+@dataclass
+class PendingRequest:
+    record: dict[str, Any]
+    blocks: list[RowBlock] = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.rows.numel() * b.rows.element_size() for b in self.blocks)
+
+
+def to_storage(rows: torch.Tensor) -> np.ndarray:
+    """HDF5 has no bfloat16: such rows are stored as their raw uint16 bits."""
+    rows = rows.detach().to("cpu").contiguous()
+    if rows.dtype == torch.bfloat16:
+        return rows.view(torch.int16).numpy().view(np.uint16)
+    return rows.numpy()
+
+
+class ShardWriter:
+    """Writes submitted requests into HDF5 shards on a background thread."""
+
+    def __init__(
+        self,
+        root: Path,
+        *,
+        shard_bytes: int,
+        compression: str | None,
+        max_queue_bytes: int,
+    ) -> None:
+        self.root = root
+        self.shard_bytes = shard_bytes
+        self.compression = compression
+        self.max_queue_bytes = max_queue_bytes
+        self._queue: queue.Queue = queue.Queue()
+        self._queued_bytes = 0
+        self._cond = threading.Condition()
+        self._error: BaseException | None = None
+        self._flushed = threading.Event()
+        self._manifest_lock = threading.Lock()
+        self._file: h5py.File | None = None
+        self._tmp_path: Path | None = None
+        self._shard_requests: list[dict[str, Any]] = []
+        self._shard_rows: dict[str, int] = {}
+        self._shard_bytes_written = 0
+        self._thread = threading.Thread(target=self._run, name="probehook-store", daemon=True)
+        self._thread.start()
+
+    # -- caller side ------------------------------------------------------------------------
+
+    def submit(self, request: PendingRequest) -> None:
+        self._raise_if_failed()
+        size = request.nbytes
+        with self._cond:
+            while self._queued_bytes > 0 and self._queued_bytes + size > self.max_queue_bytes:
+                self._cond.wait(timeout=1.0)
+                self._raise_if_failed()
+            self._queued_bytes += size
+        self._queue.put(request)
+
+    def flush(self) -> None:
+        """Block until everything submitted is in a committed shard and the manifest."""
+        self._flushed.clear()
+        self._queue.put(_FLUSH)
+        while not self._flushed.wait(timeout=1.0):
+            self._raise_if_failed()
+            if not self._thread.is_alive():
+                break
+        self._raise_if_failed()
+
+    def append_manifest(self, records: list[dict[str, Any]]) -> None:
+        with self._manifest_lock, open(self.root / MANIFEST_FILE, "a") as f:
+            f.write("".join(encode_line(r) for r in records))
+            f.flush()
+            os.fsync(f.fileno())
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self.flush()
+            self._queue.put(_STOP)
+            self._thread.join()
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise StoreError(
+                f"Writing the activation store at {self.root} failed: {self._error}. Requests "
+                "returned before this error are durable; the failed ones are not in the store."
+            ) from self._error
+
+    # -- writer thread ----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is _STOP:
+                return
+            try:
+                if item is _FLUSH:
+                    self._commit_shard()
+                    self._flushed.set()
+                else:
+                    self._write(item)
+            except BaseException as e:  # kept and re-raised to the caller
+                self._error = e
+                self._flushed.set()
+            finally:
+                if item is not _FLUSH and item is not _STOP:
+                    with self._cond:
+                        self._queued_bytes -= item.nbytes
+                        self._cond.notify_all()
+
+    def _write(self, request: PendingRequest) -> None:
+        if self._error is not None:
+            return
+        if self._file is None:
+            name = f"shard-{uuid.uuid4().hex[:12]}.h5"
+            self._tmp_path = self.root / SHARD_DIR / (name + ".tmp")
+            self._file = h5py.File(self._tmp_path, "w")
+        segments = []
+        for block in request.blocks:
+            data = to_storage(block.rows)
+            name = dataset_name(block.phase, block.layer)
+            start = self._append(name, data)
+            segments.append(
+                {
+                    "phase": block.phase,
+                    "completion": block.completion,
+                    "layer": block.layer,
+                    "first_position": block.first_position,
+                    "start": start,
+                    "count": len(data),
+                }
+            )
+            self._shard_bytes_written += data.nbytes
+        self._shard_requests.append({**request.record, "segments": segments})
+        if self._shard_bytes_written >= self.shard_bytes:
+            self._commit_shard()
+
+    def _append(self, name: str, data: np.ndarray) -> int:
+        assert self._file is not None
+        if name not in self._file:
+            chunk_rows = max(1, CHUNK_BYTES // max(1, data.shape[1] * data.itemsize))
+            self._file.create_dataset(
+                name,
+                shape=(0, data.shape[1]),
+                maxshape=(None, data.shape[1]),
+                dtype=data.dtype,
+                chunks=(chunk_rows, data.shape[1]),
+                compression=self.compression,
+            )
+        dataset = self._file[name]
+        start = dataset.shape[0]
+        if len(data):
+            dataset.resize(start + len(data), axis=0)
+            dataset[start:] = data
+        return start
+
+    def _commit_shard(self) -> None:
+        if self._file is None:
+            return
+        assert self._tmp_path is not None
+        self._file.close()
+        self._file = None
+        with open(self._tmp_path, "rb+") as f:
+            os.fsync(f.fileno())
+        final = self._tmp_path.with_suffix("")  # drop ".tmp"
+        os.replace(self._tmp_path, final)
+        fsync_dir(final.parent)
+        shard = {
+            "kind": "shard",
+            "name": final.name,
+            "bytes": final.stat().st_size,
+            "requests": len(self._shard_requests),
+        }
+        requests = [{"kind": "request", "shard": final.name, **r} for r in self._shard_requests]
+        self.append_manifest([shard, *requests])
+        self._shard_requests = []
+        self._shard_bytes_written = 0
+        self._tmp_path = None

@@ -1,0 +1,120 @@
+"""The store on a real engine: streaming writes, unique ids, appends, and kill -9."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from probehook.errors import StoreFormatError
+from probehook.store import ActivationStore
+
+pytestmark = pytest.mark.slow
+
+
+def digest(tensors: dict[int, torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for layer in sorted(tensors):
+        h.update(tensors[layer].contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def test_generate_streams_into_store(
+    llama_dir: Path, engine_defaults: dict, tmp_path: Path
+) -> None:
+    from probehook import LLM, SamplingParams
+
+    path = tmp_path / "run"
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    llm = LLM(
+        str(llama_dir),
+        layers=[1, 3],
+        include_prefill=True,
+        enforce_eager=True,
+        store=path,
+        store_options={"shard_bytes": 4096},
+        **engine_defaults,
+    )
+    try:
+        first = llm.generate(["1+2=", "12+34="], params, use_tqdm=False)
+        second = llm.generate(["1+2="], params, use_tqdm=False)
+        # Durable as soon as generate() returned: an independent reader sees every request.
+        reader = ActivationStore.open(path)
+        ids = [o.request_id for o in first + second]
+        assert len(set(ids)) == 3 and all(i in reader for i in ids)
+        for out in first + second:
+            stored = reader[out.request_id]
+            assert stored.prompt == out.prompt
+            assert stored.output_token_ids == list(out.outputs[0].token_ids)
+            assert digest(stored.hidden_states) == digest(out.hidden_states)
+            assert digest(stored.prefill_hidden_states) == digest(out.prefill_hidden_states)
+        assert reader.info()["shards"] >= 2
+    finally:
+        del llm
+    with pytest.raises(StoreFormatError, match="model_fingerprint"):
+        ActivationStore.for_writing(path, {**reader.meta, "model_fingerprint": "other"})
+
+
+CHILD = textwrap.dedent("""
+    import hashlib, json, sys, torch
+    from probehook import LLM, SamplingParams
+
+    def digest(tensors):
+        h = hashlib.sha256()
+        for layer in sorted(tensors):
+            h.update(tensors[layer].contiguous().view(torch.uint8).numpy().tobytes())
+        return h.hexdigest()
+
+    if __name__ == "__main__":
+        model, store = sys.argv[1], sys.argv[2]
+        llm = LLM(model, layers=[0, 2], include_prefill=True, enforce_eager=True, store=store,
+                  dtype="float32", max_model_len=256, gpu_memory_utilization=0.1)
+        params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+        for batch in range(1000):
+            outs = llm.generate([f"{batch}+{i}=" for i in range(8)], params, use_tqdm=False)
+            acked = {o.request_id: digest(o.hidden_states) for o in outs}
+            print(json.dumps(acked), flush=True)
+""")
+
+
+def test_kill_9_keeps_every_returned_request(llama_dir: Path, tmp_path: Path) -> None:
+    script = tmp_path / "child.py"
+    script.write_text(CHILD)
+    store = tmp_path / "killed"
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    child = subprocess.Popen(
+        [sys.executable, str(script), str(llama_dir), str(store)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
+    acked: dict[str, str] = {}
+    try:
+        deadline = time.time() + 300
+        while len(acked) < 24 and time.time() < deadline:
+            line = child.stdout.readline()
+            if not line:
+                break
+            acked.update(json.loads(line))
+        time.sleep(0.3)  # land the kill in the middle of the next batch
+    finally:
+        os.killpg(child.pid, signal.SIGKILL)
+        child.wait()
+    assert len(acked) >= 24, "the child did not get far enough to test anything"
+    reopened = ActivationStore.open(store)  # must not raise
+    for request_id, expected in acked.items():
+        assert digest(reopened[request_id].hidden_states) == expected
+    # Whatever else is in the store is complete, never garbage.
+    for record in reopened.requests:
+        assert len(record.hidden_states[0]) == len(record.output_token_ids)

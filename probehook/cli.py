@@ -41,7 +41,9 @@ def parse_layers(text: str) -> list[int] | str:
     try:
         return [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
-        raise SystemExit(f"error: --layers {text!r} must be comma-separated ints or 'all'") from None
+        raise SystemExit(
+            f"error: --layers {text!r} must be comma-separated ints or 'all'"
+        ) from None
 
 
 def cmd_capture(args: argparse.Namespace) -> None:
@@ -51,9 +53,15 @@ def cmd_capture(args: argparse.Namespace) -> None:
 
     from probehook import LLM, SamplingParams
 
-    llm = LLM(args.model, layers=parse_layers(args.layers), include_prefill=args.prefill,
-              include_decode=not args.no_decode, store=args.store,
-              max_model_len=args.max_model_len, enforce_eager=args.eager)
+    llm = LLM(
+        args.model,
+        layers=parse_layers(args.layers),
+        include_prefill=args.prefill,
+        include_decode=not args.no_decode,
+        store=args.store,
+        max_model_len=args.max_model_len,
+        enforce_eager=args.eager,
+    )
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
     done = 0
     with tqdm(total=len(prompts), desc="captured", unit="prompt") as bar:

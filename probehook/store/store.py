@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import time
@@ -94,48 +95,54 @@ class StoredRequest:
 class LayerMatrix:
     """Rows of one layer and phase across the store, read from disk on demand.
 
-    ``index`` is a structured array (request_id, position, token_id) aligned with the rows.
-    Slicing reads only the rows asked for; ``numpy()`` loads everything explicitly.
+    ``index`` is a structured array (request_id, position, token_id) aligned with the rows;
+    a decode row's token_id is the token it produced. Slicing reads only the rows asked for,
+    straight into the result; ``numpy()`` loads everything explicitly.
     """
 
     def __init__(self, store: ActivationStore, layer: int, phase: str, token: str) -> None:
-        self.store, self.layer, self.phase = store, layer, phase
-        pieces: list[tuple[str, int, int]] = []  # (shard, start, stop)
-        ids, positions, tokens = [], [], []
+        self.store, self.layer, self.phase, self.token = store, layer, phase, token
+        self._segments: list[tuple[dict, dict]] = []
+        runs: list[list] = []  # [shard, start, stop]: adjacent rows merged into one read
         for rec in store._records.values():
             for seg in rec["segments"]:
                 if seg["layer"] != layer or seg["phase"] != phase or seg["count"] == 0:
                     continue
-                start, count = seg["start"], seg["count"]
-                first_pos = seg.get("first_position", 0)
+                start, stop = seg["start"], seg["start"] + seg["count"]
                 if token == "last":
-                    start, count, first_pos = start + count - 1, 1, first_pos + count - 1
-                pieces.append((rec["shard"], start, start + count))
-                pos = np.arange(first_pos, first_pos + count)
-                seq = rec["prompt_token_ids"] + (
-                    rec["completions"][seg["completion"]]["token_ids"]
-                    if seg["completion"] is not None
-                    else []
-                )
-                # Decode row i produced output token i: report the token it produced.
-                offset = 1 if phase == "decode" else 0
-                ids += [rec["id"]] * count
-                positions.append(pos)
-                tokens.append(
-                    np.array(
-                        [seq[p + offset] if p + offset < len(seq) else -1 for p in pos],
-                        dtype=np.int64,
-                    )
-                )
-        self._pieces = pieces
-        self._starts = np.cumsum([0] + [b - a for _, a, b in pieces])
-        self.index = np.zeros(
-            len(ids), dtype=[("request_id", object), ("position", np.int64), ("token_id", np.int64)]
+                    start = stop - 1
+                self._segments.append((rec, seg))
+                if runs and runs[-1][0] == rec["shard"] and runs[-1][2] == start:
+                    runs[-1][2] = stop
+                else:
+                    runs.append([rec["shard"], start, stop])
+        self._runs = runs
+        self._starts = np.cumsum([0] + [b - a for _, a, b in runs])
+
+    @functools.cached_property
+    def index(self) -> np.ndarray:
+        n = len(self)
+        index = np.zeros(
+            n, dtype=[("request_id", object), ("position", np.int64), ("token_id", np.int64)]
         )
-        if ids:
-            self.index["request_id"] = ids
-            self.index["position"] = np.concatenate(positions)
-            self.index["token_id"] = np.concatenate(tokens)
+        row = 0
+        for rec, seg in self._segments:
+            count = 1 if self.token == "last" else seg["count"]
+            first = seg["first_position"] + seg["count"] - count
+            positions = np.arange(first, first + count)
+            seq = list(rec["prompt_token_ids"])
+            if seg["completion"] is not None:
+                seq += rec["completions"][seg["completion"]]["token_ids"]
+            seq_arr = np.asarray(seq, dtype=np.int64)
+            produced = positions + (1 if self.phase == "decode" else 0)
+            tokens = np.where(
+                produced < len(seq_arr), seq_arr[np.minimum(produced, len(seq_arr) - 1)], -1
+            )
+            index["request_id"][row : row + count] = rec["id"]
+            index["position"][row : row + count] = positions
+            index["token_id"][row : row + count] = tokens
+            row += count
+        return index
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -146,15 +153,29 @@ class LayerMatrix:
 
     def __getitem__(self, item: slice | int) -> torch.Tensor:
         if isinstance(item, int):
+            if not -len(self) <= item < len(self):
+                raise IndexError(f"row {item} out of range for {len(self)} rows")
+            item %= len(self)
             return self[item : item + 1][0]
         start, stop, step = item.indices(len(self))
         if step != 1:
             raise ValueError("LayerMatrix supports contiguous slices only; use numpy() first.")
-        return (
-            torch.cat(list(self._iter_range(start, stop)))
-            if stop > start
-            else torch.empty((0, self.store.hidden_size), dtype=self.store.dtype)
+        out = np.empty(
+            (max(stop - start, 0), self.store.hidden_size), dtype=self.store.storage_dtype
         )
+        first = int(np.searchsorted(self._starts, start, side="right")) - 1
+        for i in range(max(first, 0), len(self._runs)):
+            run_start = int(self._starts[i])
+            if run_start >= stop:
+                break
+            shard, a, b = self._runs[i]
+            lo = a + max(0, start - run_start)
+            hi = min(b, a + stop - run_start)
+            dest = run_start + (lo - a) - start
+            self.store._dataset(shard, self.phase, self.layer).read_direct(
+                out, np.s_[lo:hi], np.s_[dest : dest + hi - lo]
+            )
+        return self.store._to_tensor(out)
 
     def iter_blocks(self, rows: int = 65536) -> Iterator[torch.Tensor]:
         """Stream the matrix in blocks of at most ``rows`` rows."""
@@ -162,18 +183,8 @@ class LayerMatrix:
             yield self[begin : min(begin + rows, len(self))]
 
     def numpy(self) -> np.ndarray:
-        return self[:].float().numpy() if self.store.dtype == torch.bfloat16 else self[:].numpy()
-
-    def _iter_range(self, start: int, stop: int) -> Iterator[torch.Tensor]:
-        first = int(np.searchsorted(self._starts, start, side="right")) - 1
-        for i in range(first, len(self._pieces)):
-            piece_start = int(self._starts[i])
-            if piece_start >= stop:
-                break
-            shard, a, b = self._pieces[i]
-            lo = a + max(0, start - piece_start)
-            hi = min(b, a + stop - piece_start)
-            yield self.store._read(shard, self.phase, self.layer, lo, hi)
+        rows = self[:]
+        return rows.float().numpy() if rows.dtype == torch.bfloat16 else rows.numpy()
 
 
 class ActivationStore:
@@ -386,14 +397,27 @@ class ActivationStore:
             "dropped": list(self.dropped),
         }
 
-    def _read(self, shard: str, phase: str, layer: int, start: int, stop: int) -> torch.Tensor:
+    @property
+    def storage_dtype(self) -> np.dtype:
+        return (
+            np.dtype(np.uint16)
+            if self.dtype == torch.bfloat16
+            else np.dtype(str(self.dtype).removeprefix("torch."))
+        )
+
+    def _dataset(self, shard: str, phase: str, layer: int) -> h5py.Dataset:
         f = self._files.get(shard)
         if f is None:
             f = self._files[shard] = h5py.File(self.root / SHARD_DIR / shard, "r")
-        data = f[dataset_name(phase, layer)][start:stop]
+        return f[dataset_name(phase, layer)]
+
+    def _to_tensor(self, data: np.ndarray) -> torch.Tensor:
         if self.dtype == torch.bfloat16:
             return torch.from_numpy(data.view(np.int16)).view(torch.bfloat16)
         return torch.from_numpy(data)
+
+    def _read(self, shard: str, phase: str, layer: int, start: int, stop: int) -> torch.Tensor:
+        return self._to_tensor(self._dataset(shard, phase, layer)[start:stop])
 
     def __enter__(self) -> ActivationStore:
         return self

@@ -31,6 +31,7 @@ from probehook.store.format import (
 _FLUSH = object()
 _STOP = object()
 CHUNK_BYTES = 1 << 20
+STAGE_BYTES = 16 << 20
 
 
 @dataclass
@@ -88,6 +89,8 @@ class ShardWriter:
         self._shard_requests: list[dict[str, Any]] = []
         self._shard_rows: dict[str, int] = {}
         self._shard_bytes_written = 0
+        self._staged: dict[str, list[np.ndarray]] = {}
+        self._lengths: dict[str, int] = {}
         self._thread = threading.Thread(target=self._run, name="probehook-store", daemon=True)
         self._thread.start()
 
@@ -182,7 +185,22 @@ class ShardWriter:
             self._commit_shard()
 
     def _append(self, name: str, data: np.ndarray) -> int:
+        """Stage rows for dataset ``name``; return their start row. Large writes are faster
+        in HDF5, so rows are written in blocks of about STAGE_BYTES."""
+        start = self._lengths.get(name, 0)
+        self._lengths[name] = start + len(data)
+        staged = self._staged.setdefault(name, [])
+        staged.append(data)
+        if sum(a.nbytes for a in staged) >= STAGE_BYTES:
+            self._write_staged(name)
+        return start
+
+    def _write_staged(self, name: str) -> None:
         assert self._file is not None
+        staged = self._staged.pop(name, [])
+        if not staged:
+            return
+        data = staged[0] if len(staged) == 1 else np.concatenate(staged)
         if name not in self._file:
             chunk_rows = max(1, CHUNK_BYTES // max(1, data.shape[1] * data.itemsize))
             self._file.create_dataset(
@@ -195,15 +213,16 @@ class ShardWriter:
             )
         dataset = self._file[name]
         start = dataset.shape[0]
-        if len(data):
-            dataset.resize(start + len(data), axis=0)
-            dataset[start:] = data
-        return start
+        dataset.resize(start + len(data), axis=0)
+        dataset.write_direct(np.ascontiguousarray(data), dest_sel=np.s_[start:])
 
     def _commit_shard(self) -> None:
         if self._file is None:
             return
         assert self._tmp_path is not None
+        for name in list(self._staged):
+            self._write_staged(name)
+        self._lengths = {}
         self._file.close()
         self._file = None
         with open(self._tmp_path, "rb+") as f:

@@ -1,0 +1,132 @@
+"""Store write/read throughput against plain numpy file I/O on the same bytes, in one run.
+
+Raw write: ``ndarray.tofile`` + fsync per file (the disk's sequential ceiling as Python sees
+it). Raw read: ``np.fromfile`` of the same bytes. Both sides see the same page cache state,
+rounds are interleaved, medians reported. Writes results/store_throughput.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from probehook.store import ActivationStore
+from probehook.store.writer import PendingRequest, RowBlock
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def make_requests(n: int, rows: int, hidden: int, layers: list[int]) -> list[PendingRequest]:
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for i in range(n):
+        record = {"id": f"r{i}", "prompt": "", "prompt_token_ids": [0] * rows, "completions": []}
+        blocks = [
+            RowBlock("prefill", None, layer, 0, torch.randn(rows, hidden, generator=g))
+            for layer in layers
+        ]
+        out.append(PendingRequest(record, blocks))
+    return out
+
+
+def store_write(root: Path, requests: list[PendingRequest], hidden: int, layers: list[int]):
+    meta = {
+        "model": "bench",
+        "model_fingerprint": "x",
+        "dtype": "float32",
+        "hidden_size": hidden,
+        "layers": layers,
+    }
+    start = time.perf_counter()
+    store = ActivationStore.for_writing(root, meta)
+    for r in requests:
+        store.add(r)
+    store.flush()
+    store.close()
+    return time.perf_counter() - start
+
+
+def raw_write(root: Path, requests: list[PendingRequest], layers: list[int]) -> float:
+    root.mkdir(parents=True)
+    start = time.perf_counter()
+    for slot, layer in enumerate(layers):
+        with open(root / f"layer_{layer}.bin", "wb") as f:
+            for r in requests:
+                r.blocks[slot].rows.numpy().tofile(f)
+            f.flush()
+            os.fsync(f.fileno())
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--requests", type=int, default=256)
+    parser.add_argument("--rows", type=int, default=128)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    layers = list(range(args.layers))
+    requests = make_requests(args.requests, args.rows, args.hidden, layers)
+    nbytes = sum(r.nbytes for r in requests)
+    layer_bytes = nbytes // len(layers)
+    work = Path(tempfile.mkdtemp(prefix="probehook-bench-", dir=os.getcwd()))
+    samples: dict[str, list[float]] = {
+        k: [] for k in ("raw write", "store write", "raw read", "store read")
+    }
+    try:
+        for _ in range(args.rounds):
+            shutil.rmtree(work / "raw", ignore_errors=True)
+            shutil.rmtree(work / "store", ignore_errors=True)
+            samples["raw write"].append(nbytes / raw_write(work / "raw", requests, layers))
+            samples["store write"].append(
+                nbytes / store_write(work / "store", requests, args.hidden, layers)
+            )
+            start = time.perf_counter()
+            raw = np.fromfile(work / "raw" / "layer_1.bin", dtype=np.float32)
+            samples["raw read"].append(raw.nbytes / (time.perf_counter() - start))
+            store = ActivationStore.open(work / "store")
+            start = time.perf_counter()
+            got = store.layer(1, phase="prefill")[:]
+            samples["store read"].append(layer_bytes / (time.perf_counter() - start))
+            assert np.array_equal(got.numpy().ravel(), raw)
+            store.close()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    med = {k: statistics.median(v) for k, v in samples.items()}
+    report = {
+        "workload": {**vars(args), "bytes": nbytes},
+        "MB_per_s": {k: round(v / 1e6, 1) for k, v in med.items()},
+        "write_ratio": round(med["store write"] / med["raw write"], 3),
+        "read_ratio": round(med["store read"] / med["raw read"], 3),
+    }
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "store_throughput.json").write_text(json.dumps(report, indent=2))
+    lines = [
+        f"Workload: {args.requests} requests x {args.layers} layers x {args.rows} rows x "
+        f"{args.hidden} fp32 = {nbytes / 1e6:.0f} MB, {args.rounds} interleaved rounds.",
+        "",
+        "| path | median MB/s | ratio to raw |",
+        "| --- | --- | --- |",
+        f"| raw write (tofile + fsync) | {med['raw write'] / 1e6:.0f} | 1.0 |",
+        f"| store write (flush = fsync + rename + manifest) | {med['store write'] / 1e6:.0f} | "
+        f"{report['write_ratio']} |",
+        f"| raw read (fromfile, one layer) | {med['raw read'] / 1e6:.0f} | 1.0 |",
+        f"| store read (`store.layer(L)[:]`) | {med['store read'] / 1e6:.0f} | "
+        f"{report['read_ratio']} |",
+    ]
+    (RESULTS / "store_throughput.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -23,7 +23,7 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 RESULTS = Path(__file__).parent / "results"
 
 
-def build_engines(model_dir: str, max_model_len: int) -> dict[str, object]:
+def build_engines(model_dir: str, max_model_len: int, store_dir: str) -> dict[str, object]:
     import vllm
 
     from probehook import LLM
@@ -35,6 +35,9 @@ def build_engines(model_dir: str, max_model_len: int) -> dict[str, object]:
         "probehook 1 layer (decode)": LLM(model_dir, layers=[4], **common),
         "probehook all layers (prefill+decode)": LLM(
             model_dir, layers="all", include_prefill=True, **common
+        ),
+        "probehook all layers + store": LLM(
+            model_dir, layers="all", include_prefill=True, store=store_dir, **common
         ),
     }
 
@@ -70,7 +73,8 @@ def main() -> None:
         {"prompt_token_ids": [(i * 131 + j * 17) % 30000 + 100 for j in range(args.prompt_len)]}
         for i in range(args.prompts)
     ]
-    engines = build_engines(str(model_dir), args.prompt_len + args.max_tokens + 16)
+    store_dir = str(model_dir.parent / "store")
+    engines = build_engines(str(model_dir), args.prompt_len + args.max_tokens + 16, store_dir)
     for llm in engines.values():  # warm-up outside the measurement
         run_once(llm, prompts, 8)
 
@@ -84,6 +88,14 @@ def main() -> None:
             flush=True,
         )
 
+    store_vs_capture = [
+        s / c
+        for s, c in zip(
+            samples["probehook all layers + store"],
+            samples["probehook all layers (prefill+decode)"],
+            strict=True,
+        )
+    ]
     baseline = statistics.median(samples["vLLM compiled"])
     rows = []
     for name, values in samples.items():
@@ -99,7 +111,13 @@ def main() -> None:
                 "samples_tok_s": [round(v, 1) for v in values],
             }
         )
-    report = {"workload": vars(args), "results": rows}
+    report = {
+        "workload": vars(args),
+        "results": rows,
+        "store_vs_all_layer_capture_median_round_ratio": round(
+            statistics.median(store_vs_capture), 3
+        ),
+    }
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "overhead.json").write_text(json.dumps(report, indent=2))
     lines = [
@@ -114,6 +132,11 @@ def main() -> None:
         f"| {r['config']} | {r['median_tok_s']} | {r['ratio_of_medians']} | "
         f"{r['median_round_ratio']} |"
         for r in rows
+    ]
+    lines += [
+        "",
+        "All-layer capture into the store vs the same capture without it (median "
+        f"per-round ratio): {report['store_vs_all_layer_capture_median_round_ratio']}",
     ]
     (RESULTS / "overhead.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

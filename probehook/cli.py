@@ -75,9 +75,13 @@ def cmd_capture(args: argparse.Namespace) -> None:
 
 
 def cmd_store_info(args: argparse.Namespace) -> None:
+    from probehook.errors import StoreFormatError
     from probehook.store import ActivationStore
 
-    info: dict[str, Any] = ActivationStore.open(args.path).info()
+    try:
+        info: dict[str, Any] = ActivationStore.open(args.path).info()
+    except StoreFormatError as e:
+        raise SystemExit(f"error: {e}") from e
     for key, value in info.items():
         print(f"{key:>12}: {value}")
 

@@ -119,3 +119,52 @@ def test_kill_9_keeps_every_returned_request(llama_dir: Path, tmp_path: Path) ->
     # Whatever else is in the store is complete, never garbage.
     for record in reopened.requests:
         assert len(record.hidden_states[0]) == len(record.output_token_ids)
+
+
+def test_cli_capture_and_info(llama_dir: Path, tmp_path: Path) -> None:
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(
+        "\n".join(json.dumps(p) for p in ["1+2=", {"prompt": "12+34="}, "5+5="]) + "\n"
+    )
+    store = tmp_path / "cli-store"
+    exe = Path(sys.executable).parent / "probehook"
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    capture = subprocess.run(
+        [
+            str(exe),
+            "capture",
+            "--model",
+            str(llama_dir),
+            "--layers",
+            "1,3",
+            "--prompts",
+            str(prompts),
+            "--store",
+            str(store),
+            "--prefill",
+            "--max-tokens",
+            "3",
+            "--eager",
+            "--max-model-len",
+            "128",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert capture.returncode == 0, capture.stderr[-2000:]
+    reopened = ActivationStore.open(store)
+    assert sorted(r.prompt for r in reopened.requests) == ["1+2=", "12+34=", "5+5="]
+    assert all(len(r.hidden_states[3]) == 3 for r in reopened.requests)
+    info = subprocess.run(
+        [str(exe), "store", "info", str(store)], capture_output=True, text=True, timeout=60
+    )
+    assert info.returncode == 0 and "requests: 3" in info.stdout
+    missing = subprocess.run(
+        [str(exe), "store", "info", str(tmp_path / "nope")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert missing.returncode != 0 and "not a probehook activation store" in missing.stderr

@@ -187,3 +187,20 @@ def test_backpressure_bounds_the_queue(tmp_path: Path) -> None:
     store.flush()
     assert len(store) == 20
     store.close()
+
+
+def test_staged_writes_cut_at_chunk_ends_stay_exact(tmp_path: Path, monkeypatch) -> None:
+    import probehook.store.writer as writer
+
+    monkeypatch.setattr(writer, "STAGE_BYTES", 700)
+    monkeypatch.setattr(writer, "CHUNK_BYTES", 5 * HIDDEN * 4)  # 5-row chunks
+    requests = [fake_request(i, prompt_len=3 + i % 4, n_out=1 + i % 5) for i in range(30)]
+    write(tmp_path / "s", requests, shard_bytes=5000)
+    store = ActivationStore.open(tmp_path / "s")
+    for r in requests:
+        got = store[r.record["id"]]
+        for block in r.blocks:
+            table = got.prefill_hidden_states if block.phase == "prefill" else got.hidden_states
+            assert torch.equal(table[block.layer], block.rows)
+    expected = torch.cat([r.blocks[3].rows for r in requests])
+    assert torch.equal(store.layer(3)[:], expected)

@@ -118,6 +118,9 @@ class LLM(adapter.OfflineCaptureHooks, vllm.LLM):
                 last_decode_token=last_decode_token,
             )
             kwargs = capture_engine_kwargs(kwargs, self.capture_config)
+            if store is not None:  # fail before a minute of engine start-up, not after
+                fingerprint = model_fingerprint(hf_config)
+                ActivationStore.check_appendable(store, {"model_fingerprint": fingerprint})
         super().__init__(model=model, **kwargs)
         if self.capture_config is not None:
             infos = [info for info in self.collective_rpc("probehook_attach") if info]
@@ -127,13 +130,15 @@ class LLM(adapter.OfflineCaptureHooks, vllm.LLM):
             self._spool = spool_dir()
             weakref.finalize(self, shutil.rmtree, self._spool, True)
             if store is not None:
-                self._open_store(str(model), store, store_options or {})
+                self._open_store(str(model), store, store_options or {}, fingerprint)
 
-    def _open_store(self, model: str, path: str | Path, options: dict[str, Any]) -> None:
+    def _open_store(
+        self, model: str, path: str | Path, options: dict[str, Any], fingerprint: str
+    ) -> None:
         assert self.capture_config is not None
         meta = {
             "model": model,
-            "model_fingerprint": model_fingerprint(self.llm_engine.vllm_config.model_config),
+            "model_fingerprint": fingerprint,
             "dtype": self._capture_info["dtype"].removeprefix("torch."),
             "hidden_size": self._capture_info["hidden_size"],
             "layers": list(self.capture_config.layers),

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from probehook.errors import CaptureConfigError, UnsupportedModelError
+from probehook.errors import CaptureConfigError, StoreFormatError, UnsupportedModelError
 
 
 @pytest.fixture(scope="module")
@@ -75,3 +75,11 @@ def test_compile_cache_key_depends_on_taps(llama_dir: Path) -> None:
     one = config_hash(capture_engine_kwargs({}, CaptureConfig(layers=(1,))))
     two = config_hash(capture_engine_kwargs({}, CaptureConfig(layers=(1, 2))))
     assert len({plain, one, two}) == 3
+
+
+def test_bad_store_path_fails_before_engine_start(llm_cls, llama_dir: Path, tmp_path: Path):
+    (tmp_path / "junk.txt").write_text("not a store")
+    with pytest.raises(StoreFormatError, match="not an activation store"):
+        llm_cls(str(llama_dir), layers=[0], store=tmp_path)
+    with pytest.raises(CaptureConfigError, match="needs something to store"):
+        llm_cls(str(llama_dir), store=tmp_path / "new")

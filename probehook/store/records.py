@@ -9,9 +9,9 @@ from typing import Any
 from probehook.store.writer import PendingRequest, RowBlock
 
 
-def model_fingerprint(model_config: Any) -> str:
+def model_fingerprint(hf_config: Any) -> str:
     """A short hash of the model's HF config: appending another model's run is refused."""
-    hf = model_config.hf_config.to_dict()
+    hf = hf_config.to_dict()
     hf.pop("_name_or_path", None)
     body = json.dumps(hf, sort_keys=True, default=str)
     return hashlib.sha256(body.encode()).hexdigest()[:16]

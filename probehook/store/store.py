@@ -265,19 +265,10 @@ class ActivationStore:
         """Create a store, or open one to append a run of the same model and hidden size."""
         root = Path(path)
         full_meta = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, **meta}
+        cls.check_appendable(root, meta)
         if (root / META_FILE).exists():
             store = cls.open(root)
-            for key in ("model_fingerprint", "hidden_size", "dtype"):
-                if store.meta.get(key) != meta.get(key):
-                    raise StoreFormatError(
-                        f"Cannot append to {root}: its {key} is {store.meta.get(key)!r} but this "
-                        f"run's is {meta.get(key)!r}. Use a new store path for another model."
-                    )
         else:
-            if root.exists() and any(root.iterdir()):
-                raise StoreFormatError(
-                    f"{root} exists, is not empty and is not an activation store; pick a new path."
-                )
             (root / SHARD_DIR).mkdir(parents=True, exist_ok=True)
             write_json_atomic(root / META_FILE, full_meta)
             store = cls.open(root)
@@ -285,6 +276,24 @@ class ActivationStore:
             root, shard_bytes=shard_bytes, compression=compression, max_queue_bytes=max_queue_bytes
         )
         return store
+
+    @classmethod
+    def check_appendable(cls, path: str | Path, meta: dict[str, Any]) -> None:
+        """Raise unless ``path`` is new, empty, or a store of the same model (the keys of
+        ``meta`` that it has: model_fingerprint, hidden_size, dtype)."""
+        root = Path(path)
+        if (root / META_FILE).exists():
+            existing = cls.open(root).meta
+            for key in ("model_fingerprint", "hidden_size", "dtype"):
+                if key in meta and existing.get(key) != meta[key]:
+                    raise StoreFormatError(
+                        f"Cannot append to {root}: its {key} is {existing.get(key)!r} but this "
+                        f"run's is {meta[key]!r}. Use a new store path for another model."
+                    )
+        elif root.exists() and (not root.is_dir() or any(root.iterdir())):
+            raise StoreFormatError(
+                f"{root} exists, is not empty and is not an activation store; pick a new path."
+            )
 
     # -- writing ------------------------------------------------------------------------------
 

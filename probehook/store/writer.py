@@ -202,7 +202,9 @@ class ShardWriter:
             return
         data = staged[0] if len(staged) == 1 else np.concatenate(staged)
         if name not in self._file:
+            # Chunks are allocated whole: a small first write (a small run) gets small ones.
             chunk_rows = max(1, CHUNK_BYTES // max(1, data.shape[1] * data.itemsize))
+            chunk_rows = min(chunk_rows, max(1, len(data)))
             self._file.create_dataset(
                 name,
                 shape=(0, data.shape[1]),

@@ -1,11 +1,14 @@
 """Train the tiny two-digit-addition Llama that ships in ``probehook/assets/tiny-arith``.
 
-The model is trained only on correct statements ``"a+b=c."``; 10% of the ``(a, b)`` pairs are
-held out. After training the script reloads the saved model, measures greedy exact-match
-accuracy on the held-out pairs and fits linear probes (true vs false statements) on every
-layer, and writes the numbers to ``training_report.json`` next to the weights.
+The model learns to complete ``"a+b="`` with ``"c."`` from correct statements, and to flag
+false ones: a quarter of every batch is a wrong statement followed by a marker,
+``"a+b=c'.!"`` (only the marker is scored). Correct-only training gave a near-chance probe;
+docs/tiny-model.md has the numbers. 10% of the ``(a, b)`` pairs are held out. After training
+the script reloads the saved model, measures greedy exact-match accuracy on the held-out pairs
+and fits linear probes (true vs false statements) on every layer, and writes the numbers to
+``training_report.json`` next to the weights.
 
-Usage (about 5 minutes on 2 CPU cores)::
+Usage (about 5 minutes on 2 otherwise idle CPU cores)::
 
     .venv/bin/python scripts/train_tiny_model.py
 """
@@ -37,8 +40,11 @@ from transformers import (
 
 from probehook.tasks.arithmetic import (
     FALSE_MARKER,
+    MAX_OPERAND,
+    MAX_WRONG_OFFSET,
     all_wrong_statements,
     answer_accuracy,
+    format_answer,
     format_prompt,
     make_statement,
     probe_layer_accuracies,
@@ -121,20 +127,42 @@ def pad_rows(
     return torch.tensor(input_ids), torch.tensor(labels)
 
 
+def far_wrong_statements(pairs: list[tuple[int, int]], per_pair: int, seed: int) -> list[str]:
+    """``per_pair`` false statements per pair whose answer is anywhere in 0..198 but not near.
+
+    These are easier to reject than near misses (the length or tens digit is often off), which
+    gives the verdict a gradient to start from before the model can compare single digits.
+    """
+    rng = random.Random(seed)
+    texts: list[str] = []
+    for a, b in pairs:
+        c = a + b
+        far = [x for x in range(2 * MAX_OPERAND + 1) if abs(x - c) > MAX_WRONG_OFFSET]
+        texts += [format_prompt(a, b) + format_answer(x) for x in rng.sample(far, per_pair)]
+    return texts
+
+
 def encode_training_set(
-    tokenizer: PreTrainedTokenizerFast, pairs: list[tuple[int, int]], loss_on: str
+    tokenizer: PreTrainedTokenizerFast,
+    pairs: list[tuple[int, int]],
+    loss_on: str,
+    far_per_pair: int = 0,
+    seed: int = 0,
 ) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
     """``(input_ids, labels)`` for true rows ``<s>a+b=c.</s>`` and false rows ``<s>a+b=c'.!</s>``.
 
     True rows: with ``loss_on="answer"`` only the answer, ``"."`` and ``</s>`` are scored (the
     operands are uniformly random, so predicting them teaches nothing about addition). False
-    rows (every near-miss wrong answer for every training pair): only the marker and ``</s>``
-    are scored, so the model never learns to produce a wrong answer, only to flag one.
+    rows (every near-miss wrong answer for every training pair, plus ``far_per_pair`` random
+    far-off ones): only the marker and ``</s>`` are scored, so the model never learns to
+    produce a wrong answer, only to flag one.
     """
     eos = tokenizer.eos_token_id
     true_texts = [make_statement(a, b) for a, b in pairs]
     prompt_lens = [len(format_prompt(a, b)) + 1 for a, b in pairs]  # +1: the <s> token
-    false_texts = [t + FALSE_MARKER for a, b in pairs for t in all_wrong_statements(a, b)]
+    false_texts = [t for a, b in pairs for t in all_wrong_statements(a, b)]
+    false_texts += far_wrong_statements(pairs, far_per_pair, seed)
+    false_texts = [t + FALSE_MARKER for t in false_texts]
     true_rows = [ids + [eos] for ids in tokenizer(true_texts).input_ids]
     false_rows = [ids + [eos] for ids in tokenizer(false_texts).input_ids]
     true_scored = [
@@ -264,7 +292,7 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output directory")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--steps", type=int, default=1200)
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--weight-decay", type=float, default=0.1)
@@ -278,6 +306,12 @@ def parse_args() -> argparse.Namespace:
         type=float,
         default=0.25,
         help="share of each batch that is a false statement followed by the marker (0: none)",
+    )
+    parser.add_argument(
+        "--far-wrong-per-pair",
+        type=int,
+        default=10,
+        help="far-off wrong answers per training pair, on top of all ~20 near misses",
     )
     parser.add_argument("--loss-on", choices=["answer", "all"], default="answer")
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
@@ -299,7 +333,9 @@ def main() -> None:
     n_params = sum(p.numel() for p in model.parameters())
     train_pairs, heldout = split_pairs(args.seed)
     log.info("params=%d train_pairs=%d heldout_pairs=%d", n_params, len(train_pairs), len(heldout))
-    true_set, false_set = encode_training_set(tokenizer, train_pairs, args.loss_on)
+    true_set, false_set = encode_training_set(
+        tokenizer, train_pairs, args.loss_on, args.far_wrong_per_pair, args.seed
+    )
     log.info("true rows=%d false rows=%d", len(true_set[0]), len(false_set[0]))
 
     train_started = time.perf_counter()
@@ -318,6 +354,8 @@ def main() -> None:
     )
     model.save_pretrained(args.out, safe_serialization=True)
     tokenizer.save_pretrained(args.out)
+    # safetensors writes the weights owner-only (0600); package data should be world-readable.
+    (args.out / "model.safetensors").chmod(0o644)
 
     metrics = evaluate(args.out, args.seed)
     weights_bytes = (args.out / "model.safetensors").stat().st_size

@@ -204,3 +204,15 @@ def test_staged_writes_cut_at_chunk_ends_stay_exact(tmp_path: Path, monkeypatch)
             assert torch.equal(table[block.layer], block.rows)
     expected = torch.cat([r.blocks[3].rows for r in requests])
     assert torch.equal(store.layer(3)[:], expected)
+
+
+def test_append_after_crash_repairs_torn_tail(tmp_path: Path) -> None:
+    root = tmp_path / "s"
+    write(root, [fake_request(0)])
+    (root / SHARD_DIR / "shard-dead.h5.tmp").write_bytes(b"partial")
+    with open(root / MANIFEST_FILE, "a") as f:
+        f.write('{"crc": 1, "record": {"kind": "shard"')  # the crash tore this line
+    write(root, [fake_request(1)])  # a new run appends after the crash
+    store = ActivationStore.open(root)
+    assert sorted(r.request_id for r in store.requests) == ["r0", "r1"]
+    assert store.dropped == []

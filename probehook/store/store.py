@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import os
 import time
 import uuid
 from collections.abc import Iterator, Sequence
@@ -229,16 +230,24 @@ class ActivationStore:
 
     @staticmethod
     def _read_manifest(root: Path) -> tuple[dict[str, dict], list[str]]:
+        records, dropped, _ = ActivationStore._scan_manifest(root)
+        return records, dropped
+
+    @staticmethod
+    def _scan_manifest(root: Path) -> tuple[dict[str, dict], list[str], int]:
+        """Records, what was left out, and the byte length of the manifest's valid prefix."""
         dropped: list[str] = []
         shards: set[str] = set()
         records: dict[str, dict] = {}
         manifest = root / MANIFEST_FILE
-        lines = manifest.read_text().splitlines() if manifest.exists() else []
-        for number, line in enumerate(lines, 1):
-            record = decode_line(line)
+        data = manifest.read_bytes() if manifest.exists() else b""
+        good = 0
+        for number, line in enumerate(data.splitlines(keepends=True), 1):
+            record = decode_line(line.decode(errors="replace")) if line.endswith(b"\n") else None
             if record is None:
                 dropped.append(f"{MANIFEST_FILE} line {number}+ (torn or corrupt)")
                 break  # an append-only log: nothing after a torn line was acknowledged
+            good += len(line)
             if record["kind"] == "shard":
                 if (root / SHARD_DIR / record["name"]).is_file():
                     shards.add(record["name"])
@@ -250,7 +259,7 @@ class ActivationStore:
             dropped.append(f"{tmp.name} ({tmp.stat().st_size} bytes, interrupted write)")
         if dropped:
             logger.warning("probehook store %s: left out %s", root, "; ".join(dropped))
-        return records, dropped
+        return records, dropped, good
 
     @classmethod
     def for_writing(
@@ -267,6 +276,7 @@ class ActivationStore:
         full_meta = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, **meta}
         cls.check_appendable(root, meta)
         if (root / META_FILE).exists():
+            cls._repair_for_append(root)
             store = cls.open(root)
         else:
             (root / SHARD_DIR).mkdir(parents=True, exist_ok=True)
@@ -295,6 +305,25 @@ class ActivationStore:
                 f"{root} exists, is not empty and is not an activation store; pick a new path."
             )
 
+    @classmethod
+    def _repair_for_append(cls, root: Path) -> None:
+        """Before appending after a crash: cut a torn manifest tail (never acknowledged) so new
+        lines are readable, and delete interrupted ``.tmp`` shards."""
+        _, _, good = cls._scan_manifest(root)
+        manifest = root / MANIFEST_FILE
+        if manifest.exists() and manifest.stat().st_size > good:
+            logger.warning(
+                "probehook store %s: cutting %d bytes of torn manifest tail",
+                root,
+                manifest.stat().st_size - good,
+            )
+            with open(manifest, "r+b") as f:
+                f.truncate(good)
+                os.fsync(f.fileno())
+        for tmp in (root / SHARD_DIR).glob("*.tmp"):
+            logger.warning("probehook store %s: removing interrupted shard %s", root, tmp.name)
+            tmp.unlink()
+
     # -- writing ------------------------------------------------------------------------------
 
     def begin_run(self, info: dict[str, Any]) -> str:
@@ -308,8 +337,10 @@ class ActivationStore:
 
     def flush(self) -> None:
         """Make every added request durable; afterwards they are visible to readers."""
-        self._require_writer().flush()
-        self._records, self.dropped = self._read_manifest(self.root)
+        writer = self._require_writer()
+        writer.flush()
+        for record in writer.take_committed():
+            self._records[record["id"]] = record
 
     def close(self) -> None:
         if self._writer is not None:

@@ -90,6 +90,7 @@ class ShardWriter:
         self._shard_rows: dict[str, int] = {}
         self._shard_bytes_written = 0
         self._staged: dict[str, list[np.ndarray]] = {}
+        self._committed: list[dict[str, Any]] = []
         self._lengths: dict[str, int] = {}
         self._thread = threading.Thread(target=self._run, name="probehook-store", daemon=True)
         self._thread.start()
@@ -121,6 +122,11 @@ class ShardWriter:
             f.write("".join(encode_line(r) for r in records))
             f.flush()
             os.fsync(f.fileno())
+
+    def take_committed(self) -> list[dict[str, Any]]:
+        """Request records committed since the last call (call after ``flush``)."""
+        committed, self._committed = self._committed, []
+        return committed
 
     def close(self) -> None:
         if self._thread.is_alive():
@@ -240,6 +246,7 @@ class ShardWriter:
         }
         requests = [{"kind": "request", "shard": final.name, **r} for r in self._shard_requests]
         self.append_manifest([shard, *requests])
+        self._committed.extend(requests)
         self._shard_requests = []
         self._shard_bytes_written = 0
         self._tmp_path = None

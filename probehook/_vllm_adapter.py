@@ -161,7 +161,7 @@ def install_taps(model: nn.Module, config: CaptureConfig, max_tokens: int) -> St
         buffers.append(layer.probehook_tap_out)
     recorder = StepRecorder(buffers, config.layers)
     recorder.config = config  # type: ignore[attr-defined]
-    recorder.runner = None  # type: ignore[attr-defined]  # set by attach()
+    recorder.on_step = None  # type: ignore[attr-defined]  # set by attach_runner()
     setattr(model, RECORDER_ATTR, recorder)
     _install_step_hook(model, recorder)
     logger.info(
@@ -190,9 +190,9 @@ def _install_step_hook(model: nn.Module, recorder: StepRecorder) -> None:
     original = model.compute_logits
 
     def compute_logits(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        runner = recorder.runner  # type: ignore[attr-defined]
-        if runner is not None:
-            record_step(runner, recorder)
+        on_step = recorder.on_step  # type: ignore[attr-defined]
+        if on_step is not None:
+            on_step()
         return original(hidden_states, *args, **kwargs)
 
     model.compute_logits = compute_logits
@@ -201,7 +201,7 @@ def _install_step_hook(model: nn.Module, recorder: StepRecorder) -> None:
 # --- per step ------------------------------------------------------------------------------
 
 
-def record_step(runner: Any, recorder: StepRecorder) -> None:
+def record_step(runner: Any, recorder: StepRecorder, plan_for: Callable[[str], Any]) -> None:
     batch = runner.input_batch
     num_reqs = batch.num_reqs
     if num_reqs == 0:
@@ -210,7 +210,7 @@ def record_step(runner: Any, recorder: StepRecorder) -> None:
         batch.req_ids[:num_reqs],
         runner.query_start_loc.np[: num_reqs + 1],
         batch.num_computed_tokens_cpu[:num_reqs],
-        _plan_factory(runner, recorder.config),  # type: ignore[attr-defined]
+        plan_for,
     )
 
 
@@ -255,7 +255,9 @@ def worker_recorder(worker: Any) -> StepRecorder | None:
 
 def attach_runner(worker: Any, recorder: StepRecorder) -> None:
     # Steps before this point (profiling, compile warm-up) are not requests' rows.
-    recorder.runner = worker.model_runner  # type: ignore[attr-defined]
+    runner = worker.model_runner
+    plan_for = _plan_factory(runner, recorder.config)  # type: ignore[attr-defined]
+    recorder.on_step = lambda: record_step(runner, recorder, plan_for)  # type: ignore
 
 
 def live_request_ids(worker: Any) -> set[str]:

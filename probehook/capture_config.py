@@ -11,8 +11,8 @@ from probehook.errors import CaptureConfigError
 EXTRA_ARGS_KEY = "probehook"
 """Key under ``SamplingParams.extra_args`` that holds per-request capture options."""
 
-INTERNAL_KEYS = ("key", "n", "sampling")
-"""Keys probehook.LLM adds under extra_args["probehook"] (request tag, fan-out, record)."""
+INTERNAL_KEYS = ("key", "n")
+"""Keys probehook.LLM adds under extra_args["probehook"] (request tag, fan-out count)."""
 
 LayerSpec = Sequence[int] | str
 

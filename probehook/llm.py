@@ -161,7 +161,6 @@ class LLM(adapter.OfflineCaptureHooks, vllm.LLM):
         tagged = copy.copy(params)
         if config is not None:
             options.update(key=next(self._keys), n=params.n)
-            options["sampling"] = {f: _jsonable(getattr(params, f, None)) for f in SAMPLING_FIELDS}
             extra[EXTRA_ARGS_KEY] = options
             tagged.extra_args = extra
             if config.include_prefill:
@@ -174,9 +173,9 @@ class LLM(adapter.OfflineCaptureHooks, vllm.LLM):
         if self.capture_config is None or "key" not in options:
             return
         user = {k: v for k, v in options.items() if k not in INTERNAL_KEYS}
-        self._tags[request_id] = _Tagged(
-            options["key"], self.capture_config.narrow(user), options["sampling"]
-        )
+        # The sampling summary stays in the front end; only the store needs it.
+        sampling = {f: _jsonable(getattr(params, f, None)) for f in SAMPLING_FIELDS}
+        self._tags[request_id] = _Tagged(options["key"], self.capture_config.narrow(user), sampling)
 
     def _probehook_discard(self) -> None:
         """Forget rows of requests whose outputs will never be returned (errors, interrupts)."""
@@ -223,11 +222,20 @@ class LLM(adapter.OfflineCaptureHooks, vllm.LLM):
                         "layers": list(config.layers),
                     }
                 )
+        if requests:
+            self._fetch_rows(requests, slots)
         for output in outputs:
             if isinstance(output, RequestOutput):
                 output.hidden_states = output.outputs[0].hidden_states if output.outputs else {}
-        if not requests:
-            return
+        if self.store is not None:
+            for output, tag in stored:
+                output.request_id = f"{self._run_id}-{output.request_id}"
+                self.store.add(pending_request(output, tag.sampling))
+
+    def _fetch_rows(
+        self, requests: list[dict[str, Any]], slots: list[tuple[Any, str, int]]
+    ) -> None:
+        """One export RPC for all ``requests``; rows land on the ``slots`` targets."""
         path = new_export_path(self._spool)
         reply = next(
             r
@@ -237,13 +245,6 @@ class LLM(adapter.OfflineCaptureHooks, vllm.LLM):
         tensors = read_tensors(path, reply["entries"]) if reply["entries"] else []
         self._check_complete(reply["ranges"])
         _assign(requests, reply["ranges"], tensors, slots)
-        for output in outputs:
-            if isinstance(output, RequestOutput) and output.outputs:
-                output.hidden_states = output.outputs[0].hidden_states
-        if self.store is not None:
-            for output, tag in stored:
-                output.request_id = f"{self._run_id}-{output.request_id}"
-                self.store.add(pending_request(output, tag.sampling))
 
     def _probehook_finish(self) -> None:
         """End of an engine loop: drop orphaned rows; make stored requests durable."""

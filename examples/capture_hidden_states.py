@@ -9,12 +9,21 @@ import os
 import sys
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+# vLLM logs pages of INFO/WARNING lines around a short result; keep its errors only.
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 
 
-def main(model: str) -> None:
-    from probehook import LLM, SamplingParams
+def main(model: str | os.PathLike[str]) -> None:
+    from probehook import LLM
 
     llm = LLM(model, layers=[0, -1], include_prefill=True, max_model_len=64)
+    with llm:  # shuts the engine's processes down cleanly at the end
+        run(llm)
+
+
+def run(llm) -> None:  # noqa: ANN001 - probehook.LLM
+    from probehook import SamplingParams
+
     last = llm.capture_config.layers[-1]
 
     everything = SamplingParams(max_tokens=6, temperature=0)
@@ -27,7 +36,9 @@ def main(model: str) -> None:
         },
     )
     two_samples = SamplingParams(max_tokens=6, temperature=1.0, n=2)
-    outs = llm.generate(["12+34=", "7+8=", "40+2="], [everything, narrow, two_samples])
+    outs = llm.generate(
+        ["12+34=", "7+8=", "40+2="], [everything, narrow, two_samples], use_tqdm=False
+    )
 
     for out in outs:
         print(f"\n{out.prompt!r}")
@@ -44,4 +55,4 @@ if __name__ == "__main__":
     else:
         from probehook import tiny_model_path
 
-        main(str(tiny_model_path()))
+        main(tiny_model_path())

@@ -10,7 +10,8 @@ import tempfile
 
 # vLLM's CPU backend sizes its KV cache from this (GiB); its default claims most of RAM.
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+# vLLM logs pages of INFO/WARNING lines around a short result; keep its errors only.
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 
 PROMPTS = ["12+34=", "7+8=", "56+78=", "99+1="]
 
@@ -21,8 +22,8 @@ def main() -> None:
     model = tiny_model_path()
     print(f"Loading the bundled tiny model from {model}")
     store_dir = os.path.join(tempfile.mkdtemp(prefix="probehook-demo-"), "store")
-    llm = LLM(str(model), layers="all", include_prefill=True, max_model_len=64, store=store_dir)
-    outputs = llm.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=0))
+    with LLM(model, layers="all", include_prefill=True, max_model_len=64, store=store_dir) as llm:
+        outputs = llm.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)
     print()
     for out in outputs:
         print(f"{out.prompt!r:>10} -> {out.outputs[0].text!r}")

@@ -12,6 +12,8 @@ from probehook.errors import (
     CaptureConfigError,
     CaptureError,
     ProbehookError,
+    StoreError,
+    StoreFormatError,
     UnsupportedModelError,
 )
 from probehook.models import tiny_model_path
@@ -21,22 +23,34 @@ __version__ = "0.1.0"
 if TYPE_CHECKING:
     from vllm import SamplingParams
 
+    from probehook.adapter.offline import LLM
     from probehook.capture_config import CaptureConfig
-    from probehook.llm import LLM
+    from probehook.core.session import FailedCapture
+    from probehook.store import ActivationStore, LayerMatrix, StoredRequest
 
 _LAZY = {
-    "LLM": ("probehook.llm", "LLM"),
+    "LLM": ("probehook.adapter.offline", "LLM"),
     "SamplingParams": ("vllm", "SamplingParams"),
     "CaptureConfig": ("probehook.capture_config", "CaptureConfig"),
+    "FailedCapture": ("probehook.core.session", "FailedCapture"),
+    "ActivationStore": ("probehook.store", "ActivationStore"),
+    "LayerMatrix": ("probehook.store", "LayerMatrix"),
+    "StoredRequest": ("probehook.store", "StoredRequest"),
 }
 
 __all__ = [
     "LLM",
     "SamplingParams",
     "CaptureConfig",
+    "ActivationStore",
+    "LayerMatrix",
+    "StoredRequest",
+    "FailedCapture",
     "CaptureConfigError",
     "CaptureError",
     "ProbehookError",
+    "StoreError",
+    "StoreFormatError",
     "UnsupportedModelError",
     "tiny_model_path",
     "__version__",
@@ -52,3 +66,8 @@ def __getattr__(name: str) -> Any:
         globals()[name] = value
         return value
     raise AttributeError(f"module 'probehook' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    # Tab completion shows the lazy names too.
+    return sorted(set(globals()) | set(__all__))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
 from typing import Any
@@ -11,14 +12,19 @@ from probehook.errors import CaptureConfigError
 EXTRA_ARGS_KEY = "probehook"
 """Key under ``SamplingParams.extra_args`` that holds per-request capture options."""
 
-INTERNAL_KEYS = ("key", "n")
+INTERNAL_KEYS = ("tag", "n")
 """Keys probehook.LLM adds under extra_args["probehook"] (request tag, fan-out count)."""
 
 LayerSpec = Sequence[int] | str
 
 
 def resolve_layers(layers: LayerSpec, num_layers: int) -> tuple[int, ...]:
-    """Turn ``[1, -1]`` or ``"all"`` into sorted, unique, non-negative layer indices."""
+    """Turn ``[1, -1]``, ``"all"`` or ``["all"]`` into sorted, unique, non-negative indices.
+
+    Any integer type works (``numpy.int64`` from ``np.arange``, for instance).
+    """
+    if not isinstance(layers, str) and isinstance(layers, Sequence) and list(layers) == ["all"]:
+        layers = "all"
     if isinstance(layers, str):
         if layers != "all":
             raise CaptureConfigError(
@@ -26,16 +32,19 @@ def resolve_layers(layers: LayerSpec, num_layers: int) -> tuple[int, ...]:
                 f"-{num_layers}..{num_layers - 1} or the string 'all'."
             )
         return tuple(range(num_layers))
+    if hasattr(layers, "tolist"):  # a numpy array or a tensor of layer indices
+        layers = layers.tolist()
     if not isinstance(layers, Sequence) or len(layers) == 0:
         raise CaptureConfigError(
             f"layers={layers!r} is not valid: pass a non-empty list of ints in "
             f"-{num_layers}..{num_layers - 1}, or 'all'."
         )
     resolved = set()
-    for layer in layers:
-        if isinstance(layer, bool) or not isinstance(layer, int):
+    for item in layers:
+        layer = _as_int(item)
+        if layer is None:
             raise CaptureConfigError(
-                f"layer {layer!r} is not an int; layers must be ints in "
+                f"layer {item!r} is not an int; layers must be ints in "
                 f"-{num_layers}..{num_layers - 1} or 'all'."
             )
         if not -num_layers <= layer < num_layers:
@@ -45,6 +54,15 @@ def resolve_layers(layers: LayerSpec, num_layers: int) -> tuple[int, ...]:
             )
         resolved.add(layer % num_layers)
     return tuple(sorted(resolved))
+
+
+def _as_int(value: Any) -> int | None:
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
 
 
 @dataclass(frozen=True)

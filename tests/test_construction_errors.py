@@ -49,8 +49,15 @@ def test_unsupported_architecture_lists_supported(llm_cls, tmp_path: Path) -> No
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"speculative_config": {"method": "ngram"}}, "speculative_config"),
+        (
+            {"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}},
+            "Speculative decoding",
+        ),
+        # vLLM's shorthand arguments resolve to the same config and are refused the same way.
+        ({"spec_method": "ngram", "spec_tokens": 2}, r"Speculative decoding \(method='ngram'\)"),
         ({"pipeline_parallel_size": 2}, "pipeline_parallel_size"),
+        ({"enable_prompt_embeds": True}, "enable_prompt_embeds"),
+        ({"runner": "pooling", "convert": "embed"}, "pooling"),
         ({"worker_extension_cls": "my.Ext"}, "worker_extension_cls"),
         ({"load_format": "probehook"}, "load_format"),
     ],
@@ -60,12 +67,39 @@ def test_incompatible_engine_arguments(llm_cls, llama_dir: Path, kwargs, match) 
         llm_cls(str(llama_dir), layers=[0], **kwargs)
 
 
+def test_forced_model_runner_v2_is_refused(llm_cls, llama_dir: Path, monkeypatch) -> None:
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    with pytest.raises(CaptureConfigError, match="Model Runner V2"):
+        llm_cls(str(llama_dir), layers=[0])
+
+
+def test_unreadable_runner_is_a_clear_error() -> None:
+    from probehook.adapter.runner_v1 import check_runner
+
+    class RunnerV2Like:
+        req_states = None
+
+    with pytest.raises(CaptureConfigError, match="RunnerV2Like.*input_batch.*V1"):
+        check_runner(RunnerV2Like())
+
+
+def test_bad_capture_memory_limit(llm_cls, llama_dir: Path) -> None:
+    with pytest.raises(CaptureConfigError, match="max_request_capture_bytes=-1"):
+        llm_cls(str(llama_dir), layers=[0], max_request_capture_bytes=-1)
+
+
+def test_layer_count_comes_from_vllms_resolved_config(llm_cls, llama_dir: Path) -> None:
+    """hf_overrides changes the depth vLLM builds, so it changes the valid layers too."""
+    with pytest.raises(CaptureConfigError, match=r"out of range.*0\.\.1"):
+        llm_cls(str(llama_dir), layers=[3], hf_overrides={"num_hidden_layers": 2})
+
+
 def test_compile_cache_key_depends_on_taps(llama_dir: Path) -> None:
     """vLLM hashes additional_config into its compile-cache key, and the taps live there."""
     from vllm.engine.arg_utils import EngineArgs
 
+    from probehook.adapter.engine_config import capture_engine_kwargs
     from probehook.capture_config import CaptureConfig
-    from probehook.engine_args import capture_engine_kwargs
 
     def config_hash(kwargs: dict) -> str:
         args = EngineArgs(model=str(llama_dir), dtype="float32", max_model_len=128, **kwargs)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from probehook.recorder import NO_END, RequestPlan, StepRecorder
+from probehook.core.recorder import RequestPlan, StepRecorder
+from probehook.core.spans import OPEN, KeepPlan, Span
 
 HIDDEN = 3
 
@@ -17,50 +18,132 @@ def fill(buffers: list[torch.Tensor], positions: list[tuple[str, int]]) -> None:
             buf[row] = torch.tensor([slot, ord(req), pos], dtype=buf.dtype)
 
 
+def expected(slot: int, req: str, positions: range) -> torch.Tensor:
+    return torch.tensor([[slot, ord(req), p] for p in positions], dtype=torch.float32)
+
+
+def plan(key: str, lo: int, hi: int = OPEN, latest_from: int | None = None) -> RequestPlan:
+    return RequestPlan(key, KeepPlan(Span(lo, hi) if hi > lo else None, latest_from))
+
+
 def test_rows_follow_batch_metadata_across_steps() -> None:
     buffers = [torch.zeros(16, HIDDEN) for _ in range(2)]
     recorder = StepRecorder(buffers, layers=(1, 3))
-    plans = {
-        "a": RequestPlan("A/0", "a", lo=0, hi=NO_END),  # prefill + decode
-        "b": RequestPlan("B/0", "b", lo=4, hi=NO_END),  # decode only, 5-token prompt
-        "c": None,  # not captured
-    }
+    plans = {"a": plan("A/0", 0), "b": plan("B/0", 4), "c": None}  # b: decode only, P=5
     # Step 1: a's 3-token prompt, b's first chunk of 3 prompt tokens.
     fill(buffers, [("a", 0), ("a", 1), ("a", 2), ("b", 0), ("b", 1), ("b", 2)])
     recorder.record(["a", "b"], np.array([0, 3, 6]), np.array([0, 0]), plans.get)
-    # Step 2 (reordered batch): c's prompt, b's last 2 prompt tokens, a's first decode token.
+    # Step 2: the batch is reordered; c is not captured; b finishes its prompt.
     fill(buffers, [("c", 0), ("c", 1), ("b", 3), ("b", 4), ("a", 3)])
     recorder.record(["c", "b", "a"], np.array([0, 2, 4, 5]), np.array([0, 3, 3]), plans.get)
-    # Step 3: b recomputed from scratch after preemption (positions 0..5), a decodes.
-    fill(buffers, [("a", 4)] + [("b", p) for p in range(6)])
-    recorder.record(["a", "b"], np.array([0, 1, 7]), np.array([4, 0]), plans.get)
+    # Step 3: decode for a; b's next decode position.
+    fill(buffers, [("a", 4), ("b", 5)])
+    recorder.record(["a", "b"], np.array([0, 1, 2]), np.array([4, 5]), plans.get)
 
-    (a_rows,), (a_range,) = recorder.export("A/0", [(0, 5)], [1, 3])
-    assert a_range.missing == []
-    assert a_rows.shape == (2, 5, HIDDEN)
-    assert a_rows[:, :, 1].eq(ord("a")).all()
-    assert a_rows[0, :, 2].tolist() == [0, 1, 2, 3, 4]
-    assert a_rows[1, :, 0].eq(1).all()  # second engine layer slot
-
-    (b_rows,), (b_range,) = recorder.export("B/0", [(4, 6)], [3])
-    assert b_range.missing == []
-    assert b_rows[0, :, 1].eq(ord("b")).all()
-    assert b_rows[0, :, 2].tolist() == [4, 5]
-    assert recorder.plans_by_key == {}
+    (a_rows,), (a_span,), error = recorder.export("A/0", [Span(0, 5)], [1, 3], final=True)
+    assert error is None and a_span.missing == []
+    for slot in (0, 1):
+        torch.testing.assert_close(a_rows[slot], expected(slot, "a", range(5)))
+    (b_rows,), (b_span,), _ = recorder.export("B/0", [Span(4, 6)], [3], final=True)
+    assert b_span.missing == []
+    torch.testing.assert_close(b_rows[0], expected(1, "b", range(4, 6)))
+    assert recorder.rows_by_key == {} and recorder.retained_bytes() == 0
 
 
-def test_missing_positions_are_reported_not_invented() -> None:
+def test_missing_rows_are_reported() -> None:
     buffers = [torch.zeros(8, HIDDEN)]
     recorder = StepRecorder(buffers, layers=(0,))
-    plan = RequestPlan("K/0", "k", lo=0, hi=NO_END)
-    # The first 2 prompt tokens came from a prefix cache and were never computed.
     fill(buffers, [("k", 2), ("k", 3)])
-    recorder.record(["k"], np.array([0, 2]), np.array([2]), {"k": plan}.get)
-    _, (result,) = recorder.export("K/0", [(0, 4)], [0])
+    recorder.record(["k"], np.array([0, 2]), np.array([2]), {"k": plan("K/0", 0)}.get)
+    _, (result,), _ = recorder.export("K/0", [Span(0, 4)], [0], final=True)
     assert result.missing == [0, 1]
 
 
-def test_unseen_request_export_reports_everything_missing() -> None:
+def test_unknown_key_is_all_missing() -> None:
     recorder = StepRecorder([torch.zeros(4, HIDDEN)], layers=(0,))
-    _, (result,) = recorder.export("nobody/0", [(0, 2)], [0])
+    _, (result,), _ = recorder.export("nobody/0", [Span(0, 2)], [0], final=True)
     assert result.missing == [0, 1]
+
+
+def test_retained_memory_is_each_requests_own_rows() -> None:
+    """A long request beside many short ones keeps only its own rows, not whole steps."""
+    buffers = [torch.zeros(64, HIDDEN) for _ in range(2)]
+    recorder = StepRecorder(buffers, layers=(0, 1))
+    plans = {"long": plan("L/0", 0)} | {f"s{i}": plan(f"S{i}/0", 0) for i in range(8)}
+    row_bytes = 2 * HIDDEN * 4
+    # One step: the long request's 1 row beside 8 short requests' 7-row prompts.
+    ids = ["long"] + [f"s{i}" for i in range(8)]
+    starts = np.array([0, 1] + [1 + 7 * (i + 1) for i in range(8)])
+    recorder.record(ids, starts, np.zeros(9, dtype=np.int64), plans.get)
+    for i in range(8):
+        recorder.export(f"S{i}/0", [Span(0, 7)], [0, 1], final=True)
+    # Only the long request's row buffer is left (grown to the minimum capacity).
+    assert set(recorder.rows_by_key) == {"L/0"}
+    assert recorder.retained_bytes() == 16 * row_bytes
+    assert recorder._in_flight == []
+
+
+def test_last_decode_token_keeps_one_row() -> None:
+    buffers = [torch.zeros(8, HIDDEN)]
+    recorder = StepRecorder(buffers, layers=(0,))
+    plans = {"r": plan("R/0", 0, 0, latest_from=2)}  # P = 3, only the last decode row
+    fill(buffers, [("r", 0), ("r", 1), ("r", 2)])
+    recorder.record(["r"], np.array([0, 3]), np.array([0]), plans.get)
+    for pos in range(3, 40):
+        fill(buffers, [("r", pos)])
+        recorder.record(["r"], np.array([0, 1]), np.array([pos]), plans.get)
+        assert recorder.retained_bytes() == HIDDEN * 4
+    # Preemption recomputes earlier positions: the latest row never moves back.
+    fill(buffers, [("r", 0), ("r", 1), ("r", 2)])
+    recorder.record(["r"], np.array([0, 3]), np.array([0]), plans.get)
+    (rows,), (span,), _ = recorder.export("R/0", [Span(39, 40)], [0], final=True)
+    assert span.missing == []
+    torch.testing.assert_close(rows[0], expected(0, "r", range(39, 40)))
+
+
+def test_cursor_export_hands_rows_over_once_and_frees_them() -> None:
+    buffers = [torch.zeros(8, HIDDEN)]
+    recorder = StepRecorder(buffers, layers=(0,))
+    plans = {"r": plan("R/0", 2)}
+    fill(buffers, [("r", 0), ("r", 1), ("r", 2)])
+    recorder.record(["r"], np.array([0, 3]), np.array([0]), plans.get)
+    (first,), _, _ = recorder.export("R/0", [Span(2, 3)], [0], final=False)
+    torch.testing.assert_close(first[0], expected(0, "r", range(2, 3)))
+    for pos in (3, 4):
+        fill(buffers, [("r", pos)])
+        recorder.record(["r"], np.array([0, 1]), np.array([pos]), plans.get)
+    (more,), (span,), _ = recorder.export("R/0", [Span(3, 5)], [0], final=False)
+    assert span.missing == []
+    torch.testing.assert_close(more[0], expected(0, "r", range(3, 5)))
+    # Handed-over positions are gone; asking again reports them missing.
+    _, (again,), _ = recorder.export("R/0", [Span(2, 5)], [0], final=False)
+    assert again.missing == [2, 3, 4]
+    assert recorder.retained_bytes() == 0
+    recorder.export("R/0", [], [0], final=True)
+    assert recorder.rows_by_key == {}
+
+
+def test_request_over_the_limit_fails_alone() -> None:
+    buffers = [torch.zeros(64, HIDDEN)]
+    row_bytes = HIDDEN * 4
+    recorder = StepRecorder(buffers, layers=(0,), limit_bytes=20 * row_bytes)
+    plans = {"big": plan("B/0", 0), "small": plan("S/0", 0)}
+    recorder.record(
+        ["big", "small"], np.array([0, 30, 34]), np.array([0, 0]), plans.get
+    )  # big: 30 rows (over 20), small: 4 rows
+    _, _, error = recorder.export("B/0", [Span(0, 30)], [0], final=True)
+    assert error is not None and "per-request limit" in error
+    _, (span,), ok = recorder.export("S/0", [Span(0, 4)], [0], final=True)
+    assert ok is None and span.missing == []
+
+
+def test_forget_frees_rows() -> None:
+    buffers = [torch.zeros(8, HIDDEN)]
+    recorder = StepRecorder(buffers, layers=(0,))
+    recorder.record(["x"], np.array([0, 4]), np.array([0]), {"x": plan("T-1/0", 0)}.get)
+    assert recorder.retained_bytes() > 0
+    assert recorder.forget(["T-1/"]) == 1
+    assert recorder.retained_bytes() == 0 and recorder.rows_by_key == {}
+    # Late steps of the forgotten request are ignored, not re-created.
+    recorder.record(["x"], np.array([0, 1]), np.array([4]), {"x": plan("T-1/0", 0)}.get)
+    assert recorder.rows_by_key == {}

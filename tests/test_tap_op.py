@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from probehook.tap_op import tap
+from probehook.core.tap_op import tap
 
 
 class TinyBlock(nn.Module):

@@ -6,6 +6,8 @@ import hashlib
 import json
 from typing import Any
 
+from probehook.capture_config import CaptureConfig
+from probehook.core.spans import completion_spans
 from probehook.store.writer import PendingRequest, RowBlock
 
 
@@ -17,7 +19,7 @@ def model_fingerprint(hf_config: Any) -> str:
     return hashlib.sha256(body.encode()).hexdigest()[:16]
 
 
-def pending_request(output: Any, sampling: dict[str, Any]) -> PendingRequest:
+def pending_request(output: Any, sampling: dict[str, Any], config: CaptureConfig) -> PendingRequest:
     """Record + row blocks of one output whose tensors probehook.LLM has attached."""
     prompt_len = len(output.prompt_token_ids or [])
     record = {
@@ -36,12 +38,12 @@ def pending_request(output: Any, sampling: dict[str, Any]) -> PendingRequest:
         ],
     }
     blocks = []
-    for layer, rows in output.prefill_hidden_states.items():
-        blocks.append(RowBlock("prefill", None, layer, prompt_len - len(rows), rows))
     for c in output.outputs:
-        n_out = len(c.token_ids)
-        for layer, rows in c.hidden_states.items():
-            blocks.append(
-                RowBlock("decode", c.index, layer, prompt_len - 1 + n_out - len(rows), rows)
-            )
+        prefill, decode = completion_spans(config, prompt_len, len(c.token_ids), c.index)
+        if prefill is not None:
+            for layer, rows in output.prefill_hidden_states.items():
+                blocks.append(RowBlock("prefill", None, layer, prefill.lo, rows))
+        if decode is not None:
+            for layer, rows in c.hidden_states.items():
+                blocks.append(RowBlock("decode", c.index, layer, decode.lo, rows))
     return PendingRequest(record, blocks)

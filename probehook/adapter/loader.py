@@ -1,23 +1,16 @@
-"""Every use of vLLM internals lives here, so a vLLM upgrade touches one file.
+"""The ``probehook`` model loader: taps go into the model after its weights load, before vLLM
+compiles it, plus the once-per-forward step hook.
 
-Extension points used (all public in vLLM 0.32):
-- ``register_model_loader``: the ``probehook`` load format wraps the user's own loader and
-  installs the taps after the weights are loaded and before vLLM compiles the model.
-- ``vllm.general_plugins`` entry point (``probehook._vllm_plugin``): registers that loader in
-  every vLLM process.
-- ``worker_extension_cls`` + ``collective_rpc``: control messages to the workers.
-- ``additional_config``: carries the capture config to the workers and into vLLM's compile
-  cache hash, so graphs compiled with different taps (or none) are never shared.
-- ``SamplingParams.extra_args``: per-request capture options.
-
-Internal details read here (version-sensitive): the runner's persistent batch (request order,
-query offsets, computed-token counts) at the end of each forward pass, the runner's request
-states, and the offline ``LLM``'s request-adding and engine-loop methods.
+Extension points used (public in vLLM 0.32): ``register_model_loader`` (the ``probehook`` load
+format wraps the user's own loader), the ``vllm.general_plugins`` entry point (registers it in
+every process) and ``additional_config`` (carries the capture config to the workers and into
+vLLM's compile-cache hash, so graphs compiled with different taps, or none, are never shared).
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -25,10 +18,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from probehook.capture_config import EXTRA_ARGS_KEY, INTERNAL_KEYS, CaptureConfig
+from probehook.capture_config import CaptureConfig
+from probehook.core.recorder import StepRecorder
+from probehook.core.tap_op import tap
 from probehook.errors import UnsupportedModelError
-from probehook.recorder import RequestPlan, StepRecorder, keep_interval
-from probehook.tap_op import tap
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +31,7 @@ LOADER_EXTRA_KEY = "probehook_inner_load_format"
 """Key in ``model_loader_extra_config`` naming the user's load format."""
 ADDITIONAL_CONFIG_KEY = "probehook"
 """Key in ``additional_config`` holding the engine's CaptureConfig."""
-RECORDER_ATTR = "probehook_recorder"
+RECORDER_ATTR = "probehook_step_hook"
 
 # Where decoder layers live, per model family. Paths are relative to the vLLM model.
 LAYER_PATHS: tuple[str, ...] = (
@@ -160,10 +153,8 @@ def install_taps(model: nn.Module, config: CaptureConfig, max_tokens: int) -> St
         layer.register_forward_hook(_tap_hook)
         buffers.append(layer.probehook_tap_out)
     recorder = StepRecorder(buffers, config.layers)
-    recorder.config = config  # type: ignore[attr-defined]
-    recorder.on_step = None  # type: ignore[attr-defined]  # set by attach_runner()
-    setattr(model, RECORDER_ATTR, recorder)
-    _install_step_hook(model, recorder)
+    setattr(model, RECORDER_ATTR, StepHook(recorder, config))
+    _install_logits_hook(model)
     logger.info(
         "probehook: tapped layers %s (hidden %d, %s)", list(config.layers), hidden_size, param.dtype
     )
@@ -184,142 +175,65 @@ def _hidden_size(model: nn.Module) -> int:
     raise UnsupportedModelError(f"Cannot read the hidden size of {type(model).__name__}.")
 
 
-def _install_step_hook(model: nn.Module, recorder: StepRecorder) -> None:
-    # compute_logits runs eagerly once per step right after the forward pass, outside
-    # torch.compile and CUDA graphs, while the runner still holds this step's batch.
+class StepHook:
+    """Runs the recorder exactly once per forward pass of the runner.
+
+    ``compute_logits`` runs eagerly right after the forward pass, outside torch.compile and
+    CUDA graphs, while the runner still holds the step's batch. vLLM also calls it again in
+    the same step for each request that asks for ``prompt_logprobs``, and in warm-up: so the
+    runner's ``execute_model`` arms the hook and the first ``compute_logits`` after that fires
+    it. Nothing fires before :meth:`attach` (warm-up and profiling are not requests' rows).
+    """
+
+    def __init__(self, recorder: StepRecorder, config: CaptureConfig) -> None:
+        self.recorder = recorder
+        self.config = config
+        self.on_step: Callable[[], None] | None = None
+        self.armed = False
+        self.steps = 0  # execute_model calls since attach (for the benchmark)
+        self.step_ns = 0  # their wall time
+
+    def attach(self, runner: Any, on_step: Callable[[], None]) -> None:
+        if self.on_step is not None:
+            self.on_step = on_step
+            return
+        self.on_step = on_step
+        original = runner.execute_model
+
+        def execute_model(*args: Any, **kwargs: Any) -> Any:
+            self.armed = True
+            started = time.perf_counter_ns()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.armed = False
+                self.steps += 1
+                self.step_ns += time.perf_counter_ns() - started
+
+        runner.execute_model = execute_model
+
+    def fire(self) -> None:
+        if self.armed and self.on_step is not None:
+            self.armed = False
+            self.on_step()
+
+
+def _install_logits_hook(model: nn.Module) -> None:
     original = model.compute_logits
 
     def compute_logits(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        on_step = recorder.on_step  # type: ignore[attr-defined]
-        if on_step is not None:
-            on_step()
+        getattr(model, RECORDER_ATTR).fire()
         return original(hidden_states, *args, **kwargs)
 
     model.compute_logits = compute_logits
 
 
-# --- per step ------------------------------------------------------------------------------
-
-
-def record_step(runner: Any, recorder: StepRecorder, plan_for: Callable[[str], Any]) -> None:
-    batch = runner.input_batch
-    num_reqs = batch.num_reqs
-    if num_reqs == 0:
-        return
-    recorder.record(
-        batch.req_ids[:num_reqs],
-        runner.query_start_loc.np[: num_reqs + 1],
-        batch.num_computed_tokens_cpu[:num_reqs],
-        plan_for,
-    )
-
-
-def _plan_factory(runner: Any, engine_config: CaptureConfig) -> Callable[[str], Any]:
-    def plan_for(req_id: str) -> RequestPlan | None:
-        state = runner.requests.get(req_id)
-        params = getattr(state, "sampling_params", None)
-        extra = (getattr(params, "extra_args", None) or {}).get(EXTRA_ARGS_KEY)
-        if not extra or "key" not in extra:
-            return None  # not submitted through probehook.LLM: nobody will collect it
-        options = {k: v for k, v in extra.items() if k not in INTERNAL_KEYS}
-        config = engine_config.narrow(options)
-        if config is None:
-            return None
-        if state.prompt_token_ids is not None:
-            prompt_len = len(state.prompt_token_ids)
-        else:
-            prompt_len = int(state.prompt_embeds.shape[0])
-        index = req_id.split("_", 1)[0] if extra.get("n", 1) > 1 else "0"
-        lo, hi = keep_interval(config, prompt_len)
-        return RequestPlan(key=f"{extra['key']}/{index}", req_id=req_id, lo=lo, hi=hi)
-
-    return plan_for
-
-
-# --- worker side of the RPCs ----------------------------------------------------------------
-
-
-def worker_recorder(worker: Any) -> StepRecorder | None:
-    """The recorder of this worker, or None on ranks that do not collect (TP rank > 0)."""
-    model = worker.model_runner.get_model()
-    recorder = getattr(model, RECORDER_ATTR, None)
-    if recorder is None:
+def step_hook(model: nn.Module) -> StepHook:
+    """The step hook installed on a worker's model, or a clear error if there is none."""
+    hook = getattr(model, RECORDER_ATTR, None)
+    if hook is None:
         raise UnsupportedModelError(
             "This worker's model has no probehook taps: the probehook vLLM plugin did not "
             "load (is VLLM_PLUGINS set without 'probehook'?)."
         )
-    if getattr(worker, "rank", 0) != 0:
-        return None
-    return recorder
-
-
-def attach_runner(worker: Any, recorder: StepRecorder) -> None:
-    # Steps before this point (profiling, compile warm-up) are not requests' rows.
-    runner = worker.model_runner
-    plan_for = _plan_factory(runner, recorder.config)  # type: ignore[attr-defined]
-    recorder.on_step = lambda: record_step(runner, recorder, plan_for)  # type: ignore
-
-
-def live_request_ids(worker: Any) -> set[str]:
-    return set(worker.model_runner.requests)
-
-
-# --- front end: the offline LLM's request path ---------------------------------------------
-
-
-class OfflineCaptureHooks:
-    """Mixin for ``vllm.LLM`` routing every request and every finished output through
-    ``_probehook_tag`` / ``_probehook_attach`` (defined by ``probehook.LLM``)."""
-
-    def _add_request(self, prompt: Any, params: Any, *args: Any, **kwargs: Any) -> str:
-        params = self._probehook_tag(params)  # type: ignore[attr-defined]
-        request_id = super()._add_request(prompt, params, *args, **kwargs)  # type: ignore[misc]
-        self._probehook_register(external_request_id(request_id), params)  # type: ignore
-        return request_id
-
-    def _run_engine(self, output_type: Any, *, use_tqdm: Any = True) -> list[Any]:
-        # vLLM's offline loop, plus: finished outputs get their rows (and go to the store)
-        # in the step they finish, not after the whole batch.
-        from tqdm.auto import tqdm
-
-        finished: list[tuple[int, Any]] = []
-        pbar = None
-        if use_tqdm:
-            make_bar = use_tqdm if callable(use_tqdm) else tqdm
-            pbar = make_bar(
-                total=self.llm_engine.get_num_unfinished_requests(),
-                desc="Processed prompts",
-                dynamic_ncols=True,
-            )
-        try:
-            while self.llm_engine.has_unfinished_requests():
-                done = [o for o in self.llm_engine.step() if o.finished]
-                if not done:
-                    continue
-                for output in done:
-                    if not isinstance(output, output_type):
-                        raise TypeError(f"Expected {output_type}, got {type(output).__name__}")
-                    finished.append((int(output.request_id), output))
-                self._probehook_attach(done)  # type: ignore[attr-defined]
-                if pbar is not None:
-                    pbar.update(sum(len(getattr(o, "outputs", [None])) for o in done))
-            self._probehook_finish()  # type: ignore[attr-defined]
-        except BaseException:
-            self._probehook_discard()  # type: ignore[attr-defined]
-            raise
-        finally:
-            if pbar is not None:
-                pbar.close()
-        return [output for _, output in sorted(finished, key=lambda item: item[0])]
-
-
-def external_request_id(internal_id: str) -> str:
-    """The id a RequestOutput carries, from the one ``LLMEngine.add_request`` returns.
-
-    vLLM appends ``-<8 hex chars>`` to make internal ids unique (unless
-    VLLM_DISABLE_REQUEST_ID_RANDOMIZATION is set).
-    """
-    head, sep, tail = internal_id.rpartition("-")
-    if sep and len(tail) == 8 and all(c in "0123456789abcdef" for c in tail):
-        return head
-    return internal_id
+    return hook

@@ -5,6 +5,6 @@ It only registers the ``probehook`` load format; nothing is tapped unless an eng
 
 
 def register() -> None:
-    from probehook._vllm_adapter import register_loader
+    from probehook.adapter.loader import register_loader
 
     register_loader()

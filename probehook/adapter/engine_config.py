@@ -1,0 +1,186 @@
+"""Construction-time checks and the engine arguments that switch capture on.
+
+Everything here runs before vLLM starts its engine, so bad input fails in milliseconds, not
+after a minute of compilation. Checks run on the ``VllmConfig`` vLLM itself resolves from the
+arguments (``EngineArgs.create_engine_config``), not on the raw keyword arguments: so
+``spec_method=...`` is caught like ``speculative_config=...``, and the layer count honours
+``revision``, ``hf_overrides`` and everything else vLLM honours.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from probehook.adapter import loader
+from probehook.capture_config import CaptureConfig
+from probehook.errors import CaptureConfigError, UnsupportedModelError
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "GPT2LMHeadModel",
+    "OPTForCausalLM",
+    "GPTNeoXForCausalLM",
+    "GemmaForCausalLM",
+    "Gemma2ForCausalLM",
+    "Phi3ForCausalLM",
+)
+WORKER_EXTENSION = "probehook.adapter.worker.ProbehookWorkerExtension"
+
+
+RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
+
+
+def select_runner() -> None:
+    """Make vLLM use its V1 model runner, which probehook reads; refuse a forced V2.
+
+    vLLM reads ``VLLM_USE_V2_MODEL_RUNNER`` lazily, in the front end (per-request validation)
+    and in the worker processes it spawns, so the variable is set for the rest of the process.
+    """
+    value = os.environ.get(RUNNER_ENV)
+    if value is not None and value.strip().lower() in ("1", "true"):
+        raise CaptureConfigError(
+            f"{RUNNER_ENV}={value!r} forces vLLM's Model Runner V2, which probehook cannot "
+            "read yet (it has no input_batch / requests / query_start_loc). Unset it, or set "
+            "it to 0, to capture; or pass layers=None to run V2 without capture."
+        )
+    if value is None:
+        os.environ[RUNNER_ENV] = "0"
+        logger.info(
+            "probehook: capture reads vLLM's V1 model runner; set %s=0 for this process "
+            "(a plain vllm.LLM built later in it uses V1 as well).",
+            RUNNER_ENV,
+        )
+
+
+def resolve_vllm_config(model: str, kwargs: dict[str, Any]) -> Any:
+    """The ``VllmConfig`` that ``vllm.LLM(model, **kwargs)`` will run with, without starting it.
+
+    Mirrors the argument conversions of ``vllm.LLM.__init__`` (0.32) that matter for config
+    resolution; vLLM's own errors for bad arguments propagate unchanged.
+    """
+    from vllm.config import (
+        AttentionConfig,
+        CompilationConfig,
+        ProfilerConfig,
+        StructuredOutputsConfig,
+    )
+    from vllm.config.compilation import CompilationMode
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.usage.usage_lib import UsageContext
+
+    args = dict(kwargs)
+    args.setdefault("disable_log_stats", True)
+    args["hf_overrides"] = args.get("hf_overrides") or {}
+    args["offload_params"] = args.get("offload_params") or set()
+    args.pop("worker_cls", None)  # only decides which class runs; not resolved here
+    compilation = args.get("compilation_config")
+    if isinstance(compilation, int):
+        args["compilation_config"] = CompilationConfig(mode=CompilationMode(compilation))
+    for name, cls in (
+        ("compilation_config", CompilationConfig),
+        ("structured_outputs_config", StructuredOutputsConfig),
+        ("profiler_config", ProfilerConfig),
+        ("attention_config", AttentionConfig),
+    ):
+        value = args.get(name)
+        if value is None:
+            args[name] = cls()
+        elif isinstance(value, dict):
+            args[name] = cls(**value)
+    if isinstance(args.get("kv_transfer_config"), dict):
+        from vllm.config.kv_transfer import KVTransferConfig
+
+        args["kv_transfer_config"] = KVTransferConfig(**args["kv_transfer_config"])
+    return EngineArgs(model=model, **args).create_engine_config(UsageContext.LLM_CLASS)
+
+
+def check_engine(vllm_config: Any) -> int:
+    """Refuse engine features capture cannot serve; return the number of decoder layers."""
+    model_config = vllm_config.model_config
+    architectures = list(model_config.architectures or [])
+    if model_config.runner_type == "pooling":
+        raise CaptureConfigError(
+            f"runner={model_config.runner_type!r} ({', '.join(architectures)}): capture of "
+            "pooling models (encode/embed/classify/score) is not supported yet. Pass "
+            "layers=None to use them as in vLLM."
+        )
+    if vllm_config.speculative_config is not None:
+        method = getattr(vllm_config.speculative_config, "method", None)
+        raise CaptureConfigError(
+            f"Speculative decoding (method={method!r}) is not supported with capture: the "
+            "target computes rows for draft tokens that may be rejected, and a draft model "
+            "would be tapped too. Remove speculative_config / spec_method / spec_model / "
+            "spec_tokens, or pass layers=None."
+        )
+    if vllm_config.parallel_config.pipeline_parallel_size > 1:
+        raise CaptureConfigError(
+            f"pipeline_parallel_size={vllm_config.parallel_config.pipeline_parallel_size} is "
+            "not supported with capture (each stage holds only some layers); use "
+            "tensor_parallel_size instead."
+        )
+    if getattr(model_config, "enable_prompt_embeds", False):
+        raise CaptureConfigError(
+            "enable_prompt_embeds=True is not supported with capture: rows of prompts given as "
+            "embeddings cannot be checked against token ids yet. Pass token or text prompts, "
+            "or layers=None."
+        )
+    if vllm_config.use_v2_model_runner:
+        raise CaptureConfigError(
+            "This engine configuration makes vLLM use Model Runner V2 (for example "
+            "watermarking or HiSparse attention), which probehook cannot read yet. Remove "
+            "that option or pass layers=None."
+        )
+    if not any(arch in SUPPORTED_ARCHITECTURES for arch in architectures):
+        raise UnsupportedModelError(
+            f"probehook cannot tap architecture {architectures or '(none listed)'}: its "
+            f"decoder layers are not known. Supported: {', '.join(SUPPORTED_ARCHITECTURES)}."
+        )
+    num_layers = getattr(model_config.hf_text_config, "num_hidden_layers", None)
+    if not isinstance(num_layers, int) or num_layers <= 0:
+        raise UnsupportedModelError(f"The model config has no num_hidden_layers ({num_layers}).")
+    return num_layers
+
+
+def capture_engine_kwargs(kwargs: dict[str, Any], capture: CaptureConfig) -> dict[str, Any]:
+    """Return ``kwargs`` for ``vllm.LLM`` with probehook's loader, extension and config."""
+    kwargs = dict(kwargs)
+    if kwargs.get("worker_extension_cls") not in (None, "", WORKER_EXTENSION):
+        raise CaptureConfigError(
+            f"worker_extension_cls={kwargs['worker_extension_cls']!r} cannot be combined with "
+            f"capture: probehook installs its own ({WORKER_EXTENSION}). Pass layers=None to "
+            "use your extension without capture."
+        )
+    plugins = os.environ.get("VLLM_PLUGINS")
+    if plugins is not None and "probehook" not in plugins.split(","):
+        raise CaptureConfigError(
+            f"VLLM_PLUGINS={plugins!r} does not include 'probehook', so vLLM's workers would "
+            "load the model without taps. Add 'probehook' to VLLM_PLUGINS or unset it."
+        )
+    inner_format = kwargs.get("load_format", "auto")
+    if inner_format == loader.LOAD_FORMAT:
+        raise CaptureConfigError(
+            f"load_format={inner_format!r} is set by probehook itself; pass the format of your "
+            "weights (default 'auto')."
+        )
+    extra = kwargs.get("model_loader_extra_config") or {}
+    if not isinstance(extra, dict):
+        raise CaptureConfigError(
+            f"model_loader_extra_config of type {type(extra).__name__} is not supported with "
+            "capture; pass a dict."
+        )
+    kwargs["load_format"] = loader.LOAD_FORMAT
+    kwargs["model_loader_extra_config"] = {**extra, loader.LOADER_EXTRA_KEY: inner_format}
+    additional = dict(kwargs.get("additional_config") or {})
+    # additional_config is part of vLLM's compile-cache hash: taps never share a cache entry
+    # with a different tap set or with an untapped engine.
+    additional[loader.ADDITIONAL_CONFIG_KEY] = capture.to_dict()
+    kwargs["additional_config"] = additional
+    kwargs["worker_extension_cls"] = WORKER_EXTENSION
+    return kwargs

@@ -1,0 +1,259 @@
+"""``probehook.LLM``: vLLM's offline ``LLM`` that also returns residual-stream captures.
+
+The capture logic lives in :class:`~probehook.core.session.CaptureSession`; this class only
+connects it to the offline request path: ``_add_request`` (tag and register), the engine loop
+``_run_engine`` (attach rows to finished outputs; abort everything on an error or Ctrl-C) and
+``_render_and_add_requests`` (forget requests of a batch that failed to enter the engine).
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from typing import Any
+
+import vllm
+from vllm import SamplingParams
+
+from probehook import __version__ as probehook_version
+from probehook.adapter import engine_config, outputs
+from probehook.capture_config import CaptureConfig, LayerSpec, resolve_layers
+from probehook.core.session import CaptureSession
+from probehook.errors import CaptureConfigError, CaptureError
+from probehook.store import ActivationStore
+from probehook.store.records import model_fingerprint
+
+
+class LLM(vllm.LLM):
+    """Drop-in ``vllm.LLM`` that captures the residual stream after chosen decoder layers.
+
+    Args:
+        model: model name or local directory (``str`` or any ``os.PathLike``), as for
+            ``vllm.LLM``.
+        layers: decoder layers to capture: ints in ``0..num_layers-1`` (negative ints count
+            from the end, numpy ints work), ``"all"`` or ``["all"]``. ``None`` (default)
+            captures nothing.
+        include_prefill: return one row per prompt token in
+            ``RequestOutput.prefill_hidden_states``.
+        include_decode: return one row per generated token in
+            ``CompletionOutput.hidden_states``; row ``i`` is the stream at the position whose
+            logits produced output token ``i``.
+        last_prefill_token: keep only the last prompt row.
+        last_decode_token: keep only the last decode row.
+        store: a directory (``str`` or ``os.PathLike``); every captured request is streamed
+            into an :class:`~probehook.store.ActivationStore` there while generation runs, and
+            is durable once ``generate()`` returns. Output request ids become store-unique.
+        store_options: ``shard_bytes``, ``compression`` ("gzip", "lzf" or None) and
+            ``max_queue_bytes`` (the write queue bound that applies backpressure).
+        max_request_capture_bytes: the most bytes of rows the worker keeps for one request
+            (0 or None: no limit). A request over it fails alone: its rows raise
+            ``CaptureError`` on access and the other requests are unaffected.
+        **kwargs: passed to ``vllm.LLM`` unchanged.
+
+    Captured rows are CPU tensors in the model dtype, keyed by layer index. The row after
+    layer ``L`` equals Hugging Face's ``output_hidden_states[L + 1]``; for the last layer it
+    is the stream before the final norm (HF's last entry is after it).
+    """
+
+    def __init__(
+        self,
+        model: str | os.PathLike[str],
+        *,
+        layers: LayerSpec | None = None,
+        include_prefill: bool = False,
+        include_decode: bool = True,
+        last_prefill_token: bool = False,
+        last_decode_token: bool = False,
+        store: str | os.PathLike[str] | None = None,
+        store_options: dict[str, Any] | None = None,
+        max_request_capture_bytes: int | None = None,
+        **kwargs: Any,
+    ) -> None:
+        model = os.fspath(model)
+        self.capture_config: CaptureConfig | None = None
+        self.capture: CaptureSession | None = None
+        self.store: ActivationStore | None = None
+        if layers is None:
+            if store is not None:
+                raise CaptureConfigError(
+                    f"store={os.fspath(store)!r} needs something to store: pass layers=[...]."
+                )
+            if include_prefill or last_prefill_token or last_decode_token:
+                raise CaptureConfigError(
+                    "Capture options were given but layers=None captures nothing; pass "
+                    "layers=[...] or layers='all'."
+                )
+            super().__init__(model=model, **kwargs)
+            return
+        limit = _check_limit(max_request_capture_bytes)
+        engine_config.select_runner()
+        resolved = engine_config.resolve_vllm_config(model, kwargs)
+        num_layers = engine_config.check_engine(resolved)
+        self.capture_config = CaptureConfig(
+            layers=resolve_layers(layers, num_layers),
+            include_prefill=include_prefill,
+            include_decode=include_decode,
+            last_prefill_token=last_prefill_token,
+            last_decode_token=last_decode_token,
+        )
+        kwargs = engine_config.capture_engine_kwargs(kwargs, self.capture_config)
+        fingerprint = model_fingerprint(resolved.model_config.hf_config)
+        if store is not None:  # fail before a minute of engine start-up, not after
+            ActivationStore.check_appendable(store, {"model_fingerprint": fingerprint})
+        super().__init__(model=model, **kwargs)
+        infos = [info for info in self.collective_rpc("probehook_attach", args=(limit,)) if info]
+        if not infos:
+            raise CaptureError("No vLLM worker reported probehook taps.")
+        self.capture = CaptureSession(
+            self.capture_config,
+            rpc=lambda method, args: self.collective_rpc(method, args=args),
+            abort=lambda ids: self.llm_engine.abort_request(ids, internal=True),
+            decorate=outputs.decorate,
+        )
+        weakref.finalize(self, self.capture.close)
+        if store is not None:
+            self._open_store(model, os.fspath(store), store_options or {}, fingerprint, infos[0])
+
+    def _open_store(
+        self, model: str, path: str, options: dict[str, Any], fingerprint: str, info: dict
+    ) -> None:
+        assert self.capture_config is not None and self.capture is not None
+        meta = {
+            "model": model,
+            "model_fingerprint": fingerprint,
+            "dtype": info["dtype"].removeprefix("torch."),
+            "hidden_size": info["hidden_size"],
+            "layers": list(self.capture_config.layers),
+            "probehook_version": probehook_version,
+            "vllm_version": vllm.__version__,
+        }
+        self.store = ActivationStore.for_writing(path, meta, **options)
+        self.capture.store = self.store
+        self.capture.run_id = self.store.begin_run({"capture": self.capture_config.to_dict()})
+        weakref.finalize(self, self.store.close)
+
+    # -- vLLM's offline request path ------------------------------------------------------
+
+    def _add_request(self, prompt: Any, params: Any, *args: Any, **kwargs: Any) -> str:
+        if self.capture is None or not isinstance(params, SamplingParams):
+            return super()._add_request(prompt, params, *args, **kwargs)
+        params = self.capture.tag(params)
+        engine_id = super()._add_request(prompt, params, *args, **kwargs)
+        self.capture.register(_request_id(engine_id), engine_id, params)
+        return engine_id
+
+    def _render_and_add_requests(self, *args: Any, **kwargs: Any) -> list[str]:
+        before = set(self.capture.pending) if self.capture is not None else set()
+        try:
+            return super()._render_and_add_requests(*args, **kwargs)
+        except BaseException:
+            # vLLM aborted the requests this call added; forget their rows too.
+            if self.capture is not None:
+                self.capture.abandon([r for r in self.capture.pending if r not in before])
+            raise
+
+    def _run_engine(self, output_type: Any, *, use_tqdm: Any = True) -> list[Any]:
+        # vLLM's offline loop, plus: finished outputs get their rows (and go to the store)
+        # in the step they finish; an error or Ctrl-C aborts every unfinished request.
+        from tqdm.auto import tqdm
+
+        finished: list[tuple[int, Any]] = []
+        pbar = None
+        try:
+            if use_tqdm:
+                make_bar = use_tqdm if callable(use_tqdm) else tqdm
+                pbar = make_bar(
+                    total=self.llm_engine.get_num_unfinished_requests(),
+                    desc="Processed prompts",
+                    dynamic_ncols=True,
+                )
+            while self.llm_engine.has_unfinished_requests():
+                done = [o for o in self.llm_engine.step() if o.finished]
+                if not done:
+                    continue
+                for output in done:
+                    if not isinstance(output, output_type):
+                        raise TypeError(f"Expected {output_type}, got {type(output).__name__}")
+                finished.extend((int(o.request_id), o) for o in done)
+                if self.capture is not None:
+                    self.capture.attach(done)
+                else:
+                    for output in done:
+                        _empty_rows(output)
+                if pbar is not None:
+                    pbar.update(sum(len(getattr(o, "outputs", [None])) for o in done))
+            if self.capture is not None:
+                # The loop has drained: requests still pending were aborted by the user.
+                self.capture.abandon(abort=False)
+                if self.store is not None:
+                    self.store.flush()
+        except BaseException:
+            self._abort_unfinished()
+            raise
+        finally:
+            if pbar is not None:
+                pbar.close()
+        return [output for _, output in sorted(finished, key=lambda item: item[0])]
+
+    def _abort_unfinished(self) -> None:
+        """After an error or Ctrl-C: nothing of this call may come back in a later call."""
+        if self.capture is not None:
+            self.capture.abandon()
+        if self.llm_engine.has_unfinished_requests():
+            engine_ids = list(self.llm_engine.output_processor.request_states)
+            self.llm_engine.abort_request(engine_ids, internal=True)
+
+    def beam_search(self, *args: Any, **kwargs: Any) -> Any:
+        if self.capture is not None:
+            raise CaptureConfigError(
+                "beam_search is not supported with capture: vLLM runs it as one-token "
+                "generate() calls that recompute the prefix each step, so rows would not "
+                "belong to the final beams. Build an LLM with layers=None for beam search."
+            )
+        return super().beam_search(*args, **kwargs)
+
+    def shutdown(self) -> None:
+        """Stop the engine's processes now (instead of at garbage collection)."""
+        if self.store is not None:
+            self.store.close()
+        if self.capture is not None:
+            self.capture.close()
+        self.llm_engine.engine_core.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+
+def _empty_rows(output: Any) -> None:
+    # layers=None is plain vLLM, but the attributes exist, so code works either way.
+    output.prefill_hidden_states = {}
+    for completion in getattr(output, "outputs", ()):
+        completion.hidden_states = {}
+    output.hidden_states = {}
+    outputs.decorate(output)
+
+
+def _check_limit(limit: int | None) -> int:
+    if limit is None:
+        return 0
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+        raise CaptureConfigError(
+            f"max_request_capture_bytes={limit!r} must be a non-negative int (bytes), or None "
+            "for no limit."
+        )
+    return limit
+
+
+def _request_id(engine_id: str) -> str:
+    """The id a RequestOutput carries, from the engine id ``LLMEngine.add_request`` returns.
+
+    vLLM appends ``-<8 hex chars>`` to make engine ids unique (unless
+    VLLM_DISABLE_REQUEST_ID_RANDOMIZATION is set).
+    """
+    head, sep, tail = engine_id.rpartition("-")
+    if sep and len(tail) == 8 and all(c in "0123456789abcdef" for c in tail):
+        return head
+    return engine_id

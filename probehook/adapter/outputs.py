@@ -1,0 +1,53 @@
+"""vLLM's output classes with probehook's attributes documented, and the read-only aliases
+that users of vllm-probe-hook type (``hidden``, ``prefill_hidden``).
+
+Finished outputs get these classes (subclasses of vLLM's, so ``isinstance`` checks and every
+vLLM attribute keep working) when probehook attaches their rows.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from vllm.outputs import CompletionOutput, RequestOutput
+
+Rows = dict[int, torch.Tensor]
+
+
+class CapturedCompletionOutput(CompletionOutput):
+    """``vllm.CompletionOutput`` plus ``hidden_states``: layer -> ``[n_generated, hidden]``."""
+
+    hidden_states: Rows
+
+    @property
+    def hidden(self) -> Rows:
+        """Alias of ``hidden_states`` (vllm-probe-hook's name)."""
+        return self.hidden_states
+
+
+class CapturedRequestOutput(RequestOutput):
+    """``vllm.RequestOutput`` plus ``prefill_hidden_states`` (layer -> ``[n_prompt, hidden]``)
+    and ``hidden_states`` (the first completion's decode rows)."""
+
+    hidden_states: Rows
+    prefill_hidden_states: Rows
+
+    @property
+    def hidden(self) -> Rows:
+        """Alias of ``hidden_states`` (vllm-probe-hook's name)."""
+        return self.hidden_states
+
+    @property
+    def prefill_hidden(self) -> Rows:
+        """Alias of ``prefill_hidden_states`` (vllm-probe-hook's name)."""
+        return self.prefill_hidden_states
+
+
+def decorate(output: Any) -> None:
+    """Give a finished output (and its completions) probehook's output classes."""
+    if type(output) is RequestOutput:
+        output.__class__ = CapturedRequestOutput
+    for completion in getattr(output, "outputs", ()):
+        if type(completion) is CompletionOutput:
+            completion.__class__ = CapturedCompletionOutput

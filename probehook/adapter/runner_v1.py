@@ -1,0 +1,74 @@
+"""Reading vLLM's V1 model runner (``v1/worker/gpu_model_runner.py``; the CPU runner subclasses
+it) at the end of each forward pass: request order, query offsets, computed-token counts and
+each request's sampling params.
+
+Model Runner V2 (the default of CUDA builds with Triton) keeps none of these attributes;
+``probehook`` selects V1 at construction (``engine_config.select_runner``) and this module
+refuses anything else with a clear error instead of an ``AttributeError`` mid-generation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from probehook.capture_config import EXTRA_ARGS_KEY, INTERNAL_KEYS, CaptureConfig
+from probehook.core.recorder import RequestPlan, StepRecorder
+from probehook.core.spans import keep_plan
+from probehook.errors import CaptureConfigError
+
+REQUIRED = ("input_batch", "requests", "query_start_loc")
+
+
+def check_runner(runner: Any) -> None:
+    """Fail clearly when the worker runs a model runner probehook cannot read."""
+    missing = [name for name in REQUIRED if not hasattr(runner, name)]
+    if missing:
+        raise CaptureConfigError(
+            f"probehook reads vLLM's V1 model runner, but this worker runs "
+            f"{type(runner).__module__}.{type(runner).__name__} (no {', '.join(missing)}): "
+            "Model Runner V2 is not supported yet. Unset VLLM_USE_V2_MODEL_RUNNER (probehook "
+            "then selects V1) or pass layers=None."
+        )
+
+
+def record_step(runner: Any, recorder: StepRecorder, plan_for: Callable[[str], Any]) -> None:
+    batch = runner.input_batch
+    num_reqs = batch.num_reqs
+    if num_reqs == 0:
+        return
+    recorder.record(
+        batch.req_ids[:num_reqs],
+        runner.query_start_loc.np[: num_reqs + 1],
+        batch.num_computed_tokens_cpu[:num_reqs],
+        plan_for,
+    )
+
+
+def plan_factory(runner: Any, engine_config: CaptureConfig) -> Callable[[str], Any]:
+    """Builds the keep plan of a request the first time the recorder sees it."""
+
+    def plan_for(req_id: str) -> RequestPlan | None:
+        state = runner.requests.get(req_id)
+        params = getattr(state, "sampling_params", None)
+        extra = (getattr(params, "extra_args", None) or {}).get(EXTRA_ARGS_KEY)
+        if not extra or "tag" not in extra:
+            return None  # not submitted through probehook: nobody will collect it
+        options = {k: v for k, v in extra.items() if k not in INTERNAL_KEYS}
+        config = engine_config.narrow(options)
+        if config is None:
+            return None
+        prompt_len = len(state.prompt_token_ids)
+        # vLLM names the engine requests of n > 1 "<index>_<id>".
+        index = int(req_id.split("_", 1)[0]) if extra.get("n", 1) > 1 else 0
+        # Stop strings are matched in the front end, possibly steps after the worker computed
+        # further positions; everything else that ends a request is decided in the engine.
+        end_known = not getattr(params, "stop", None)
+        keep = keep_plan(config, prompt_len, index, end_known)
+        return RequestPlan(key=f"{extra['tag']}/{index}", keep=keep)
+
+    return plan_for
+
+
+def live_request_ids(runner: Any) -> set[str]:
+    return set(runner.requests)

@@ -1,0 +1,370 @@
+"""Worker-side bookkeeping: turns each engine step's tap buffers into per-request rows.
+
+The taps (``probehook.core.tap_op``) fill one buffer per layer with every token of the step.
+After the forward pass, :meth:`StepRecorder.record` picks the rows that requests keep, using
+the runner's batch metadata (request ids and query offsets), never by counting rows. The picked
+rows of all layers are gathered on the device and copied to host once per step, then copied
+into each request's own buffer, so the step's staging tensor is freed at once: retained memory
+is what each live request will return, nothing more.
+
+Rows are keyed by absolute position, so a request that is preempted and recomputed overwrites
+its rows. A request's rows are handed over in order up to a *cursor* (:meth:`export`) and freed
+once handed over, so the same export serves a finished request and a running stream.
+
+This module knows nothing about vLLM; ``probehook.adapter`` feeds it plain arrays.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from probehook.core.spans import OPEN, KeepPlan, Span
+
+MIN_CAPACITY = 16
+
+
+@dataclass(frozen=True)
+class RequestPlan:
+    """What one engine request keeps, and the stream key its rows are exported under."""
+
+    key: str
+    keep: KeepPlan
+
+
+@dataclass
+class ExportedSpan:
+    """Where one asked span landed in the export, or which positions were missing."""
+
+    tensor_index: int
+    lo: int
+    hi: int
+    missing: list[int]
+
+
+class RequestRows:
+    """The rows one engine request keeps: dense by position, plus an optional latest slot."""
+
+    def __init__(
+        self, key: str, keep: KeepPlan, shape: tuple[int, int], dtype: torch.dtype, limit: int
+    ) -> None:
+        self.key = key
+        self.keep = keep
+        self.num_layers, self.hidden = shape
+        self.dtype = dtype
+        self.limit = limit
+        self.cursor = 0  # positions below were handed over and freed
+        self.base = keep.dense.lo if keep.dense is not None else 0
+        self.data: torch.Tensor | None = None  # [layers, capacity, hidden]; slot = pos - base
+        self.filled = np.zeros(0, dtype=bool)
+        self.latest: torch.Tensor | None = None  # [layers, hidden]
+        self.latest_position = -1
+        self.error: str | None = None
+        self.closed = False  # exported for the last time or forgotten: ignore late steps
+
+    @property
+    def nbytes(self) -> int:
+        total = 0
+        for t in (self.data, self.latest):
+            if t is not None:
+                total += t.numel() * t.element_size()
+        return total
+
+    def write(self, rows: torch.Tensor, first: int) -> None:
+        """Store ``rows`` (``[layers, count, hidden]``) for positions ``first, first + 1, ...``."""
+        if self.error is not None or self.closed:
+            return
+        end = first + rows.shape[1]
+        keep = self.keep
+        # Only the highest position is kept; recompute after preemption never moves it back.
+        if keep.latest_from is not None and end - 1 >= max(keep.latest_from, self.latest_position):
+            if self.latest is None:
+                self.latest = torch.empty((self.num_layers, self.hidden), dtype=self.dtype)
+            self.latest.copy_(rows[:, -1])
+            self.latest_position = end - 1
+        if keep.dense is None:
+            return
+        lo = max(first, keep.dense.lo, self.cursor)
+        hi = min(end, keep.dense.hi)
+        if lo >= hi:
+            return
+        if not self._reserve(hi - self.base):
+            return
+        self.data[:, lo - self.base : hi - self.base] = rows[:, lo - first : hi - first]  # type: ignore[index]
+        self.filled[lo - self.base : hi - self.base] = True
+
+    def _reserve(self, slots: int) -> bool:
+        capacity = 0 if self.data is None else self.data.shape[1]
+        if slots <= capacity:
+            return True
+        dense = self.keep.dense
+        assert dense is not None
+        new_capacity = max(slots, 2 * capacity, MIN_CAPACITY)
+        if dense.hi != OPEN:
+            new_capacity = min(new_capacity, dense.hi - self.base)
+        row_bytes = self.num_layers * self.hidden * torch.empty((), dtype=self.dtype).element_size()
+        if self.limit and new_capacity * row_bytes > self.limit:
+            new_capacity = max(slots, self.limit // row_bytes)
+            if new_capacity * row_bytes > self.limit:
+                self.fail(
+                    f"its captured rows would take {slots * row_bytes:,} bytes, over the "
+                    f"per-request limit of {self.limit:,} bytes (max_request_capture_bytes). "
+                    "Raise the limit, capture fewer layers, or use last_decode_token / "
+                    "last_prefill_token."
+                )
+                return False
+        grown = torch.empty((self.num_layers, new_capacity, self.hidden), dtype=self.dtype)
+        filled = np.zeros(new_capacity, dtype=bool)
+        if self.data is not None:
+            grown[:, :capacity] = self.data
+            filled[:capacity] = self.filled
+        self.data, self.filled = grown, filled
+        return True
+
+    def fail(self, reason: str) -> None:
+        self.error = reason
+        self._free()
+
+    def close(self) -> None:
+        self.closed = True
+        self._free()
+
+    def _free(self) -> None:
+        self.data, self.latest, self.filled = None, None, np.zeros(0, dtype=bool)
+
+    def read(self, span: Span, slots: list[int] | slice) -> tuple[torch.Tensor, list[int]]:
+        """Rows of ``span`` for the given layer slots, and the positions that are missing."""
+        out = torch.empty((self._count(slots), len(span), self.hidden), dtype=self.dtype)
+        filled = np.zeros(len(span), dtype=bool)
+        if (
+            len(span) == 1
+            and self.latest is not None
+            and span.lo == self.latest_position
+            and span.lo >= self.cursor
+        ):
+            out[:, 0] = self.latest[slots]
+            filled[0] = True
+        elif self.data is not None:
+            lo = max(span.lo, self.base, self.cursor)
+            hi = min(span.hi, self.base + self.data.shape[1])
+            if lo < hi:
+                out[:, lo - span.lo : hi - span.lo] = self.data[
+                    slots, lo - self.base : hi - self.base
+                ]
+                filled[lo - span.lo : hi - span.lo] = self.filled[lo - self.base : hi - self.base]
+        return out, (np.flatnonzero(~filled) + span.lo).tolist()
+
+    def _count(self, slots: list[int] | slice) -> int:
+        return self.num_layers if isinstance(slots, slice) else len(slots)
+
+    def advance(self, cursor: int) -> None:
+        """Hand over every position below ``cursor``: free it."""
+        if cursor <= self.cursor:
+            return
+        self.cursor = cursor
+        if self.latest is not None and self.latest_position < cursor:
+            self.latest, self.latest_position = None, -1
+        if self.data is None:
+            return
+        shift = cursor - self.base
+        if shift >= self.data.shape[1] or not self.filled[max(shift, 0) :].any():
+            self.data, self.filled = None, np.zeros(0, dtype=bool)
+            self.base = cursor
+        elif shift > 0:
+            self.data = self.data[:, shift:].clone()
+            self.filled = self.filled[shift:].copy()
+            self.base = cursor
+
+
+_UNSEEN = object()
+
+
+class StepRecorder:
+    """Collects per-request rows from the per-layer tap buffers of one worker."""
+
+    def __init__(
+        self, buffers: Sequence[torch.Tensor], layers: Sequence[int], limit_bytes: int = 0
+    ) -> None:
+        if len(buffers) != len(layers):
+            raise ValueError(f"{len(buffers)} buffers for {len(layers)} layers")
+        self.buffers = list(buffers)
+        self.layers = tuple(layers)
+        self.limit_bytes = limit_bytes
+        """Per-request cap on retained bytes (0: none); over it the request fails alone."""
+        self.rows_by_req: dict[str, RequestRows | None] = {}
+        self.rows_by_key: dict[str, RequestRows] = {}
+        self.steps_recorded = 0
+        self.record_ns = 0
+        self.export_ns = 0
+        # GPU: host copies of earlier steps still in flight, settled at the next step.
+        self._in_flight: list[tuple[torch.Tensor, object, list[tuple[RequestRows, int, int, int]]]]
+        self._in_flight = []
+
+    def record(
+        self,
+        req_ids: Sequence[str],
+        query_start: np.ndarray,
+        num_computed: np.ndarray,
+        plan_for: Callable[[str], RequestPlan | None],
+    ) -> None:
+        """Keep this step's wanted rows.
+
+        Args:
+            req_ids: request ids in batch order.
+            query_start: ``[len(req_ids) + 1]`` row offsets of each request in the step.
+            num_computed: ``[len(req_ids)]`` position of each request's first row.
+            plan_for: builds the plan of a request seen for the first time (None: no capture).
+        """
+        started = time.perf_counter_ns()
+        self.steps_recorded += 1
+        self._settle()
+        n = len(req_ids)
+        lo = np.full(n, OPEN, dtype=np.int64)
+        hi = np.zeros(n, dtype=np.int64)
+        owners: list[RequestRows | None] = []
+        for i, req_id in enumerate(req_ids):
+            rows = self.rows_by_req.get(req_id, _UNSEEN)
+            if rows is _UNSEEN:
+                rows = self._start(req_id, plan_for(req_id))
+            owners.append(rows)  # type: ignore[arg-type]
+            if rows is not None and rows.error is None and not rows.closed:  # type: ignore[union-attr]
+                lo[i], hi[i] = _wanted(rows)  # type: ignore[arg-type]
+        starts = query_start[:n].astype(np.int64)
+        n_sched = query_start[1 : n + 1].astype(np.int64) - starts
+        computed = num_computed[:n].astype(np.int64)
+        first = np.clip(lo - computed, 0, n_sched)
+        last = np.clip(hi - computed, 0, n_sched)
+        count = np.maximum(last - first, 0)
+        total = int(count.sum())
+        if total:
+            out_offset = np.cumsum(count) - count
+            index = (
+                np.arange(total, dtype=np.int64)
+                - np.repeat(out_offset, count)
+                + np.repeat(starts + first, count)
+            )
+            staged, ready = self._gather(index)
+            writes = [
+                (owners[i], int(out_offset[i]), int(count[i]), int(computed[i] + first[i]))
+                for i in np.flatnonzero(count)
+            ]
+            self._in_flight.append((staged, ready, writes))  # type: ignore[arg-type]
+            if ready is None:
+                self._settle()
+        self.record_ns += time.perf_counter_ns() - started
+
+    def _start(self, req_id: str, plan: RequestPlan | None) -> RequestRows | None:
+        rows = None
+        if plan is not None and plan.key in self.rows_by_key:
+            rows = self.rows_by_key[plan.key]  # seen before under another engine-side entry
+        elif plan is not None:
+            buf = self.buffers[0]
+            rows = RequestRows(
+                plan.key, plan.keep, (len(self.buffers), buf.shape[1]), buf.dtype, self.limit_bytes
+            )
+            self.rows_by_key[plan.key] = rows
+        self.rows_by_req[req_id] = rows
+        return rows
+
+    def _gather(self, index: np.ndarray) -> tuple[torch.Tensor, object]:
+        """Gather rows of every layer on the device, then one copy to host."""
+        buf0 = self.buffers[0]
+        idx = torch.from_numpy(index).to(buf0.device, non_blocking=True)
+        staged = torch.empty(
+            (len(self.buffers), len(index), buf0.shape[1]), dtype=buf0.dtype, device=buf0.device
+        )
+        for layer_slot, buf in enumerate(self.buffers):
+            torch.index_select(buf, 0, idx, out=staged[layer_slot])
+        if staged.device.type == "cpu":
+            return staged, None
+        host = torch.empty(staged.shape, dtype=staged.dtype, pin_memory=True)
+        host.copy_(staged, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return host, event
+
+    def _settle(self) -> None:
+        """Copy finished host transfers into the requests' own buffers; drop the staging."""
+        for staged, ready, writes in self._in_flight:
+            if ready is not None:
+                ready.synchronize()  # type: ignore[attr-defined]
+            for rows, offset, count, first in writes:
+                rows.write(staged[:, offset : offset + count], first)
+        self._in_flight.clear()
+
+    def export(
+        self, key: str, spans: Sequence[Span], layers: Sequence[int], final: bool
+    ) -> tuple[list[torch.Tensor], list[ExportedSpan], str | None]:
+        """Hand over ``[len(layers), len(span), hidden]`` per span, in order; free them.
+
+        Positions below the highest ``hi`` asked for are freed. ``final`` forgets the request.
+        Returns the tensors, where each span landed (with missing positions), and the
+        request's failure reason, if it failed (its rows are gone).
+        """
+        started = time.perf_counter_ns()
+        self._settle()
+        rows = self.rows_by_key.get(key)
+        slots: list[int] | slice = [self.layers.index(layer) for layer in layers]
+        if slots == list(range(len(self.layers))):
+            slots = slice(None)  # all layers: a view instead of a gather
+        tensors: list[torch.Tensor] = []
+        results: list[ExportedSpan] = []
+        error = rows.error if rows is not None else None
+        hidden = self.buffers[0].shape[1]
+        for span in spans:
+            if rows is None or error is not None:
+                count = len(slots) if isinstance(slots, list) else len(self.layers)
+                out = torch.empty((count, len(span), hidden), dtype=self.buffers[0].dtype)
+                missing = list(range(span.lo, span.hi))
+            else:
+                out, missing = rows.read(span, slots)
+            results.append(ExportedSpan(len(tensors), span.lo, span.hi, missing))
+            tensors.append(out)
+        if rows is not None:
+            if final:
+                self.rows_by_key.pop(key, None)
+                rows.close()
+            elif spans:
+                rows.advance(max(span.hi for span in spans))
+        self.export_ns += time.perf_counter_ns() - started
+        return tensors, results, error
+
+    def forget(self, key_prefixes: Iterable[str]) -> int:
+        """Drop the rows of requests whose stream key starts with any prefix; return how many."""
+        prefixes = tuple(key_prefixes)
+        self._settle()
+        doomed = [k for k in self.rows_by_key if k.startswith(prefixes)]
+        for key in doomed:
+            self.rows_by_key.pop(key).close()
+        return len(doomed)
+
+    def forget_departed(self, live_req_ids: Iterable[str]) -> None:
+        """Drop per-engine-request entries of requests that have left the engine.
+
+        Their rows stay under their stream key until exported or forgotten.
+        """
+        live = set(live_req_ids)
+        for req_id in [r for r in self.rows_by_req if r not in live]:
+            del self.rows_by_req[req_id]
+
+    def retained_bytes(self) -> int:
+        self._settle()
+        return sum(rows.nbytes for rows in self.rows_by_key.values())
+
+    def failed_keys(self) -> dict[str, str]:
+        return {k: r.error for k, r in self.rows_by_key.items() if r.error is not None}
+
+
+def _wanted(rows: RequestRows) -> tuple[int, int]:
+    """Positions this step must copy for a request: its dense span and its latest slot."""
+    keep = rows.keep
+    lo, hi = OPEN, 0
+    if keep.dense is not None:
+        lo, hi = max(keep.dense.lo, rows.cursor), keep.dense.hi
+    if keep.latest_from is not None:
+        lo, hi = min(lo, max(keep.latest_from, rows.cursor)), OPEN
+    return lo, hi

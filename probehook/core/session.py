@@ -1,0 +1,267 @@
+"""The front-end side of capture, shared by every front end (offline ``LLM``, and later
+``AsyncLLM`` and the server): tag requests, map ids, export rows, attach them, discard.
+
+A front end owns one :class:`CaptureSession` and calls it at four points of its request path:
+:meth:`~CaptureSession.tag` before a request enters the engine, :meth:`~CaptureSession.register`
+once the engine has accepted it, :meth:`~CaptureSession.attach` with finished outputs, and
+:meth:`~CaptureSession.abandon` when requests will never be collected. vLLM itself is reached
+only through the callables it is given (worker RPC and engine abort), so this module has no
+vLLM imports.
+
+Ids (one word each, used across probehook):
+
+- *request id*: vLLM's id of a user request, ``RequestOutput.request_id``.
+- *engine id*: vLLM's internal id of the same request (the request id plus a random suffix);
+  the engine's abort takes these.
+- *tag*: probehook's id of a user request, unique in the process; it travels to the worker in
+  ``SamplingParams.extra_args["probehook"]["tag"]``.
+- *stream key*: ``"<tag>/<completion index>"``, one per completion: the worker keeps rows
+  under it.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import logging
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from probehook.capture_config import EXTRA_ARGS_KEY, INTERNAL_KEYS, CaptureConfig
+from probehook.core.spans import completion_spans
+from probehook.core.transport import Spool, read_tensors
+from probehook.errors import CaptureError
+
+logger = logging.getLogger(__name__)
+
+SAMPLING_FIELDS = (
+    "n",
+    "temperature",
+    "top_p",
+    "top_k",
+    "max_tokens",
+    "min_tokens",
+    "seed",
+    "stop",
+    "ignore_eos",
+    "presence_penalty",
+    "frequency_penalty",
+)
+
+Rpc = Callable[[str, tuple], list]
+
+
+@dataclass(frozen=True)
+class RequestTag:
+    """What the front end remembers of one captured request until its output is attached."""
+
+    tag: str
+    engine_id: str
+    config: CaptureConfig | None
+    sampling: dict[str, Any]
+
+
+class FailedCapture(dict):
+    """Stands in for the rows of a request whose capture failed: empty, and any lookup raises
+    :class:`~probehook.errors.CaptureError` with the reason, so the failure is never silent."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__()
+        self.reason = reason
+
+    def __getitem__(self, key: Any) -> Any:
+        raise CaptureError(self.reason)
+
+    def __repr__(self) -> str:
+        return f"FailedCapture({self.reason!r})"
+
+
+class CaptureSession:
+    """Per-front-end capture state: tags, id mapping, export, attach and discard."""
+
+    def __init__(
+        self,
+        config: CaptureConfig,
+        rpc: Rpc,
+        abort: Callable[[list[str]], None],
+        decorate: Callable[[Any], None] = lambda output: None,
+    ) -> None:
+        """
+        Args:
+            config: the engine's capture config.
+            rpc: calls a worker method on every worker; returns their replies.
+            abort: aborts engine requests, given their engine ids.
+            decorate: gives a finished output probehook's output class (aliases, docs).
+        """
+        self.config = config
+        self._rpc = rpc
+        self._abort = abort
+        self._decorate = decorate
+        self._tags = (f"{uuid.uuid4().hex[:8]}-{i}" for i in itertools.count())
+        self.pending: dict[str, RequestTag] = {}  # by request id
+        self.spool = Spool()
+        self.store: Any = None  # the ActivationStore being written, if any
+        self.run_id: str | None = None
+
+    # -- request path ---------------------------------------------------------------------
+
+    def tag(self, params: Any) -> Any:
+        """A copy of ``params`` marked for capture; per-request options are validated here,
+        before anything reaches the engine."""
+        extra = dict(getattr(params, "extra_args", None) or {})
+        options = dict(extra.get(EXTRA_ARGS_KEY) or {})
+        config = self.config.narrow(options)
+        tagged = copy.copy(params)
+        if config is not None:
+            options.update(tag=next(self._tags), n=params.n)
+            extra[EXTRA_ARGS_KEY] = options
+            tagged.extra_args = extra
+            if config.include_prefill:
+                # Cached prompt blocks are never recomputed, so their rows would be missing.
+                tagged.skip_reading_prefix_cache = True
+        return tagged
+
+    def register(self, request_id: str, engine_id: str, params: Any) -> None:
+        """Remember a request the engine accepted (``params`` as returned by :meth:`tag`)."""
+        options = (getattr(params, "extra_args", None) or {}).get(EXTRA_ARGS_KEY) or {}
+        if "tag" not in options:
+            return
+        user = {k: v for k, v in options.items() if k not in INTERNAL_KEYS}
+        sampling = {f: _jsonable(getattr(params, f, None)) for f in SAMPLING_FIELDS}
+        self.pending[request_id] = RequestTag(
+            options["tag"], engine_id, self.config.narrow(user), sampling
+        )
+
+    def attach(self, outputs: Sequence[Any]) -> None:
+        """Fetch the rows of finished outputs in one export and hang them on the outputs."""
+        requests: list[dict[str, Any]] = []
+        targets: list[list[tuple[Any, str]]] = []  # per request: (object, attribute) per span
+        captured: list[tuple[Any, RequestTag]] = []
+        for output in outputs:
+            if not hasattr(output, "outputs") or not getattr(output, "finished", True):
+                continue
+            output.prefill_hidden_states = {}
+            for completion in output.outputs:
+                completion.hidden_states = {}
+            tag = self.pending.pop(output.request_id, None)
+            if tag is not None and tag.config is not None:
+                captured.append((output, tag))
+                prompt_len = len(output.prompt_token_ids or [])
+                for completion in output.outputs:
+                    prefill, decode = completion_spans(
+                        tag.config, prompt_len, len(completion.token_ids), completion.index
+                    )
+                    spans, slots = [], []
+                    if prefill is not None:
+                        spans.append(prefill)
+                        slots.append((output, "prefill_hidden_states"))
+                    if decode is not None:
+                        spans.append(decode)
+                        slots.append((completion, "hidden_states"))
+                    requests.append(
+                        {
+                            "key": f"{tag.tag}/{completion.index}",
+                            "spans": [[s.lo, s.hi] for s in spans],
+                            "layers": list(tag.config.layers),
+                            "final": True,
+                        }
+                    )
+                    targets.append(slots)
+        if requests:
+            self._fetch(requests, targets)
+        for output in outputs:
+            if hasattr(output, "outputs"):
+                first = output.outputs[0] if output.outputs else None
+                output.hidden_states = first.hidden_states if first is not None else {}
+                self._decorate(output)
+        if self.store is not None:
+            from probehook.store.records import pending_request
+
+            for output, tag in captured:
+                if _failed(output):
+                    logger.error("probehook: request %s is not stored.", output.request_id)
+                    continue
+                output.request_id = f"{self.run_id}-{output.request_id}"
+                self.store.add(pending_request(output, tag.sampling, tag.config))
+
+    def _fetch(self, requests: list[dict[str, Any]], targets: list[list[tuple[Any, str]]]) -> None:
+        reply = next(
+            r
+            for r in self._rpc("probehook_export", (self.spool.new_paths(), requests))
+            if r is not None
+        )
+        tensors: list[torch.Tensor] = []
+        if reply["entries"]:
+            if not self.spool.owns(reply["path"]):
+                raise CaptureError(f"The worker answered with a path outside the spool: {reply}")
+            tensors = read_tensors(reply["path"], reply["entries"])
+        failures: dict[str, str] = reply["failures"]
+        by_key: dict[str, list[dict[str, Any]]] = {}
+        for span in reply["spans"]:
+            by_key.setdefault(span["key"], []).append(span)
+        broken = [
+            s
+            for key, spans in by_key.items()
+            if key not in failures
+            for s in spans
+            if s["num_missing"]
+        ]
+        if broken:
+            s = broken[0]
+            raise CaptureError(
+                f"Stream {s['key']} is missing {s['num_missing']} captured row(s) at "
+                f"positions {s['missing']} (asked for {s['lo']}..{s['hi'] - 1}); "
+                f"{len(broken)} span(s) are incomplete in all. This is a probehook bug: "
+                "please report it with the engine arguments."
+            )
+        for request, slots in zip(requests, targets, strict=True):
+            key = request["key"]
+            if key in failures:
+                self._fail(slots, f"Capture of stream {key} failed: {failures[key]}")
+                continue
+            for (target, attribute), span in zip(slots, by_key[key], strict=True):
+                tensor = tensors[span["tensor_index"]]
+                setattr(target, attribute, dict(zip(request["layers"], tensor, strict=True)))
+
+    def _fail(self, slots: list[tuple[Any, str]], reason: str) -> None:
+        logger.error("probehook: %s", reason)
+        for target, attribute in slots:
+            setattr(target, attribute, FailedCapture(reason))
+            target.capture_error = reason
+
+    # -- requests that will never be collected --------------------------------------------
+
+    def abandon(self, request_ids: Sequence[str] | None = None, *, abort: bool = True) -> None:
+        """Forget pending requests (all when ``request_ids`` is None) and free their rows.
+
+        With ``abort``, the engine requests are aborted too, so they stop running and never
+        come back as outputs of a later call.
+        """
+        ids = list(self.pending) if request_ids is None else list(request_ids)
+        tags = [self.pending.pop(i) for i in ids if i in self.pending]
+        if not tags:
+            return
+        if abort:
+            self._abort([t.engine_id for t in tags])
+        self._rpc("probehook_forget", ([f"{t.tag}/" for t in tags],))
+
+    def close(self) -> None:
+        self.spool.remove()
+
+
+def _failed(output: Any) -> bool:
+    return isinstance(output.prefill_hidden_states, FailedCapture) or any(
+        isinstance(c.hidden_states, FailedCapture) for c in output.outputs
+    )
+
+
+def _jsonable(value: Any) -> Any:
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    if isinstance(value, list | tuple):
+        return [_jsonable(v) for v in value]
+    return str(value)

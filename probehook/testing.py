@@ -184,33 +184,6 @@ def assert_matches_hf(
             assert diff <= tol, f"prefill layer {layer}: max abs diff {diff}"
 
 
-# --- worker-side helpers for tests, sent with collective_rpc -------------------------------
-
-
-def install_forward_counter(worker: Any) -> None:
-    """Count forward passes of the worker's model independently of probehook (eager only:
-    compiled graphs skip Python hooks)."""
-    from probehook.adapter.loader import locate_layers
-
-    model = worker.model_runner.get_model()
-    if getattr(model, "test_forward_count", None) is None:
-        model.test_forward_count = 0
-
-        def count(*_: Any) -> None:
-            model.test_forward_count += 1
-
-        locate_layers(model)[1][0].register_forward_pre_hook(count)
-
-
-def forward_count(worker: Any) -> int:
-    return int(worker.model_runner.get_model().test_forward_count)
-
-
-def runner_class(worker: Any) -> str:
-    runner = worker.model_runner
-    return f"{type(runner).__module__}.{type(runner).__name__}"
-
-
 def worker_stats(llm: Any) -> dict[str, int]:
     """probehook's counters from the collecting worker (rank 0)."""
     return next(s for s in llm.collective_rpc("probehook_stats") if s is not None)

@@ -192,6 +192,7 @@ class StepHook:
         self.armed = False
         self.steps = 0  # execute_model calls since attach (for the benchmark)
         self.step_ns = 0  # their wall time
+        self.forwards = 0  # of those, the ones the scheduler gave tokens: forward passes
 
     def attach(self, runner: Any, on_step: Callable[[], None]) -> None:
         if self.on_step is not None:
@@ -201,6 +202,9 @@ class StepHook:
         original = runner.execute_model
 
         def execute_model(*args: Any, **kwargs: Any) -> Any:
+            scheduled = args[0] if args else kwargs.get("scheduler_output")
+            if getattr(scheduled, "total_num_scheduled_tokens", 0) > 0:
+                self.forwards += 1
             self.armed = True
             started = time.perf_counter_ns()
             try:

@@ -104,6 +104,8 @@ class LLM(vllm.LLM):
         infos = [info for info in self.collective_rpc("probehook_attach", args=(limit,)) if info]
         if not infos:
             raise CaptureError("No vLLM worker reported probehook taps.")
+        self.capture_info: dict[str, Any] = infos[0]
+        """Layers, hidden size, dtype and model runner class of the tapped worker."""
         self.capture = CaptureSession(
             self.capture_config,
             rpc=lambda method, args: self.collective_rpc(method, args=args),

@@ -41,6 +41,7 @@ class ProbehookWorkerExtension:
             "layers": list(recorder.layers),
             "hidden_size": int(buf.shape[1]),
             "dtype": str(buf.dtype),
+            "runner": f"{type(runner).__module__}.{type(runner).__name__}",
         }
 
     def probehook_export(self, paths: list[str], requests: list[dict[str, Any]]) -> dict | None:
@@ -98,5 +99,6 @@ class ProbehookWorkerExtension:
             "record_ns": recorder.record_ns,
             "export_ns": recorder.export_ns,
             "steps": hook.steps,
+            "forwards": hook.forwards,
             "step_ns": hook.step_ns,
         }

@@ -73,7 +73,7 @@ def compiled_llm(llama_dir: Path) -> Iterator[object]:
         **ENGINE_DEFAULTS,
     )
     yield llm
-    del llm
+    llm.shutdown()
 
 
 @pytest.fixture(scope="session")
@@ -84,4 +84,4 @@ def eager_llm(llama_dir: Path) -> Iterator[object]:
         str(llama_dir), layers=[0, 2], include_prefill=True, enforce_eager=True, **ENGINE_DEFAULTS
     )
     yield llm
-    del llm
+    llm.shutdown()

@@ -68,7 +68,7 @@ def test_plain_llm_outputs_have_empty_dicts(llama_dir: Path, engine_defaults: di
         assert out.hidden_states == {} and out.prefill_hidden_states == {}
         assert out.outputs[0].hidden_states == {}
     finally:
-        del llm
+        llm.shutdown()
 
 
 def test_chat_captures(eager_llm, llama_dir: Path) -> None:
@@ -95,4 +95,4 @@ def test_pooling_models_work_without_capture(llama_dir: Path, engine_defaults: d
         (out,) = llm.embed(["12+34="], use_tqdm=False)
         assert len(out.outputs.embedding) == 128
     finally:
-        del llm
+        llm.shutdown()

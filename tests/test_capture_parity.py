@@ -61,4 +61,4 @@ def test_qwen2_gqa_matches_hf(qwen2_gqa_dir: Path, engine_defaults: dict) -> Non
         for out in outs:
             assert_matches_hf(qwen2_gqa_dir, out, [1, 2])
     finally:
-        del llm
+        llm.shutdown()

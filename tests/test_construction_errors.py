@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -67,10 +68,23 @@ def test_incompatible_engine_arguments(llm_cls, llama_dir: Path, kwargs, match) 
         llm_cls(str(llama_dir), layers=[0], **kwargs)
 
 
-def test_forced_model_runner_v2_is_refused(llm_cls, llama_dir: Path, monkeypatch) -> None:
-    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
-    with pytest.raises(CaptureConfigError, match="Model Runner V2"):
+@pytest.mark.parametrize(
+    ("value", "match"), [("1", "forces vLLM's Model Runner V2"), ("yes", "not 0 or 1")]
+)
+def test_forced_model_runner_v2_is_refused(
+    llm_cls, llama_dir: Path, monkeypatch, value: str, match: str
+) -> None:
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", value)
+    with pytest.raises(CaptureConfigError, match=match):
         llm_cls(str(llama_dir), layers=[0])
+    assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == value
+
+
+def test_runner_setting_is_restored_when_construction_fails(llm_cls, llama_dir: Path) -> None:
+    assert "VLLM_USE_V2_MODEL_RUNNER" not in os.environ
+    with pytest.raises(CaptureConfigError, match="pipeline_parallel_size"):
+        llm_cls(str(llama_dir), layers=[0], pipeline_parallel_size=2)
+    assert "VLLM_USE_V2_MODEL_RUNNER" not in os.environ
 
 
 def test_unreadable_runner_is_a_clear_error() -> None:

@@ -59,7 +59,7 @@ def test_generate_streams_into_store(
             assert digest(stored.prefill_hidden_states) == digest(out.prefill_hidden_states)
         assert reader.info()["shards"] >= 2
     finally:
-        del llm
+        llm.shutdown()
     with pytest.raises(StoreFormatError, match="model_fingerprint"):
         ActivationStore.for_writing(path, {**reader.meta, "model_fingerprint": "other"})
 

@@ -177,8 +177,49 @@ def test_request_over_the_memory_limit_fails_alone(eager_llm, llama_dir: Path) -
     assert_clean(eager_llm)
 
 
-def test_v1_runner_selected(eager_llm) -> None:
+def test_v1_runner_selected_for_the_engine_only(eager_llm) -> None:
+    """The engine's processes were started with V1; this process's setting is untouched, so a
+    plain vllm.LLM built later chooses its runner as usual."""
     import os
 
-    assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "0"
+    import vllm.envs
+
+    assert eager_llm.capture_info["runner_env"] == "0"
     assert eager_llm.capture_info["runner"].startswith("vllm.v1.worker.cpu_model_runner")
+    assert "VLLM_USE_V2_MODEL_RUNNER" not in os.environ
+    assert vllm.envs.VLLM_USE_V2_MODEL_RUNNER is None
+
+
+def test_v2_only_request_option_is_refused_before_generation(eager_llm) -> None:
+    from probehook import SamplingParams
+
+    params = SamplingParams(max_tokens=2, prompt_logprob_token_ids=[[1, 2, 3]])
+    with pytest.raises(CaptureConfigError, match="prompt_logprob_token_ids.*V2"):
+        eager_llm.generate(["1+2="], params, use_tqdm=False)
+    assert_clean(eager_llm)
+
+
+def test_rows_travel_through_disk_when_shm_is_full(eager_llm, llama_dir: Path) -> None:
+    """The worker gets ENOSPC from the first export path (a link to /dev/full, as a full
+    /dev/shm answers) and writes the same rows to the disk path; they still equal HF."""
+    spool = eager_llm.capture.spool
+    real_new_paths = spool.new_paths
+    used: list[str] = []
+
+    def full_shm_first() -> list[str]:
+        shm, disk = real_new_paths()
+        Path(shm).symlink_to("/dev/full")
+        used.extend([shm, disk])
+        return [shm, disk]
+
+    spool.new_paths = full_shm_first
+    try:
+        outs = eager_llm.generate(["12+34=", "5+6="], greedy(max_tokens=5), use_tqdm=False)
+    finally:
+        del spool.new_paths
+    assert used, "no export happened"
+    for out in outs:
+        assert_matches_hf(llama_dir, out, LAYERS)
+    # The worker removed each failed shm file; the front end unlinked each disk file it read.
+    assert not any(Path(p).is_symlink() or Path(p).exists() for p in used)
+    assert_clean(eager_llm)

@@ -9,8 +9,10 @@ arguments (``EngineArgs.create_engine_config``), not on the raw keyword argument
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+from collections.abc import Iterator
 from typing import Any
 
 from probehook.adapter import loader
@@ -35,28 +37,49 @@ WORKER_EXTENSION = "probehook.adapter.worker.ProbehookWorkerExtension"
 
 
 RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
+_logged_runner_choice = False
 
 
-def select_runner() -> None:
-    """Make vLLM use its V1 model runner, which probehook reads; refuse a forced V2.
+@contextlib.contextmanager
+def v1_runner() -> Iterator[None]:
+    """Build the engine inside this block with vLLM's V1 model runner, which probehook reads.
 
-    vLLM reads ``VLLM_USE_V2_MODEL_RUNNER`` lazily, in the front end (per-request validation)
-    and in the worker processes it spawns, so the variable is set for the rest of the process.
+    vLLM decides the runner from ``VLLM_USE_V2_MODEL_RUNNER`` while it resolves the config and
+    when its engine-core and worker processes start (they inherit the environment at spawn
+    and cache it). So the variable is set to 0 for the block only, and restored afterwards: a
+    plain ``vllm.LLM`` built later in this process chooses its runner as usual. A forced V2
+    (``=1``) is refused, since probehook cannot read it yet.
     """
+    global _logged_runner_choice
     value = os.environ.get(RUNNER_ENV)
-    if value is not None and value.strip().lower() in ("1", "true"):
-        raise CaptureConfigError(
-            f"{RUNNER_ENV}={value!r} forces vLLM's Model Runner V2, which probehook cannot "
-            "read yet (it has no input_batch / requests / query_start_loc). Unset it, or set "
-            "it to 0, to capture; or pass layers=None to run V2 without capture."
-        )
-    if value is None:
-        os.environ[RUNNER_ENV] = "0"
+    if value is not None:
+        try:
+            forced_v2 = bool(int(value))
+        except ValueError:
+            raise CaptureConfigError(
+                f"{RUNNER_ENV}={value!r} is not 0 or 1 (vLLM reads it as an int). Unset it, or "
+                "set it to 0, to capture."
+            ) from None
+        if forced_v2:
+            raise CaptureConfigError(
+                f"{RUNNER_ENV}={value!r} forces vLLM's Model Runner V2, which probehook cannot "
+                "read yet (it has no input_batch / requests / query_start_loc). Unset it, or "
+                "set it to 0, to capture; or pass layers=None to run V2 without capture."
+            )
+        yield  # the user chose V1 already
+        return
+    if not _logged_runner_choice:
         logger.info(
-            "probehook: capture reads vLLM's V1 model runner; set %s=0 for this process "
-            "(a plain vllm.LLM built later in it uses V1 as well).",
+            "probehook: capture reads vLLM's V1 model runner; this engine is built with "
+            "%s=0 (the process's setting is restored afterwards).",
             RUNNER_ENV,
         )
+        _logged_runner_choice = True
+    os.environ[RUNNER_ENV] = "0"
+    try:
+        yield
+    finally:
+        os.environ.pop(RUNNER_ENV, None)
 
 
 def resolve_vllm_config(model: str, kwargs: dict[str, Any]) -> Any:

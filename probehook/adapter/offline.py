@@ -86,21 +86,21 @@ class LLM(vllm.LLM):
             super().__init__(model=model, **kwargs)
             return
         limit = _check_limit(max_request_capture_bytes)
-        engine_config.select_runner()
-        resolved = engine_config.resolve_vllm_config(model, kwargs)
-        num_layers = engine_config.check_engine(resolved)
-        self.capture_config = CaptureConfig(
-            layers=resolve_layers(layers, num_layers),
-            include_prefill=include_prefill,
-            include_decode=include_decode,
-            last_prefill_token=last_prefill_token,
-            last_decode_token=last_decode_token,
-        )
-        kwargs = engine_config.capture_engine_kwargs(kwargs, self.capture_config)
-        fingerprint = model_fingerprint(resolved.model_config.hf_config)
-        if store is not None:  # fail before a minute of engine start-up, not after
-            ActivationStore.check_appendable(store, {"model_fingerprint": fingerprint})
-        super().__init__(model=model, **kwargs)
+        with engine_config.v1_runner():
+            resolved = engine_config.resolve_vllm_config(model, kwargs)
+            num_layers = engine_config.check_engine(resolved)
+            self.capture_config = CaptureConfig(
+                layers=resolve_layers(layers, num_layers),
+                include_prefill=include_prefill,
+                include_decode=include_decode,
+                last_prefill_token=last_prefill_token,
+                last_decode_token=last_decode_token,
+            )
+            kwargs = engine_config.capture_engine_kwargs(kwargs, self.capture_config)
+            fingerprint = model_fingerprint(resolved.model_config.hf_config)
+            if store is not None:  # fail before a minute of engine start-up, not after
+                ActivationStore.check_appendable(store, {"model_fingerprint": fingerprint})
+            super().__init__(model=model, **kwargs)
         infos = [info for info in self.collective_rpc("probehook_attach", args=(limit,)) if info]
         if not infos:
             raise CaptureError("No vLLM worker reported probehook taps.")

@@ -6,6 +6,7 @@ through ``probehook.core.transport`` as raw bytes.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from probehook.adapter import runner_v1
@@ -42,6 +43,8 @@ class ProbehookWorkerExtension:
             "hidden_size": int(buf.shape[1]),
             "dtype": str(buf.dtype),
             "runner": f"{type(runner).__module__}.{type(runner).__name__}",
+            # What this worker process inherited (probehook sets 0 while the engine starts).
+            "runner_env": os.environ.get("VLLM_USE_V2_MODEL_RUNNER"),
         }
 
     def probehook_export(self, paths: list[str], requests: list[dict[str, Any]]) -> dict | None:

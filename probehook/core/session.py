@@ -35,7 +35,7 @@ import torch
 from probehook.capture_config import EXTRA_ARGS_KEY, INTERNAL_KEYS, CaptureConfig
 from probehook.core.spans import completion_spans
 from probehook.core.transport import Spool, read_tensors
-from probehook.errors import CaptureError
+from probehook.errors import CaptureConfigError, CaptureError
 
 logger = logging.getLogger(__name__)
 
@@ -117,6 +117,13 @@ class CaptureSession:
         extra = dict(getattr(params, "extra_args", None) or {})
         options = dict(extra.get(EXTRA_ARGS_KEY) or {})
         config = self.config.narrow(options)
+        if config is not None and getattr(params, "prompt_logprob_token_ids", None) is not None:
+            raise CaptureConfigError(
+                "prompt_logprob_token_ids needs vLLM's Model Runner V2, and capture runs the V1 "
+                "runner. Use prompt_logprobs=k instead, switch capture off for this request "
+                '(extra_args={"probehook": {"include_prefill": False, "include_decode": False}}), '
+                "or build an LLM with layers=None."
+            )
         tagged = copy.copy(params)
         if config is not None:
             options.update(tag=next(self._tags), n=params.n)

@@ -1,0 +1,77 @@
+"""The worker-to-front-end transport: raw bytes, and a disk fallback when /dev/shm is full.
+
+A symlink to ``/dev/full`` stands in for a full tmpfs: the kernel answers every write to it
+with ENOSPC, exactly what a full ``/dev/shm`` answers.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+from probehook.core import transport
+
+
+@pytest.fixture()
+def full_and_disk(tmp_path: Path, monkeypatch) -> tuple[Path, Path]:
+    if not Path("/dev/full").exists():
+        pytest.skip("/dev/full is missing on this machine")  # Linux always has it
+    monkeypatch.setattr(transport, "_warned_fallback", False)
+    (tmp_path / "shm").mkdir()
+    (tmp_path / "disk").mkdir()
+    full = tmp_path / "shm" / "export.bin"
+    full.symlink_to("/dev/full")
+    return full, tmp_path / "disk" / "export.bin"
+
+
+def tensors() -> list[torch.Tensor]:
+    return [
+        torch.randn(2, 3, 8),
+        torch.arange(12, dtype=torch.bfloat16).view(3, 4),
+        torch.empty(2, 0, 8),
+    ]
+
+
+def test_round_trip_is_exact(tmp_path: Path) -> None:
+    sent = tensors()
+    path = str(tmp_path / "export.bin")
+    got = transport.read_tensors(path, transport.write_tensors(path, sent))
+    assert not Path(path).exists()  # unlinked once mapped
+    for a, b in zip(sent, got, strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+def test_full_shm_falls_back_to_disk_and_says_so_once(full_and_disk, caplog) -> None:
+    full, disk = full_and_disk
+    sent = tensors()
+    with caplog.at_level(logging.WARNING, logger=transport.__name__):
+        path, entries = transport.write_tensors_with_fallback([str(full), str(disk)], sent)
+        assert path == str(disk)
+        assert not full.is_symlink()  # the failed file is removed
+        for a, b in zip(sent, transport.read_tensors(path, entries), strict=True):
+            assert torch.equal(a, b)
+        full.symlink_to("/dev/full")
+        transport.write_tensors_with_fallback([str(full), str(disk)], sent)
+    warnings = [r for r in caplog.records if "is full" in r.getMessage()]
+    assert len(warnings) == 1
+    assert "--shm-size" in warnings[0].getMessage()
+
+
+def test_no_room_anywhere_raises(full_and_disk) -> None:
+    full, _ = full_and_disk
+    with pytest.raises(OSError) as err:
+        transport.write_tensors_with_fallback([str(full)], tensors())
+    assert err.value.errno == errno.ENOSPC
+
+
+def test_other_errors_are_not_hidden_by_the_fallback(tmp_path: Path) -> None:
+    missing_dir = tmp_path / "gone" / "export.bin"
+    with pytest.raises(FileNotFoundError):
+        transport.write_tensors_with_fallback(
+            [str(missing_dir), str(tmp_path / "export.bin")], tensors()
+        )
+    assert not (tmp_path / "export.bin").exists()

@@ -59,23 +59,23 @@ class RequestRows:
         self.limit = limit
         self.cursor = 0  # positions below were handed over and freed
         self.base = keep.dense.lo if keep.dense is not None else 0
-        self.data: torch.Tensor | None = None  # [layers, capacity, hidden]; slot = pos - base
+        # Host rows are numpy arrays (bfloat16 as its int16 bits): a numpy slice copy costs
+        # about a microsecond, a torch one several, and the recorder does one per request
+        # per step.
+        self.data: np.ndarray | None = None  # [layers, capacity, hidden]; slot = pos - base
         self.filled = np.zeros(0, dtype=bool)
-        self.latest: torch.Tensor | None = None  # [layers, hidden]
+        self.latest: np.ndarray | None = None  # [layers, hidden]
         self.latest_position = -1
         self.error: str | None = None
         self.closed = False  # exported for the last time or forgotten: ignore late steps
 
     @property
     def nbytes(self) -> int:
-        total = 0
-        for t in (self.data, self.latest):
-            if t is not None:
-                total += t.numel() * t.element_size()
-        return total
+        return sum(a.nbytes for a in (self.data, self.latest) if a is not None)
 
-    def write(self, rows: torch.Tensor, first: int) -> None:
-        """Store ``rows`` (``[layers, count, hidden]``) for positions ``first, first + 1, ...``."""
+    def write(self, rows: np.ndarray, first: int) -> None:
+        """Store ``rows`` (``[layers, count, hidden]``, host numpy as from :func:`host_view`)
+        for positions ``first, first + 1, ...``."""
         if self.error is not None or self.closed:
             return
         end = first + rows.shape[1]
@@ -83,8 +83,8 @@ class RequestRows:
         # Only the highest position is kept; recompute after preemption never moves it back.
         if keep.latest_from is not None and end - 1 >= max(keep.latest_from, self.latest_position):
             if self.latest is None:
-                self.latest = torch.empty((self.num_layers, self.hidden), dtype=self.dtype)
-            self.latest.copy_(rows[:, -1])
+                self.latest = np.empty((self.num_layers, self.hidden), dtype=rows.dtype)
+            self.latest[...] = rows[:, -1]
             self.latest_position = end - 1
         if keep.dense is None:
             return
@@ -92,12 +92,14 @@ class RequestRows:
         hi = min(end, keep.dense.hi)
         if lo >= hi:
             return
-        if not self._reserve(hi - self.base):
+        if (self.data is None or hi - self.base > self.data.shape[1]) and not self._reserve(
+            hi - self.base, rows.dtype
+        ):
             return
         self.data[:, lo - self.base : hi - self.base] = rows[:, lo - first : hi - first]  # type: ignore[index]
         self.filled[lo - self.base : hi - self.base] = True
 
-    def _reserve(self, slots: int) -> bool:
+    def _reserve(self, slots: int, dtype: np.dtype) -> bool:
         capacity = 0 if self.data is None else self.data.shape[1]
         if slots <= capacity:
             return True
@@ -106,7 +108,7 @@ class RequestRows:
         new_capacity = max(slots, 2 * capacity, MIN_CAPACITY)
         if dense.hi != OPEN:
             new_capacity = min(new_capacity, dense.hi - self.base)
-        row_bytes = self.num_layers * self.hidden * torch.empty((), dtype=self.dtype).element_size()
+        row_bytes = self.num_layers * self.hidden * dtype.itemsize
         if self.limit and new_capacity * row_bytes > self.limit:
             new_capacity = max(slots, self.limit // row_bytes)
             if new_capacity * row_bytes > self.limit:
@@ -117,7 +119,7 @@ class RequestRows:
                     "last_prefill_token."
                 )
                 return False
-        grown = torch.empty((self.num_layers, new_capacity, self.hidden), dtype=self.dtype)
+        grown = np.empty((self.num_layers, new_capacity, self.hidden), dtype=dtype)
         filled = np.zeros(new_capacity, dtype=bool)
         if self.data is not None:
             grown[:, :capacity] = self.data
@@ -146,13 +148,13 @@ class RequestRows:
             and span.lo == self.latest_position
             and span.lo >= self.cursor
         ):
-            out[:, 0] = self.latest[slots]
+            host_view(out)[:, 0] = self.latest[slots]
             filled[0] = True
         elif self.data is not None:
             lo = max(span.lo, self.base, self.cursor)
             hi = min(span.hi, self.base + self.data.shape[1])
             if lo < hi:
-                out[:, lo - span.lo : hi - span.lo] = self.data[
+                host_view(out)[:, lo - span.lo : hi - span.lo] = self.data[
                     slots, lo - self.base : hi - self.base
                 ]
                 filled[lo - span.lo : hi - span.lo] = self.filled[lo - self.base : hi - self.base]
@@ -175,7 +177,7 @@ class RequestRows:
             self.data, self.filled = None, np.zeros(0, dtype=bool)
             self.base = cursor
         elif shift > 0:
-            self.data = self.data[:, shift:].clone()
+            self.data = self.data[:, shift:].copy()
             self.filled = self.filled[shift:].copy()
             self.base = cursor
 
@@ -292,8 +294,9 @@ class StepRecorder:
         for staged, ready, writes in self._in_flight:
             if ready is not None:
                 ready.synchronize()  # type: ignore[attr-defined]
+            host = host_view(staged)
             for rows, offset, count, first in writes:
-                rows.write(staged[:, offset : offset + count], first)
+                rows.write(host[:, offset : offset + count], first)
         self._in_flight.clear()
 
     def export(
@@ -357,6 +360,11 @@ class StepRecorder:
 
     def failed_keys(self) -> dict[str, str]:
         return {k: r.error for k, r in self.rows_by_key.items() if r.error is not None}
+
+
+def host_view(t: torch.Tensor) -> np.ndarray:
+    """A numpy view of a host tensor; bfloat16, which numpy lacks, as its int16 bits."""
+    return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
 
 
 def _wanted(rows: RequestRows) -> tuple[int, int]:

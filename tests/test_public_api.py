@@ -1,0 +1,50 @@
+"""The top-level names a user types, and tab completion for the lazy ones."""
+
+from __future__ import annotations
+
+import probehook
+
+PUBLIC = [
+    "LLM",
+    "SamplingParams",
+    "CaptureConfig",
+    "ActivationStore",
+    "LayerMatrix",
+    "StoredRequest",
+    "FailedCapture",
+    "CaptureConfigError",
+    "CaptureError",
+    "ProbehookError",
+    "StoreError",
+    "StoreFormatError",
+    "UnsupportedModelError",
+    "tiny_model_path",
+]
+
+
+def test_every_public_name_imports_from_the_top_level() -> None:
+    from probehook import ActivationStore, FailedCapture, StoreError  # noqa: F401
+
+    for name in PUBLIC:
+        assert getattr(probehook, name) is not None, name
+        assert name in probehook.__all__, name
+
+
+def test_tab_completion_lists_the_lazy_names() -> None:
+    listed = dir(probehook)
+    for name in PUBLIC:
+        assert name in listed, name
+
+
+def test_unknown_name_is_a_clear_attribute_error() -> None:
+    import pytest
+
+    with pytest.raises(AttributeError, match="has no attribute 'ActivationStor'"):
+        probehook.ActivationStor  # noqa: B018
+
+
+def test_errors_are_one_family() -> None:
+    for name in PUBLIC:
+        value = getattr(probehook, name)
+        if name.endswith("Error"):
+            assert issubclass(value, probehook.ProbehookError), name

@@ -1,4 +1,5 @@
-"""The ``probehook`` command line: ``probehook capture ...`` and ``probehook store info PATH``."""
+"""The ``probehook`` command line: ``probehook capture ...`` and ``probehook store info | fsck |
+compact PATH``."""
 
 from __future__ import annotations
 
@@ -86,6 +87,36 @@ def cmd_store_info(args: argparse.Namespace) -> None:
         print(f"{key:>12}: {value}")
 
 
+def cmd_store_fsck(args: argparse.Namespace) -> None:
+    from probehook.errors import StoreError, StoreFormatError
+    from probehook.store import ActivationStore
+    from probehook.store.maintenance import fsck
+
+    try:
+        ActivationStore.open(args.path)  # a clear error if it is not a store
+        report = fsck(args.path, repair=args.repair)
+    except (StoreError, StoreFormatError) as e:
+        raise SystemExit(f"error: {e}") from e
+    print("\n".join(report.lines()))
+    if not report.ok:
+        raise SystemExit(1)
+
+
+def cmd_store_compact(args: argparse.Namespace) -> None:
+    from probehook.errors import StoreError, StoreFormatError
+    from probehook.store.maintenance import compact
+
+    try:
+        report = compact(args.path, shard_bytes=args.shard_bytes)
+    except (StoreError, StoreFormatError) as e:
+        raise SystemExit(f"error: {e}") from e
+    print(
+        f"{report.shards_before} shards -> {report.shards_after} ({report.merged} merged, "
+        f"{report.bytes_after:,} bytes)"
+        + (f"; previous manifest kept as {report.backup}" if report.backup else "")
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="probehook", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -102,11 +133,28 @@ def main(argv: list[str] | None = None) -> None:
     cap.add_argument("--max-model-len", type=int, default=None)
     cap.add_argument("--eager", action="store_true", help="enforce_eager (faster start-up)")
     cap.set_defaults(func=cmd_capture)
-    store = sub.add_parser("store", help="inspect a store")
+    store = sub.add_parser("store", help="inspect, check and compact a store")
     store_sub = store.add_subparsers(dest="store_command", required=True)
     info = store_sub.add_parser("info", help="summary of a store")
     info.add_argument("path")
     info.set_defaults(func=cmd_store_info)
+    check = store_sub.add_parser(
+        "fsck", help="check a store; --repair keeps every verifiable record"
+    )
+    check.add_argument("path")
+    check.add_argument(
+        "--repair",
+        action="store_true",
+        help="rewrite a damaged manifest keeping every verifiable record (the old one is kept) "
+        "and remove interrupted writes; takes the writer lock",
+    )
+    check.set_defaults(func=cmd_store_fsck)
+    merge = store_sub.add_parser("compact", help="merge small shards into large ones")
+    merge.add_argument("path")
+    merge.add_argument(
+        "--shard-bytes", type=int, default=1 << 30, help="target shard size (default 1 GiB)"
+    )
+    merge.set_defaults(func=cmd_store_compact)
     args = parser.parse_args(argv)
     args.func(args)
 

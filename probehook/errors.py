@@ -27,3 +27,8 @@ class StoreError(ProbehookError, OSError):
 
 class StoreFormatError(ProbehookError, ValueError):
     """A path is not an activation store, or was written by an incompatible version."""
+
+
+class StoreCorruptError(StoreFormatError):
+    """The store's manifest has a damaged line before good ones; appending would lose records.
+    ``probehook store fsck PATH --repair`` rewrites it keeping every verifiable record."""

@@ -49,10 +49,13 @@ def test_generate_streams_into_store(
         second = llm.generate(["1+2="], params, use_tqdm=False)
         # Durable as soon as generate() returned: an independent reader sees every request.
         reader = ActivationStore.open(path)
-        ids = [o.request_id for o in first + second]
+        ids = [o.store_id for o in first + second]
         assert len(set(ids)) == 3 and all(i in reader for i in ids)
+        # vLLM's request ids are left alone: the store's id is a separate attribute.
+        assert [o.request_id for o in first + second] == ["0", "1", "2"]
         for out in first + second:
-            stored = reader[out.request_id]
+            stored = reader[out.store_id]
+            assert stored.request_id == out.request_id
             assert stored.prompt == out.prompt
             assert stored.output_token_ids == list(out.outputs[0].token_ids)
             assert digest(stored.hidden_states) == digest(out.hidden_states)
@@ -81,7 +84,7 @@ CHILD = textwrap.dedent("""
         params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
         for batch in range(1000):
             outs = llm.generate([f"{batch}+{i}=" for i in range(8)], params, use_tqdm=False)
-            acked = {o.request_id: digest(o.hidden_states) for o in outs}
+            acked = {o.store_id: digest(o.hidden_states) for o in outs}
             print("ACK " + json.dumps(acked), flush=True)
 """)
 
@@ -114,8 +117,8 @@ def test_kill_9_keeps_every_returned_request(llama_dir: Path, tmp_path: Path) ->
         child.wait()
     assert len(acked) >= 24, "the child did not get far enough to test anything"
     reopened = ActivationStore.open(store)  # must not raise
-    for request_id, expected in acked.items():
-        assert digest(reopened[request_id].hidden_states) == expected
+    for store_id, expected in acked.items():
+        assert digest(reopened[store_id].hidden_states) == expected
     # Whatever else is in the store is complete, never garbage.
     for record in reopened.requests:
         assert len(record.hidden_states[0]) == len(record.output_token_ids)

@@ -42,7 +42,8 @@ class LLM(vllm.LLM):
         last_decode_token: keep only the last decode row.
         store: a directory (``str`` or ``os.PathLike``); every captured request is streamed
             into an :class:`~probehook.store.ActivationStore` there while generation runs, and
-            is durable once ``generate()`` returns. Output request ids become store-unique.
+            is durable once ``generate()`` returns. Each stored output gets ``store_id``, its
+            key in the store (vLLM's ``request_id`` is left as it is).
         store_options: ``shard_bytes``, ``compression`` ("gzip", "lzf" or None) and
             ``max_queue_bytes`` (the write queue bound that applies backpressure).
         max_request_capture_bytes: the most bytes of rows the worker keeps for one request
@@ -131,7 +132,7 @@ class LLM(vllm.LLM):
         }
         self.store = ActivationStore.for_writing(path, meta, **options)
         self.capture.store = self.store
-        self.capture.run_id = self.store.begin_run({"capture": self.capture_config.to_dict()})
+        self.store.begin_run({"capture": self.capture_config.to_dict()})
         weakref.finalize(self, self.store.close)
 
     # -- vLLM's offline request path ------------------------------------------------------
@@ -235,6 +236,7 @@ def _empty_rows(output: Any) -> None:
     for completion in getattr(output, "outputs", ()):
         completion.hidden_states = {}
     output.hidden_states = {}
+    output.store_id = None
     outputs.decorate(output)
 
 

@@ -32,6 +32,9 @@ class CapturedRequestOutput(RequestOutput):
 
     hidden_states: Rows
     prefill_hidden_states: Rows
+    store_id: str | None
+    """The request's key in the activation store (``store[store_id]``); None when it was not
+    stored (no store, capture switched off, or its capture failed)."""
 
     @property
     def hidden(self) -> Rows:

@@ -106,7 +106,6 @@ class CaptureSession:
         self.pending: dict[str, RequestTag] = {}  # by request id
         self.spool = Spool()
         self.store: Any = None  # the ActivationStore being written, if any
-        self.run_id: str | None = None
         self.attach_ns = 0  # front-end time spent attaching rows (for the benchmark)
 
     # -- request path ---------------------------------------------------------------------
@@ -188,6 +187,7 @@ class CaptureSession:
             if hasattr(output, "outputs"):
                 first = output.outputs[0] if output.outputs else None
                 output.hidden_states = first.hidden_states if first is not None else {}
+                output.store_id = None
                 self._decorate(output)
         if self.store is not None:
             from probehook.store.records import pending_request
@@ -196,8 +196,8 @@ class CaptureSession:
                 if _failed(output):
                     logger.error("probehook: request %s is not stored.", output.request_id)
                     continue
-                output.request_id = f"{self.run_id}-{output.request_id}"
-                self.store.add(pending_request(output, tag.sampling, tag.config))
+                # vLLM's request_id stays as it is; the store names the request itself.
+                output.store_id = self.store.add(pending_request(output, tag.sampling, tag.config))
 
     def _fetch(self, requests: list[dict[str, Any]], targets: list[list[tuple[Any, str]]]) -> None:
         reply = next(

@@ -5,9 +5,9 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import os
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,7 +17,7 @@ import h5py
 import numpy as np
 import torch
 
-from probehook.errors import StoreFormatError
+from probehook.errors import StoreCorruptError, StoreFormatError
 from probehook.store.format import (
     DEFAULT_SHARD_BYTES,
     FORMAT_NAME,
@@ -27,13 +27,19 @@ from probehook.store.format import (
     PHASES,
     SHARD_DIR,
     dataset_name,
-    decode_line,
     write_json_atomic,
+)
+from probehook.store.manifest import (
+    cut_torn_tail,
+    remove_replaced_shards,
+    run_layers,
+    scan_manifest,
 )
 from probehook.store.writer import PendingRequest, ShardWriter
 
 logger = logging.getLogger(__name__)
 TOKENS = ("all", "last")
+MAX_OPEN_FILES = 128
 
 
 @dataclass
@@ -44,8 +50,19 @@ class StoredRequest:
     record: dict[str, Any] = field(repr=False)
 
     @property
-    def request_id(self) -> str:
+    def store_id(self) -> str:
+        """This request's key in the store, unique across runs (``store[store_id]``)."""
         return self.record["id"]
+
+    @property
+    def request_id(self) -> str:
+        """vLLM's ``request_id`` of the output it was stored from."""
+        return self.record.get("request_id", self.record["id"])
+
+    @property
+    def run(self) -> str | None:
+        """The run it was captured in (see ``ActivationStore.runs``)."""
+        return self.record.get("run")
 
     @property
     def prompt(self) -> str | None:
@@ -96,13 +113,15 @@ class StoredRequest:
 class LayerMatrix:
     """Rows of one layer and phase across the store, read from disk on demand.
 
-    ``index`` is a structured array (request_id, position, token_id) aligned with the rows;
+    ``index`` is a structured array (store_id, position, token_id) aligned with the rows;
     a decode row's token_id is the token it produced. Slicing reads only the rows asked for,
     straight into the result; ``numpy()`` loads everything explicitly.
     """
 
     def __init__(self, store: ActivationStore, layer: int, phase: str, token: str) -> None:
         self.store, self.layer, self.phase, self.token = store, layer, phase, token
+        self.missing_runs: list[str] = []
+        """Runs with requests in the store that did not capture this layer."""
         self._segments: list[tuple[dict, dict]] = []
         runs: list[list] = []  # [shard, start, stop]: adjacent rows merged into one read
         for rec in store._records.values():
@@ -124,7 +143,7 @@ class LayerMatrix:
     def index(self) -> np.ndarray:
         n = len(self)
         index = np.zeros(
-            n, dtype=[("request_id", object), ("position", np.int64), ("token_id", np.int64)]
+            n, dtype=[("store_id", object), ("position", np.int64), ("token_id", np.int64)]
         )
         row = 0
         for rec, seg in self._segments:
@@ -139,7 +158,7 @@ class LayerMatrix:
             tokens = np.where(
                 produced < len(seq_arr), seq_arr[np.minimum(produced, len(seq_arr) - 1)], -1
             )
-            index["request_id"][row : row + count] = rec["id"]
+            index["store_id"][row : row + count] = rec["id"]
             index["position"][row : row + count] = positions
             index["token_id"][row : row + count] = tokens
             row += count
@@ -192,14 +211,25 @@ class ActivationStore:
     """A sharded, crash-safe store of captured rows. See docs/store.md for the format."""
 
     def __init__(
-        self, root: Path, meta: dict[str, Any], records: dict[str, dict], dropped: list[str]
+        self,
+        root: Path,
+        meta: dict[str, Any],
+        records: dict[str, dict],
+        runs: dict[str, dict],
+        dropped: list[str],
     ) -> None:
         self.root = root
         self.meta = meta
         self._records = records
+        self.runs = runs
+        """Runs by run id: what each appended run captured (``capture``) and when."""
         self.dropped = dropped
         self._writer: ShardWriter | None = None
-        self._files: dict[str, h5py.File] = {}
+        self._run_id: str | None = None
+        # Shard files open for reading, least recently used first; a store of thousands of
+        # shards must not hold thousands of file handles.
+        self._files: OrderedDict[str, h5py.File] = OrderedDict()
+        self.max_open_files = MAX_OPEN_FILES
 
     # -- opening ------------------------------------------------------------------------------
 
@@ -225,41 +255,49 @@ class ActivationStore:
                 f"this probehook reads version {FORMAT_VERSION}. Use a probehook release that "
                 "writes that version, or re-capture."
             )
-        records, dropped = cls._read_manifest(root)
-        return cls(root, meta, records, dropped)
+        records, runs, dropped = cls._read_manifest(root)
+        return cls(root, meta, records, runs, dropped)
 
     @staticmethod
-    def _read_manifest(root: Path) -> tuple[dict[str, dict], list[str]]:
-        records, dropped, _ = ActivationStore._scan_manifest(root)
-        return records, dropped
+    def _read_manifest(
+        root: Path,
+    ) -> tuple[dict[str, dict], dict[str, dict], list[str]]:
+        """Requests (by store id) and runs (by run id) of the manifest, and what was left out.
 
-    @staticmethod
-    def _scan_manifest(root: Path) -> tuple[dict[str, dict], list[str], int]:
-        """Records, what was left out, and the byte length of the manifest's valid prefix."""
+        A damaged line is skipped with a warning and the records after it are kept; a torn
+        tail (an interrupted append, never acknowledged) is left out quietly, since a reader
+        may see one while a writer is appending.
+        """
+        scan = scan_manifest(root)
         dropped: list[str] = []
         shards: set[str] = set()
         records: dict[str, dict] = {}
-        manifest = root / MANIFEST_FILE
-        data = manifest.read_bytes() if manifest.exists() else b""
-        good = 0
-        for number, line in enumerate(data.splitlines(keepends=True), 1):
-            record = decode_line(line.decode(errors="replace")) if line.endswith(b"\n") else None
-            if record is None:
-                dropped.append(f"{MANIFEST_FILE} line {number}+ (torn or corrupt)")
-                break  # an append-only log: nothing after a torn line was acknowledged
-            good += len(line)
-            if record["kind"] == "shard":
+        runs: dict[str, dict] = {}
+        for record in scan.records:
+            kind = record.get("kind")
+            if kind == "shard":
                 if (root / SHARD_DIR / record["name"]).is_file():
                     shards.add(record["name"])
                 else:
                     dropped.append(f"{record['name']} (listed but missing)")
-            elif record["kind"] == "request" and record["shard"] in shards:
-                records[record["id"]] = record
+            elif kind == "request":
+                if record["shard"] in shards:
+                    records[record["id"]] = record
+            elif kind == "run":
+                runs[record["run_id"]] = record
+        if scan.bad_lines:
+            dropped.append(
+                f"{MANIFEST_FILE} line(s) {scan.bad_lines} (corrupt; run `probehook store fsck "
+                f"{root} --repair`)"
+            )
+            logger.warning("probehook store %s: skipped %s", root, dropped[-1])
+        if scan.torn_tail:
+            dropped.append(f"{MANIFEST_FILE} tail ({scan.torn_tail} bytes, torn or being written)")
         for tmp in sorted((root / SHARD_DIR).glob("*.tmp")) if (root / SHARD_DIR).exists() else []:
-            dropped.append(f"{tmp.name} ({tmp.stat().st_size} bytes, interrupted write)")
+            dropped.append(f"{tmp.name} ({tmp.stat().st_size} bytes, not committed)")
         if dropped:
-            logger.warning("probehook store %s: left out %s", root, "; ".join(dropped))
-        return records, dropped, good
+            logger.info("probehook store %s: left out %s", root, "; ".join(dropped))
+        return records, runs, dropped
 
     @classmethod
     def for_writing(
@@ -307,33 +345,52 @@ class ActivationStore:
 
     @classmethod
     def _repair_for_append(cls, root: Path) -> None:
-        """Before appending after a crash: cut a torn manifest tail (never acknowledged) so new
-        lines are readable, and delete interrupted ``.tmp`` shards."""
-        _, _, good = cls._scan_manifest(root)
-        manifest = root / MANIFEST_FILE
-        if manifest.exists() and manifest.stat().st_size > good:
+        """Before appending after a crash (holding the writer lock): cut a torn manifest tail
+        (never acknowledged) and delete interrupted ``.tmp`` shards and the old shards of a
+        finished compaction. A damaged line before good ones is refused, never cut."""
+        scan = scan_manifest(root)
+        if scan.bad_lines:
+            raise StoreCorruptError(
+                f"{root / MANIFEST_FILE} has damaged line(s) {scan.bad_lines} before good ones; "
+                "appending is refused so that no acknowledged record is lost. Run `probehook "
+                f"store fsck {root}` to see the damage and `probehook store fsck {root} "
+                "--repair` to keep every verifiable record, then append again."
+            )
+        if scan.torn_tail:
             logger.warning(
                 "probehook store %s: cutting %d bytes of torn manifest tail",
                 root,
-                manifest.stat().st_size - good,
+                scan.torn_tail,
             )
-            with open(manifest, "r+b") as f:
-                f.truncate(good)
-                os.fsync(f.fileno())
+            cut_torn_tail(root, scan)
         for tmp in (root / SHARD_DIR).glob("*.tmp"):
             logger.warning("probehook store %s: removing interrupted shard %s", root, tmp.name)
             tmp.unlink()
+        remove_replaced_shards(root, scan.records)
 
     # -- writing ------------------------------------------------------------------------------
 
     def begin_run(self, info: dict[str, Any]) -> str:
-        """Record a new run; return its id prefix, which makes request ids store-unique."""
+        """Record a new run (``info``: what it captures, under ``"capture"``); return its id."""
         run_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
-        self._require_writer().append_manifest([{"kind": "run", "run_id": run_id, **info}])
+        record = {"kind": "run", "run_id": run_id, "started": time.time(), **info}
+        self._require_writer().append_manifest([record])
+        self.runs[run_id] = record
+        self._run_id = run_id
         return run_id
 
-    def add(self, request: PendingRequest) -> None:
-        self._require_writer().submit(request)
+    def add(self, request: PendingRequest) -> str:
+        """Queue a request for writing; return its store id (``<run id>-<request id>``),
+        unique across every run appended to this store. A run is begun if none was."""
+        writer = self._require_writer()
+        if self._run_id is None:
+            self.begin_run({})
+        record = request.record
+        record.setdefault("request_id", record["id"])
+        record["id"] = f"{self._run_id}-{record['request_id']}"
+        record["run"] = self._run_id
+        writer.submit(request)
+        return record["id"]
 
     def flush(self) -> None:
         """Make every added request durable; afterwards they are visible to readers."""
@@ -386,17 +443,49 @@ class ActivationStore:
     def requests(self) -> Iterator[StoredRequest]:
         return (StoredRequest(self, r) for r in self._records.values())
 
+    @property
+    def layers(self) -> list[int]:
+        """Every layer some run of this store captured."""
+        runs = {r.get("run") for r in self._records.values()} | set(self.runs)
+        found = set(self.meta.get("layers") or []) if not runs else set()
+        for run in runs:
+            found.update(self.run_layers(run))
+        return sorted(found)
+
+    def run_layers(self, run_id: str | None) -> list[int]:
+        """The layers one run captured (records written before runs had layers: the
+        store's first layers)."""
+        layers = run_layers(self.runs.get(run_id or "", {}))
+        return layers if layers is not None else list(self.meta.get("layers") or [])
+
     def layer(self, layer: int, phase: str = "decode", token: str = "all") -> LayerMatrix:
-        """All rows of one layer and phase (``token="last"``: one row per request/completion)."""
+        """All rows of one layer and phase (``token="last"``: one row per request/completion),
+        from every run that captured that layer; ``.missing_runs`` names the runs that did
+        not (they are logged too)."""
         if phase not in PHASES:
             raise ValueError(f"phase={phase!r}; valid phases are {PHASES}.")
         if token not in TOKENS:
             raise ValueError(f"token={token!r}; valid values are {TOKENS}.")
-        if layer not in self.meta.get("layers", []):
+        if layer not in self.layers:
             raise ValueError(
-                f"layer {layer} is not in this store; its layers are {self.meta.get('layers')}."
+                f"layer {layer} is not in this store; its runs captured layers {self.layers}."
             )
-        return LayerMatrix(self, layer, phase, token)
+        matrix = LayerMatrix(self, layer, phase, token)
+        runs_with_requests = {r.get("run") for r in self._records.values()}
+        matrix.missing_runs = sorted(
+            str(run)
+            for run in runs_with_requests
+            if layer not in self.run_layers(run)  # type: ignore[arg-type]
+        )
+        if matrix.missing_runs:
+            logger.warning(
+                "probehook store %s: layer %d is not in run(s) %s; their requests are not in "
+                "this matrix.",
+                self.root,
+                layer,
+                matrix.missing_runs,
+            )
+        return matrix
 
     def batches(
         self, layer: int, batch_size: int, phase: str = "decode", token: str = "all"
@@ -430,7 +519,8 @@ class ActivationStore:
                 for r in self._records.values()
             ),
             "bytes": sum((self.root / SHARD_DIR / s).stat().st_size for s in shards),
-            "layers": self.meta.get("layers"),
+            "layers": self.layers,
+            "runs": len(self.runs),
             "hidden_size": self.meta.get("hidden_size"),
             "dtype": self.meta.get("dtype"),
             "model": self.meta.get("model"),
@@ -448,7 +538,11 @@ class ActivationStore:
     def _dataset(self, shard: str, phase: str, layer: int) -> h5py.Dataset:
         f = self._files.get(shard)
         if f is None:
+            while len(self._files) >= max(self.max_open_files, 1):
+                self._files.popitem(last=False)[1].close()
             f = self._files[shard] = h5py.File(self.root / SHARD_DIR / shard, "r")
+        else:
+            self._files.move_to_end(shard)
         return f[dataset_name(phase, layer)]
 
     def _to_tensor(self, data: np.ndarray) -> torch.Tensor:

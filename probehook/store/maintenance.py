@@ -1,0 +1,333 @@
+"""Store maintenance: ``fsck`` (check, and repair without losing data) and ``compact`` (merge
+small shards). Both change the store only while holding the writer lock.
+
+Rules they keep:
+
+- nothing acknowledged is deleted: a repaired or compacted manifest replaces the old one
+  atomically, and the old one stays beside it (``manifest.<why>-<time>.jsonl``);
+- a file is deleted only when it is provably garbage: an interrupted ``.tmp`` shard (never
+  acknowledged), a shard that a finished compaction replaced, or a ``compact-*`` shard that no
+  manifest line references (its rows are still in the shards it was copied from).
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+
+from probehook.errors import StoreCorruptError
+from probehook.store.format import (
+    DEFAULT_SHARD_BYTES,
+    MANIFEST_FILE,
+    SHARD_DIR,
+    dataset_name,
+    fsync_dir,
+)
+from probehook.store.manifest import (
+    remove_replaced_shards,
+    rewrite_manifest,
+    scan_manifest,
+)
+from probehook.store.writer import CHUNK_BYTES
+
+COMPACT_PREFIX = "compact-"
+
+
+@dataclass
+class FsckReport:
+    """What ``fsck`` found; ``ok`` when every record is readable and nothing is damaged."""
+
+    path: str
+    records: int = 0
+    requests: int = 0
+    bad_lines: list[int] = field(default_factory=list)
+    torn_tail_bytes: int = 0
+    missing_shards: list[str] = field(default_factory=list)
+    unverifiable_requests: list[str] = field(default_factory=list)
+    orphan_shards: list[str] = field(default_factory=list)
+    garbage_files: list[str] = field(default_factory=list)
+    repaired: bool = False
+    backup: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return not (self.bad_lines or self.missing_shards or self.unverifiable_requests)
+
+    def lines(self) -> list[str]:
+        """A human-readable report, one finding per line."""
+        out = [f"{self.path}: {self.requests} requests in {self.records} manifest records"]
+        if self.bad_lines:
+            out.append(f"damaged manifest line(s): {self.bad_lines}")
+        if self.torn_tail_bytes:
+            out.append(f"torn manifest tail: {self.torn_tail_bytes} bytes (never acknowledged)")
+        if self.missing_shards:
+            out.append(f"shards listed but missing: {self.missing_shards}")
+        if self.unverifiable_requests:
+            out.append(
+                f"{len(self.unverifiable_requests)} request(s) whose rows cannot be read: "
+                f"{self.unverifiable_requests[:10]}"
+            )
+        if self.orphan_shards:
+            out.append(f"shards no manifest line references (kept): {self.orphan_shards}")
+        if self.garbage_files:
+            verb = "removed" if self.repaired else "removable"
+            out.append(f"interrupted or replaced files ({verb}): {self.garbage_files}")
+        if self.repaired:
+            out.append(f"repaired; the previous manifest is kept as {self.backup}")
+        damaged = "DAMAGED: run with --repair to keep every verifiable record"
+        out.append("OK" if self.ok else damaged)
+        return out
+
+
+def fsck(path: str | os.PathLike[str], *, repair: bool = False) -> FsckReport:
+    """Check a store; with ``repair``, rewrite its manifest keeping every verifiable record
+    and remove provably garbage files. Repair takes the writer lock."""
+    root = Path(path)
+    if not repair:
+        return _check(root)
+    from probehook.store.lock import WriterLock
+
+    with WriterLock.acquire(root):
+        report = _check(root)
+        if report.bad_lines or report.torn_tail_bytes or report.unverifiable_requests:
+            scan = scan_manifest(root)
+            dead = set(report.unverifiable_requests)
+            keep = [
+                r
+                for r in scan.records
+                if not (r.get("kind") == "request" and r["id"] in dead)
+                and not (r.get("kind") == "shard" and r["name"] in report.missing_shards)
+            ]
+            report.backup = str(rewrite_manifest(root, keep, keep_old_as="before-fsck"))
+        for name in report.garbage_files:
+            (root / SHARD_DIR / name).unlink(missing_ok=True)
+        report.repaired = True
+        fixed = _check(root)
+        report.missing_shards, report.unverifiable_requests = [], fixed.unverifiable_requests
+        report.bad_lines = fixed.bad_lines
+    return report
+
+
+def _check(root: Path) -> FsckReport:
+    scan = scan_manifest(root)
+    report = FsckReport(
+        str(root),
+        records=len(scan.records),
+        bad_lines=scan.bad_lines,
+        torn_tail_bytes=scan.torn_tail,
+    )
+    shards_dir = root / SHARD_DIR
+    listed = [r["name"] for r in scan.records if r.get("kind") == "shard"]
+    replaced = {n for r in scan.records if r.get("kind") == "compaction" for n in r["replaced"]}
+    report.missing_shards = [n for n in listed if not (shards_dir / n).is_file()]
+    lengths = _dataset_lengths(shards_dir, [n for n in listed if n not in report.missing_shards])
+    for record in scan.records:
+        if record.get("kind") != "request":
+            continue
+        report.requests += 1
+        shard = lengths.get(record["shard"])
+        readable = shard is not None and all(
+            seg["start"] + seg["count"] <= shard.get(dataset_name(seg["phase"], seg["layer"]), -1)
+            for seg in record["segments"]
+            if seg["count"]
+        )
+        if not readable:
+            report.unverifiable_requests.append(record["id"])
+    on_disk = sorted(p.name for p in shards_dir.iterdir()) if shards_dir.is_dir() else []
+    for name in on_disk:
+        if name.endswith(".tmp"):
+            report.garbage_files.append(name)
+        elif name in listed:
+            continue
+        elif name in replaced or name.startswith(COMPACT_PREFIX):
+            report.garbage_files.append(name)
+        else:
+            report.orphan_shards.append(name)
+    return report
+
+
+def _dataset_lengths(shards_dir: Path, names: list[str]) -> dict[str, dict[str, int]]:
+    """Rows per dataset of each readable shard (an unreadable shard is left out)."""
+    lengths: dict[str, dict[str, int]] = {}
+    for name in names:
+        try:
+            with h5py.File(shards_dir / name, "r") as f:
+                found: dict[str, int] = {}
+                f.visititems(
+                    lambda key, obj, found=found: (
+                        found.__setitem__(key, obj.shape[0])
+                        if isinstance(obj, h5py.Dataset)
+                        else None
+                    )
+                )
+                lengths[name] = found
+        except OSError:
+            continue
+    return lengths
+
+
+@dataclass
+class CompactReport:
+    shards_before: int
+    shards_after: int
+    merged: int
+    bytes_after: int
+    backup: str | None
+
+
+def compact(
+    path: str | os.PathLike[str],
+    *,
+    shard_bytes: int = DEFAULT_SHARD_BYTES,
+    progress: bool = True,
+) -> CompactReport:
+    """Merge runs of small shards into shards of up to ``shard_bytes``, atomically.
+
+    New shards are written, fsynced and renamed first; then the manifest is replaced in one
+    rename (the old one is kept); only then are the merged shards deleted. A kill at any
+    point leaves a readable store with every request, and the next writer, ``fsck --repair``
+    or ``compact`` removes the leftovers. Readers opened before a compaction must reopen.
+    """
+    from tqdm.auto import tqdm
+
+    from probehook.store.lock import WriterLock
+    from probehook.store.store import ActivationStore
+
+    root = Path(path)
+    ActivationStore.open(root)  # a clear error if it is not a store
+    with WriterLock.acquire(root):
+        ActivationStore._repair_for_append(root)  # torn tail, .tmp and replaced leftovers
+        scan = scan_manifest(root)
+        if scan.bad_lines:
+            raise StoreCorruptError(
+                f"{root / MANIFEST_FILE} has damaged line(s) {scan.bad_lines}; run `probehook "
+                f"store fsck {root} --repair` before compacting."
+            )
+        shards = [r for r in scan.records if r.get("kind") == "shard"]
+        groups = _plan(shards, shard_bytes)
+        renames: dict[str, tuple[str, dict[str, int]]] = {}  # old shard -> new, offsets
+        into: list[dict[str, Any]] = []
+        bar = tqdm(groups, desc="compacting", unit="shard", disable=not progress or not groups)
+        for group in bar:
+            name = f"{COMPACT_PREFIX}{uuid.uuid4().hex[:12]}.h5"
+            offsets = _merge(root / SHARD_DIR, [s["name"] for s in group], name)
+            renames.update(offsets)
+            into.append(
+                {
+                    "kind": "shard",
+                    "name": name,
+                    "bytes": (root / SHARD_DIR / name).stat().st_size,
+                    "requests": sum(s.get("requests", 0) for s in group),
+                }
+            )
+        if not groups:
+            return CompactReport(len(shards), len(shards), 0, _bytes(root, shards), None)
+        first_of_group = {g[0]["name"]: new for g, new in zip(groups, into, strict=True)}
+        records: list[dict[str, Any]] = []
+        for record in scan.records:
+            kind = record.get("kind")
+            if kind == "shard" and record["name"] in renames:
+                if record["name"] in first_of_group:
+                    records.append(first_of_group[record["name"]])
+            elif kind == "request" and record["shard"] in renames:
+                new_name, offsets = renames[record["shard"]]
+                segments = [
+                    {**seg, "start": seg["start"] + offsets.get(_key(seg), 0)}
+                    for seg in record["segments"]
+                ]
+                records.append({**record, "shard": new_name, "segments": segments})
+            else:
+                records.append(record)
+        records.append(
+            {
+                "kind": "compaction",
+                "replaced": sorted(renames),
+                "into": [s["name"] for s in into],
+            }
+        )
+        backup = rewrite_manifest(root, records, keep_old_as="before-compact")
+        remove_replaced_shards(root, records)
+        after = [r for r in records if r.get("kind") == "shard"]
+        return CompactReport(
+            len(shards), len(after), len(renames), _bytes(root, after), str(backup)
+        )
+
+
+def _key(segment: dict[str, Any]) -> str:
+    return dataset_name(segment["phase"], segment["layer"])
+
+
+def _plan(shards: list[dict[str, Any]], shard_bytes: int) -> list[list[dict[str, Any]]]:
+    """Runs of consecutive shards smaller than ``shard_bytes`` to merge (two or more each)."""
+    groups: list[list[dict[str, Any]]] = []
+    current: list[dict[str, Any]] = []
+    size = 0
+    for shard in shards:
+        nbytes = int(shard.get("bytes", 0))
+        if nbytes >= shard_bytes or (current and size + nbytes > shard_bytes):
+            if len(current) > 1:
+                groups.append(current)
+            current, size = [], 0
+        if nbytes < shard_bytes:
+            current.append(shard)
+            size += nbytes
+    if len(current) > 1:
+        groups.append(current)
+    return groups
+
+
+def _merge(
+    shards_dir: Path, names: list[str], new_name: str
+) -> dict[str, tuple[str, dict[str, int]]]:
+    """Concatenate the datasets of ``names`` into one new shard (tmp, fsync, rename); return
+    for each old shard the new name and the row offset of each of its datasets there.
+
+    Streams one source dataset at a time, so memory stays at the largest source dataset.
+    """
+    layout: dict[str, list[tuple[str, int]]] = {}  # dataset -> [(shard, rows)] in order
+    kinds: dict[str, tuple[int, np.dtype, str | None]] = {}  # width, dtype, compression
+    for name in names:
+        with h5py.File(shards_dir / name, "r") as f:
+
+            def note(key: str, obj: Any, name: str = name) -> None:
+                if isinstance(obj, h5py.Dataset):
+                    layout.setdefault(key, []).append((name, obj.shape[0]))
+                    kinds.setdefault(key, (obj.shape[1], obj.dtype, obj.compression))
+
+            f.visititems(note)
+    offsets: dict[str, tuple[str, dict[str, int]]] = {n: (new_name, {}) for n in names}
+    tmp = shards_dir / (new_name + ".tmp")
+    with h5py.File(tmp, "w") as out:
+        for key, parts in layout.items():
+            width, dtype, compression = kinds[key]
+            total = sum(rows for _, rows in parts)
+            chunk_rows = max(1, min(total, CHUNK_BYTES // max(1, width * dtype.itemsize)))
+            target = out.create_dataset(
+                key,
+                shape=(total, width),
+                maxshape=(None, width),
+                dtype=dtype,
+                chunks=(chunk_rows, width),
+                compression=compression,
+            )
+            start = 0
+            for name, rows in parts:
+                offsets[name][1][key] = start
+                with h5py.File(shards_dir / name, "r") as f:
+                    target[start : start + rows] = f[key][()]
+                start += rows
+    with open(tmp, "rb+") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, shards_dir / new_name)
+    fsync_dir(shards_dir)
+    return offsets
+
+
+def _bytes(root: Path, shards: list[dict[str, Any]]) -> int:
+    return sum((root / SHARD_DIR / s["name"]).stat().st_size for s in shards)

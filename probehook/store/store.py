@@ -26,10 +26,12 @@ from probehook.store.format import (
     META_FILE,
     PHASES,
     SHARD_DIR,
+    WRITER_LOCK,
     dataset_name,
     decode_line,
     write_json_atomic,
 )
+from probehook.store.lock import WriterLock
 from probehook.store.writer import PendingRequest, ShardWriter
 
 logger = logging.getLogger(__name__)
@@ -199,6 +201,7 @@ class ActivationStore:
         self._records = records
         self.dropped = dropped
         self._writer: ShardWriter | None = None
+        self._lock: WriterLock | None = None
         self._files: dict[str, h5py.File] = {}
 
     # -- opening ------------------------------------------------------------------------------
@@ -271,20 +274,37 @@ class ActivationStore:
         compression: str | None = None,
         max_queue_bytes: int = 256 << 20,
     ) -> ActivationStore:
-        """Create a store, or open one to append a run of the same model and hidden size."""
+        """Create a store, or open one to append a run of the same model and hidden size.
+
+        Takes the store's writer lock (released by :meth:`close`) before touching anything, so
+        the crash repair never runs under another live writer; raises
+        :class:`~probehook.errors.StoreLockedError` if another writer holds it.
+        """
         root = Path(path)
         full_meta = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, **meta}
-        cls.check_appendable(root, meta)
-        if (root / META_FILE).exists():
-            cls._repair_for_append(root)
-            store = cls.open(root)
-        else:
-            (root / SHARD_DIR).mkdir(parents=True, exist_ok=True)
-            write_json_atomic(root / META_FILE, full_meta)
-            store = cls.open(root)
-        store._writer = ShardWriter(
-            root, shard_bytes=shard_bytes, compression=compression, max_queue_bytes=max_queue_bytes
-        )
+        if not (root / META_FILE).exists():
+            cls.check_appendable(root, meta)  # no writer.lock dropped into a foreign directory
+        root.mkdir(parents=True, exist_ok=True)
+        lock = WriterLock.acquire(root)
+        try:
+            cls.check_appendable(root, meta)  # again: another writer may have created it since
+            if (root / META_FILE).exists():
+                cls._repair_for_append(root)
+                store = cls.open(root)
+            else:
+                (root / SHARD_DIR).mkdir(parents=True, exist_ok=True)
+                write_json_atomic(root / META_FILE, full_meta)
+                store = cls.open(root)
+            store._writer = ShardWriter(
+                root,
+                shard_bytes=shard_bytes,
+                compression=compression,
+                max_queue_bytes=max_queue_bytes,
+            )
+        except BaseException:
+            lock.release()
+            raise
+        store._lock = lock
         return store
 
     @classmethod
@@ -300,7 +320,9 @@ class ActivationStore:
                         f"Cannot append to {root}: its {key} is {existing.get(key)!r} but this "
                         f"run's is {meta[key]!r}. Use a new store path for another model."
                     )
-        elif root.exists() and (not root.is_dir() or any(root.iterdir())):
+        elif root.exists() and (
+            not root.is_dir() or any(p.name != WRITER_LOCK for p in root.iterdir())
+        ):
             raise StoreFormatError(
                 f"{root} exists, is not empty and is not an activation store; pick a new path."
             )
@@ -343,12 +365,18 @@ class ActivationStore:
             self._records[record["id"]] = record
 
     def close(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
-        for f in self._files.values():
-            f.close()
-        self._files.clear()
+        try:
+            if self._writer is not None:
+                self._writer.close()
+                self._writer = None
+        finally:
+            for f in self._files.values():
+                f.close()
+            self._files.clear()
+            # Last: the writer thread has stopped, so nobody can touch this store's .tmp now.
+            if self._lock is not None:
+                self._lock.release()
+                self._lock = None
 
     def _require_writer(self) -> ShardWriter:
         if self._writer is None:

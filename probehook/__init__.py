@@ -14,6 +14,7 @@ from probehook.errors import (
     ProbehookError,
     StoreError,
     StoreFormatError,
+    StoreLockedError,
     UnsupportedModelError,
 )
 from probehook.models import tiny_model_path
@@ -51,6 +52,7 @@ __all__ = [
     "ProbehookError",
     "StoreError",
     "StoreFormatError",
+    "StoreLockedError",
     "UnsupportedModelError",
     "tiny_model_path",
     "__version__",

@@ -25,6 +25,10 @@ class StoreError(ProbehookError, OSError):
     """The activation store cannot be written or read (disk full, permissions, corruption)."""
 
 
+class StoreLockedError(StoreError):
+    """Another writer holds the store's ``writer.lock``: one writer at a time may append."""
+
+
 class StoreFormatError(ProbehookError, ValueError):
     """A path is not an activation store, or was written by an incompatible version."""
 

@@ -3,6 +3,7 @@
     STORE/
       meta.json           store-level metadata, written once (atomically) at creation
       manifest.jsonl      append-only; one checksummed JSON record per line
+      writer.lock         flock'ed by the one writer; holds its {"pid", "host", "since"}
       shards/NAME.h5      immutable once renamed from NAME.h5.tmp
 
 A shard is committed by: write NAME.h5.tmp, fsync, rename to NAME.h5, fsync the directory, then
@@ -21,6 +22,7 @@ FORMAT_NAME = "probehook-activation-store"
 FORMAT_VERSION = 1
 META_FILE = "meta.json"
 MANIFEST_FILE = "manifest.jsonl"
+WRITER_LOCK = "writer.lock"
 SHARD_DIR = "shards"
 PHASES = ("prefill", "decode")
 DEFAULT_SHARD_BYTES = 1 << 30

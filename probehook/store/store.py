@@ -26,9 +26,11 @@ from probehook.store.format import (
     META_FILE,
     PHASES,
     SHARD_DIR,
+    WRITER_LOCK,
     dataset_name,
     write_json_atomic,
 )
+from probehook.store.lock import WriterLock
 from probehook.store.manifest import (
     cut_torn_tail,
     remove_replaced_shards,
@@ -226,6 +228,7 @@ class ActivationStore:
         self.dropped = dropped
         self._writer: ShardWriter | None = None
         self._run_id: str | None = None
+        self._lock: WriterLock | None = None
         # Shard files open for reading, least recently used first; a store of thousands of
         # shards must not hold thousands of file handles.
         self._files: OrderedDict[str, h5py.File] = OrderedDict()
@@ -309,20 +312,37 @@ class ActivationStore:
         compression: str | None = None,
         max_queue_bytes: int = 256 << 20,
     ) -> ActivationStore:
-        """Create a store, or open one to append a run of the same model and hidden size."""
+        """Create a store, or open one to append a run of the same model and hidden size.
+
+        Takes the store's writer lock (released by :meth:`close`) before touching anything, so
+        the crash repair never runs under another live writer; raises
+        :class:`~probehook.errors.StoreLockedError` if another writer holds it.
+        """
         root = Path(path)
         full_meta = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, **meta}
-        cls.check_appendable(root, meta)
-        if (root / META_FILE).exists():
-            cls._repair_for_append(root)
-            store = cls.open(root)
-        else:
-            (root / SHARD_DIR).mkdir(parents=True, exist_ok=True)
-            write_json_atomic(root / META_FILE, full_meta)
-            store = cls.open(root)
-        store._writer = ShardWriter(
-            root, shard_bytes=shard_bytes, compression=compression, max_queue_bytes=max_queue_bytes
-        )
+        if not (root / META_FILE).exists():
+            cls.check_appendable(root, meta)  # no writer.lock dropped into a foreign directory
+        root.mkdir(parents=True, exist_ok=True)
+        lock = WriterLock.acquire(root)
+        try:
+            cls.check_appendable(root, meta)  # again: another writer may have created it since
+            if (root / META_FILE).exists():
+                cls._repair_for_append(root)
+                store = cls.open(root)
+            else:
+                (root / SHARD_DIR).mkdir(parents=True, exist_ok=True)
+                write_json_atomic(root / META_FILE, full_meta)
+                store = cls.open(root)
+            store._writer = ShardWriter(
+                root,
+                shard_bytes=shard_bytes,
+                compression=compression,
+                max_queue_bytes=max_queue_bytes,
+            )
+        except BaseException:
+            lock.release()
+            raise
+        store._lock = lock
         return store
 
     @classmethod
@@ -338,7 +358,9 @@ class ActivationStore:
                         f"Cannot append to {root}: its {key} is {existing.get(key)!r} but this "
                         f"run's is {meta[key]!r}. Use a new store path for another model."
                     )
-        elif root.exists() and (not root.is_dir() or any(root.iterdir())):
+        elif root.exists() and (
+            not root.is_dir() or any(p.name != WRITER_LOCK for p in root.iterdir())
+        ):
             raise StoreFormatError(
                 f"{root} exists, is not empty and is not an activation store; pick a new path."
             )
@@ -400,12 +422,18 @@ class ActivationStore:
             self._records[record["id"]] = record
 
     def close(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
-        for f in self._files.values():
-            f.close()
-        self._files.clear()
+        try:
+            if self._writer is not None:
+                self._writer.close()
+                self._writer = None
+        finally:
+            for f in self._files.values():
+                f.close()
+            self._files.clear()
+            # Last: the writer thread has stopped, so nobody can touch this store's .tmp now.
+            if self._lock is not None:
+                self._lock.release()
+                self._lock = None
 
     def _require_writer(self) -> ShardWriter:
         if self._writer is None:

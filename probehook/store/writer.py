@@ -130,9 +130,12 @@ class ShardWriter:
 
     def close(self) -> None:
         if self._thread.is_alive():
-            self.flush()
-            self._queue.put(_STOP)
-            self._thread.join()
+            try:
+                self.flush()
+            finally:
+                # Stopped even after a write error: the store's writer lock is released next.
+                self._queue.put(_STOP)
+                self._thread.join()
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:

@@ -39,6 +39,7 @@ format: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/overhead.py
+	$(PY) benchmarks/store_throughput.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -114,10 +114,14 @@ def main() -> None:
         for _ in range(args.rounds):
             shutil.rmtree(work / "raw", ignore_errors=True)
             shutil.rmtree(work / "store", ignore_errors=True)
+            # Write back what earlier rounds left dirty, so that neither side pays for it.
+            os.sync()
             samples["raw write"].append(nbytes / raw_write(work / "raw", requests, layers))
+            os.sync()
             samples["store write"].append(
                 nbytes / store_write(work / "store", requests, args.hidden, layers)
             )
+            os.sync()
             start = time.perf_counter()
             raw = np.fromfile(work / "raw" / "layer_1.bin", dtype=np.float32)
             samples["raw read"].append(raw.nbytes / (time.perf_counter() - start))

@@ -7,6 +7,7 @@ import logging
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ import torch
 from probehook.errors import StoreFormatError
 from probehook.store import ActivationStore
 from probehook.store.format import MANIFEST_FILE, META_FILE, SHARD_DIR
-from probehook.store.writer import PendingRequest, RowBlock
+from probehook.store.writer import PendingRequest, RowBlock, ShardWriter
 
 HIDDEN = 8
 META = {
@@ -158,7 +159,7 @@ def test_write_error_surfaces_from_flush(tmp_path: Path) -> None:
         resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, 64 * 1024))
         from probehook.errors import StoreError
         from probehook.store import ActivationStore
-        from probehook.store.writer import PendingRequest, RowBlock
+        from probehook.store.writer import PendingRequest, RowBlock, ShardWriter
         meta = {META!r}
         meta["hidden_size"] = 1024
         store = ActivationStore.for_writing({str(tmp_path / "s")!r}, meta)
@@ -180,14 +181,51 @@ def test_write_error_surfaces_from_flush(tmp_path: Path) -> None:
     assert len(ActivationStore.open(tmp_path / "s")) == 0
 
 
-def test_backpressure_bounds_the_queue(tmp_path: Path) -> None:
+def test_backpressure_blocks_the_producer(tmp_path: Path, monkeypatch) -> None:
+    """With the disk stalled, a producer submitting more than max_queue_bytes must wait."""
+    release = threading.Event()
+    write = ShardWriter._write
+    stalled: list[PendingRequest] = []
+
+    def stalled_write(self: ShardWriter, request: PendingRequest) -> None:
+        if not stalled:  # the first request holds the writer thread: a stalled disk
+            stalled.append(request)
+            release.wait(timeout=30)
+        write(self, request)
+
+    monkeypatch.setattr(ShardWriter, "_write", stalled_write)
+    requests = [fake_request(i) for i in range(10)]
+    assert sum(r.nbytes for r in requests) > 4 * 1024
     store = ActivationStore.for_writing(tmp_path / "s", META, max_queue_bytes=1024)
-    for i in range(20):
-        store.add(fake_request(i))
-        assert store._writer._queued_bytes <= 1024 + fake_request(i).nbytes
+    done = threading.Event()
+    errors: list[BaseException] = []
+
+    def produce() -> None:
+        try:
+            for r in requests:
+                store.add(r)
+        except BaseException as e:
+            errors.append(e)
+        done.set()
+
+    producer = threading.Thread(target=produce, daemon=True)
+    try:
+        producer.start()
+        assert not done.wait(0.3), "the producer was not held back by a full queue"
+        assert store._writer._queued_bytes <= 1024
+    finally:
+        release.set()
+    producer.join(timeout=30)
+    assert done.is_set() and not errors
     store.flush()
-    assert len(store) == 20
+    assert len(store) == 10
     store.close()
+    reader = ActivationStore.open(tmp_path / "s")
+    for r in requests:
+        got = reader[r.record["id"]]
+        for block in r.blocks:
+            table = got.prefill_hidden_states if block.phase == "prefill" else got.hidden_states
+            assert torch.equal(table[block.layer], block.rows)
 
 
 def test_staged_writes_cut_at_chunk_ends_stay_exact(tmp_path: Path, monkeypatch) -> None:

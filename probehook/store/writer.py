@@ -11,6 +11,7 @@ import os
 import queue
 import threading
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,16 @@ _FLUSH = object()
 _STOP = object()
 CHUNK_BYTES = 1 << 20
 STAGE_BYTES = 16 << 20
+
+fault_hook: Callable[[str], None] | None = None
+"""Test-only: called with the name of each shard commit stage as it is reached ("shard_written",
+"shard_fsynced", "shard_renamed", "dir_fsynced", "manifest_torn", "committed"), so that a test
+can kill the process there (tests/test_store_durability.py). None in normal use."""
+
+
+def _stage(name: str) -> None:
+    if fault_hook is not None:
+        fault_hook(name)
 
 
 @dataclass
@@ -118,8 +129,14 @@ class ShardWriter:
         self._raise_if_failed()
 
     def append_manifest(self, records: list[dict[str, Any]]) -> None:
-        with self._manifest_lock, open(self.root / MANIFEST_FILE, "a") as f:
-            f.write("".join(encode_line(r) for r in records))
+        data = "".join(encode_line(r) for r in records).encode()
+        with self._manifest_lock, open(self.root / MANIFEST_FILE, "ab") as f:
+            if fault_hook is not None:  # tests: a crash with half the lines on disk
+                f.write(data[: len(data) // 2])
+                f.flush()
+                _stage("manifest_torn")
+                data = data[len(data) // 2 :]
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
 
@@ -236,11 +253,15 @@ class ShardWriter:
         self._lengths = {}
         self._file.close()
         self._file = None
+        _stage("shard_written")
         with open(self._tmp_path, "rb+") as f:
             os.fsync(f.fileno())
+        _stage("shard_fsynced")
         final = self._tmp_path.with_suffix("")  # drop ".tmp"
         os.replace(self._tmp_path, final)
+        _stage("shard_renamed")
         fsync_dir(final.parent)
+        _stage("dir_fsynced")
         shard = {
             "kind": "shard",
             "name": final.name,
@@ -249,6 +270,7 @@ class ShardWriter:
         }
         requests = [{"kind": "request", "shard": final.name, **r} for r in self._shard_requests]
         self.append_manifest([shard, *requests])
+        _stage("committed")
         self._committed.extend(requests)
         self._shard_requests = []
         self._shard_bytes_written = 0

@@ -131,3 +131,19 @@ def test_bad_store_path_fails_before_engine_start(llm_cls, llama_dir: Path, tmp_
         llm_cls(str(llama_dir), layers=[0], store=tmp_path)
     with pytest.raises(CaptureConfigError, match="needs something to store"):
         llm_cls(str(llama_dir), store=tmp_path / "new")
+
+
+def test_store_held_by_another_writer_fails_before_engine_start(
+    llm_cls, llama_dir: Path, tmp_path: Path
+) -> None:
+    from probehook.errors import StoreLockedError
+    from probehook.store import ActivationStore
+
+    holder = ActivationStore.for_writing(
+        tmp_path / "s", {"model": "m", "dtype": "float32", "hidden_size": 128, "layers": [0]}
+    )
+    try:
+        with pytest.raises(StoreLockedError, match=f"pid {os.getpid()}"):
+            llm_cls(str(llama_dir), layers=[0], store=tmp_path / "s")
+    finally:
+        holder.close()

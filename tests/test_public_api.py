@@ -17,6 +17,8 @@ PUBLIC = [
     "ProbehookError",
     "StoreError",
     "StoreFormatError",
+    "StoreLockedError",
+    "StoreCorruptError",
     "UnsupportedModelError",
     "tiny_model_path",
 ]

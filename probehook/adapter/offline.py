@@ -21,6 +21,7 @@ from probehook.capture_config import CaptureConfig, LayerSpec, resolve_layers
 from probehook.core.session import CaptureSession
 from probehook.errors import CaptureConfigError, CaptureError
 from probehook.store import ActivationStore
+from probehook.store.lock import WriterLock
 from probehook.store.records import model_fingerprint
 
 
@@ -100,6 +101,7 @@ class LLM(vllm.LLM):
             kwargs = engine_config.capture_engine_kwargs(kwargs, self.capture_config)
             fingerprint = model_fingerprint(resolved.model_config.hf_config)
             if store is not None:  # fail before a minute of engine start-up, not after
+                WriterLock.check_free(store)
                 ActivationStore.check_appendable(store, {"model_fingerprint": fingerprint})
             super().__init__(model=model, **kwargs)
         infos = [info for info in self.collective_rpc("probehook_attach", args=(limit,)) if info]

@@ -52,6 +52,27 @@ class WriterLock:
         self.path = root / WRITER_LOCK
         self._fd: int | None = fd
 
+    @staticmethod
+    def check_free(root: str | os.PathLike[str]) -> None:
+        """Raise :class:`StoreLockedError` if a writer holds the lock now; change nothing.
+
+        For failing early (before a minute of engine start-up): the lock itself is taken
+        later by :meth:`acquire`, which checks again.
+        """
+        path = Path(root) / WRITER_LOCK
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise StoreLockedError(_locked_message(Path(root), _read_info(fd, wait=True))) from None
+        except OSError:
+            return  # no lock support: acquire() says so with the full explanation
+        finally:
+            os.close(fd)  # drops the probe's flock, if it got one
+
     @classmethod
     def acquire(cls, root: str | os.PathLike[str]) -> WriterLock:
         """Take the lock of the store directory ``root`` (which must exist) or raise

@@ -70,8 +70,9 @@ CHILD = textwrap.dedent("""
 
 
 def digest(store: ActivationStore, request_id: str) -> str:
-    """sha256 of a stored request's rows, in the order the child hashed them."""
-    got = store[request_id]
+    """sha256 of a stored request's rows, in the order the child hashed them. Looked up by
+    vLLM's request id: the store id also names a run the parent does not know."""
+    got = next(r for r in store.requests if r.request_id == request_id)
     h = hashlib.sha256()
     for layer in LAYERS:
         h.update(got.prefill_hidden_states[layer].contiguous().numpy().tobytes())

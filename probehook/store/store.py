@@ -568,7 +568,8 @@ class ActivationStore:
         if f is None:
             while len(self._files) >= max(self.max_open_files, 1):
                 self._files.popitem(last=False)[1].close()
-            f = self._files[shard] = h5py.File(self.root / SHARD_DIR / shard, "r")
+            # No chunk cache: whole-chunk reads then go straight into the caller's array.
+            f = self._files[shard] = h5py.File(self.root / SHARD_DIR / shard, "r", rdcc_nbytes=0)
         else:
             self._files.move_to_end(shard)
         return f[dataset_name(phase, layer)]

@@ -64,4 +64,4 @@ def test_tensor_parallel_2_matches_tp_1(
                     rtol=0,
                 )
     finally:
-        del tp2
+        tp2.shutdown()

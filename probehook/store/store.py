@@ -270,11 +270,16 @@ class ActivationStore:
         shard_bytes: int = DEFAULT_SHARD_BYTES,
         compression: str | None = None,
         max_queue_bytes: int = 256 << 20,
+        legacy_fingerprint: str | None = None,
     ) -> ActivationStore:
-        """Create a store, or open one to append a run of the same model and hidden size."""
+        """Create a store, or open one to append a run of the same model and hidden size.
+
+        ``legacy_fingerprint``: this run's fingerprint v1, checked only against a store written
+        before fingerprint v2 (see :meth:`check_appendable`).
+        """
         root = Path(path)
         full_meta = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, **meta}
-        cls.check_appendable(root, meta)
+        cls.check_appendable(root, meta, legacy_fingerprint=legacy_fingerprint)
         if (root / META_FILE).exists():
             cls._repair_for_append(root)
             store = cls.open(root)
@@ -288,13 +293,22 @@ class ActivationStore:
         return store
 
     @classmethod
-    def check_appendable(cls, path: str | Path, meta: dict[str, Any]) -> None:
+    def check_appendable(
+        cls, path: str | Path, meta: dict[str, Any], *, legacy_fingerprint: str | None = None
+    ) -> None:
         """Raise unless ``path`` is new, empty, or a store of the same model (the keys of
-        ``meta`` that it has: model_fingerprint, hidden_size, dtype)."""
+        ``meta`` that it has: model_fingerprint, hidden_size, dtype).
+
+        Fingerprints are compared only within one ``fingerprint_version`` (a missing one is
+        version 1, the legacy whole-config hash). A legacy store accepts a run whose
+        ``legacy_fingerprint`` matches it; anything else is refused with what to do.
+        """
         root = Path(path)
         if (root / META_FILE).exists():
             existing = cls.open(root).meta
-            for key in ("model_fingerprint", "hidden_size", "dtype"):
+            if "model_fingerprint" in meta:
+                cls._check_fingerprint(root, existing, meta, legacy_fingerprint)
+            for key in ("hidden_size", "dtype"):
                 if key in meta and existing.get(key) != meta[key]:
                     raise StoreFormatError(
                         f"Cannot append to {root}: its {key} is {existing.get(key)!r} but this "
@@ -304,6 +318,55 @@ class ActivationStore:
             raise StoreFormatError(
                 f"{root} exists, is not empty and is not an activation store; pick a new path."
             )
+
+    @staticmethod
+    def _check_fingerprint(
+        root: Path, existing: dict[str, Any], meta: dict[str, Any], legacy: str | None
+    ) -> None:
+        stored, ours = existing.get("model_fingerprint"), meta["model_fingerprint"]
+        stored_version = existing.get("fingerprint_version", 1)
+        our_version = meta.get("fingerprint_version", 1)
+        stored_covers = existing.get("fingerprint_covers", "the whole HF config (v1)")
+        our_covers = meta.get("fingerprint_covers", "the whole HF config (v1)")
+        if stored_version == our_version:
+            if stored == ours:
+                return
+            raise StoreFormatError(
+                f"Cannot append to {root}: its model_fingerprint is {stored!r} (covers: "
+                f"{stored_covers}) but this run's is {ours!r} (covers: {our_covers}), so this "
+                "is another model (or other weights). Use a new store path for another model."
+            )
+        if stored_version == 1 and legacy is not None and stored == legacy:
+            logger.info(
+                "probehook store %s predates fingerprint v2; appending because this run's "
+                "legacy fingerprint %s matches it",
+                root,
+                legacy,
+            )
+            return
+        if stored_version == 1:
+            legacy_note = (
+                f"this run's config hashes to {legacy!r} that way"
+                if legacy is not None
+                else "this run gave no legacy fingerprint to compare"
+            )
+            raise StoreFormatError(
+                f"Cannot append to {root}: it predates fingerprint v2. Its model_fingerprint "
+                f"{stored!r} is a hash of the whole HF config, transformers version included, "
+                f"and {legacy_note}, so probehook cannot tell whether this is the same model. "
+                f"This run's v2 model_fingerprint is {ours!r} (covers: "
+                f"{our_covers}). Use a new store path; or, if you know it is the same model "
+                "(e.g. only transformers was upgraded), adopt the new fingerprint by setting "
+                f'"model_fingerprint": "{ours}", "fingerprint_version": {our_version} and '
+                f'"fingerprint_covers" in {root / META_FILE}.'
+            )
+        raise StoreFormatError(
+            f"Cannot append to {root}: its model_fingerprint {stored!r} is fingerprint version "
+            f"{stored_version} (covers: {stored_covers}) but this run's {ours!r} is version "
+            f"{our_version} (covers: {our_covers}); this probehook cannot compare them. Use a "
+            "new store path, or a probehook release that writes version "
+            f"{stored_version}."
+        )
 
     @classmethod
     def _repair_for_append(cls, root: Path) -> None:

@@ -27,3 +27,7 @@ class StoreError(ProbehookError, OSError):
 
 class StoreFormatError(ProbehookError, ValueError):
     """A path is not an activation store, or was written by an incompatible version."""
+
+
+class MissingExtraError(ProbehookError, ImportError):
+    """An optional dependency is not installed; the message names the extra to install."""

@@ -1,4 +1,4 @@
-"""The store outside probehook: the h5py-only reader in docs/store.md."""
+"""The store outside probehook: the h5py-only reader in docs/store.md, and to_hf_dataset."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from probehook.errors import MissingExtraError, ProbehookError
 from probehook.store import ActivationStore
 from probehook.store.format import MANIFEST_FILE, encode_line
 from probehook.store.writer import PendingRequest, RowBlock
@@ -135,3 +136,60 @@ def test_doc_reader_reads_what_probehook_wrote(tmp_path: Path, dtype: torch.dtyp
     matrix = np.load(out / "matrix.npy")
     assert matrix.dtype == np.float32
     assert np.array_equal(matrix, float32(store.layer(3, phase="decode")[:]))
+
+
+# -- to_hf_dataset ----------------------------------------------------------------------------
+
+
+def test_hf_dataset_matches_layer_and_labels(tmp_path: Path) -> None:
+    store = write_store(tmp_path / "s", torch.float32)
+    for phase, token in (("decode", "all"), ("prefill", "last")):
+        matrix = store.layer(3, phase=phase, token=token)
+        labels = [f"y{i}" for i in range(len(matrix))]
+        ds = store.to_hf_dataset(
+            3, phase, token, labels=labels, cache_dir=tmp_path / "hf", block_rows=4
+        )
+        assert len(ds) == len(matrix)
+        assert ds.features["activations"].length == HIDDEN
+        cols = ds.with_format("numpy")
+        assert np.array_equal(np.stack(cols["activations"][:]), float32(matrix[:]))
+        assert list(cols["request_id"][:]) == list(matrix.index["request_id"])
+        assert np.array_equal(cols["position"][:], matrix.index["position"])
+        assert np.array_equal(cols["token_id"][:], matrix.index["token_id"])
+        assert ds["label"] == labels
+    no_labels = store.to_hf_dataset(1, cache_dir=tmp_path / "hf")
+    assert "label" not in no_labels.column_names
+    with pytest.raises(ValueError, match="labels has 2 entries"):
+        store.to_hf_dataset(3, labels=[0, 1], cache_dir=tmp_path / "hf")
+
+
+def test_hf_dataset_bfloat16_becomes_float32(tmp_path: Path) -> None:
+    store = write_store(tmp_path / "s", torch.bfloat16)
+    labels = np.arange(len(store.layer(1)))  # numpy labels become plain ints
+    ds = store.to_hf_dataset(1, labels=labels, cache_dir=tmp_path / "hf")
+    assert ds.features["activations"].feature.dtype == "float32"
+    rows = np.stack(ds.with_format("numpy")["activations"][:])
+    assert rows.dtype == np.float32
+    assert np.array_equal(rows, float32(store.layer(1)[:]))
+    assert ds["label"] == labels.tolist()
+
+
+def test_hf_dataset_cache_follows_store_contents(tmp_path: Path) -> None:
+    store = write_store(tmp_path / "s", torch.float32, n=2)
+    first = store.to_hf_dataset(3, cache_dir=tmp_path / "hf")
+    again = store.to_hf_dataset(3, cache_dir=tmp_path / "hf")
+    assert again.cache_files == first.cache_files  # same contents: the Arrow file is reused
+    appender = ActivationStore.for_writing(tmp_path / "s", store.meta)
+    appender.add(fake_request(7))
+    appender.flush()
+    appender.close()
+    grown = ActivationStore.open(tmp_path / "s").to_hf_dataset(3, cache_dir=tmp_path / "hf")
+    assert len(grown) == len(first) + 3 and grown.cache_files != first.cache_files
+
+
+def test_hf_dataset_without_datasets_names_the_extra(tmp_path: Path, monkeypatch) -> None:
+    store = write_store(tmp_path / "s", torch.float32, n=1)
+    monkeypatch.setitem(sys.modules, "datasets", None)  # import datasets -> ImportError
+    with pytest.raises(MissingExtraError, match=r"pip install 'probehook\[hf\]'") as err:
+        store.to_hf_dataset(3, cache_dir=tmp_path / "hf")
+    assert isinstance(err.value, ImportError) and isinstance(err.value, ProbehookError)

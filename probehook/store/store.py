@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import logging
 import os
@@ -11,13 +12,13 @@ import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import h5py
 import numpy as np
 import torch
 
-from probehook.errors import StoreFormatError
+from probehook.errors import MissingExtraError, StoreFormatError
 from probehook.store.format import (
     DEFAULT_SHARD_BYTES,
     FORMAT_NAME,
@@ -31,6 +32,9 @@ from probehook.store.format import (
     write_json_atomic,
 )
 from probehook.store.writer import PendingRequest, ShardWriter
+
+if TYPE_CHECKING:
+    import datasets
 
 logger = logging.getLogger(__name__)
 TOKENS = ("all", "last")
@@ -480,6 +484,64 @@ class ActivationStore:
         """A map-style Dataset of rows (and labels aligned with ``layer(...).index``)."""
         return _LayerDataset(self.layer(layer, phase, token), labels)
 
+    def to_hf_dataset(
+        self,
+        layer: int,
+        phase: str = "decode",
+        token: str = "all",
+        labels: Sequence[Any] | None = None,
+        *,
+        cache_dir: str | os.PathLike[str] | None = None,
+        block_rows: int = 4096,
+    ) -> datasets.Dataset:
+        """A Hugging Face ``datasets.Dataset`` of one layer's rows, aligned with
+        ``layer(...).index``: columns request_id, position, token_id, activations (float32,
+        ``hidden_size`` long; bfloat16/float16 rows are converted) and label if ``labels``.
+
+        Rows stream from the shards ``block_rows`` at a time into an Arrow file under
+        ``cache_dir/probehook/`` (default: datasets' cache, ``HF_DATASETS_CACHE``), which the
+        Dataset memory-maps, so memory stays bounded. The file is named by a hash of the
+        store's requests, the selection and the labels: a later call on the same contents
+        reuses it. Needs the ``hf`` extra (``pip install 'probehook[hf]'``).
+        """
+        try:
+            import datasets
+        except ImportError as e:
+            raise MissingExtraError(
+                "ActivationStore.to_hf_dataset needs the Hugging Face `datasets` package: "
+                "pip install 'probehook[hf]'"
+            ) from e
+        matrix = self.layer(layer, phase, token)
+        if labels is not None:
+            # A list of plain Python values (from numpy arrays, tensors and lists alike).
+            labels = labels.tolist() if hasattr(labels, "tolist") else list(labels)
+            if len(labels) != len(matrix):
+                raise ValueError(
+                    f"labels has {len(labels)} entries but the layer has {len(matrix)} rows."
+                )
+        columns = {
+            "request_id": datasets.Value("string"),
+            "position": datasets.Value("int64"),
+            "token_id": datasets.Value("int64"),
+            "activations": datasets.List(datasets.Value("float32"), length=self.hidden_size),
+        }
+        if labels is not None:
+            columns["label"] = _label_feature(datasets, labels)
+        key = {
+            "records": [(r["id"], r["shard"]) for r in self._records.values()],
+            "selection": [layer, phase, token, self.meta.get("dtype"), self.hidden_size],
+            "labels": labels,
+        }
+        digest = hashlib.sha256(json.dumps(key, default=repr).encode()).hexdigest()[:32]
+        base = Path(cache_dir) if cache_dir is not None else Path(datasets.config.HF_DATASETS_CACHE)
+        path = base / "probehook" / f"layer{layer}-{phase}-{token}-{digest}.arrow"
+        if not path.is_file():
+            # Whole blocks become Arrow arrays in one call each. Per-row examples through
+            # Dataset.from_generator were over 10x slower (2000 bf16 rows of 4096: 1.4 s vs
+            # 0.12 s).
+            _write_arrow(matrix, labels, datasets.Features(columns).arrow_schema, path, block_rows)
+        return datasets.Dataset.from_file(os.fspath(path))
+
     def info(self) -> dict[str, Any]:
         shards = {r["shard"] for r in self._records.values()}
         rows = sum(s["count"] for r in self._records.values() for s in r["segments"])
@@ -527,6 +589,46 @@ class ActivationStore:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _write_arrow(
+    matrix: LayerMatrix, labels: list[Any] | None, schema: Any, path: Path, block_rows: int
+) -> None:
+    """Write ``matrix`` (+ labels) as an Arrow stream file, one record batch per block."""
+    import pyarrow as pa
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.{uuid.uuid4().hex[:8]}.tmp")  # concurrent callers
+    index = matrix.index
+    try:
+        with pa.OSFile(os.fspath(tmp), "wb") as sink, pa.ipc.new_stream(sink, schema) as out:
+            begin = 0
+            for block in matrix.iter_blocks(block_rows):
+                rows = block.float().numpy()  # bfloat16 and float16 become float32
+                end = begin + len(rows)
+                arrays = [
+                    pa.array(index["request_id"][begin:end].tolist(), pa.string()),
+                    pa.array(index["position"][begin:end], pa.int64()),
+                    pa.array(index["token_id"][begin:end], pa.int64()),
+                    pa.FixedSizeListArray.from_arrays(
+                        pa.array(rows.reshape(-1)), type=schema.field("activations").type
+                    ),
+                ]
+                if labels is not None:
+                    arrays.append(pa.array(labels[begin:end], schema.field("label").type))
+                out.write_batch(pa.RecordBatch.from_arrays(arrays, schema=schema))
+                begin = end
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _label_feature(datasets: Any, labels: list[Any]) -> Any:
+    """The datasets feature of a label column, inferred by Arrow from the labels."""
+    import pyarrow as pa
+
+    schema = pa.schema([pa.field("label", pa.array(labels).type)])
+    return datasets.Features.from_arrow_schema(schema)["label"]
 
 
 class _LayerDataset(torch.utils.data.Dataset):

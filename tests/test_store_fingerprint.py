@@ -39,17 +39,20 @@ def llama(**overrides: object) -> LlamaConfig:
     return LlamaConfig(**{**fields, **overrides})
 
 
-def weights_dir(root: Path, seed: int = 0) -> Path:
-    """Two 'shards' larger than three samples (so they are sampled) and a small file."""
+def random_bytes(size: int, rng: torch.Generator) -> bytes:
+    return torch.randint(0, 256, (size,), dtype=torch.uint8, generator=rng).numpy().tobytes()
+
+
+def weights_dir(root: Path, seed: int = 0, suffix: str = ".safetensors") -> Path:
+    """Two shards larger than three samples (so they are sampled) and one small file."""
     root.mkdir(parents=True, exist_ok=True)
     rng = torch.Generator().manual_seed(seed)
     for name, size in (
-        ("model-00001-of-00002.safetensors", 5 * SAMPLE_BYTES + 123),
-        ("model-00002-of-00002.safetensors", 4 * SAMPLE_BYTES),
-        ("extra.bin", 1000),
+        ("model-00001-of-00003", 5 * SAMPLE_BYTES + 123),
+        ("model-00002-of-00003", 4 * SAMPLE_BYTES),
+        ("model-00003-of-00003", 1000),
     ):
-        data = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=rng)
-        (root / name).write_bytes(data.numpy().tobytes())
+        (root / (name + suffix)).write_bytes(random_bytes(size, rng))
     (root / "config.json").write_text("{}")  # not a weight file: not hashed
     return root
 
@@ -106,7 +109,7 @@ def test_architecture_change_changes_fingerprint(tmp_path: Path) -> None:
 def test_weight_byte_in_sampled_region_changes_fingerprint(tmp_path: Path, where: str) -> None:
     path = weights_dir(tmp_path / "m")
     base = model_fingerprint(llama(), str(path))["fingerprint"]
-    shard = path / "model-00001-of-00002.safetensors"
+    shard = path / "model-00001-of-00003.safetensors"
     data = bytearray(shard.read_bytes())
     size = len(data)
     offset = {"first": 100, "middle": (size - SAMPLE_BYTES) // 2 + 7, "last": size - 5}[where]
@@ -139,8 +142,22 @@ def test_no_local_weights_covers_config_only(tmp_path: Path) -> None:
 def test_dummy_weights_not_read(tmp_path: Path) -> None:
     path = weights_dir(tmp_path / "m")
     base = model_fingerprint(llama(), str(path), load_format="dummy")
-    (path / "extra.bin").write_bytes(b"changed")
+    (path / "model-00003-of-00003.safetensors").write_bytes(b"changed")
     assert model_fingerprint(llama(), str(path), load_format="dummy") == base
+
+
+def test_bin_files_count_only_without_safetensors(tmp_path: Path) -> None:
+    """vLLM loads *.safetensors when there are any; a .bin beside them is not the model."""
+    rng = torch.Generator().manual_seed(5)
+    path = weights_dir(tmp_path / "st")
+    base = model_fingerprint(llama(), str(path))
+    (path / "training_args.bin").write_bytes(random_bytes(100, rng))
+    assert model_fingerprint(llama(), str(path)) == base
+    pt = weights_dir(tmp_path / "pt", suffix=".bin")  # a .bin-only checkpoint: covered
+    before = model_fingerprint(llama(), str(pt))
+    assert "3 weight file(s)" in before["covers"]
+    (pt / "model-00003-of-00003.bin").write_bytes(random_bytes(1000, rng))
+    assert model_fingerprint(llama(), str(pt))["fingerprint"] != before["fingerprint"]
 
 
 # -- the append check ---------------------------------------------------------------------

@@ -8,7 +8,8 @@ Fingerprint v2 hashes what decides the activations and nothing else:
   ``dtype`` is left out, so a newer transformers reading the same checkpoint agrees.
 * when the weights are local files (a directory, or one file such as a GGUF) and the load
   format is not ``"dummy"``: the sorted names and sizes of the top-level weight files
-  (:data:`WEIGHT_SUFFIXES`) and a sha256 of three samples of each (first, middle and last
+  (:data:`WEIGHT_SUFFIXES`; only the ``*.safetensors`` ones when there are any, as vLLM then
+  loads only those) and a sha256 of three samples of each (first, middle and last
   :data:`SAMPLE_BYTES`; a safetensors header, with every tensor's name, shape and offset, is in
   the first). A few hundred KiB read per file instead of the whole checkpoint.
 
@@ -48,6 +49,7 @@ CONFIG_FIELDS = (
 """Architecture fields read with ``getattr`` (so aliases like GPT-2's ``n_embd`` resolve)."""
 TOP_LEVEL_FIELDS = ("architectures", "model_type")
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+"""Top-level files that count as weights. ``.gguf``: vLLM's single-file GGUF checkpoints."""
 SAMPLE_BYTES = 64 << 10
 _CONFIG_ONLY_FORMATS = ("dummy",)
 
@@ -65,7 +67,7 @@ def model_fingerprint(
         total = sum(entry["size"] for entry in body["weights"])
         covers = (
             f"architecture config ({len(config)} fields) + {len(weights)} weight file(s) "
-            f"({total / 2**30:.2f} GiB; names, sizes, sampled sha256) in {model_path}"
+            f"({_size(total)}; names, sizes, sampled sha256) in {model_path}"
         )
     else:
         covers = f"architecture config only ({len(config)} fields); weights not covered: {why_not}"
@@ -144,6 +146,10 @@ def _weight_files(
         (p for p in path.iterdir() if p.name.endswith(WEIGHT_SUFFIXES) and p.is_file()),
         key=lambda p: p.name,
     )
+    safetensors = [p for p in files if p.name.endswith(".safetensors")]
+    if safetensors:
+        # A training_args.bin or a leftover pytorch_model.bin beside them is not what loads.
+        files = safetensors
     if not files:
         return [], f"no {'/'.join(WEIGHT_SUFFIXES)} files in {model_path}"
     return files, ""
@@ -161,6 +167,10 @@ def _file_digest(path: Path) -> dict[str, Any]:
                 f.seek(offset)
                 digest.update(f.read(SAMPLE_BYTES))
     return {"name": path.name, "size": size, "sha256": digest.hexdigest()}
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
 
 
 def _canonical_json(value: Any) -> str:

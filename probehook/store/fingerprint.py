@@ -2,10 +2,12 @@
 
 Fingerprint v2 hashes what decides the activations and nothing else:
 
-* a fixed list of architecture fields of the HF config (:data:`CONFIG_FIELDS`, those present);
-  for a multimodal config, the fields of its text config, plus the top-level ``architectures``
-  and ``model_type``. Bookkeeping such as ``transformers_version``, ``_name_or_path`` or
-  ``dtype`` is left out, so a newer transformers reading the same checkpoint agrees.
+* a fixed list of architecture fields of the HF config (:data:`CONFIG_FIELDS`, those present)
+  and RoPE (theta and scaling, normalized so transformers 4's ``rope_theta``/``rope_scaling`` and
+  transformers 5's ``rope_parameters`` agree); for a multimodal config, those of its text
+  config, plus the top-level ``architectures`` and ``model_type``. Bookkeeping such as
+  ``transformers_version``, ``_name_or_path`` or ``dtype`` is left out, so a newer transformers
+  reading the same checkpoint agrees.
 * when the weights are local files (a directory, or one file such as a GGUF) and the load
   format is not ``"dummy"``: the sorted names and sizes of the top-level weight files
   (:data:`WEIGHT_SUFFIXES`; only the ``*.safetensors`` ones when there are any, as vLLM then

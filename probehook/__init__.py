@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from probehook.errors import (
     CaptureConfigError,
     CaptureError,
+    MissingExtraError,
     ProbehookError,
     StoreCorruptError,
     StoreError,
@@ -50,6 +51,7 @@ __all__ = [
     "FailedCapture",
     "CaptureConfigError",
     "CaptureError",
+    "MissingExtraError",
     "ProbehookError",
     "StoreError",
     "StoreFormatError",

@@ -36,3 +36,7 @@ class StoreFormatError(ProbehookError, ValueError):
 class StoreCorruptError(StoreFormatError):
     """The store's manifest has a damaged line before good ones; appending would lose records.
     ``probehook store fsck PATH --repair`` rewrites it keeping every verifiable record."""
+
+
+class MissingExtraError(ProbehookError, ImportError):
+    """An optional dependency is not installed; the message names the extra to install."""

@@ -14,6 +14,7 @@ PUBLIC = [
     "FailedCapture",
     "CaptureConfigError",
     "CaptureError",
+    "MissingExtraError",
     "ProbehookError",
     "StoreError",
     "StoreFormatError",

@@ -21,8 +21,8 @@ from probehook.capture_config import CaptureConfig, LayerSpec, resolve_layers
 from probehook.core.session import CaptureSession
 from probehook.errors import CaptureConfigError, CaptureError
 from probehook.store import ActivationStore
+from probehook.store.fingerprint import legacy_fingerprint, model_fingerprint
 from probehook.store.lock import WriterLock
-from probehook.store.records import model_fingerprint
 
 
 class LLM(vllm.LLM):
@@ -98,11 +98,17 @@ class LLM(vllm.LLM):
                 last_prefill_token=last_prefill_token,
                 last_decode_token=last_decode_token,
             )
+            # The user's load format: capture_engine_kwargs swaps in probehook's wrapper.
+            load_format = kwargs.get("load_format") or "auto"
             kwargs = engine_config.capture_engine_kwargs(kwargs, self.capture_config)
-            fingerprint = model_fingerprint(resolved.model_config.hf_config)
+            hf_config = resolved.model_config.hf_config
+            fingerprint = model_fingerprint(hf_config, resolved.model_config.model, load_format)
+            legacy = legacy_fingerprint(hf_config)  # only compared with pre-v2 stores
             if store is not None:  # fail before a minute of engine start-up, not after
                 WriterLock.check_free(store)
-                ActivationStore.check_appendable(store, {"model_fingerprint": fingerprint})
+                ActivationStore.check_appendable(
+                    store, _fingerprint_meta(fingerprint), legacy_fingerprint=legacy
+                )
             super().__init__(model=model, **kwargs)
         infos = [info for info in self.collective_rpc("probehook_attach", args=(limit,)) if info]
         if not infos:
@@ -117,15 +123,21 @@ class LLM(vllm.LLM):
         )
         weakref.finalize(self, self.capture.close)
         if store is not None:
-            self._open_store(model, os.fspath(store), store_options or {}, fingerprint, infos[0])
+            options = {**(store_options or {}), "legacy_fingerprint": legacy}
+            self._open_store(model, os.fspath(store), options, fingerprint, infos[0])
 
     def _open_store(
-        self, model: str, path: str, options: dict[str, Any], fingerprint: str, info: dict
+        self,
+        model: str,
+        path: str,
+        options: dict[str, Any],
+        fingerprint: dict[str, Any],
+        info: dict,
     ) -> None:
         assert self.capture_config is not None and self.capture is not None
         meta = {
             "model": model,
-            "model_fingerprint": fingerprint,
+            **_fingerprint_meta(fingerprint),
             "dtype": info["dtype"].removeprefix("torch."),
             "hidden_size": info["hidden_size"],
             "layers": list(self.capture_config.layers),
@@ -240,6 +252,15 @@ def _empty_rows(output: Any) -> None:
     output.hidden_states = {}
     output.store_id = None
     outputs.decorate(output)
+
+
+def _fingerprint_meta(fingerprint: dict[str, Any]) -> dict[str, Any]:
+    """The meta.json keys of a ``model_fingerprint`` result."""
+    return {
+        "model_fingerprint": fingerprint["fingerprint"],
+        "fingerprint_version": fingerprint["version"],
+        "fingerprint_covers": fingerprint["covers"],
+    }
 
 
 def _check_limit(limit: int | None) -> int:

@@ -2,21 +2,11 @@
 
 from __future__ import annotations
 
-import hashlib
-import json
 from typing import Any
 
 from probehook.capture_config import CaptureConfig
 from probehook.core.spans import completion_spans
 from probehook.store.writer import PendingRequest, RowBlock
-
-
-def model_fingerprint(hf_config: Any) -> str:
-    """A short hash of the model's HF config: appending another model's run is refused."""
-    hf = hf_config.to_dict()
-    hf.pop("_name_or_path", None)
-    body = json.dumps(hf, sort_keys=True, default=str)
-    return hashlib.sha256(body.encode()).hexdigest()[:16]
 
 
 def pending_request(output: Any, sampling: dict[str, Any], config: CaptureConfig) -> PendingRequest:

@@ -2,7 +2,8 @@
 
 Raw write: ``ndarray.tofile`` + fsync per file (the disk's sequential ceiling as Python sees
 it). Raw read: ``np.fromfile`` of the same bytes. Both sides see the same page cache state,
-rounds are interleaved, medians reported. Writes results/store_throughput.{json,md}.
+rounds are interleaved with the write order alternating, medians reported. Writes
+results/store_throughput.{json,md}.
 """
 
 from __future__ import annotations
@@ -99,7 +100,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=128)
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--small-shards", type=int, default=2000)
     args = parser.parse_args()
     layers = list(range(args.layers))
@@ -111,16 +112,17 @@ def main() -> None:
         k: [] for k in ("raw write", "store write", "raw read", "store read")
     }
     try:
-        for _ in range(args.rounds):
+        for round_ in range(args.rounds):
             shutil.rmtree(work / "raw", ignore_errors=True)
             shutil.rmtree(work / "store", ignore_errors=True)
-            # Write back what earlier rounds left dirty, so that neither side pays for it.
-            os.sync()
-            samples["raw write"].append(nbytes / raw_write(work / "raw", requests, layers))
-            os.sync()
-            samples["store write"].append(
-                nbytes / store_write(work / "store", requests, args.hidden, layers)
-            )
+            # Alternate which side writes first: the disk's writeback state drifts in a run.
+            writes = [
+                ("raw write", lambda: raw_write(work / "raw", requests, layers)),
+                ("store write", lambda: store_write(work / "store", requests, args.hidden, layers)),
+            ]
+            for name, write in writes if round_ % 2 == 0 else writes[::-1]:
+                os.sync()  # write back what earlier rounds left dirty: neither side pays for it
+                samples[name].append(nbytes / write())
             os.sync()
             start = time.perf_counter()
             raw = np.fromfile(work / "raw" / "layer_1.bin", dtype=np.float32)

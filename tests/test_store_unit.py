@@ -228,13 +228,16 @@ def test_backpressure_blocks_the_producer(tmp_path: Path, monkeypatch) -> None:
             assert torch.equal(table[block.layer], block.rows)
 
 
-def test_staged_writes_cut_at_chunk_ends_stay_exact(tmp_path: Path, monkeypatch) -> None:
-    import probehook.store.writer as writer
+@pytest.mark.parametrize("compression", [None, "gzip"])
+def test_staged_writes_cut_at_chunk_ends_stay_exact(
+    tmp_path: Path, monkeypatch, compression: str | None
+) -> None:
+    import probehook.store.appender as appender
 
-    monkeypatch.setattr(writer, "STAGE_BYTES", 700)
-    monkeypatch.setattr(writer, "CHUNK_BYTES", 5 * HIDDEN * 4)  # 5-row chunks
+    monkeypatch.setattr(appender, "STAGE_BYTES", 700)
+    monkeypatch.setattr(appender, "CHUNK_BYTES", 5 * HIDDEN * 4)  # 5-row chunks
     requests = [fake_request(i, prompt_len=3 + i % 4, n_out=1 + i % 5) for i in range(30)]
-    write(tmp_path / "s", requests, shard_bytes=5000)
+    write(tmp_path / "s", requests, shard_bytes=5000, compression=compression)
     store = ActivationStore.open(tmp_path / "s")
     for r in requests:
         got = store[r.record["id"]]

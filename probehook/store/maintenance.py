@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import Any
 
 import h5py
-import numpy as np
 
 from probehook.errors import StoreCorruptError
+from probehook.store.appender import DatasetAppender
 from probehook.store.format import (
     DEFAULT_SHARD_BYTES,
     MANIFEST_FILE,
@@ -34,7 +34,6 @@ from probehook.store.manifest import (
     rewrite_manifest,
     scan_manifest,
 )
-from probehook.store.writer import CHUNK_BYTES
 
 COMPACT_PREFIX = "compact-"
 
@@ -291,37 +290,25 @@ def _merge(
     Streams one source dataset at a time, so memory stays at the largest source dataset.
     """
     layout: dict[str, list[tuple[str, int]]] = {}  # dataset -> [(shard, rows)] in order
-    kinds: dict[str, tuple[int, np.dtype, str | None]] = {}  # width, dtype, compression
+    compressions: dict[str, str | None] = {}
     for name in names:
         with h5py.File(shards_dir / name, "r") as f:
 
             def note(key: str, obj: Any, name: str = name) -> None:
                 if isinstance(obj, h5py.Dataset):
                     layout.setdefault(key, []).append((name, obj.shape[0]))
-                    kinds.setdefault(key, (obj.shape[1], obj.dtype, obj.compression))
+                    compressions.setdefault(key, obj.compression)
 
             f.visititems(note)
     offsets: dict[str, tuple[str, dict[str, int]]] = {n: (new_name, {}) for n in names}
     tmp = shards_dir / (new_name + ".tmp")
     with h5py.File(tmp, "w") as out:
         for key, parts in layout.items():
-            width, dtype, compression = kinds[key]
-            total = sum(rows for _, rows in parts)
-            chunk_rows = max(1, min(total, CHUNK_BYTES // max(1, width * dtype.itemsize)))
-            target = out.create_dataset(
-                key,
-                shape=(total, width),
-                maxshape=(None, width),
-                dtype=dtype,
-                chunks=(chunk_rows, width),
-                compression=compression,
-            )
-            start = 0
-            for name, rows in parts:
-                offsets[name][1][key] = start
+            target = DatasetAppender(out, key, compressions[key])
+            for name, _ in parts:
                 with h5py.File(shards_dir / name, "r") as f:
-                    target[start : start + rows] = f[key][()]
-                start += rows
+                    offsets[name][1][key] = target.append(f[key][()])
+            target.close()
     with open(tmp, "rb+") as f:
         os.fsync(f.fileno())
     os.replace(tmp, shards_dir / new_name)

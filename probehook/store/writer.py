@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from probehook.errors import StoreError
+from probehook.store.appender import DatasetAppender
 from probehook.store.format import (
     MANIFEST_FILE,
     SHARD_DIR,
@@ -31,8 +32,6 @@ from probehook.store.format import (
 
 _FLUSH = object()
 _STOP = object()
-CHUNK_BYTES = 1 << 20
-STAGE_BYTES = 16 << 20
 
 fault_hook: Callable[[str], None] | None = None
 """Test-only: called with the name of each shard commit stage as it is reached ("shard_written",
@@ -100,9 +99,8 @@ class ShardWriter:
         self._shard_requests: list[dict[str, Any]] = []
         self._shard_rows: dict[str, int] = {}
         self._shard_bytes_written = 0
-        self._staged: dict[str, list[np.ndarray]] = {}
+        self._datasets: dict[str, DatasetAppender] = {}
         self._committed: list[dict[str, Any]] = []
-        self._lengths: dict[str, int] = {}
         self._thread = threading.Thread(target=self._run, name="probehook-store", daemon=True)
         self._thread.start()
 
@@ -211,46 +209,19 @@ class ShardWriter:
             self._commit_shard()
 
     def _append(self, name: str, data: np.ndarray) -> int:
-        """Stage rows for dataset ``name``; return their start row. Large writes are faster
-        in HDF5, so rows are written in blocks of about STAGE_BYTES."""
-        start = self._lengths.get(name, 0)
-        self._lengths[name] = start + len(data)
-        staged = self._staged.setdefault(name, [])
-        staged.append(data)
-        if sum(a.nbytes for a in staged) >= STAGE_BYTES:
-            self._write_staged(name)
-        return start
-
-    def _write_staged(self, name: str) -> None:
+        """Append rows to dataset ``name`` of the open shard; return their start row."""
         assert self._file is not None
-        staged = self._staged.pop(name, [])
-        if not staged:
-            return
-        data = staged[0] if len(staged) == 1 else np.concatenate(staged)
-        if name not in self._file:
-            # Chunks are allocated whole: a small first write (a small run) gets small ones.
-            chunk_rows = max(1, CHUNK_BYTES // max(1, data.shape[1] * data.itemsize))
-            chunk_rows = min(chunk_rows, max(1, len(data)))
-            self._file.create_dataset(
-                name,
-                shape=(0, data.shape[1]),
-                maxshape=(None, data.shape[1]),
-                dtype=data.dtype,
-                chunks=(chunk_rows, data.shape[1]),
-                compression=self.compression,
-            )
-        dataset = self._file[name]
-        start = dataset.shape[0]
-        dataset.resize(start + len(data), axis=0)
-        dataset.write_direct(np.ascontiguousarray(data), dest_sel=np.s_[start:])
+        if name not in self._datasets:
+            self._datasets[name] = DatasetAppender(self._file, name, self.compression)
+        return self._datasets[name].append(data)
 
     def _commit_shard(self) -> None:
         if self._file is None:
             return
         assert self._tmp_path is not None
-        for name in list(self._staged):
-            self._write_staged(name)
-        self._lengths = {}
+        for dataset in self._datasets.values():
+            dataset.close()
+        self._datasets = {}
         self._file.close()
         self._file = None
         _stage("shard_written")

@@ -12,8 +12,20 @@ from probehook.errors import CaptureConfigError
 EXTRA_ARGS_KEY = "probehook"
 """Key under ``SamplingParams.extra_args`` that holds per-request capture options."""
 
-INTERNAL_KEYS = ("tag", "n")
-"""Keys probehook.LLM adds under extra_args["probehook"] (request tag, fan-out count)."""
+INTERNAL_KEYS = ("tag", "n", "stop_token")
+"""Keys probehook.LLM adds under extra_args["probehook"] (request tag, fan-out count, the
+token a stop monitor forces)."""
+PROBE_KEYS = ("probes", "monitors")
+"""Per-request probe options under extra_args["probehook"] (validated by the front end)."""
+
+
+def capture_options(options: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The capture options of a request's ``extra_args["probehook"]`` (no internal or probe
+    keys), as :meth:`CaptureConfig.narrow` takes them."""
+    return {
+        k: v for k, v in (options or {}).items() if k not in INTERNAL_KEYS and k not in PROBE_KEYS
+    }
+
 
 LayerSpec = Sequence[int] | str
 

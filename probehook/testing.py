@@ -187,3 +187,48 @@ def assert_matches_hf(
 def worker_stats(llm: Any) -> dict[str, int]:
     """probehook's counters from the collecting worker (rank 0)."""
     return next(s for s in llm.collective_rpc("probehook_stats") if s is not None)
+
+
+def random_probes(hidden_size: int, seed: int = 0) -> dict[str, Any]:
+    """Four random probes of every kind over layers 0, 1 and 3, scaled so that scores are
+    spread out (not saturated) on a random-weight model's residual stream."""
+    from probehook.probes import LinearProbe
+
+    g = torch.Generator().manual_seed(seed)
+
+    def weight(outputs: int) -> torch.Tensor:
+        return torch.randn(outputs, hidden_size, generator=g) / hidden_size**0.5
+
+    return {
+        "truth": LinearProbe(weight(1), torch.zeros(1), layer=1, kind="binary", name="truth"),
+        "other": LinearProbe(weight(1), torch.ones(1), layer=1, kind="binary", name="other"),
+        "topic": LinearProbe(
+            weight(3),
+            torch.zeros(3),
+            layer=3,
+            kind="multiclass",
+            label_names=["a", "b", "c"],
+            name="topic",
+        ),
+        "size": LinearProbe(weight(1), torch.zeros(1), layer=0, kind="regression", name="size"),
+    }
+
+
+def assert_scores_match_rows(output: Any, probes: dict[str, Any], tol: float = 1e-3) -> int:
+    """Assert runtime scores equal ``probe.score`` of the rows the same output captured, for
+    every probe whose layer was captured; return how many score tensors were compared."""
+    compared = 0
+    pairs = [(output.prefill_probe_scores, output.prefill_hidden_states)]
+    pairs += [(c.probe_scores, c.hidden_states) for c in output.outputs]
+    for scores, rows in pairs:
+        for name, probe in probes.items():
+            if probe.layer not in rows:
+                continue
+            assert name in scores, f"no runtime scores for probe {name!r}"
+            want = probe.score(rows[probe.layer])
+            got = scores[name]
+            assert got.dtype == torch.float32 and got.shape == want.shape, (got.shape, want.shape)
+            diff = (got - want).abs().max().item() if len(got) else 0.0
+            assert diff <= tol, f"probe {name}: max abs diff {diff}"
+            compared += 1
+    return compared

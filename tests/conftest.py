@@ -58,11 +58,13 @@ def compiled_llm(llama_dir: Path) -> Iterator[object]:
     """vLLM's default compiled mode, under pressure: small prefill chunks, a KV cache small
     enough to force preemption, prefix caching on."""
     from probehook import LLM
+    from probehook.testing import random_probes
 
     llm = LLM(
         str(llama_dir),
         layers="all",
         include_prefill=True,
+        probes=random_probes(128),
         max_num_batched_tokens=32,
         max_num_seqs=16,
         enable_chunked_prefill=True,

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from probehook.testing import assert_matches_hf
+from probehook.testing import assert_matches_hf, assert_scores_match_rows
 
 pytestmark = pytest.mark.slow
 SHARED_PREFIX = "10+20=30. 11+21=32. 12+22=34. 13+23=36. "
@@ -59,6 +59,20 @@ def test_attribution_under_load(compiled_llm, llama_dir: Path) -> None:
         assert_matches_hf(llama_dir, out, layers, prefill=not narrowed)
         if narrowed:
             assert out.prefill_hidden_states == {}
+            assert out.prefill_probe_scores == {}
+        # Runtime probe scores: one per token of each phase, equal to the probe applied to
+        # the rows this run captured.
+        probes = compiled_llm.probes.probes
+        for completion in out.outputs:
+            assert sorted(completion.probe_scores) == sorted(probes)
+            assert all(
+                len(v) == len(completion.token_ids) for v in completion.probe_scores.values()
+            )
+        if not narrowed:
+            assert all(
+                len(v) == len(out.prompt_token_ids) for v in out.prefill_probe_scores.values()
+            )
+        assert assert_scores_match_rows(out, probes) > 0
         if p.stop:
             for completion in out.outputs:
                 assert len(completion.hidden_states[layers[0]]) == len(completion.token_ids)

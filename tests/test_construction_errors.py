@@ -147,3 +147,75 @@ def test_store_held_by_another_writer_fails_before_engine_start(
             llm_cls(str(llama_dir), layers=[0], store=tmp_path / "s")
     finally:
         holder.close()
+
+
+# -- probes and monitors: refused before vLLM starts -----------------------------------------
+
+
+def _probe(layer: int = 1, hidden: int = 128, kind: str = "binary"):
+    from probehook import LinearProbe
+
+    outputs = 3 if kind == "multiclass" else 1
+    labels = ["a", "b", "c"] if kind == "multiclass" else None
+    return LinearProbe(
+        torch_zeros(outputs, hidden),
+        torch_zeros(outputs),
+        layer=layer,
+        kind=kind,
+        label_names=labels,
+    )
+
+
+def torch_zeros(*shape: int):
+    import torch
+
+    return torch.zeros(*shape)
+
+
+def test_probe_layer_out_of_range(llm_cls, llama_dir: Path) -> None:
+    with pytest.raises(CaptureConfigError, match=r"reads layer 7, but the model has 4 layers"):
+        llm_cls(str(llama_dir), probes={"p": _probe(layer=7)})
+
+
+def test_probe_hidden_size_mismatch(llm_cls, llama_dir: Path) -> None:
+    from probehook.errors import ProbeError
+
+    with pytest.raises(ProbeError, match=r"hidden size 64.*hidden size is 128"):
+        llm_cls(str(llama_dir), probes={"p": _probe(hidden=64)})
+
+
+def test_monitor_names_unknown_probe(llm_cls, llama_dir: Path) -> None:
+    from probehook import ProbeMonitor
+
+    with pytest.raises(CaptureConfigError, match=r"probe 'lies'.*probes are \['truth'\]"):
+        llm_cls(str(llama_dir), probes={"truth": _probe()}, monitors=[ProbeMonitor("lies", 0.5)])
+
+
+def test_monitor_threshold_outside_probabilities(llm_cls, llama_dir: Path) -> None:
+    from probehook import ProbeMonitor
+
+    with pytest.raises(CaptureConfigError, match=r"threshold 1.5 is outside \[0, 1\]"):
+        llm_cls(str(llama_dir), probes={"truth": _probe()}, monitors=[ProbeMonitor("truth", 1.5)])
+
+
+def test_multiclass_monitor_needs_a_label(llm_cls, llama_dir: Path) -> None:
+    from probehook import ProbeMonitor
+
+    with pytest.raises(CaptureConfigError, match=r"needs label= naming one of its classes"):
+        llm_cls(
+            str(llama_dir),
+            probes={"topic": _probe(kind="multiclass")},
+            monitors=[ProbeMonitor("topic", 0.5)],
+        )
+
+
+def test_monitors_without_probes(llm_cls, llama_dir: Path) -> None:
+    from probehook import ProbeMonitor
+
+    with pytest.raises(CaptureConfigError, match="no probes were given"):
+        llm_cls(str(llama_dir), layers=[0], monitors=[ProbeMonitor("truth", 0.5)])
+
+
+def test_probe_that_is_not_a_probe(llm_cls, llama_dir: Path) -> None:
+    with pytest.raises(CaptureConfigError, match=r"probes\['p'\] is a dict, not a probe"):
+        llm_cls(str(llama_dir), probes={"p": {"weight": [0.0]}})

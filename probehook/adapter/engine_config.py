@@ -34,6 +34,7 @@ SUPPORTED_ARCHITECTURES = (
     "Phi3ForCausalLM",
 )
 WORKER_EXTENSION = "probehook.adapter.worker.ProbehookWorkerExtension"
+MONITOR_PROCESSOR = "probehook.adapter.monitor_processor:ProbeStopProcessor"
 
 
 RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
@@ -171,8 +172,11 @@ def check_engine(vllm_config: Any) -> int:
     return num_layers
 
 
-def capture_engine_kwargs(kwargs: dict[str, Any], capture: CaptureConfig) -> dict[str, Any]:
-    """Return ``kwargs`` for ``vllm.LLM`` with probehook's loader, extension and config."""
+def capture_engine_kwargs(
+    kwargs: dict[str, Any], capture: CaptureConfig, probe_layers: tuple[int, ...] = ()
+) -> dict[str, Any]:
+    """Return ``kwargs`` for ``vllm.LLM`` with probehook's loader, extension and config; with
+    probes, their layers are tapped too and the monitor logits processor is added."""
     kwargs = dict(kwargs)
     if kwargs.get("worker_extension_cls") not in (None, "", WORKER_EXTENSION):
         raise CaptureConfigError(
@@ -203,7 +207,17 @@ def capture_engine_kwargs(kwargs: dict[str, Any], capture: CaptureConfig) -> dic
     additional = dict(kwargs.get("additional_config") or {})
     # additional_config is part of vLLM's compile-cache hash: taps never share a cache entry
     # with a different tap set or with an untapped engine.
-    additional[loader.ADDITIONAL_CONFIG_KEY] = capture.to_dict()
+    tap_layers = sorted({*capture.layers, *probe_layers})
+    additional[loader.ADDITIONAL_CONFIG_KEY] = {
+        **capture.to_dict(),
+        loader.TAP_LAYERS_KEY: tap_layers,
+    }
     kwargs["additional_config"] = additional
     kwargs["worker_extension_cls"] = WORKER_EXTENSION
+    if probe_layers:
+        # Per engine, never the global entry-point group (it would touch every engine).
+        processors = list(kwargs.get("logits_processors") or [])
+        if MONITOR_PROCESSOR not in processors:
+            processors.append(MONITOR_PROCESSOR)
+        kwargs["logits_processors"] = processors
     return kwargs

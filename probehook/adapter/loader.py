@@ -31,6 +31,8 @@ LOADER_EXTRA_KEY = "probehook_inner_load_format"
 """Key in ``model_loader_extra_config`` naming the user's load format."""
 ADDITIONAL_CONFIG_KEY = "probehook"
 """Key in ``additional_config`` holding the engine's CaptureConfig."""
+TAP_LAYERS_KEY = "tap_layers"
+"""Key in the capture settings: every tapped layer (captured layers plus probes' layers)."""
 RECORDER_ATTR = "probehook_step_hook"
 
 # Where decoder layers live, per model family. Paths are relative to the vLLM model.
@@ -94,9 +96,14 @@ def _make_loader_class() -> type:
                     "The probehook loader ran without a capture config; build the engine "
                     "with probehook.LLM."
                 )
+            settings = dict(settings)
+            config = CaptureConfig.from_dict(
+                {k: v for k, v in settings.items() if k != TAP_LAYERS_KEY}
+            )
             install_taps(
                 model,
-                CaptureConfig.from_dict(settings),
+                config,
+                tuple(settings.get(TAP_LAYERS_KEY) or config.layers),
                 vllm_config.scheduler_config.max_num_batched_tokens,
             )
             return model
@@ -134,31 +141,37 @@ def _split_layer_output(output: Any) -> tuple[torch.Tensor, torch.Tensor | None]
     )
 
 
-def install_taps(model: nn.Module, config: CaptureConfig, max_tokens: int) -> StepRecorder:
-    """Add a tap after each captured layer and a per-step hook; return the recorder."""
+def install_taps(
+    model: nn.Module, config: CaptureConfig, tap_layers: tuple[int, ...], max_tokens: int
+) -> StepHook:
+    """Add a tap after each layer in ``tap_layers`` and a per-step hook; return the hook.
+
+    ``config.layers`` (possibly none) are captured as rows; the other tapped layers feed
+    probes only.
+    """
     _, layer_list = locate_layers(model)
-    if max(config.layers) >= len(layer_list):
+    if max(tap_layers) >= len(layer_list):
         raise UnsupportedModelError(
-            f"layers {list(config.layers)} asked for, but the model has {len(layer_list)} "
+            f"layers {list(tap_layers)} asked for, but the model has {len(layer_list)} "
             "decoder layers in this worker (pipeline parallelism is not supported)."
         )
     param = next(model.parameters())
     hidden_size = _hidden_size(model)
-    buffers = []
-    for layer_index in config.layers:
+    buffers = {}
+    for layer_index in tap_layers:
         layer = layer_list[layer_index]
         buf = torch.zeros((max_tokens, hidden_size), dtype=param.dtype, device=param.device)
         # A non-persistent buffer is part of the module, so torch.compile sees the mutation.
         layer.register_buffer("probehook_tap_out", buf, persistent=False)
         layer.register_forward_hook(_tap_hook)
-        buffers.append(layer.probehook_tap_out)
-    recorder = StepRecorder(buffers, config.layers)
-    setattr(model, RECORDER_ATTR, StepHook(recorder, config))
+        buffers[layer_index] = layer.probehook_tap_out
+    hook = StepHook(buffers, config)
+    setattr(model, RECORDER_ATTR, hook)
     _install_logits_hook(model)
     logger.info(
-        "probehook: tapped layers %s (hidden %d, %s)", list(config.layers), hidden_size, param.dtype
+        "probehook: tapped layers %s (hidden %d, %s)", list(tap_layers), hidden_size, param.dtype
     )
-    return recorder
+    return hook
 
 
 def _tap_hook(module: nn.Module, args: Any, output: Any) -> None:
@@ -185,9 +198,18 @@ class StepHook:
     it. Nothing fires before :meth:`attach` (warm-up and profiling are not requests' rows).
     """
 
-    def __init__(self, recorder: StepRecorder, config: CaptureConfig) -> None:
-        self.recorder = recorder
+    def __init__(self, buffers: dict[int, torch.Tensor], config: CaptureConfig) -> None:
+        self.buffers = buffers
+        """Tap buffer of each tapped layer: ``[max_num_batched_tokens, hidden]``."""
         self.config = config
+        self.recorder: StepRecorder | None = (
+            StepRecorder([buffers[layer] for layer in config.layers], config.layers)
+            if config.layers
+            else None
+        )
+        """Hidden-state rows of the captured layers (None when only probes are tapped)."""
+        self.scorer: StepRecorder | None = None
+        """Probe scores, once the front end sent its probes (``probehook_attach``)."""
         self.on_step: Callable[[], None] | None = None
         self.armed = False
         self.steps = 0  # execute_model calls since attach (for the benchmark)

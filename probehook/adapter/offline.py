@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
 import vllm
@@ -18,6 +19,7 @@ from vllm import SamplingParams
 from probehook import __version__ as probehook_version
 from probehook.adapter import engine_config, outputs
 from probehook.capture_config import CaptureConfig, LayerSpec, resolve_layers
+from probehook.core.probe_set import ProbeSet, load_probes
 from probehook.core.session import CaptureSession
 from probehook.errors import CaptureConfigError, CaptureError
 from probehook.store import ActivationStore
@@ -50,6 +52,13 @@ class LLM(vllm.LLM):
         max_request_capture_bytes: the most bytes of rows the worker keeps for one request
             (0 or None: no limit). A request over it fails alone: its rows raise
             ``CaptureError`` on access and the other requests are unaffected.
+        probes: :class:`~probehook.LinearProbe` objects scored inside the engine on every
+            token: a dict name -> probe (or path to a saved probe), or a list of named probes.
+            Their layers are tapped whether or not ``layers`` names them, and only scores
+            leave the worker: ``CompletionOutput.probe_scores[name]`` (one per generated
+            token) and, with ``include_prefill``, ``RequestOutput.prefill_probe_scores``.
+        monitors: :class:`~probehook.ProbeMonitor` objects applied to every request (requests
+            may replace them through ``extra_args``): stop or flag generation on a score.
         **kwargs: passed to ``vllm.LLM`` unchanged.
 
     Captured rows are CPU tensors in the model dtype, keyed by layer index. The row after
@@ -69,16 +78,28 @@ class LLM(vllm.LLM):
         store: str | os.PathLike[str] | None = None,
         store_options: dict[str, Any] | None = None,
         max_request_capture_bytes: int | None = None,
+        probes: Any = None,
+        monitors: Sequence[Any] | None = None,
         **kwargs: Any,
     ) -> None:
         model = os.fspath(model)
         self.capture_config: CaptureConfig | None = None
         self.capture: CaptureSession | None = None
         self.store: ActivationStore | None = None
-        if layers is None:
+        self.probes: ProbeSet | None = None
+        if probes is not None:
+            probes = load_probes(probes)  # bad paths and files fail before engine start-up
+            if not probes:
+                probes = None
+        if monitors and probes is None:
+            raise CaptureConfigError(
+                "monitors= watch probes, but no probes were given; pass probes={...}."
+            )
+        if layers is None and probes is None:
             if store is not None:
                 raise CaptureConfigError(
-                    f"store={os.fspath(store)!r} needs something to store: pass layers=[...]."
+                    f"store={os.fspath(store)!r} needs something to store: pass layers=[...] "
+                    "or probes={...}."
                 )
             if include_prefill or last_prefill_token or last_decode_token:
                 raise CaptureConfigError(
@@ -88,21 +109,31 @@ class LLM(vllm.LLM):
             super().__init__(model=model, **kwargs)
             return
         limit = _check_limit(max_request_capture_bytes)
+        # The user's load format: capture_engine_kwargs swaps in probehook's wrapper.
+        load_format = kwargs.get("load_format") or "auto"
         with engine_config.v1_runner():
             resolved = engine_config.resolve_vllm_config(model, kwargs)
             num_layers = engine_config.check_engine(resolved)
+            hf_config = resolved.model_config.hf_config
+            fingerprint = model_fingerprint(hf_config, resolved.model_config.model, load_format)
+            if probes is not None:
+                self.probes = ProbeSet(
+                    probes,
+                    list(monitors or ()),
+                    num_layers=num_layers,
+                    hidden_size=resolved.model_config.get_hidden_size(),
+                    model_fingerprint=fingerprint["fingerprint"],
+                )
             self.capture_config = CaptureConfig(
-                layers=resolve_layers(layers, num_layers),
+                layers=resolve_layers(layers, num_layers) if layers is not None else (),
                 include_prefill=include_prefill,
                 include_decode=include_decode,
                 last_prefill_token=last_prefill_token,
                 last_decode_token=last_decode_token,
             )
-            # The user's load format: capture_engine_kwargs swaps in probehook's wrapper.
-            load_format = kwargs.get("load_format") or "auto"
-            kwargs = engine_config.capture_engine_kwargs(kwargs, self.capture_config)
-            hf_config = resolved.model_config.hf_config
-            fingerprint = model_fingerprint(hf_config, resolved.model_config.model, load_format)
+            kwargs = engine_config.capture_engine_kwargs(
+                kwargs, self.capture_config, self.probes.layers if self.probes else ()
+            )
             legacy = legacy_fingerprint(hf_config)  # only compared with pre-v2 stores
             if store is not None:  # fail before a minute of engine start-up, not after
                 WriterLock.check_free(store)
@@ -110,7 +141,10 @@ class LLM(vllm.LLM):
                     store, _fingerprint_meta(fingerprint), legacy_fingerprint=legacy
                 )
             super().__init__(model=model, **kwargs)
-        infos = [info for info in self.collective_rpc("probehook_attach", args=(limit,)) if info]
+        wire = [spec.to_wire() for spec in self.probes.specs] if self.probes else None
+        infos = [
+            info for info in self.collective_rpc("probehook_attach", args=(limit, wire)) if info
+        ]
         if not infos:
             raise CaptureError("No vLLM worker reported probehook taps.")
         self.capture_info: dict[str, Any] = infos[0]
@@ -120,6 +154,8 @@ class LLM(vllm.LLM):
             rpc=lambda method, args: self.collective_rpc(method, args=args),
             abort=lambda ids: self.llm_engine.abort_request(ids, internal=True),
             decorate=outputs.decorate,
+            probes=self.probes,
+            stop_token=_eos_token(self) if self.probes is not None else None,
         )
         weakref.finalize(self, self.capture.close)
         if store is not None:
@@ -247,11 +283,21 @@ class LLM(vllm.LLM):
 def _empty_rows(output: Any) -> None:
     # layers=None is plain vLLM, but the attributes exist, so code works either way.
     output.prefill_hidden_states = {}
+    output.prefill_probe_scores = {}
     for completion in getattr(output, "outputs", ()):
         completion.hidden_states = {}
+        completion.probe_scores = {}
+        completion.probe_flags = {}
     output.hidden_states = {}
+    output.probe_scores = {}
     output.store_id = None
     outputs.decorate(output)
+
+
+def _eos_token(llm: vllm.LLM) -> int | None:
+    """The token a stop monitor forces: the model's EOS."""
+    eos = getattr(llm.get_tokenizer(), "eos_token_id", None)
+    return eos if isinstance(eos, int) else None
 
 
 def _fingerprint_meta(fingerprint: dict[str, Any]) -> dict[str, Any]:

@@ -13,12 +13,18 @@ import torch
 from vllm.outputs import CompletionOutput, RequestOutput
 
 Rows = dict[int, torch.Tensor]
+Scores = dict[str, torch.Tensor]
 
 
 class CapturedCompletionOutput(CompletionOutput):
-    """``vllm.CompletionOutput`` plus ``hidden_states``: layer -> ``[n_generated, hidden]``."""
+    """``vllm.CompletionOutput`` plus ``hidden_states`` (layer -> ``[n_generated, hidden]``),
+    ``probe_scores`` (probe name -> ``[n_generated]``, or ``[n_generated, n_classes]`` for a
+    multi-class probe; row ``i`` scores the state that produced token ``i``) and
+    ``probe_flags`` (probe name -> the rows where a flag monitor's threshold was crossed)."""
 
     hidden_states: Rows
+    probe_scores: Scores
+    probe_flags: dict[str, list[int]]
 
     @property
     def hidden(self) -> Rows:
@@ -27,11 +33,14 @@ class CapturedCompletionOutput(CompletionOutput):
 
 
 class CapturedRequestOutput(RequestOutput):
-    """``vllm.RequestOutput`` plus ``prefill_hidden_states`` (layer -> ``[n_prompt, hidden]``)
-    and ``hidden_states`` (the first completion's decode rows)."""
+    """``vllm.RequestOutput`` plus ``prefill_hidden_states`` (layer -> ``[n_prompt, hidden]``),
+    ``prefill_probe_scores`` (probe name -> one score per prompt token), and the first
+    completion's ``hidden_states`` and ``probe_scores``."""
 
     hidden_states: Rows
     prefill_hidden_states: Rows
+    probe_scores: Scores
+    prefill_probe_scores: Scores
     store_id: str | None
     """The request's key in the activation store (``store[store_id]``); None when it was not
     stored (no store, capture switched off, or its capture failed)."""

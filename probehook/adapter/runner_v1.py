@@ -9,15 +9,16 @@ refuses anything else with a clear error instead of an ``AttributeError`` mid-ge
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from probehook.capture_config import EXTRA_ARGS_KEY, INTERNAL_KEYS, CaptureConfig
+from probehook.capture_config import EXTRA_ARGS_KEY, CaptureConfig, capture_options
 from probehook.core.recorder import RequestPlan, StepRecorder
-from probehook.core.spans import keep_plan
+from probehook.core.spans import keep_plan, score_config
 from probehook.errors import CaptureConfigError
 
 REQUIRED = ("input_batch", "requests", "query_start_loc")
+PlanFor = Callable[[str], RequestPlan | None]
 
 
 def check_runner(runner: Any) -> None:
@@ -32,21 +33,21 @@ def check_runner(runner: Any) -> None:
         )
 
 
-def record_step(runner: Any, recorder: StepRecorder, plan_for: Callable[[str], Any]) -> None:
+def record_step(runner: Any, recorders: Sequence[tuple[StepRecorder, PlanFor]]) -> None:
     batch = runner.input_batch
     num_reqs = batch.num_reqs
     if num_reqs == 0:
         return
-    recorder.record(
-        batch.req_ids[:num_reqs],
-        runner.query_start_loc.np[: num_reqs + 1],
-        batch.num_computed_tokens_cpu[:num_reqs],
-        plan_for,
-    )
+    req_ids = batch.req_ids[:num_reqs]
+    query_start = runner.query_start_loc.np[: num_reqs + 1]
+    computed = batch.num_computed_tokens_cpu[:num_reqs]
+    for recorder, plan_for in recorders:
+        recorder.record(req_ids, query_start, computed, plan_for)
 
 
-def plan_factory(runner: Any, engine_config: CaptureConfig) -> Callable[[str], Any]:
-    """Builds the keep plan of a request the first time the recorder sees it."""
+def plan_factory(runner: Any, engine_config: CaptureConfig, scores: bool = False) -> PlanFor:
+    """Builds the keep plan of a request the first time a recorder sees it: its hidden rows,
+    or with ``scores`` its probe scores."""
 
     def plan_for(req_id: str) -> RequestPlan | None:
         state = runner.requests.get(req_id)
@@ -54,17 +55,22 @@ def plan_factory(runner: Any, engine_config: CaptureConfig) -> Callable[[str], A
         extra = (getattr(params, "extra_args", None) or {}).get(EXTRA_ARGS_KEY)
         if not extra or "tag" not in extra:
             return None  # not submitted through probehook: nobody will collect it
-        options = {k: v for k, v in extra.items() if k not in INTERNAL_KEYS}
-        config = engine_config.narrow(options)
-        if config is None:
+        if scores and not extra.get("probes"):
+            return None  # the front end lists the probes a request gets; none here
+        config = engine_config.narrow(capture_options(extra))
+        if config is None or (not scores and not config.layers):
             return None
         prompt_len = len(state.prompt_token_ids)
         # vLLM names the engine requests of n > 1 "<index>_<id>".
         index = int(req_id.split("_", 1)[0]) if extra.get("n", 1) > 1 else 0
-        # Stop strings are matched in the front end, possibly steps after the worker computed
-        # further positions; everything else that ends a request is decided in the engine.
-        end_known = not getattr(params, "stop", None)
-        keep = keep_plan(config, prompt_len, index, end_known)
+        if scores:
+            keep = keep_plan(score_config(config), prompt_len, index, end_known_in_worker=True)
+        else:
+            # Stop strings are matched in the front end, possibly steps after the worker
+            # computed further positions; everything else that ends a request is decided in
+            # the engine.
+            end_known = not getattr(params, "stop", None)
+            keep = keep_plan(config, prompt_len, index, end_known)
         return RequestPlan(key=f"{extra['tag']}/{index}", keep=keep)
 
     return plan_for

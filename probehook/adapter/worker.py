@@ -2,6 +2,11 @@
 
 Only control messages and small manifests travel through vLLM's RPC; the rows themselves go
 through ``probehook.core.transport`` as raw bytes.
+
+With tensor parallelism every rank holds the complete residual stream after each layer. Rank 0
+records hidden rows and answers exports; probe scores are computed on every rank, because
+every rank samples and a monitor's stop must be forced on all of them alike. The other ranks
+free their scores when rank 0 exports them.
 """
 
 from __future__ import annotations
@@ -9,37 +14,60 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from probehook.adapter import runner_v1
+from probehook.adapter import probe_registry, runner_v1
 from probehook.adapter.loader import StepHook, step_hook
+from probehook.core.probe_bank import ProbeBank, ProbeSpec
+from probehook.core.recorder import StepRecorder
 from probehook.core.spans import Span
 from probehook.core.transport import write_tensors_with_fallback
 
 MAX_MISSING_REPORTED = 8
+SOURCES = ("hidden", "scores")
 
 
-def _hook(worker: Any) -> StepHook | None:
-    """This worker's step hook, or None on ranks that do not collect (TP rank > 0)."""
-    hook = step_hook(worker.model_runner.get_model())
-    return hook if getattr(worker, "rank", 0) == 0 else None
+def _hook(worker: Any) -> StepHook:
+    return step_hook(worker.model_runner.get_model())
+
+
+def _reports(worker: Any) -> bool:
+    """Whether this worker answers exports (rank 0; the others hold the same data)."""
+    return getattr(worker, "rank", 0) == 0
+
+
+def _recorder(hook: StepHook, source: str) -> StepRecorder | None:
+    return hook.recorder if source == "hidden" else hook.scorer
 
 
 class ProbehookWorkerExtension:
     """Worker-side RPC surface of probehook."""
 
-    def probehook_attach(self, limit_bytes: int = 0) -> dict[str, Any] | None:
-        """Start recording requests' rows; steps before this (warm-up) are ignored."""
+    def probehook_attach(
+        self, limit_bytes: int = 0, probes: list[dict[str, Any]] | None = None
+    ) -> dict[str, Any] | None:
+        """Start recording requests' rows (and probe scores); steps before this (warm-up) are
+        ignored. ``probes`` are :meth:`ProbeSpec.to_wire` dicts."""
         hook = _hook(self)
-        if hook is None:
-            return None
         runner = self.model_runner  # type: ignore[attr-defined]
         runner_v1.check_runner(runner)
-        recorder = hook.recorder
-        recorder.limit_bytes = int(limit_bytes)
-        plan_for = runner_v1.plan_factory(runner, hook.config)
-        hook.attach(runner, lambda: runner_v1.record_step(runner, recorder, plan_for))
-        buf = recorder.buffers[0]
+        recorders = []
+        if hook.recorder is not None and _reports(self):
+            hook.recorder.limit_bytes = int(limit_bytes)
+            recorders.append((hook.recorder, runner_v1.plan_factory(runner, hook.config)))
+        if probes:
+            bank = ProbeBank([ProbeSpec.from_wire(p) for p in probes], _device(hook))
+            hook.scorer = StepRecorder(
+                [hook.buffers[layer] for layer in bank.layers], bank.layers, transform=bank
+            )
+            hook.scorer.keep_step_rows = True  # monitors read this step's scores
+            recorders.append((hook.scorer, runner_v1.plan_factory(runner, hook.config, True)))
+            probe_registry.register(self.vllm_config, hook, bank)  # type: ignore[attr-defined]
+        hook.attach(runner, lambda: runner_v1.record_step(runner, recorders))
+        if not _reports(self):
+            return None
+        buf = next(iter(hook.buffers.values()))
         return {
-            "layers": list(recorder.layers),
+            "layers": list(hook.config.layers),
+            "tapped_layers": sorted(hook.buffers),
             "hidden_size": int(buf.shape[1]),
             "dtype": str(buf.dtype),
             "runner": f"{type(runner).__module__}.{type(runner).__name__}",
@@ -50,26 +78,29 @@ class ProbehookWorkerExtension:
     def probehook_export(self, paths: list[str], requests: list[dict[str, Any]]) -> dict | None:
         """Hand over the asked spans of each stream; free them (and forget final streams).
 
-        Each request is ``{"key", "spans": [[lo, hi], ...], "layers": [...], "final": bool}``.
+        Each request is ``{"key", "source": "hidden"|"scores", "spans": [[lo, hi], ...],
+        "layers": [...], "final": bool}``; score requests name the slot ``"scores"``.
         """
         hook = _hook(self)
-        if hook is None:
-            return None
-        recorder = hook.recorder
         tensors = []
         reports = []
-        failures = {}
+        failures: dict[str, str] = {}
         for request in requests:
+            source = request.get("source", "hidden")
+            recorder = _recorder(hook, source)
+            if recorder is None:
+                raise ValueError(f"export from {source!r}, which this engine does not record")
             spans = [Span(int(lo), int(hi)) for lo, hi in request["spans"]]
             got, exported, error = recorder.export(
                 request["key"], spans, request["layers"], bool(request.get("final", True))
             )
             if error is not None:
-                failures[request["key"]] = error
+                failures[f"{source}:{request['key']}"] = error
             for item in exported:
                 reports.append(
                     {
                         "key": request["key"],
+                        "source": source,
                         "tensor_index": len(tensors) + item.tensor_index,
                         "lo": item.lo,
                         "hi": item.hi,
@@ -78,30 +109,39 @@ class ProbehookWorkerExtension:
                     }
                 )
             tensors.extend(got)
+        live = runner_v1.live_request_ids(self.model_runner)  # type: ignore[attr-defined]
+        for recorder in (hook.recorder, hook.scorer):
+            if recorder is not None:
+                recorder.forget_departed(live)
+        if not _reports(self):
+            return None
         path, entries = write_tensors_with_fallback(paths, tensors) if tensors else (None, [])
-        recorder.forget_departed(runner_v1.live_request_ids(self.model_runner))  # type: ignore
         return {"path": path, "entries": entries, "spans": reports, "failures": failures}
 
     def probehook_forget(self, key_prefixes: list[str]) -> int | None:
         """Drop rows nobody will collect (aborted, failed or interrupted requests)."""
         hook = _hook(self)
-        if hook is None:
-            return None
-        return hook.recorder.forget(key_prefixes)
+        dropped = sum(r.forget(key_prefixes) for r in (hook.recorder, hook.scorer) if r is not None)
+        return dropped if _reports(self) else None
 
     def probehook_stats(self) -> dict[str, int] | None:
         """Counters for tests, debugging and the benchmark."""
         hook = _hook(self)
-        if hook is None:
+        if not _reports(self):
             return None
-        recorder = hook.recorder
+        recorders = [r for r in (hook.recorder, hook.scorer) if r is not None]
         return {
-            "steps_recorded": recorder.steps_recorded,
-            "pending_requests": len(recorder.rows_by_key),
-            "retained_bytes": recorder.retained_bytes(),
-            "record_ns": recorder.record_ns,
-            "export_ns": recorder.export_ns,
+            "steps_recorded": max((r.steps_recorded for r in recorders), default=0),
+            "pending_requests": sum(len(r.rows_by_key) for r in recorders),
+            "pending_scores": len(hook.scorer.rows_by_key) if hook.scorer is not None else 0,
+            "retained_bytes": sum(r.retained_bytes() for r in recorders),
+            "record_ns": sum(r.record_ns for r in recorders),
+            "export_ns": sum(r.export_ns for r in recorders),
             "steps": hook.steps,
             "forwards": hook.forwards,
             "step_ns": hook.step_ns,
         }
+
+
+def _device(hook: StepHook) -> Any:
+    return next(iter(hook.buffers.values())).device

@@ -19,6 +19,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -185,16 +186,52 @@ class RequestRows:
 _UNSEEN = object()
 
 
+class RowTransform(Protocol):
+    """Turns a step's staged rows ``[len(layers), rows, hidden]`` into what requests keep,
+    ``[len(slots), rows, width]``, on the device (``probehook.core.probe_bank.ProbeBank``)."""
+
+    slots: tuple[Any, ...]
+    width: int
+    dtype: torch.dtype
+
+    def __call__(self, staged: torch.Tensor) -> torch.Tensor: ...
+
+
+@dataclass
+class StepRows:
+    """This step's kept rows on the device, and for each request (batch order) the row of
+    its last scheduled token, or -1 when that token is not kept (``keep_step_rows``)."""
+
+    rows: torch.Tensor
+    last_row: np.ndarray
+
+
 class StepRecorder:
-    """Collects per-request rows from the per-layer tap buffers of one worker."""
+    """Collects per-request rows from the per-layer tap buffers of one worker.
+
+    Requests keep the buffers' rows as they are (one slot per layer), or, with a
+    ``transform``, what it computes from them (probe scores).
+    """
 
     def __init__(
-        self, buffers: Sequence[torch.Tensor], layers: Sequence[int], limit_bytes: int = 0
+        self,
+        buffers: Sequence[torch.Tensor],
+        layers: Sequence[int],
+        limit_bytes: int = 0,
+        transform: RowTransform | None = None,
     ) -> None:
         if len(buffers) != len(layers):
             raise ValueError(f"{len(buffers)} buffers for {len(layers)} layers")
         self.buffers = list(buffers)
         self.layers = tuple(layers)
+        self.transform = transform
+        self.slots: tuple[Any, ...] = transform.slots if transform else self.layers
+        """What export's ``layers`` argument names: layer indices, or the transform's slots."""
+        self.row_width = transform.width if transform else int(buffers[0].shape[1])
+        self.row_dtype = transform.dtype if transform else buffers[0].dtype
+        self.keep_step_rows = False
+        """Keep :attr:`step_rows` for code that reads this step's rows before sampling."""
+        self.step_rows: StepRows | None = None
         self.limit_bytes = limit_bytes
         """Per-request cap on retained bytes (0: none); over it the request fails alone."""
         self.rows_by_req: dict[str, RequestRows | None] = {}
@@ -224,6 +261,7 @@ class StepRecorder:
         started = time.perf_counter_ns()
         self.steps_recorded += 1
         self._settle()
+        self.step_rows = None
         n = len(req_ids)
         lo = np.full(n, OPEN, dtype=np.int64)
         hi = np.zeros(n, dtype=np.int64)
@@ -249,7 +287,12 @@ class StepRecorder:
                 - np.repeat(out_offset, count)
                 + np.repeat(starts + first, count)
             )
-            staged, ready = self._gather(index)
+            device_rows, staged, ready = self._gather(index)
+            if self.keep_step_rows:
+                ends_step = (count > 0) & (last == n_sched)
+                self.step_rows = StepRows(
+                    device_rows, np.where(ends_step, out_offset + count - 1, -1)
+                )
             writes = [
                 (owners[i], int(out_offset[i]), int(count[i]), int(computed[i] + first[i]))
                 for i in np.flatnonzero(count)
@@ -264,16 +307,15 @@ class StepRecorder:
         if plan is not None and plan.key in self.rows_by_key:
             rows = self.rows_by_key[plan.key]  # seen before under another engine-side entry
         elif plan is not None:
-            buf = self.buffers[0]
-            rows = RequestRows(
-                plan.key, plan.keep, (len(self.buffers), buf.shape[1]), buf.dtype, self.limit_bytes
-            )
+            shape = (len(self.slots), self.row_width)
+            rows = RequestRows(plan.key, plan.keep, shape, self.row_dtype, self.limit_bytes)
             self.rows_by_key[plan.key] = rows
         self.rows_by_req[req_id] = rows
         return rows
 
-    def _gather(self, index: np.ndarray) -> tuple[torch.Tensor, object]:
-        """Gather rows of every layer on the device, then one copy to host."""
+    def _gather(self, index: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, object]:
+        """Gather rows of every layer on the device (transformed, if so built), then one copy
+        to host. Returns the device rows, the host rows and the copy's event (None: done)."""
         buf0 = self.buffers[0]
         idx = torch.from_numpy(index).to(buf0.device, non_blocking=True)
         staged = torch.empty(
@@ -281,13 +323,15 @@ class StepRecorder:
         )
         for layer_slot, buf in enumerate(self.buffers):
             torch.index_select(buf, 0, idx, out=staged[layer_slot])
+        if self.transform is not None:
+            staged = self.transform(staged)
         if staged.device.type == "cpu":
-            return staged, None
+            return staged, staged, None
         host = torch.empty(staged.shape, dtype=staged.dtype, pin_memory=True)
         host.copy_(staged, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
-        return host, event
+        return staged, host, event
 
     def _settle(self) -> None:
         """Copy finished host transfers into the requests' own buffers; drop the staging."""
@@ -311,17 +355,16 @@ class StepRecorder:
         started = time.perf_counter_ns()
         self._settle()
         rows = self.rows_by_key.get(key)
-        slots: list[int] | slice = [self.layers.index(layer) for layer in layers]
-        if slots == list(range(len(self.layers))):
+        slots: list[int] | slice = [self.slots.index(layer) for layer in layers]
+        if slots == list(range(len(self.slots))):
             slots = slice(None)  # all layers: a view instead of a gather
         tensors: list[torch.Tensor] = []
         results: list[ExportedSpan] = []
         error = rows.error if rows is not None else None
-        hidden = self.buffers[0].shape[1]
         for span in spans:
             if rows is None or error is not None:
-                count = len(slots) if isinstance(slots, list) else len(self.layers)
-                out = torch.empty((count, len(span), hidden), dtype=self.buffers[0].dtype)
+                count = len(slots) if isinstance(slots, list) else len(self.slots)
+                out = torch.empty((count, len(span), self.row_width), dtype=self.row_dtype)
                 missing = list(range(span.lo, span.hi))
             else:
                 out, missing = rows.read(span, slots)

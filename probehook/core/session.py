@@ -32,8 +32,9 @@ from typing import Any
 
 import torch
 
-from probehook.capture_config import EXTRA_ARGS_KEY, INTERNAL_KEYS, CaptureConfig
-from probehook.core.spans import completion_spans
+from probehook.capture_config import EXTRA_ARGS_KEY, CaptureConfig, capture_options
+from probehook.core.probe_set import ProbeSet, RequestProbes
+from probehook.core.spans import completion_spans, score_config
 from probehook.core.transport import Spool, read_tensors
 from probehook.errors import CaptureConfigError, CaptureError
 
@@ -64,6 +65,8 @@ class RequestTag:
     engine_id: str
     config: CaptureConfig | None
     sampling: dict[str, Any]
+    probes: RequestProbes | None = None
+    stop_token: int | None = None
 
 
 class FailedCapture(dict):
@@ -90,15 +93,21 @@ class CaptureSession:
         rpc: Rpc,
         abort: Callable[[list[str]], None],
         decorate: Callable[[Any], None] = lambda output: None,
+        probes: ProbeSet | None = None,
+        stop_token: int | None = None,
     ) -> None:
         """
         Args:
-            config: the engine's capture config.
+            config: the engine's capture config (``layers`` may be empty with probes).
             rpc: calls a worker method on every worker; returns their replies.
             abort: aborts engine requests, given their engine ids.
             decorate: gives a finished output probehook's output class (aliases, docs).
+            probes: the engine's probes and monitors, if any.
+            stop_token: the token a stop monitor forces (the model's EOS).
         """
         self.config = config
+        self.probes = probes
+        self.stop_token = stop_token
         self._rpc = rpc
         self._abort = abort
         self._decorate = decorate
@@ -115,7 +124,15 @@ class CaptureSession:
         before anything reaches the engine."""
         extra = dict(getattr(params, "extra_args", None) or {})
         options = dict(extra.get(EXTRA_ARGS_KEY) or {})
-        config = self.config.narrow(options)
+        config = self.config.narrow(capture_options(options))
+        probes = self.probes.for_request(options) if self.probes is not None else None
+        if probes is None and ("probes" in options or "monitors" in options):
+            raise CaptureConfigError(
+                "This request sets probes/monitors, but the engine has no probes; build the LLM "
+                "with probes={...}."
+            )
+        if config is not None and not config.layers and not (probes and probes.names):
+            config = None  # nothing to collect: neither rows nor scores
         if config is not None and getattr(params, "prompt_logprob_token_ids", None) is not None:
             raise CaptureConfigError(
                 "prompt_logprob_token_ids needs vLLM's Model Runner V2, and capture runs the V1 "
@@ -126,6 +143,10 @@ class CaptureSession:
         tagged = copy.copy(params)
         if config is not None:
             options.update(tag=next(self._tags), n=params.n)
+            if probes is not None:
+                options.update(probes=list(probes.names), monitors=self._wire(probes, tagged))
+                if probes.stops:
+                    options["stop_token"] = self.stop_token
             extra[EXTRA_ARGS_KEY] = options
             tagged.extra_args = extra
             if config.include_prefill:
@@ -133,60 +154,81 @@ class CaptureSession:
                 tagged.skip_reading_prefix_cache = True
         return tagged
 
+    def _wire(self, probes: RequestProbes, params: Any) -> list[dict[str, Any]]:
+        """The request's monitors for the worker; a stop monitor also makes the model's EOS
+        one of the request's stop tokens, so that vLLM ends it when the worker forces it."""
+        assert self.probes is not None
+        if probes.stops:
+            if self.stop_token is None:
+                raise CaptureConfigError(
+                    "A stop monitor needs the model's EOS token id, and this tokenizer has "
+                    "none; use action='flag'."
+                )
+            params.stop_token_ids = sorted({*(params.stop_token_ids or []), self.stop_token})
+        return self.probes.wire_monitors(probes)
+
     def register(self, request_id: str, engine_id: str, params: Any) -> None:
         """Remember a request the engine accepted (``params`` as returned by :meth:`tag`)."""
         options = (getattr(params, "extra_args", None) or {}).get(EXTRA_ARGS_KEY) or {}
         if "tag" not in options:
             return
-        user = {k: v for k, v in options.items() if k not in INTERNAL_KEYS}
         sampling = {f: _jsonable(getattr(params, f, None)) for f in SAMPLING_FIELDS}
+        probes = None
+        if self.probes is not None:
+            monitors = tuple(
+                self.probes.check_monitor({k: v for k, v in m.items() if k != "column"})
+                for m in options.get("monitors", ())
+            )
+            probes = RequestProbes(tuple(options.get("probes", ())), monitors)
         self.pending[request_id] = RequestTag(
-            options["tag"], engine_id, self.config.narrow(user), sampling
+            options["tag"],
+            engine_id,
+            self.config.narrow(capture_options(options)),
+            sampling,
+            probes,
+            self.stop_token if probes is not None and probes.stops else None,
         )
 
     def attach(self, outputs: Sequence[Any]) -> None:
-        """Fetch the rows of finished outputs in one export and hang them on the outputs."""
+        """Fetch the rows and scores of finished outputs in one export and hang them on the
+        outputs; name the probe that stopped a request; send captured requests to the store."""
         requests: list[dict[str, Any]] = []
-        targets: list[list[tuple[Any, str]]] = []  # per request: (object, attribute) per span
+        targets: list[list[tuple[Any, str]]] = []  # per export request: (object, attribute)
         captured: list[tuple[Any, RequestTag]] = []
         for output in outputs:
             if not hasattr(output, "outputs") or not getattr(output, "finished", True):
                 continue
-            output.prefill_hidden_states = {}
-            for completion in output.outputs:
-                completion.hidden_states = {}
+            _clear(output)
             tag = self.pending.pop(output.request_id, None)
-            if tag is not None and tag.config is not None:
-                captured.append((output, tag))
-                prompt_len = len(output.prompt_token_ids or [])
-                for completion in output.outputs:
-                    prefill, decode = completion_spans(
-                        tag.config, prompt_len, len(completion.token_ids), completion.index
+            if tag is None or tag.config is None:
+                continue
+            captured.append((output, tag))
+            prompt_len = len(output.prompt_token_ids or [])
+            for completion in output.outputs:
+                key = f"{tag.tag}/{completion.index}"
+                n_out = len(completion.token_ids)
+                if tag.config.layers:
+                    spans = completion_spans(tag.config, prompt_len, n_out, completion.index)
+                    requests.append(_export(key, "hidden", spans, list(tag.config.layers)))
+                    targets.append(_slots(spans, output, completion, "hidden_states"))
+                if tag.probes is not None and tag.probes.names:
+                    spans = completion_spans(
+                        score_config(tag.config), prompt_len, n_out, completion.index
                     )
-                    spans, slots = [], []
-                    if prefill is not None:
-                        spans.append(prefill)
-                        slots.append((output, "prefill_hidden_states"))
-                    if decode is not None:
-                        spans.append(decode)
-                        slots.append((completion, "hidden_states"))
-                    requests.append(
-                        {
-                            "key": f"{tag.tag}/{completion.index}",
-                            "spans": [[s.lo, s.hi] for s in spans],
-                            "layers": list(tag.config.layers),
-                            "final": True,
-                        }
-                    )
-                    targets.append(slots)
+                    requests.append(_export(key, "scores", spans, ["scores"]))
+                    targets.append(_slots(spans, output, completion, "probe_scores"))
         if requests:
             started = time.perf_counter_ns()
-            self._fetch(requests, targets)
+            self._fetch(requests, targets, dict(_tags_by_name(captured)))
             self.attach_ns += time.perf_counter_ns() - started
+        for output, tag in captured:
+            if tag.probes is not None and tag.probes.monitors:
+                self._act_on_scores(output, tag)
         for output in outputs:
             if hasattr(output, "outputs"):
                 first = output.outputs[0] if output.outputs else None
                 output.hidden_states = first.hidden_states if first is not None else {}
+                output.probe_scores = first.probe_scores if first is not None else {}
                 output.store_id = None
                 self._decorate(output)
         if self.store is not None:
@@ -199,7 +241,30 @@ class CaptureSession:
                 # vLLM's request_id stays as it is; the store names the request itself.
                 output.store_id = self.store.add(pending_request(output, tag.sampling, tag.config))
 
-    def _fetch(self, requests: list[dict[str, Any]], targets: list[list[tuple[Any, str]]]) -> None:
+    def _act_on_scores(self, output: Any, tag: RequestTag) -> None:
+        assert self.probes is not None and tag.probes is not None
+        for completion in output.outputs:
+            if isinstance(completion.probe_scores, FailedCapture):
+                continue
+            stopped = (
+                tag.stop_token is not None
+                and completion.finish_reason == "stop"
+                and bool(completion.token_ids)
+                and completion.token_ids[-1] == tag.stop_token
+            )
+            flags, stop_reason = self.probes.flags_and_stop(
+                tag.probes, completion.probe_scores, stopped
+            )
+            completion.probe_flags = flags
+            if stop_reason is not None:
+                completion.stop_reason = stop_reason
+
+    def _fetch(
+        self,
+        requests: list[dict[str, Any]],
+        targets: list[list[tuple[Any, str]]],
+        tags: dict[str, RequestTag],
+    ) -> None:
         reply = next(
             r
             for r in self._rpc("probehook_export", (self.spool.new_paths(), requests))
@@ -213,7 +278,7 @@ class CaptureSession:
         failures: dict[str, str] = reply["failures"]
         by_key: dict[str, list[dict[str, Any]]] = {}
         for span in reply["spans"]:
-            by_key.setdefault(span["key"], []).append(span)
+            by_key.setdefault(f"{span['source']}:{span['key']}", []).append(span)
         broken = [
             s
             for key, spans in by_key.items()
@@ -224,19 +289,26 @@ class CaptureSession:
         if broken:
             s = broken[0]
             raise CaptureError(
-                f"Stream {s['key']} is missing {s['num_missing']} captured row(s) at "
-                f"positions {s['missing']} (asked for {s['lo']}..{s['hi'] - 1}); "
+                f"Stream {s['key']} is missing {s['num_missing']} captured {s['source']} "
+                f"row(s) at positions {s['missing']} (asked for {s['lo']}..{s['hi'] - 1}); "
                 f"{len(broken)} span(s) are incomplete in all. This is a probehook bug: "
                 "please report it with the engine arguments."
             )
         for request, slots in zip(requests, targets, strict=True):
-            key = request["key"]
+            key = f"{request['source']}:{request['key']}"
             if key in failures:
-                self._fail(slots, f"Capture of stream {key} failed: {failures[key]}")
+                self._fail(slots, f"Capture of stream {request['key']} failed: {failures[key]}")
                 continue
-            for (target, attribute), span in zip(slots, by_key[key], strict=True):
+            for (target, attribute), span in zip(slots, by_key.get(key, []), strict=True):
                 tensor = tensors[span["tensor_index"]]
-                setattr(target, attribute, dict(zip(request["layers"], tensor, strict=True)))
+                if request["source"] == "scores":
+                    assert self.probes is not None
+                    tag = tags[request["key"].rsplit("/", 1)[0]]
+                    assert tag.probes is not None
+                    value = self.probes.split(tensor[0], tag.probes.names)
+                else:
+                    value = dict(zip(request["layers"], tensor, strict=True))
+                setattr(target, attribute, value)
 
     def _fail(self, slots: list[tuple[Any, str]], reason: str) -> None:
         logger.error("probehook: %s", reason)
@@ -264,9 +336,46 @@ class CaptureSession:
         self.spool.remove()
 
 
+def _tags_by_name(captured: list[tuple[Any, RequestTag]]) -> list[tuple[str, RequestTag]]:
+    return [(tag.tag, tag) for _, tag in captured]
+
+
+def _export(key: str, source: str, spans: tuple[Any, Any], slots: list[Any]) -> dict[str, Any]:
+    return {
+        "key": key,
+        "source": source,
+        "spans": [[s.lo, s.hi] for s in spans if s is not None],
+        "layers": slots,
+        "final": True,
+    }
+
+
+def _slots(spans: tuple[Any, Any], output: Any, completion: Any, kind: str) -> list:
+    """Where each asked span goes: prefill on the request, decode on the completion."""
+    prefill, decode = spans
+    slots = []
+    if prefill is not None:
+        slots.append((output, "prefill_" + kind))
+    if decode is not None:
+        slots.append((completion, kind))
+    return slots
+
+
+def _clear(output: Any) -> None:
+    """Every probehook attribute exists on every output, empty until filled."""
+    output.prefill_hidden_states = {}
+    output.prefill_probe_scores = {}
+    for completion in output.outputs:
+        completion.hidden_states = {}
+        completion.probe_scores = {}
+        completion.probe_flags = {}
+
+
 def _failed(output: Any) -> bool:
-    return isinstance(output.prefill_hidden_states, FailedCapture) or any(
-        isinstance(c.hidden_states, FailedCapture) for c in output.outputs
+    attributes = ("prefill_hidden_states", "prefill_probe_scores")
+    return any(isinstance(getattr(output, a), FailedCapture) for a in attributes) or any(
+        isinstance(c.hidden_states, FailedCapture) or isinstance(c.probe_scores, FailedCapture)
+        for c in output.outputs
     )
 
 

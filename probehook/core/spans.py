@@ -16,7 +16,7 @@ Words used across probehook:
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from probehook.capture_config import CaptureConfig
 
@@ -73,6 +73,12 @@ def completion_spans(
             lo = end - 1 if config.last_decode_token and num_generated > 0 else last_prompt
             decode = Span(lo, end)
     return prefill, decode
+
+
+def score_config(config: CaptureConfig) -> CaptureConfig:
+    """The spans probe scores cover: the request's phases, every token of them (a score is a
+    few bytes, so ``last_*_token`` does not thin scores out)."""
+    return replace(config, last_prefill_token=False, last_decode_token=False)
 
 
 def keep_plan(

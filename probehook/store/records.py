@@ -23,10 +23,14 @@ def pending_request(output: Any, sampling: dict[str, Any], config: CaptureConfig
                 "token_ids": list(c.token_ids),
                 "text": c.text,
                 "finish_reason": c.finish_reason,
+                **_probe_fields(c),
             }
             for c in output.outputs
         ],
     }
+    prefill_scores = getattr(output, "prefill_probe_scores", None)
+    if prefill_scores:
+        record["prefill_probe_scores"] = _scores(prefill_scores)
     blocks = []
     for c in output.outputs:
         prefill, decode = completion_spans(config, prompt_len, len(c.token_ids), c.index)
@@ -37,3 +41,22 @@ def pending_request(output: Any, sampling: dict[str, Any], config: CaptureConfig
             for layer, rows in c.hidden_states.items():
                 blocks.append(RowBlock("decode", c.index, layer, decode.lo, rows))
     return PendingRequest(record, blocks)
+
+
+def _probe_fields(completion: Any) -> dict[str, Any]:
+    """Runtime probe results of a completion, when it has any (JSON: a few floats a token)."""
+    fields: dict[str, Any] = {}
+    scores = getattr(completion, "probe_scores", None)
+    if scores:
+        fields["probe_scores"] = _scores(scores)
+        fields["probe_flags"] = dict(getattr(completion, "probe_flags", None) or {})
+        fields["stop_reason"] = _jsonable_reason(completion.stop_reason)
+    return fields
+
+
+def _scores(scores: dict[str, Any]) -> dict[str, list]:
+    return {name: values.tolist() for name, values in scores.items()}
+
+
+def _jsonable_reason(reason: Any) -> Any:
+    return reason if reason is None or isinstance(reason, int | str) else str(reason)

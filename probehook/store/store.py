@@ -100,6 +100,20 @@ class StoredRequest:
     def hidden_states(self) -> dict[int, torch.Tensor]:
         return self._rows("decode", 0)
 
+    @property
+    def probe_scores(self) -> dict[str, torch.Tensor]:
+        """Runtime probe scores of the first completion (one per generated token)."""
+        return self.completion_probe_scores(0)
+
+    @property
+    def prefill_probe_scores(self) -> dict[str, torch.Tensor]:
+        """Runtime probe scores of the prompt tokens (with ``include_prefill``)."""
+        return _score_tensors(self.record.get("prefill_probe_scores"))
+
+    def completion_probe_scores(self, index: int) -> dict[str, torch.Tensor]:
+        done = self.record["completions"]
+        return _score_tensors(done[index].get("probe_scores") if index < len(done) else None)
+
     def completion_hidden_states(self, index: int) -> dict[int, torch.Tensor]:
         return self._rows("decode", index)
 
@@ -115,6 +129,10 @@ class StoredRequest:
                     seg["start"] + seg["count"],
                 )
         return out
+
+
+def _score_tensors(scores: dict[str, list] | None) -> dict[str, torch.Tensor]:
+    return {name: torch.tensor(v, dtype=torch.float32) for name, v in (scores or {}).items()}
 
 
 class LayerMatrix:

@@ -1,0 +1,78 @@
+"""The ``stop`` action of probe monitors, as a vLLM V1 custom logits processor.
+
+It runs in the worker after ``compute_logits``, in the same step and process as the step hook
+that scored the batch, so it reads this step's scores: for a request whose monitor crosses its
+threshold it forces the request's stop token (an id the front end added to the request's
+``stop_token_ids``, so vLLM's own ``check_stop`` ends it, also under ``ignore_eos``). The
+front end then names the probe in ``stop_reason``. Batch tracking is vLLM's
+(``process_dict_updates``); the processor is passed per engine (``LLM(logits_processors=...)``),
+never through the global entry-point group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
+from vllm.v1.sample.logits_processor.builtin import process_dict_updates
+
+from probehook.adapter import probe_registry
+from probehook.capture_config import EXTRA_ARGS_KEY
+from probehook.core.monitors import crosses
+
+STOP_TOKEN_KEY = "stop_token"
+"""Key under extra_args["probehook"]: the token id a stop monitor forces."""
+
+
+@dataclass
+class _Watch:
+    stops: list[dict[str, Any]]  # wire monitors with action "stop" and a "column"
+    stop_token: int
+    min_tokens: int
+    output_ids: list[int]  # vLLM's live list of the request's generated tokens
+
+
+class ProbeStopProcessor(LogitsProcessor):
+    """Forces the stop token of requests whose stop monitor fired in this step."""
+
+    def __init__(self, vllm_config: Any, device: torch.device, is_pin_memory: bool) -> None:
+        self.vllm_config = vllm_config
+        self.watches: dict[int, _Watch] = {}  # by persistent-batch index
+
+    def is_argmax_invariant(self) -> bool:
+        return False  # it changes the argmax: must run for greedy batches too
+
+    def update_state(self, batch_update: BatchUpdate | None) -> None:
+        process_dict_updates(self.watches, batch_update, _watch)
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        if not self.watches:
+            return logits
+        probes = probe_registry.lookup(self.vllm_config)
+        scorer = probes.hook.scorer if probes is not None else None
+        step = scorer.step_rows if scorer is not None else None
+        if step is None:
+            return logits
+        for index, watch in self.watches.items():
+            if index >= len(step.last_row) or step.last_row[index] < 0:
+                continue
+            if len(watch.output_ids) < watch.min_tokens:
+                continue  # vLLM would not stop it yet; the forced token would be kept
+            row = step.rows[0, int(step.last_row[index])]
+            for monitor in watch.stops:
+                value = float(row[monitor["column"]])
+                if crosses(value, monitor["threshold"], monitor["direction"]):
+                    logits[index] = float("-inf")
+                    logits[index, watch.stop_token] = 0.0
+                    break
+        return logits
+
+
+def _watch(params: Any, prompt_ids: list[int] | None, output_ids: list[int]) -> _Watch | None:
+    options = (getattr(params, "extra_args", None) or {}).get(EXTRA_ARGS_KEY) or {}
+    stops = [m for m in options.get("monitors") or () if m.get("action") == "stop"]
+    if not stops or STOP_TOKEN_KEY not in options:
+        return None
+    return _Watch(stops, int(options[STOP_TOKEN_KEY]), int(params.min_tokens or 0), output_ids)

@@ -1,0 +1,125 @@
+"""Probes inside the worker: every probe of an engine as one fused matmul per layer per step.
+
+The front end turns each :class:`~probehook.LinearProbe` into a :class:`ProbeSpec` (plain
+arrays: the weight with its input normalisation folded in, the bias, and the activation) and
+sends it to the worker once. The worker's :class:`ProbeBank` stacks the specs of each layer
+into one weight matrix, so a step costs one ``[rows, hidden] @ [hidden, outputs]`` per tapped
+layer, on the device, on the rows the step keeps. Only the resulting scores (float32, one
+column per probe output) are copied to the host.
+
+No vLLM imports: ``probehook.adapter`` builds the bank from the tap buffers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+ACTIVATIONS = ("sigmoid", "softmax", "identity")
+SCORES_SLOT = "scores"
+"""The one output slot of a score recorder (a hidden-row recorder's slots are layers)."""
+
+
+@dataclass(frozen=True)
+class ProbeSpec:
+    """One probe as the worker sees it: ``activation(rows @ weight.T + bias)``."""
+
+    name: str
+    layer: int
+    weight: np.ndarray  # float32 [outputs, hidden], normalisation folded in
+    bias: np.ndarray  # float32 [outputs]
+    activation: str  # "sigmoid" (binary), "softmax" (multiclass), "identity" (regression)
+
+    def to_wire(self) -> dict[str, Any]:
+        """Plain values for vLLM's RPC (raw float32 bytes, no pickle)."""
+        return {
+            "name": self.name,
+            "layer": self.layer,
+            "shape": list(self.weight.shape),
+            "weight": np.ascontiguousarray(self.weight, dtype=np.float32).tobytes(),
+            "bias": np.ascontiguousarray(self.bias, dtype=np.float32).tobytes(),
+            "activation": self.activation,
+        }
+
+    @classmethod
+    def from_wire(cls, d: Mapping[str, Any]) -> ProbeSpec:
+        outputs, hidden = (int(x) for x in d["shape"])
+        weight = np.frombuffer(d["weight"], dtype=np.float32).reshape(outputs, hidden)
+        bias = np.frombuffer(d["bias"], dtype=np.float32).reshape(outputs)
+        if d["activation"] not in ACTIVATIONS:
+            raise ValueError(f"activation {d['activation']!r}; valid: {ACTIVATIONS}")
+        return cls(str(d["name"]), int(d["layer"]), weight, bias, str(d["activation"]))
+
+
+@dataclass(frozen=True)
+class ColumnRange:
+    """Where one probe's scores sit in a score row: columns ``lo:hi``."""
+
+    lo: int
+    hi: int
+
+
+def columns_of(specs: Sequence[ProbeSpec]) -> dict[str, ColumnRange]:
+    """The score columns of each probe, in the order the bank lays them out (by layer, then
+    by the order given). Front end and worker both call this, so they agree."""
+    out: dict[str, ColumnRange] = {}
+    col = 0
+    for spec in sorted(specs, key=lambda s: s.layer):
+        width = spec.weight.shape[0]
+        out[spec.name] = ColumnRange(col, col + width)
+        col += width
+    return out
+
+
+class ProbeBank:
+    """The fused probes of one worker, callable on a recorder's staged rows.
+
+    Called with ``staged`` ``[len(layers), rows, hidden]`` (the rows of each bank layer, in
+    :attr:`layers` order), it returns ``[1, rows, width]`` float32 scores, activations
+    applied, so the host receives final scores.
+    """
+
+    slots = (SCORES_SLOT,)
+    dtype = torch.float32
+
+    def __init__(self, specs: Sequence[ProbeSpec], device: torch.device | str) -> None:
+        if not specs:
+            raise ValueError("a ProbeBank needs at least one probe")
+        self.specs = list(specs)
+        self.columns = columns_of(self.specs)
+        self.width = max(c.hi for c in self.columns.values())
+        self.layers = tuple(sorted({s.layer for s in self.specs}))
+        # Per layer: stacked weight^T [hidden, outputs] and bias, and the activations of the
+        # column groups (softmax needs its group; sigmoid/identity are per column).
+        self._fused: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._groups: list[tuple[str, int, int]] = []
+        for layer in self.layers:
+            group = [s for s in sorted(self.specs, key=lambda s: s.layer) if s.layer == layer]
+            weight = np.concatenate([s.weight for s in group])
+            bias = np.concatenate([s.bias for s in group])
+            self._fused.append(
+                (
+                    torch.from_numpy(weight.T.copy()).to(device),
+                    torch.from_numpy(bias.copy()).to(device),
+                )
+            )
+            for spec in group:
+                cols = self.columns[spec.name]
+                self._groups.append((spec.activation, cols.lo, cols.hi))
+
+    def __call__(self, staged: torch.Tensor) -> torch.Tensor:
+        parts = [
+            torch.addmm(bias, staged[i].float(), weight_t)
+            for i, (weight_t, bias) in enumerate(self._fused)
+        ]
+        raw = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+        for activation, lo, hi in self._groups:
+            if activation == "sigmoid":
+                raw[:, lo:hi] = torch.sigmoid(raw[:, lo:hi])
+            elif activation == "softmax":
+                raw[:, lo:hi] = torch.softmax(raw[:, lo:hi], dim=1)
+        return raw.unsqueeze(0)

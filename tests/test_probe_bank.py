@@ -1,0 +1,103 @@
+"""Unit tests of the worker-side probe bank and score recording (no vLLM): fused scores equal
+each probe applied alone, rows follow batch metadata, and this step's last-token scores are
+where the monitor processor reads them."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from probehook.core.monitors import ProbeMonitor, crossings
+from probehook.core.probe_bank import ProbeBank, ProbeSpec, columns_of
+from probehook.core.recorder import RequestPlan, StepRecorder
+from probehook.core.spans import OPEN, KeepPlan, Span
+from probehook.errors import CaptureConfigError
+
+HIDDEN = 8
+
+
+def spec(name: str, layer: int, outputs: int, activation: str, seed: int) -> ProbeSpec:
+    g = np.random.default_rng(seed)
+    weight = g.standard_normal((outputs, HIDDEN)).astype(np.float32)
+    bias = g.standard_normal(outputs).astype(np.float32)
+    return ProbeSpec(name, layer, weight, bias, activation)
+
+
+def reference(s: ProbeSpec, rows: torch.Tensor) -> torch.Tensor:
+    raw = rows.float() @ torch.from_numpy(s.weight).T + torch.from_numpy(s.bias)
+    if s.activation == "sigmoid":
+        return torch.sigmoid(raw)
+    if s.activation == "softmax":
+        return torch.softmax(raw, dim=1)
+    return raw
+
+
+SPECS = [
+    spec("truth", 2, 1, "sigmoid", 0),
+    spec("topic", 0, 3, "softmax", 1),
+    spec("length", 2, 1, "identity", 2),
+    spec("other", 0, 1, "sigmoid", 3),
+]
+
+
+def test_fused_scores_equal_each_probe_alone() -> None:
+    bank = ProbeBank(SPECS, "cpu")
+    assert bank.layers == (0, 2)
+    rows = {layer: torch.randn(5, HIDDEN, dtype=torch.bfloat16) for layer in bank.layers}
+    out = bank(torch.stack([rows[layer] for layer in bank.layers]))
+    assert out.shape == (1, 5, bank.width) and out.dtype == torch.float32
+    assert bank.width == 6
+    for s in SPECS:
+        cols = bank.columns[s.name]
+        torch.testing.assert_close(out[0, :, cols.lo : cols.hi], reference(s, rows[s.layer]))
+
+
+def test_columns_are_the_same_on_both_sides() -> None:
+    assert columns_of(SPECS) == ProbeBank(SPECS, "cpu").columns
+    wired = [ProbeSpec.from_wire(s.to_wire()) for s in SPECS]
+    assert columns_of(wired) == columns_of(SPECS)
+    assert all(np.array_equal(a.weight, b.weight) for a, b in zip(wired, SPECS, strict=True))
+
+
+def test_score_recorder_keeps_scores_by_position_and_last_rows() -> None:
+    bank = ProbeBank(SPECS, "cpu")
+    buffers = {layer: torch.zeros(16, HIDDEN) for layer in bank.layers}
+    recorder = StepRecorder([buffers[layer] for layer in bank.layers], bank.layers, transform=bank)
+    recorder.keep_step_rows = True
+    plans = {
+        "a": RequestPlan("A/0", KeepPlan(Span(2, OPEN), None)),  # decode rows from P-1 = 2
+        "b": None,  # no probes for this request
+    }
+    step1 = {layer: torch.randn(5, HIDDEN) for layer in bank.layers}
+    for layer in bank.layers:
+        buffers[layer][:5] = step1[layer]
+    # a's 3-token prompt (rows 0..2), then b's 2 tokens.
+    recorder.record(["a", "b"], np.array([0, 3, 5]), np.array([0, 0]), plans.get)
+    assert recorder.step_rows is not None
+    assert recorder.step_rows.last_row.tolist() == [0, -1]  # a's position 2 is kept row 0
+    step2 = {layer: torch.randn(2, HIDDEN) for layer in bank.layers}
+    for layer in bank.layers:
+        buffers[layer][:2] = step2[layer]
+    recorder.record(["b", "a"], np.array([0, 1, 2]), np.array([2, 3]), plans.get)
+    assert recorder.step_rows.last_row.tolist() == [-1, 0]
+    (scores,), (span,), error = recorder.export("A/0", [Span(2, 4)], ["scores"], final=True)
+    assert error is None and span.missing == []
+    for s in SPECS:
+        cols = bank.columns[s.name]
+        want = torch.cat([reference(s, step1[s.layer][2:3]), reference(s, step2[s.layer][1:2])])
+        torch.testing.assert_close(scores[0, :, cols.lo : cols.hi], want)
+    assert recorder.retained_bytes() == 0
+
+
+def test_monitor_validation_and_crossings() -> None:
+    with pytest.raises(CaptureConfigError, match="action"):
+        ProbeMonitor("truth", 0.5, action="halt")
+    with pytest.raises(CaptureConfigError, match="direction"):
+        ProbeMonitor("truth", 0.5, direction="up")
+    with pytest.raises(CaptureConfigError, match="Unknown ProbeMonitor field"):
+        ProbeMonitor.coerce({"probe": "truth", "threshold": 0.5, "when": 1})
+    assert ProbeMonitor.coerce({"probe": "t", "threshold": 0.5}).action == "flag"
+    values = np.array([0.1, 0.6, 0.5, 0.9], dtype=np.float32)
+    assert crossings(values, 0.5, "above") == [1, 3]
+    assert crossings(values, 0.5, "below") == [0]

@@ -93,23 +93,25 @@ def test_bad_per_request_probe_options_fail_before_generation(probe_llm) -> None
     assert not probe_llm.llm_engine.has_unfinished_requests()
 
 
-def first_new_maximum(values: torch.Tensor, start: int = 2) -> int:
-    """The first row ``k >= start`` whose score is above every earlier one."""
+def first_record(values: torch.Tensor, start: int = 2) -> tuple[int, float, str]:
+    """A row ``k >= start`` and a threshold that only rows from ``k`` on cross: the first new
+    maximum (direction "above") or new minimum ("below") of the scores."""
     for k in range(start, len(values)):
         if values[k] > values[:k].max():
-            return k
-    raise AssertionError("no row above all earlier rows; pick another prompt")
+            return k, float((values[:k].max() + values[k]) / 2), "above"
+        if values[k] < values[:k].min():
+            return k, float((values[:k].min() + values[k]) / 2), "below"
+    raise AssertionError("no new maximum or minimum; pick another prompt")
 
 
 def test_stop_monitor_ends_one_request_and_leaves_31_alone(probe_llm) -> None:
     batch = prompts(32)
     baseline = probe_llm.generate(batch, greedy(), use_tqdm=False)
     scores = baseline[0].outputs[0].probe_scores["size"]
-    k = first_new_maximum(scores)
-    threshold = float((scores[:k].max() + scores[k]) / 2)
+    k, threshold, direction = first_record(scores)
     flag_scores = baseline[1].outputs[0].probe_scores["truth"]
     flag_threshold = float(flag_scores.median())
-    stop = {"probe": "size", "threshold": threshold, "action": "stop"}
+    stop = {"probe": "size", "threshold": threshold, "action": "stop", "direction": direction}
     flag = {"probe": "truth", "threshold": flag_threshold, "action": "flag"}
     params = [greedy(extra_args={"probehook": {"monitors": [stop]}})]
     params += [greedy(extra_args={"probehook": {"monitors": [flag]}})]

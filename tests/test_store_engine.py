@@ -32,6 +32,7 @@ def test_generate_streams_into_store(
     llama_dir: Path, engine_defaults: dict, tmp_path: Path
 ) -> None:
     from probehook import LLM, SamplingParams
+    from probehook.testing import random_probes
 
     path = tmp_path / "run"
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
@@ -40,6 +41,7 @@ def test_generate_streams_into_store(
         layers=[1, 3],
         include_prefill=True,
         enforce_eager=True,
+        probes=random_probes(128),
         store=path,
         store_options={"shard_bytes": 4096},
         **engine_defaults,
@@ -60,6 +62,13 @@ def test_generate_streams_into_store(
             assert stored.output_token_ids == list(out.outputs[0].token_ids)
             assert digest(stored.hidden_states) == digest(out.hidden_states)
             assert digest(stored.prefill_hidden_states) == digest(out.prefill_hidden_states)
+            # Runtime probe scores are stored with the request, exactly.
+            assert sorted(stored.probe_scores) == sorted(out.probe_scores)
+            for name, scores in out.probe_scores.items():
+                assert torch.equal(stored.probe_scores[name], scores)
+                assert torch.equal(
+                    stored.prefill_probe_scores[name], out.prefill_probe_scores[name]
+                )
         assert reader.info()["shards"] >= 2
     finally:
         llm.shutdown()

@@ -30,12 +30,38 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 RESULTS = Path(__file__).parent / "results"
 
 
-def build_engines(model_dir: str, max_model_len: int, store_dir: str) -> dict[str, object]:
+PROBES_ONLY = "probehook 4 probes on 1 layer, no hidden states"
+ASKS_NOTHING = "probehook capture + probes configured, request asks for nothing"
+NOTHING = {"probehook": {"include_prefill": False, "include_decode": False}}
+
+
+def bench_probes(hidden: int, layer: int) -> dict[str, object]:
+    """Four binary probes with random weights on one layer (their values do not matter here)."""
+    import torch
+
+    from probehook import LinearProbe
+
+    g = torch.Generator().manual_seed(0)
+    return {
+        f"p{i}": LinearProbe(
+            torch.randn(1, hidden, generator=g) / hidden**0.5,
+            torch.zeros(1),
+            layer=layer,
+            kind="binary",
+        )
+        for i in range(4)
+    }
+
+
+def build_engines(
+    model_dir: str, max_model_len: int, store_dir: str, hidden: int
+) -> dict[str, object]:
     import vllm
 
     from probehook import LLM
 
     common = dict(load_format="dummy", dtype="bfloat16", max_model_len=max_model_len, seed=0)
+    probes = bench_probes(hidden, layer=4)
     return {
         "vLLM compiled": vllm.LLM(model_dir, **common),
         "vLLM eager": vllm.LLM(model_dir, enforce_eager=True, **common),
@@ -46,6 +72,8 @@ def build_engines(model_dir: str, max_model_len: int, store_dir: str) -> dict[st
         "probehook all layers + store": LLM(
             model_dir, layers="all", include_prefill=True, store=store_dir, **common
         ),
+        PROBES_ONLY: LLM(model_dir, probes=probes, **common),
+        ASKS_NOTHING: LLM(model_dir, layers="all", probes=probes, **common),
     }
 
 
@@ -64,10 +92,18 @@ def capture_counters(llm: object) -> dict[str, int] | None:
     return counters
 
 
-def run_once(llm: object, prompts: list[dict], max_tokens: int) -> float:
+def run_once(
+    llm: object, prompts: list[dict], max_tokens: int, extra_args: dict | None = None
+) -> float:
     from vllm import SamplingParams
 
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0, detokenize=False)
+    params = SamplingParams(
+        max_tokens=max_tokens,
+        ignore_eos=True,
+        temperature=0,
+        detokenize=False,
+        extra_args=extra_args,
+    )
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
@@ -96,7 +132,10 @@ def main() -> None:
         for i in range(args.prompts)
     ]
     store_dir = str(model_dir.parent / "store")
-    engines = build_engines(str(model_dir), args.prompt_len + args.max_tokens + 16, store_dir)
+    engines = build_engines(
+        str(model_dir), args.prompt_len + args.max_tokens + 16, store_dir, args.hidden
+    )
+    extra = {ASKS_NOTHING: NOTHING}
     for llm in engines.values():  # warm-up outside the measurement
         run_once(llm, prompts, 8)
 
@@ -113,7 +152,7 @@ def main() -> None:
             if name == BASELINE:
                 continue
             before = capture_counters(llm)
-            value = run_once(llm, prompts, args.max_tokens)
+            value = run_once(llm, prompts, args.max_tokens, extra.get(name))
             after = capture_counters(llm)
             samples[name].append(value)
             if before is not None and after is not None:

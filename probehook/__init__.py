@@ -12,6 +12,7 @@ from probehook.errors import (
     CaptureConfigError,
     CaptureError,
     MissingExtraError,
+    ProbeError,
     ProbehookError,
     StoreCorruptError,
     StoreError,
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
     from probehook.adapter.offline import LLM
     from probehook.capture_config import CaptureConfig
     from probehook.core.session import FailedCapture
+    from probehook.probes import LinearProbe
     from probehook.store import ActivationStore, LayerMatrix, StoredRequest
 
 _LAZY = {
@@ -39,6 +41,7 @@ _LAZY = {
     "ActivationStore": ("probehook.store", "ActivationStore"),
     "LayerMatrix": ("probehook.store", "LayerMatrix"),
     "StoredRequest": ("probehook.store", "StoredRequest"),
+    "LinearProbe": ("probehook.probes", "LinearProbe"),
 }
 
 __all__ = [
@@ -48,10 +51,12 @@ __all__ = [
     "ActivationStore",
     "LayerMatrix",
     "StoredRequest",
+    "LinearProbe",
     "FailedCapture",
     "CaptureConfigError",
     "CaptureError",
     "MissingExtraError",
+    "ProbeError",
     "ProbehookError",
     "StoreError",
     "StoreFormatError",

@@ -40,3 +40,8 @@ class StoreCorruptError(StoreFormatError):
 
 class MissingExtraError(ProbehookError, ImportError):
     """An optional dependency is not installed; the message names the extra to install."""
+
+
+class ProbeError(ProbehookError, ValueError):
+    """A linear probe cannot be built, fitted, loaded or applied: bad shapes or options, bad
+    labels for ``LinearProbe.fit``, a damaged probe file, or a probe for another model."""

@@ -45,7 +45,7 @@ def capture(model: Path, store_dir: Path, texts: list[str]) -> list[str]:
     return [o.store_id for o in outs]
 
 
-def strip_figure(sweep, examples: list[tuple[str, list[float]]], path: Path) -> Path:
+def strip_figure(sweep, examples: list[tuple[list[str], list[float]]], path: Path) -> Path:
     """Step 6: accuracy by layer, and each example's score per token."""
     from matplotlib.figure import Figure
 
@@ -108,8 +108,9 @@ def main() -> None:
     best.save(work / "truth.safetensors")
 
     # 5. The probe inside the engine, on fresh statements and on the model's own answers.
-    fresh, fresh_labels = statements(fresh_pairs[:6], seed=1)
-    questions = [f"{a}+{b}=" for a, b in fresh_pairs[6:9]]
+    spread = fresh_pairs[::41]  # sorted pairs: take every 41st for variety
+    fresh, fresh_labels = statements(spread[:4], seed=1)
+    questions = [f"{a}+{b}=" for a, b in spread[4:7]]
     # Decode row 0 is the state at the prompt's last token: for a statement, its verdict.
     flag_false = ProbeMonitor("truth", 0.5, action="flag", direction="below")
     with LLM(
@@ -117,26 +118,32 @@ def main() -> None:
     ) as llm:
         params = SamplingParams(max_tokens=4, temperature=0)
         outs = llm.generate(fresh + questions, params, use_tqdm=False)
-    print("5. Scores inside the engine (P(true) at each prompt token; '*' = flagged false):")
+        tokenizer = llm.get_tokenizer()
+    print("5. Scores inside the engine: P(true) at each prompt token; '*' = the monitor")
+    print("   flagged the statement as false (score below 0.5 at its final '.'):")
     examples = []
     for out, label in zip(outs, fresh_labels + [None] * len(questions), strict=True):
-        prompt_scores = out.prefill_probe_scores["truth"].tolist()
-        flagged = 0 in out.outputs[0].probe_flags.get("truth", [])
-        truth = "" if label is None else ("  (true)" if label else "  (false)")
-        verdict = "*" if flagged else " "
-        cells = " ".join(f"{c}:{s:.2f}" for c, s in zip(out.prompt, prompt_scores, strict=True))
-        print(f"   {verdict} {out.prompt:<12}{truth:<9} {cells}")
+        completion = out.outputs[0]
+        # Row p scores the state after token p; the first token is <s>.
+        tokens = tokenizer.convert_ids_to_tokens(list(out.prompt_token_ids))
+        scores = out.prefill_probe_scores["truth"].tolist()
+        # The monitor flags decode row 0, the state at the statement's final ".".
+        flagged = "*" if label is not None and 0 in completion.probe_flags["truth"] else " "
+        truth = {None: "", 1: "(true)", 0: "(false)"}[label]
+        cells = " ".join(f"{t}:{s:.2f}" for t, s in zip(tokens, scores, strict=True))
+        print(f"   {flagged} {out.prompt:<11}{truth:<8} {cells}")
         if label is None:
-            text = out.prompt + out.outputs[0].text
-            scores = prompt_scores + out.outputs[0].probe_scores["truth"].tolist()[1:]
+            # Decode row i scores the state that produced generated token i; row 0 is the
+            # prompt's last position, already above.
+            generated = completion.probe_scores["truth"].tolist()
             print(
-                f"     model answers {out.outputs[0].text!r}; P(true) per generated token: "
-                + " ".join(f"{s:.2f}" for s in out.outputs[0].probe_scores["truth"].tolist())
+                f"     the model answers {completion.text!r}; P(true) after each generated "
+                "token: " + " ".join(f"{s:.2f}" for s in generated[1:])
             )
-            n = min(len(text), len(scores))
-            examples.append((text[:n], scores[:n]))
-        else:
-            examples.append((out.prompt, prompt_scores))
+            tokens += tokenizer.convert_ids_to_tokens(list(completion.token_ids))
+            scores += generated[1:]
+        n = min(len(tokens), len(scores))
+        examples.append(([t if len(t) == 1 else "·" for t in tokens[:n]], scores[:n]))
 
     # 6. The figure.
     png = strip_figure(result, examples, work / "probes.png")

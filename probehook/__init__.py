@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 
     from probehook.adapter.offline import LLM
     from probehook.capture_config import CaptureConfig
+    from probehook.core.monitors import ProbeMonitor
     from probehook.core.session import FailedCapture
     from probehook.probes import LinearProbe
     from probehook.store import ActivationStore, LayerMatrix, StoredRequest
@@ -42,6 +43,7 @@ _LAZY = {
     "LayerMatrix": ("probehook.store", "LayerMatrix"),
     "StoredRequest": ("probehook.store", "StoredRequest"),
     "LinearProbe": ("probehook.probes", "LinearProbe"),
+    "ProbeMonitor": ("probehook.core.monitors", "ProbeMonitor"),
 }
 
 __all__ = [
@@ -52,6 +54,7 @@ __all__ = [
     "LayerMatrix",
     "StoredRequest",
     "LinearProbe",
+    "ProbeMonitor",
     "FailedCapture",
     "CaptureConfigError",
     "CaptureError",

@@ -12,6 +12,7 @@ PUBLIC = [
     "LayerMatrix",
     "StoredRequest",
     "LinearProbe",
+    "ProbeMonitor",
     "FailedCapture",
     "CaptureConfigError",
     "CaptureError",

@@ -74,9 +74,8 @@ def strip_figure(sweep, examples: list[tuple[list[str], list[float]]], path: Pat
 
 
 def main() -> None:
-    from probehook.probes import sweep
-
     from probehook import LLM, ActivationStore, ProbeMonitor, SamplingParams, tiny_model_path
+    from probehook.probes import sweep
     from probehook.tasks.arithmetic import probe_pair_split, split_pairs
 
     model = tiny_model_path()

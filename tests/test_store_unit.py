@@ -178,7 +178,10 @@ def test_write_error_surfaces_from_flush(tmp_path: Path) -> None:
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
     )
     assert "STORE_ERROR" in result.stdout, result.stdout + result.stderr
+    assert result.returncode == 0, result.stderr[-2000:]  # no crash at exit either
     assert len(ActivationStore.open(tmp_path / "s")) == 0
+    # The failed shard was never committed: it is deleted, not left for HDF5 to retry.
+    assert not list((tmp_path / "s" / SHARD_DIR).glob("*.tmp"))
 
 
 def test_backpressure_blocks_the_producer(tmp_path: Path, monkeypatch) -> None:

@@ -7,6 +7,7 @@ growing memory. Any write error is kept and re-raised from the next ``submit`` o
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import threading
@@ -174,6 +175,7 @@ class ShardWriter:
                     self._write(item)
             except BaseException as e:  # kept and re-raised to the caller
                 self._error = e
+                self._abandon_shard()
                 self._flushed.set()
             finally:
                 if item is not _FLUSH and item is not _STOP:
@@ -214,6 +216,20 @@ class ShardWriter:
         if name not in self._datasets:
             self._datasets[name] = DatasetAppender(self._file, name, self.compression)
         return self._datasets[name].append(data)
+
+    def _abandon_shard(self) -> None:
+        """After a write error: close the open shard once and delete it. It was never
+        committed (no manifest line names it), so it is provably garbage; and HDF5 must not
+        try to write to a file that failed again later (at exit it may crash or hang)."""
+        file, tmp = self._file, self._tmp_path
+        self._file, self._tmp_path = None, None
+        self._datasets, self._shard_requests, self._shard_bytes_written = {}, [], 0
+        if file is not None:
+            with contextlib.suppress(Exception):
+                file.close()
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
 
     def _commit_shard(self) -> None:
         if self._file is None:

@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # vLLM's CPU build sizes its KV cache from this (GiB); the default would claim most of RAM.
 export VLLM_CPU_KVCACHE_SPACE ?= 2
 
-.PHONY: demo test lint format bench venv clean
+.PHONY: demo test lint format bench notebooks venv clean
 
 venv: $(STAMP)
 
@@ -40,6 +40,10 @@ format: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/overhead.py
 	$(PY) benchmarks/store_throughput.py
+
+# Re-execute notebooks/*.ipynb in place (committed with outputs; the tests check they're fresh).
+notebooks: $(STAMP)
+	$(PY) scripts/execute_notebooks.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

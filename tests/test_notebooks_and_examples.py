@@ -1,37 +1,201 @@
-"""Notebooks and examples are executed, so they stay true."""
+"""Notebooks and examples are executed, so they stay true.
+
+Notebooks are committed executed (readers on GitHub see their outputs). Executing one here also
+checks that its committed outputs are fresh: ``make notebooks`` (scripts/execute_notebooks.py)
+refreshes them.
+"""
 
 from __future__ import annotations
 
+import copy
+import functools
+import importlib.util
 import os
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
+from typing import Any
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.slow
+NOTEBOOKS = sorted(p.name for p in (ROOT / "notebooks").glob("*.ipynb"))
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.mark.parametrize("name", sorted(p.name for p in (ROOT / "notebooks").glob("*.ipynb")))
+@functools.cache
+def executor() -> ModuleType:
+    """scripts/execute_notebooks.py, so that the test executes notebooks exactly as it does."""
+    pytest.importorskip("nbclient")
+    spec = importlib.util.spec_from_file_location(
+        "execute_notebooks", ROOT / "scripts" / "execute_notebooks.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _output_structure(cell: Any) -> tuple[frozenset[str], list[tuple[str, tuple[str, ...]]]]:
+    """A code cell's outputs without their values: the names of its streams, and the type and
+    mime types of each of its other outputs, in order."""
+    streams = frozenset(o["name"] for o in cell.get("outputs", []) if o["output_type"] == "stream")
+    rich = [
+        (o["output_type"], tuple(sorted(o.get("data", {}))))
+        for o in cell.get("outputs", [])
+        if o["output_type"] != "stream"
+    ]
+    return streams, rich
+
+
+def notebook_staleness(committed: Any, fresh: Any) -> list[str]:
+    """Why the ``committed`` notebook is not what executing it gives now (``fresh``).
+
+    Returns one line per problem; an empty list means the committed notebook is fresh. Compared:
+    the cells (number, type, source); for each code cell, its execution count (a notebook
+    committed unexecuted, or run out of order, differs) and the structure of its outputs: which
+    streams (stdout, stderr) it wrote, and the type (display_data, execute_result, ...) and mime
+    types of its other outputs, in order. Error outputs on either side are problems, and so is
+    a committed cell with no outputs where executing it gives some. Values are not compared:
+    numbers, store ids and PNG bytes vary with floating point, time and encoders. Streams are
+    compared by name only because Jupyter and nbclient split and merge their chunks
+    differently.
+    """
+    problems = []
+    for label, nb in (("committed", committed), ("fresh", fresh)):
+        for i, cell in enumerate(nb["cells"]):
+            for out in cell.get("outputs", []):
+                if out["output_type"] == "error":
+                    problems.append(f"{label} cell {i} has an error output: {out.get('ename')}")
+    if len(committed["cells"]) != len(fresh["cells"]):
+        problems.append(
+            f"{len(committed['cells'])} cells committed, {len(fresh['cells'])} when executed"
+        )
+    for i, (old, new) in enumerate(zip(committed["cells"], fresh["cells"], strict=False)):
+        if old["cell_type"] != new["cell_type"] or old["source"] != new["source"]:
+            problems.append(
+                f"cell {i}: committed {old['cell_type']} cell differs in type or source"
+            )
+            continue
+        if new["cell_type"] != "code":
+            continue
+        if new.get("outputs") and not old.get("outputs"):
+            problems.append(f"cell {i}: committed without outputs, executing it gives some")
+        elif _output_structure(old) != _output_structure(new):
+            problems.append(
+                f"cell {i}: committed outputs {_output_structure(old)}, "
+                f"executed {_output_structure(new)}"
+            )
+        if old.get("execution_count") != new.get("execution_count"):
+            problems.append(
+                f"cell {i}: committed execution count {old.get('execution_count')}, "
+                f"executed {new.get('execution_count')}"
+            )
+    return problems
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", NOTEBOOKS)
 def test_notebook_runs(name: str, tmp_path: Path) -> None:
     import nbformat
-    from nbclient import NotebookClient
 
+    committed = nbformat.read(ROOT / "notebooks" / name, as_version=4)
+    # Raises CellExecutionError, with the cell and its traceback, if a cell fails.
+    fresh = executor().execute(copy.deepcopy(committed), tmp_path)
+
+    problems = notebook_staleness(committed, fresh)
+    assert not problems, (
+        f"notebooks/{name} is not committed as it executes now; refresh it with `make notebooks`"
+        " (scripts/execute_notebooks.py) and commit the outputs:\n" + "\n".join(problems)
+    )
+    # Figures are shown inline and also saved (under the working directory, here tmp_path).
+    shown = sum("image/png" in o.get("data", {}) for c in fresh.cells for o in c.get("outputs", []))
+    saved = sorted(tmp_path.rglob("*.png"))
+    assert len(saved) >= shown, f"{shown} figures shown but only {saved} saved"
+    for png in saved:
+        assert png.read_bytes().startswith(PNG_SIGNATURE) and png.stat().st_size > 1000, png
+
+
+def _clear_outputs(nb: Any) -> Any:
+    """``nb`` as committed without outputs (as ``jupyter nbconvert --clear-output`` leaves it)."""
+    nb = copy.deepcopy(nb)
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            cell.outputs = []
+            cell.execution_count = None
+    return nb
+
+
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_committed_notebook_is_executed(name: str) -> None:
+    """Cheap checks on the committed file alone: it has outputs and no errors, and the
+    staleness check catches it stripped of its outputs or with a cell added."""
+    nbformat = pytest.importorskip("nbformat")
     nb = nbformat.read(ROOT / "notebooks" / name, as_version=4)
-    NotebookClient(
-        nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
-    ).execute()
-    errors = [
-        o
-        for c in nb.cells
-        if c.cell_type == "code"
-        for o in c.get("outputs", [])
-        if o.output_type == "error"
-    ]
-    assert not errors
+    assert notebook_staleness(nb, nb) == []
+    assert notebook_staleness(_clear_outputs(nb), nb), f"notebooks/{name} has no outputs"
+    grown = copy.deepcopy(nb)
+    grown.cells.append(nbformat.v4.new_code_cell("print(1)"))
+    assert notebook_staleness(nb, grown)
+    # Volatile metadata stays out of the committed file (scripts/execute_notebooks.py strips it).
+    assert all("execution" not in c.metadata for c in nb.cells)
 
 
+def test_notebook_staleness_on_handmade_notebooks() -> None:
+    nbformat = pytest.importorskip("nbformat")
+    v4 = nbformat.v4
+
+    def notebook(numbers: str, png: str, *, split_stdout: bool = False) -> Any:
+        stdout = [v4.new_output("stream", name="stdout", text=f"shape (4, 7) {numbers}\n")]
+        if split_stdout:
+            stdout.append(v4.new_output("stream", name="stdout", text="more\n"))
+        plot = v4.new_code_cell("plot()", execution_count=2)
+        plot.outputs = [
+            *stdout,
+            v4.new_output("display_data", data={"image/png": png, "text/plain": "<Figure>"}),
+        ]
+        return v4.new_notebook(
+            cells=[
+                v4.new_markdown_cell("# title"),
+                v4.new_code_cell("setup()", execution_count=1),
+                plot,
+            ]
+        )
+
+    fresh = notebook("[32.68, 47.85]", "iVBORw0KGgo=")
+    # Other numbers, other PNG bytes, stdout in two chunks: still fresh.
+    assert (
+        notebook_staleness(notebook("[32.7, 47.9]", "iVBORw0KGgoA", split_stdout=True), fresh) == []
+    )
+
+    stripped = _clear_outputs(fresh)
+    assert any("without outputs" in p for p in notebook_staleness(stripped, fresh))
+
+    grown = copy.deepcopy(fresh)
+    grown.cells.append(v4.new_code_cell("more()"))
+    assert any("cells committed" in p for p in notebook_staleness(fresh, grown))
+
+    edited = copy.deepcopy(fresh)
+    edited.cells[2].source = "plot(log=True)"
+    assert any("source" in p for p in notebook_staleness(fresh, edited))
+
+    svg = copy.deepcopy(fresh)
+    svg.cells[2].outputs[1].data = {"image/svg+xml": "<svg/>", "text/plain": "<Figure>"}
+    assert any("outputs" in p for p in notebook_staleness(svg, fresh))
+
+    noisy = copy.deepcopy(fresh)
+    noisy.cells[1].outputs = [v4.new_output("stream", name="stderr", text="Loading 100%\n")]
+    assert any("cell 1" in p for p in notebook_staleness(fresh, noisy))
+
+    failing = copy.deepcopy(fresh)
+    failing.cells[2].outputs.append(
+        v4.new_output("error", ename="ValueError", evalue="", traceback=[])
+    )
+    assert any("error output" in p for p in notebook_staleness(failing, fresh))
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("script", ["demo.py", "capture_hidden_states.py"])
 def test_example_runs(script: str) -> None:
     # As a user runs them: vLLM's own log level, not the test suite's.

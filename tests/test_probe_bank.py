@@ -101,3 +101,51 @@ def test_monitor_validation_and_crossings() -> None:
     values = np.array([0.1, 0.6, 0.5, 0.9], dtype=np.float32)
     assert crossings(values, 0.5, "above") == [1, 3]
     assert crossings(values, 0.5, "below") == [0]
+
+
+def _probe(name: str | None, layer: int = 1, kind: str = "binary"):
+    from probehook import LinearProbe
+
+    outputs = 3 if kind == "multiclass" else 1
+    labels = ["a", "b", "c"] if kind == "multiclass" else None
+    return LinearProbe(
+        torch.randn(outputs, HIDDEN), torch.zeros(outputs), layer=layer, kind=kind,
+        label_names=labels, name=name,
+    )  # fmt: skip
+
+
+def test_probes_given_as_a_list_are_named_by_their_names(tmp_path) -> None:
+    from probehook.core.probe_set import load_probes
+
+    truth, topic = _probe("truth"), _probe("topic", kind="multiclass")
+    assert list(load_probes([truth, topic])) == ["truth", "topic"]
+    truth.save(tmp_path / "t.safetensors")
+    loaded = load_probes({"t": tmp_path / "t.safetensors"})  # a path loads the saved probe
+    assert torch.equal(loaded["t"].weight, truth.weight)
+    with pytest.raises(CaptureConfigError, match=r"probes\[0\] has no name"):
+        load_probes([_probe(None)])
+    with pytest.raises(CaptureConfigError, match="Two probes are named 'truth'"):
+        load_probes([truth, _probe("truth")])
+
+
+def test_probe_set_requests_split_and_monitor_columns() -> None:
+    from probehook.core.probe_set import ProbeSet
+
+    probes = {"truth": _probe("truth", 2), "topic": _probe("topic", 0, "multiclass")}
+    monitors = [ProbeMonitor("topic", 0.5, label="c"), ProbeMonitor("truth", 0.9, "stop")]
+    ps = ProbeSet(probes, monitors, num_layers=4, hidden_size=HIDDEN, model_fingerprint=None)
+    # Columns are laid out by layer: topic (layer 0) first.
+    assert ps.column(monitors[0]) == 2 and ps.column(monitors[1]) == 3
+    everything = ps.for_request({})
+    assert everything.names == ("truth", "topic") and everything.stops
+    only_topic = ps.for_request({"probes": ["topic"]})
+    assert only_topic.monitors == (monitors[0],)  # the engine's monitors for its probes
+    assert ps.for_request({"probes": False}).names == ()
+    scores = torch.arange(8.0).reshape(2, 4)
+    split = ps.split(scores, ["truth", "topic"])
+    assert split["truth"].tolist() == [3.0, 7.0] and split["topic"].shape == (2, 3)
+    decode = {"truth": torch.tensor([0.2, 0.95]), "topic": torch.tensor([[0, 0, 0.6]] * 2)}
+    flags, stop = ps.flags_and_stop(everything, decode, stopped_by_token=True)
+    assert flags == {"topic": [0, 1]} and stop == "probe:truth"
+    _, stop = ps.flags_and_stop(everything, decode, stopped_by_token=False)
+    assert stop is None  # ended some other way: the monitor did not stop it

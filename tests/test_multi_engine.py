@@ -36,6 +36,7 @@ def test_tensor_parallel_2_matches_tp_1(
     eager_llm, llama_dir: Path, engine_defaults: dict, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from probehook import LLM, SamplingParams
+    from probehook.testing import assert_scores_match_rows, random_probes
 
     # vLLM's CPU backend needs one core per TP worker named explicitly.
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
@@ -45,6 +46,7 @@ def test_tensor_parallel_2_matches_tp_1(
         include_prefill=True,
         enforce_eager=True,
         tensor_parallel_size=2,
+        probes=random_probes(128),
         **engine_defaults,
     )
     try:
@@ -63,5 +65,24 @@ def test_tensor_parallel_2_matches_tp_1(
                     atol=1e-4,
                     rtol=0,
                 )
+            # Scores come back once (rank 0), equal to the probes on the returned rows.
+            assert assert_scores_match_rows(g, tp2.probes.probes) > 0
+            assert len(g.probe_scores["truth"]) == len(g.outputs[0].token_ids)
+        # A stop monitor is forced on every rank alike: the request ends where it crosses.
+        scores = got[1].outputs[0].probe_scores["size"]
+        k = 1 if scores[1] > scores[0] else 0
+        threshold = float((scores[0] + scores[1]) / 2) if k else float(scores[0]) - 1.0
+        monitor = {"probe": "size", "threshold": threshold, "action": "stop"}
+        stopped = tp2.generate(
+            PROMPTS[1],
+            SamplingParams(
+                max_tokens=4, temperature=0, ignore_eos=True,
+                extra_args={"probehook": {"monitors": [monitor]}},
+            ),
+            use_tqdm=False,
+        )[0].outputs[0]  # fmt: skip
+        eos = tp2.get_tokenizer().eos_token_id
+        assert list(stopped.token_ids) == list(got[1].outputs[0].token_ids[:k]) + [eos]
+        assert stopped.stop_reason == "probe:size"
     finally:
         tp2.shutdown()

@@ -131,17 +131,19 @@ def check_engine(vllm_config: Any) -> int:
     architectures = list(model_config.architectures or [])
     if model_config.runner_type == "pooling":
         raise CaptureConfigError(
-            f"runner={model_config.runner_type!r} ({', '.join(architectures)}): capture of "
-            "pooling models (encode/embed/classify/score) is not supported yet. Pass "
-            "layers=None to use them as in vLLM."
+            f"runner={model_config.runner_type!r} ({', '.join(architectures)}): capture and "
+            "probes on pooling models (encode/embed/classify/score) are not supported yet "
+            "(and vLLM refuses the custom logits processor that probe monitors use on pooling "
+            "models). Pass layers=None and no probes to use them as in vLLM."
         )
     if vllm_config.speculative_config is not None:
         method = getattr(vllm_config.speculative_config, "method", None)
         raise CaptureConfigError(
-            f"Speculative decoding (method={method!r}) is not supported with capture: the "
-            "target computes rows for draft tokens that may be rejected, and a draft model "
-            "would be tapped too. Remove speculative_config / spec_method / spec_model / "
-            "spec_tokens, or pass layers=None."
+            f"Speculative decoding (method={method!r}) is not supported with capture or "
+            "probes: the target computes rows for draft tokens that may be rejected, a draft "
+            "model would be tapped too, and vLLM refuses the custom logits processor that "
+            "probe monitors use. Remove speculative_config / spec_method / spec_model / "
+            "spec_tokens, or pass layers=None and no probes."
         )
     if vllm_config.parallel_config.pipeline_parallel_size > 1:
         raise CaptureConfigError(

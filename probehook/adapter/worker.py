@@ -87,6 +87,8 @@ class ProbehookWorkerExtension:
         failures: dict[str, str] = {}
         for request in requests:
             source = request.get("source", "hidden")
+            if source == "hidden" and not _reports(self):
+                continue  # only rank 0 records rows; the other ranks free their scores
             recorder = _recorder(hook, source)
             if recorder is None:
                 raise ValueError(f"export from {source!r}, which this engine does not record")

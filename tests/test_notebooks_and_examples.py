@@ -11,6 +11,7 @@ import copy
 import functools
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -214,3 +215,11 @@ def test_example_runs(script: str) -> None:
     # vLLM's warnings stay out of the result, and the engine shuts down cleanly.
     output = result.stdout + result.stderr
     assert " WARNING " not in output and "force killing" not in output.lower(), output[-3000:]
+    if script == "demo.py":
+        # The main job: the best layer's probe is right on >= 90% of held-out statements,
+        # the engine flagged some statements, and the figure exists.
+        accuracy = re.search(r"^accuracy (\d\.\d+)$", result.stdout, re.MULTILINE)
+        assert accuracy is not None and float(accuracy.group(1)) >= 0.9, result.stdout[-3000:]
+        assert re.search(r"^   \* ", result.stdout, re.MULTILINE), result.stdout[-3000:]
+        png = re.search(r"Figure written to (\S+\.png)", result.stdout)
+        assert png is not None and Path(png.group(1)).read_bytes()[:4] == b"\x89PNG"

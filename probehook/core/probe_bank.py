@@ -110,6 +110,7 @@ class ProbeBank:
             for spec in group:
                 cols = self.columns[spec.name]
                 self._groups.append((spec.activation, cols.lo, cols.hi))
+        self._groups = _merge_sigmoid_runs(self._groups)
 
     def __call__(self, staged: torch.Tensor) -> torch.Tensor:
         parts = [
@@ -119,7 +120,26 @@ class ProbeBank:
         raw = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
         for activation, lo, hi in self._groups:
             if activation == "sigmoid":
-                raw[:, lo:hi] = torch.sigmoid(raw[:, lo:hi])
+                torch.sigmoid_(raw[:, lo:hi])
             elif activation == "softmax":
                 raw[:, lo:hi] = torch.softmax(raw[:, lo:hi], dim=1)
         return raw.unsqueeze(0)
+
+
+def _merge_sigmoid_runs(groups: list[tuple[str, int, int]]) -> list[tuple[str, int, int]]:
+    """Adjacent sigmoid columns as one range (one op per step instead of one per probe);
+    identity columns need no op at all."""
+    merged: list[tuple[str, int, int]] = []
+    for activation, lo, hi in groups:
+        if activation == "identity":
+            continue
+        if (
+            activation == "sigmoid"
+            and merged
+            and merged[-1][0] == "sigmoid"
+            and merged[-1][2] == lo
+        ):
+            merged[-1] = ("sigmoid", merged[-1][1], hi)
+        else:
+            merged.append((activation, lo, hi))
+    return merged

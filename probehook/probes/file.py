@@ -29,6 +29,7 @@ def save_probe(probe: LinearProbe, path: str | os.PathLike[str]) -> Path:
     from probehook import __version__
 
     path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     tensors = {"weight": probe.weight, "bias": probe.bias}
     if probe.mean is not None:
         tensors["mean"] = probe.mean

@@ -91,6 +91,7 @@ class SweepResult:
         ax.legend()
         fig.tight_layout()
         path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(path, format="png", dpi=100)
         return path
 

@@ -55,12 +55,15 @@ class ProbeStopProcessor(LogitsProcessor):
         step = scorer.step_rows if scorer is not None else None
         if step is None:
             return logits
+        scores = None  # this step's scores on the host, copied once (one sync on a GPU)
         for index, watch in self.watches.items():
             if index >= len(step.last_row) or step.last_row[index] < 0:
                 continue
             if len(watch.output_ids) < watch.min_tokens:
                 continue  # vLLM would not stop it yet; the forced token would be kept
-            row = step.rows[0, int(step.last_row[index])]
+            if scores is None:
+                scores = step.rows[0].cpu().numpy()
+            row = scores[int(step.last_row[index])]
             for monitor in watch.stops:
                 value = float(row[monitor["column"]])
                 if crosses(value, monitor["threshold"], monitor["direction"]):

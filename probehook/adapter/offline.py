@@ -20,7 +20,7 @@ from probehook import __version__ as probehook_version
 from probehook.adapter import engine_config, outputs
 from probehook.capture_config import CaptureConfig, LayerSpec, resolve_layers
 from probehook.core.probe_set import ProbeSet, load_probes
-from probehook.core.session import CaptureSession
+from probehook.core.session import CaptureSession, clear_outputs
 from probehook.errors import CaptureConfigError, CaptureError
 from probehook.store import ActivationStore
 from probehook.store.fingerprint import legacy_fingerprint, model_fingerprint
@@ -282,15 +282,7 @@ class LLM(vllm.LLM):
 
 def _empty_rows(output: Any) -> None:
     # layers=None is plain vLLM, but the attributes exist, so code works either way.
-    output.prefill_hidden_states = {}
-    output.prefill_probe_scores = {}
-    for completion in getattr(output, "outputs", ()):
-        completion.hidden_states = {}
-        completion.probe_scores = {}
-        completion.probe_flags = {}
-    output.hidden_states = {}
-    output.probe_scores = {}
-    output.store_id = None
+    clear_outputs(output)
     outputs.decorate(output)
 
 

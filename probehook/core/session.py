@@ -198,7 +198,7 @@ class CaptureSession:
         for output in outputs:
             if not hasattr(output, "outputs") or not getattr(output, "finished", True):
                 continue
-            _clear(output)
+            clear_outputs(output)
             tag = self.pending.pop(output.request_id, None)
             if tag is None or tag.config is None:
                 continue
@@ -226,10 +226,7 @@ class CaptureSession:
                 self._act_on_scores(output, tag)
         for output in outputs:
             if hasattr(output, "outputs"):
-                first = output.outputs[0] if output.outputs else None
-                output.hidden_states = first.hidden_states if first is not None else {}
-                output.probe_scores = first.probe_scores if first is not None else {}
-                output.store_id = None
+                _mirror_first_completion(output)
                 self._decorate(output)
         if self.store is not None:
             from probehook.store.records import pending_request
@@ -361,14 +358,23 @@ def _slots(spans: tuple[Any, Any], output: Any, completion: Any, kind: str) -> l
     return slots
 
 
-def _clear(output: Any) -> None:
-    """Every probehook attribute exists on every output, empty until filled."""
+def clear_outputs(output: Any) -> None:
+    """Every probehook attribute exists on every output, empty until filled (also on the
+    outputs of an engine without capture, so code works either way)."""
     output.prefill_hidden_states = {}
     output.prefill_probe_scores = {}
-    for completion in output.outputs:
+    for completion in getattr(output, "outputs", ()):
         completion.hidden_states = {}
         completion.probe_scores = {}
         completion.probe_flags = {}
+    _mirror_first_completion(output)
+    output.store_id = None
+
+
+def _mirror_first_completion(output: Any) -> None:
+    first = output.outputs[0] if output.outputs else None
+    output.hidden_states = first.hidden_states if first is not None else {}
+    output.probe_scores = first.probe_scores if first is not None else {}
 
 
 def _failed(output: Any) -> bool:

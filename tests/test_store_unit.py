@@ -117,6 +117,23 @@ def test_layer_matrix_index_and_batches(tmp_path: Path) -> None:
         store.layer(2)
 
 
+def test_layer_of_a_writing_store_sees_each_flush(tmp_path: Path) -> None:
+    """The segment index is built once and extended by each flush, never left stale."""
+    requests = [fake_request(i, prompt_len=2 + i, n_out=2) for i in range(6)]
+    store = ActivationStore.for_writing(tmp_path / "s", META, shard_bytes=400)
+    for begin, end in ((0, 2), (2, 3), (3, 6)):
+        for r in requests[begin:end]:
+            store.add(r)
+        store.flush()
+        assert torch.equal(
+            store.layer(1, phase="prefill")[:],
+            torch.cat([r.blocks[0].rows for r in requests[:end]]),
+        )
+        last = store.layer(3, phase="decode", token="last")
+        assert torch.equal(last[:], torch.stack([r.blocks[3].rows[-1] for r in requests[:end]]))
+    store.close()
+
+
 def test_append_run_and_refuse_other_model(tmp_path: Path) -> None:
     write(tmp_path / "s", [fake_request(0)])
     write(tmp_path / "s", [fake_request(1)])

@@ -39,6 +39,7 @@ from probehook.store.manifest import (
     run_layers,
     scan_manifest,
 )
+from probehook.store.segments import SegmentIndex
 from probehook.store.writer import PendingRequest, ShardWriter
 
 if TYPE_CHECKING:
@@ -147,22 +148,9 @@ class LayerMatrix:
         self.store, self.layer, self.phase, self.token = store, layer, phase, token
         self.missing_runs: list[str] = []
         """Runs with requests in the store that did not capture this layer."""
-        self._segments: list[tuple[dict, dict]] = []
-        runs: list[list] = []  # [shard, start, stop]: adjacent rows merged into one read
-        for rec in store._records.values():
-            for seg in rec["segments"]:
-                if seg["layer"] != layer or seg["phase"] != phase or seg["count"] == 0:
-                    continue
-                start, stop = seg["start"], seg["start"] + seg["count"]
-                if token == "last":
-                    start = stop - 1
-                self._segments.append((rec, seg))
-                if runs and runs[-1][0] == rec["shard"] and runs[-1][2] == start:
-                    runs[-1][2] = stop
-                else:
-                    runs.append([rec["shard"], start, stop])
-        self._runs = runs
-        self._starts = np.cumsum([0] + [b - a for _, a, b in runs])
+        index = store._segment_index()
+        self._runs = index.select(layer, phase, last_only=token == "last")
+        self._refs = index.refs
 
     @functools.cached_property
     def index(self) -> np.ndarray:
@@ -171,7 +159,8 @@ class LayerMatrix:
             n, dtype=[("store_id", object), ("position", np.int64), ("token_id", np.int64)]
         )
         row = 0
-        for rec, seg in self._segments:
+        for i in self._runs.segments:
+            rec, seg = self._refs[i]
             count = 1 if self.token == "last" else seg["count"]
             first = seg["first_position"] + seg["count"] - count
             positions = np.arange(first, first + count)
@@ -191,7 +180,7 @@ class LayerMatrix:
 
     @property
     def shape(self) -> tuple[int, int]:
-        return (int(self._starts[-1]), self.store.hidden_size)
+        return (int(self._runs.offsets[-1]), self.store.hidden_size)
 
     def __len__(self) -> int:
         return self.shape[0]
@@ -208,16 +197,17 @@ class LayerMatrix:
         out = np.empty(
             (max(stop - start, 0), self.store.hidden_size), dtype=self.store.storage_dtype
         )
-        first = int(np.searchsorted(self._starts, start, side="right")) - 1
-        for i in range(max(first, 0), len(self._runs)):
-            run_start = int(self._starts[i])
+        runs = self._runs
+        first = int(np.searchsorted(runs.offsets, start, side="right")) - 1
+        for i in range(max(first, 0), len(runs.shards)):
+            run_start = int(runs.offsets[i])
             if run_start >= stop:
                 break
-            shard, a, b = self._runs[i]
+            a, b = (int(x) for x in runs.bounds[i])
             lo = a + max(0, start - run_start)
             hi = min(b, a + stop - run_start)
             dest = run_start + (lo - a) - start
-            self.store._dataset(shard, self.phase, self.layer).read_direct(
+            self.store._dataset(runs.shards[i], self.phase, self.layer).read_direct(
                 out, np.s_[lo:hi], np.s_[dest : dest + hi - lo]
             )
         return self.store._to_tensor(out)
@@ -249,6 +239,7 @@ class ActivationStore:
         self.runs = runs
         """Runs by run id: what each appended run captured (``capture``) and when."""
         self.dropped = dropped
+        self._index: SegmentIndex | None = None
         self._writer: ShardWriter | None = None
         self._run_id: str | None = None
         self._lock: WriterLock | None = None
@@ -282,7 +273,9 @@ class ActivationStore:
                 "writes that version, or re-capture."
             )
         records, runs, dropped = cls._read_manifest(root)
-        return cls(root, meta, records, runs, dropped)
+        store = cls(root, meta, records, runs, dropped)
+        store._segment_index().arrays()  # with the manifest parse, not in the first layer()
+        return store
 
     @staticmethod
     def _read_manifest(
@@ -506,6 +499,10 @@ class ActivationStore:
         writer = self._require_writer()
         writer.flush()
         for record in writer.take_committed():
+            if self._index is not None and record["id"] not in self._records:
+                self._index.add(record)
+            else:
+                self._index = None  # a replaced record: rebuild on next use
             self._records[record["id"]] = record
 
     def close(self) -> None:
@@ -562,7 +559,7 @@ class ActivationStore:
     @property
     def layers(self) -> list[int]:
         """Every layer some run of this store captured."""
-        runs = {r.get("run") for r in self._records.values()} | set(self.runs)
+        runs = self._segment_index().runs_with_requests | set(self.runs)
         found = set(self.meta.get("layers") or []) if not runs else set()
         for run in runs:
             found.update(self.run_layers(run))
@@ -587,10 +584,9 @@ class ActivationStore:
                 f"layer {layer} is not in this store; its runs captured layers {self.layers}."
             )
         matrix = LayerMatrix(self, layer, phase, token)
-        runs_with_requests = {r.get("run") for r in self._records.values()}
         matrix.missing_runs = sorted(
             str(run)
-            for run in runs_with_requests
+            for run in self._segment_index().runs_with_requests
             if layer not in self.run_layers(run)  # type: ignore[arg-type]
         )
         if matrix.missing_runs:
@@ -708,6 +704,11 @@ class ActivationStore:
             if self.dtype == torch.bfloat16
             else np.dtype(str(self.dtype).removeprefix("torch."))
         )
+
+    def _segment_index(self) -> SegmentIndex:
+        if self._index is None:
+            self._index = SegmentIndex(self._records.values())
+        return self._index
 
     def _dataset(self, shard: str, phase: str, layer: int) -> h5py.Dataset:
         f = self._files.get(shard)

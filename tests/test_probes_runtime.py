@@ -110,7 +110,11 @@ def test_stop_monitor_ends_one_request_and_leaves_31_alone(probe_llm) -> None:
     scores = baseline[0].outputs[0].probe_scores["size"]
     k, threshold, direction = first_record(scores)
     flag_scores = baseline[1].outputs[0].probe_scores["truth"]
-    flag_threshold = float(flag_scores.median())
+    # Midway between two neighbouring scores, so float noise from another batch shape
+    # cannot move a score across it.
+    ordered = flag_scores.sort().values
+    middle = len(ordered) // 2
+    flag_threshold = float((ordered[middle - 1] + ordered[middle]) / 2)
     stop = {"probe": "size", "threshold": threshold, "action": "stop", "direction": direction}
     flag = {"probe": "truth", "threshold": flag_threshold, "action": "flag"}
     params = [greedy(extra_args={"probehook": {"monitors": [stop]}})]
@@ -123,7 +127,8 @@ def test_stop_monitor_ends_one_request_and_leaves_31_alone(probe_llm) -> None:
     # Rows 0..k-1 did not cross; row k crossed, so token k is the forced EOS, and the last.
     assert list(stopped.token_ids) == list(baseline[0].outputs[0].token_ids[:k]) + [eos]
     assert stopped.finish_reason == "stop" and stopped.stop_reason == "probe:size"
-    assert torch.equal(stopped.probe_scores["size"], scores[: k + 1])
+    # Another batch shape may change the last bits of a matmul; 1e-3 is the spec's bound.
+    torch.testing.assert_close(stopped.probe_scores["size"], scores[: k + 1], atol=1e-4, rtol=0)
     for out, base in zip(outs[1:], baseline[1:], strict=True):
         assert list(out.outputs[0].token_ids) == list(base.outputs[0].token_ids)
         assert out.outputs[0].finish_reason == "length"

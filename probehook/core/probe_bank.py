@@ -3,7 +3,7 @@
 The front end turns each :class:`~probehook.LinearProbe` into a :class:`ProbeSpec` (plain
 arrays: the weight with its input normalisation folded in, the bias, and the activation) and
 sends it to the worker once. The worker's :class:`ProbeBank` stacks the specs of each layer
-into one weight matrix, so a step costs one ``[rows, hidden] @ [hidden, outputs]`` per tapped
+into one weight matrix, so a step costs one ``[rows, hidden] @ [outputs, hidden]^T`` per tapped
 layer, on the device, on the rows the step keeps. Only the resulting scores (float32, one
 column per probe output) are copied to the host.
 
@@ -93,8 +93,10 @@ class ProbeBank:
         self.columns = columns_of(self.specs)
         self.width = max(c.hi for c in self.columns.values())
         self.layers = tuple(sorted({s.layer for s in self.specs}))
-        # Per layer: stacked weight^T [hidden, outputs] and bias, and the activations of the
-        # column groups (softmax needs its group; sigmoid/identity are per column).
+        # Per layer: stacked weight [outputs, hidden] and bias, and the activations of the
+        # column groups (softmax needs its group; sigmoid/identity are per column). The
+        # [outputs, hidden] layout is what F.linear wants: on CPU it runs a few probes about
+        # three times faster than addmm with the transposed weight.
         self._fused: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._groups: list[tuple[str, int, int]] = []
         for layer in self.layers:
@@ -103,7 +105,7 @@ class ProbeBank:
             bias = np.concatenate([s.bias for s in group])
             self._fused.append(
                 (
-                    torch.from_numpy(weight.T.copy()).to(device),
+                    torch.from_numpy(np.ascontiguousarray(weight)).to(device),
                     torch.from_numpy(bias.copy()).to(device),
                 )
             )
@@ -114,8 +116,8 @@ class ProbeBank:
 
     def __call__(self, staged: torch.Tensor) -> torch.Tensor:
         parts = [
-            torch.addmm(bias, staged[i].float(), weight_t)
-            for i, (weight_t, bias) in enumerate(self._fused)
+            torch.nn.functional.linear(staged[i].float(), weight, bias)
+            for i, (weight, bias) in enumerate(self._fused)
         ]
         raw = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
         for activation, lo, hi in self._groups:

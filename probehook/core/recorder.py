@@ -69,6 +69,9 @@ class RequestRows:
         self.latest_position = -1
         self.error: str | None = None
         self.closed = False  # exported for the last time or forgotten: ignore late steps
+        self.wanted = _wanted(keep, self.cursor)
+        """Positions a step must copy for this request, ``(lo, hi)``; ``(OPEN, 0)``: none.
+        Kept up to date here because every step reads it for every request."""
 
     @property
     def nbytes(self) -> int:
@@ -130,10 +133,12 @@ class RequestRows:
 
     def fail(self, reason: str) -> None:
         self.error = reason
+        self.wanted = NOTHING_WANTED
         self._free()
 
     def close(self) -> None:
         self.closed = True
+        self.wanted = NOTHING_WANTED
         self._free()
 
     def _free(self) -> None:
@@ -169,6 +174,8 @@ class RequestRows:
         if cursor <= self.cursor:
             return
         self.cursor = cursor
+        if self.error is None and not self.closed:
+            self.wanted = _wanted(self.keep, cursor)
         if self.latest is not None and self.latest_position < cursor:
             self.latest, self.latest_position = None, -1
         if self.data is None:
@@ -263,21 +270,22 @@ class StepRecorder:
         self._settle()
         self.step_rows = None
         n = len(req_ids)
-        lo = np.full(n, OPEN, dtype=np.int64)
-        hi = np.zeros(n, dtype=np.int64)
         owners: list[RequestRows | None] = []
-        for i, req_id in enumerate(req_ids):
-            rows = self.rows_by_req.get(req_id, _UNSEEN)
+        wanted: list[tuple[int, int]] = []
+        known = self.rows_by_req
+        for req_id in req_ids:
+            rows = known.get(req_id, _UNSEEN)
             if rows is _UNSEEN:
                 rows = self._start(req_id, plan_for(req_id))
             owners.append(rows)  # type: ignore[arg-type]
-            if rows is not None and rows.error is None and not rows.closed:  # type: ignore[union-attr]
-                lo[i], hi[i] = _wanted(rows)  # type: ignore[arg-type]
+            wanted.append(NOTHING_WANTED if rows is None else rows.wanted)  # type: ignore[union-attr]
+        lo, hi = np.array(wanted, dtype=np.int64).reshape(n, 2).T
         starts = query_start[:n].astype(np.int64)
         n_sched = query_start[1 : n + 1].astype(np.int64) - starts
         computed = num_computed[:n].astype(np.int64)
-        first = np.clip(lo - computed, 0, n_sched)
-        last = np.clip(hi - computed, 0, n_sched)
+        # np.clip costs several times more than this on small arrays.
+        first = np.minimum(np.maximum(lo - computed, 0), n_sched)
+        last = np.minimum(np.maximum(hi - computed, 0), n_sched)
         count = np.maximum(last - first, 0)
         total = int(count.sum())
         if total:
@@ -293,10 +301,16 @@ class StepRecorder:
                 self.step_rows = StepRows(
                     device_rows, np.where(ends_step, out_offset + count - 1, -1)
                 )
-            writes = [
-                (owners[i], int(out_offset[i]), int(count[i]), int(computed[i] + first[i]))
-                for i in np.flatnonzero(count)
-            ]
+            kept = np.flatnonzero(count)
+            writes = list(
+                zip(
+                    [owners[i] for i in kept.tolist()],
+                    out_offset[kept].tolist(),
+                    count[kept].tolist(),
+                    (computed + first)[kept].tolist(),
+                    strict=True,
+                )
+            )
             self._in_flight.append((staged, ready, writes))  # type: ignore[arg-type]
             if ready is None:
                 self._settle()
@@ -410,12 +424,15 @@ def host_view(t: torch.Tensor) -> np.ndarray:
     return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
 
 
-def _wanted(rows: RequestRows) -> tuple[int, int]:
-    """Positions this step must copy for a request: its dense span and its latest slot."""
-    keep = rows.keep
-    lo, hi = OPEN, 0
+NOTHING_WANTED = (OPEN, 0)
+
+
+def _wanted(keep: KeepPlan, cursor: int) -> tuple[int, int]:
+    """Positions a step must copy for a request: its dense span and its latest slot, from
+    its cursor on."""
+    lo, hi = NOTHING_WANTED
     if keep.dense is not None:
-        lo, hi = max(keep.dense.lo, rows.cursor), keep.dense.hi
+        lo, hi = max(keep.dense.lo, cursor), keep.dense.hi
     if keep.latest_from is not None:
-        lo, hi = min(lo, max(keep.latest_from, rows.cursor)), OPEN
+        lo, hi = min(lo, max(keep.latest_from, cursor)), OPEN
     return lo, hi

@@ -27,6 +27,7 @@ __version__ = "0.1.0"
 if TYPE_CHECKING:
     from vllm import SamplingParams
 
+    from probehook.adapter.async_engine import AsyncLLM
     from probehook.adapter.offline import LLM
     from probehook.capture_config import CaptureConfig
     from probehook.core.monitors import ProbeMonitor
@@ -36,6 +37,7 @@ if TYPE_CHECKING:
 
 _LAZY = {
     "LLM": ("probehook.adapter.offline", "LLM"),
+    "AsyncLLM": ("probehook.adapter.async_engine", "AsyncLLM"),
     "SamplingParams": ("vllm", "SamplingParams"),
     "CaptureConfig": ("probehook.capture_config", "CaptureConfig"),
     "FailedCapture": ("probehook.core.session", "FailedCapture"),
@@ -48,6 +50,7 @@ _LAZY = {
 
 __all__ = [
     "LLM",
+    "AsyncLLM",
     "SamplingParams",
     "CaptureConfig",
     "ActivationStore",

@@ -232,3 +232,14 @@ def assert_scores_match_rows(output: Any, probes: dict[str, Any], tol: float = 1
             assert diff <= tol, f"probe {name}: max abs diff {diff}"
             compared += 1
     return compared
+
+
+def first_record(values: torch.Tensor, start: int = 2) -> tuple[int, float, str]:
+    """A row ``k >= start`` and a threshold that only rows from ``k`` on cross: the first new
+    maximum (direction "above") or new minimum ("below") of the scores."""
+    for k in range(start, len(values)):
+        if values[k] > values[:k].max():
+            return k, float((values[:k].max() + values[k]) / 2), "above"
+        if values[k] < values[:k].min():
+            return k, float((values[:k].min() + values[k]) / 2), "below"
+    raise AssertionError("no new maximum or minimum; pick another prompt")

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from probehook.testing import hf_residual_stream, random_probes, worker_stats
+from probehook.testing import first_record, hf_residual_stream, random_probes, worker_stats
 
 pytestmark = pytest.mark.slow
 ENGINE_DEFAULTS = dict(dtype="float32", max_model_len=256, gpu_memory_utilization=0.1, seed=0)
@@ -91,17 +91,6 @@ def test_bad_per_request_probe_options_fail_before_generation(probe_llm) -> None
     with pytest.raises(CaptureConfigError, match=r"switched off"):
         probe_llm.generate(["1+1="], greedy(2, extra_args=bad))
     assert not probe_llm.llm_engine.has_unfinished_requests()
-
-
-def first_record(values: torch.Tensor, start: int = 2) -> tuple[int, float, str]:
-    """A row ``k >= start`` and a threshold that only rows from ``k`` on cross: the first new
-    maximum (direction "above") or new minimum ("below") of the scores."""
-    for k in range(start, len(values)):
-        if values[k] > values[:k].max():
-            return k, float((values[:k].max() + values[k]) / 2), "above"
-        if values[k] < values[:k].min():
-            return k, float((values[:k].min() + values[k]) / 2), "below"
-    raise AssertionError("no new maximum or minimum; pick another prompt")
 
 
 def test_stop_monitor_ends_one_request_and_leaves_31_alone(probe_llm) -> None:

@@ -86,9 +86,17 @@ def v1_runner() -> Iterator[None]:
 def resolve_vllm_config(model: str, kwargs: dict[str, Any]) -> Any:
     """The ``VllmConfig`` that ``vllm.LLM(model, **kwargs)`` will run with, without starting it.
 
-    Mirrors the argument conversions of ``vllm.LLM.__init__`` (0.32) that matter for config
-    resolution; vLLM's own errors for bad arguments propagate unchanged.
+    vLLM's own errors for bad arguments propagate unchanged.
     """
+    from vllm.usage.usage_lib import UsageContext
+
+    return engine_args(model, kwargs).create_engine_config(UsageContext.LLM_CLASS)
+
+
+def engine_args(model: str, kwargs: dict[str, Any], asynchronous: bool = False) -> Any:
+    """``EngineArgs`` (or, ``asynchronous``, ``AsyncEngineArgs``) from keyword arguments as
+    ``vllm.LLM`` takes them: mirrors the argument conversions of ``vllm.LLM.__init__`` (0.32)
+    that matter for config resolution (dicts for config objects, an int compilation mode)."""
     from vllm.config import (
         AttentionConfig,
         CompilationConfig,
@@ -96,11 +104,11 @@ def resolve_vllm_config(model: str, kwargs: dict[str, Any]) -> Any:
         StructuredOutputsConfig,
     )
     from vllm.config.compilation import CompilationMode
-    from vllm.engine.arg_utils import EngineArgs
-    from vllm.usage.usage_lib import UsageContext
+    from vllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
 
     args = dict(kwargs)
-    args.setdefault("disable_log_stats", True)
+    if not asynchronous:
+        args.setdefault("disable_log_stats", True)  # vllm.LLM's default
     args["hf_overrides"] = args.get("hf_overrides") or {}
     args["offload_params"] = args.get("offload_params") or set()
     args.pop("worker_cls", None)  # only decides which class runs; not resolved here
@@ -122,7 +130,7 @@ def resolve_vllm_config(model: str, kwargs: dict[str, Any]) -> Any:
         from vllm.config.kv_transfer import KVTransferConfig
 
         args["kv_transfer_config"] = KVTransferConfig(**args["kv_transfer_config"])
-    return EngineArgs(model=model, **args).create_engine_config(UsageContext.LLM_CLASS)
+    return (AsyncEngineArgs if asynchronous else EngineArgs)(model=model, **args)
 
 
 def check_engine(vllm_config: Any) -> int:

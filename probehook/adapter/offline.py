@@ -16,15 +16,12 @@ from typing import Any
 import vllm
 from vllm import SamplingParams
 
-from probehook import __version__ as probehook_version
-from probehook.adapter import engine_config, outputs
-from probehook.capture_config import CaptureConfig, LayerSpec, resolve_layers
-from probehook.core.probe_set import ProbeSet, load_probes
+from probehook.adapter import engine_config, outputs, setup
+from probehook.capture_config import CaptureConfig, LayerSpec
+from probehook.core.probe_set import ProbeSet
 from probehook.core.session import CaptureSession, clear_outputs
-from probehook.errors import CaptureConfigError, CaptureError
+from probehook.errors import CaptureConfigError
 from probehook.store import ActivationStore
-from probehook.store.fingerprint import legacy_fingerprint, model_fingerprint
-from probehook.store.lock import WriterLock
 
 
 class LLM(vllm.LLM):
@@ -87,103 +84,39 @@ class LLM(vllm.LLM):
         self.capture: CaptureSession | None = None
         self.store: ActivationStore | None = None
         self.probes: ProbeSet | None = None
-        if probes is not None:
-            probes = load_probes(probes)  # bad paths and files fail before engine start-up
-            if not probes:
-                probes = None
-        if monitors and probes is None:
-            raise CaptureConfigError(
-                "monitors= watch probes, but no probes were given; pass probes={...}."
-            )
-        if layers is None and probes is None:
-            if store is not None:
-                raise CaptureConfigError(
-                    f"store={os.fspath(store)!r} needs something to store: pass layers=[...] "
-                    "or probes={...}."
-                )
-            if include_prefill or last_prefill_token or last_decode_token:
-                raise CaptureConfigError(
-                    "Capture options were given but layers=None captures nothing; pass "
-                    "layers=[...] or layers='all'."
-                )
+        request = setup.CaptureRequest(
+            layers=layers,
+            include_prefill=include_prefill,
+            include_decode=include_decode,
+            last_prefill_token=last_prefill_token,
+            last_decode_token=last_decode_token,
+            store=store,
+            store_options=store_options,
+            max_request_capture_bytes=max_request_capture_bytes,
+            probes=probes,
+            monitors=monitors,
+        )
+        if not request.captures:  # plain vLLM, with the runner vLLM itself chooses
             super().__init__(model=model, **kwargs)
             return
-        limit = _check_limit(max_request_capture_bytes)
-        # The user's load format: capture_engine_kwargs swaps in probehook's wrapper.
-        load_format = kwargs.get("load_format") or "auto"
         with engine_config.v1_runner():
-            resolved = engine_config.resolve_vllm_config(model, kwargs)
-            num_layers = engine_config.check_engine(resolved)
-            hf_config = resolved.model_config.hf_config
-            fingerprint = model_fingerprint(hf_config, resolved.model_config.model, load_format)
-            if probes is not None:
-                self.probes = ProbeSet(
-                    probes,
-                    list(monitors or ()),
-                    num_layers=num_layers,
-                    hidden_size=resolved.model_config.get_hidden_size(),
-                    model_fingerprint=fingerprint["fingerprint"],
-                )
-            self.capture_config = CaptureConfig(
-                layers=resolve_layers(layers, num_layers) if layers is not None else (),
-                include_prefill=include_prefill,
-                include_decode=include_decode,
-                last_prefill_token=last_prefill_token,
-                last_decode_token=last_decode_token,
-            )
-            kwargs = engine_config.capture_engine_kwargs(
-                kwargs, self.capture_config, self.probes.layers if self.probes else ()
-            )
-            legacy = legacy_fingerprint(hf_config)  # only compared with pre-v2 stores
-            if store is not None:  # fail before a minute of engine start-up, not after
-                WriterLock.check_free(store)
-                ActivationStore.check_appendable(
-                    store, _fingerprint_meta(fingerprint), legacy_fingerprint=legacy
-                )
-            super().__init__(model=model, **kwargs)
-        wire = [spec.to_wire() for spec in self.probes.specs] if self.probes else None
-        infos = [
-            info for info in self.collective_rpc("probehook_attach", args=(limit, wire)) if info
-        ]
-        if not infos:
-            raise CaptureError("No vLLM worker reported probehook taps.")
-        self.capture_info: dict[str, Any] = infos[0]
-        """Layers, hidden size, dtype and model runner class of the tapped worker."""
-        self.capture = CaptureSession(
-            self.capture_config,
+            plan = setup.prepare(model, kwargs, request, engine_config.resolve_vllm_config)
+            assert plan is not None
+            super().__init__(model=model, **plan.engine_kwargs)
+        self.capture_config, self.probes = plan.config, plan.probes
+        infos = self.collective_rpc("probehook_attach", args=plan.attach_args())
+        self.capture, self.capture_info, self.store = setup.start(
+            plan,
+            model,
+            infos,
             rpc=lambda method, args: self.collective_rpc(method, args=args),
             abort=lambda ids: self.llm_engine.abort_request(ids, internal=True),
-            decorate=outputs.decorate,
-            probes=self.probes,
-            stop_token=_eos_token(self) if self.probes is not None else None,
+            stop_token=setup.eos_token(self.get_tokenizer()),
         )
+        """Layers, hidden size, dtype and model runner class of the tapped worker."""
         weakref.finalize(self, self.capture.close)
-        if store is not None:
-            options = {**(store_options or {}), "legacy_fingerprint": legacy}
-            self._open_store(model, os.fspath(store), options, fingerprint, infos[0])
-
-    def _open_store(
-        self,
-        model: str,
-        path: str,
-        options: dict[str, Any],
-        fingerprint: dict[str, Any],
-        info: dict,
-    ) -> None:
-        assert self.capture_config is not None and self.capture is not None
-        meta = {
-            "model": model,
-            **_fingerprint_meta(fingerprint),
-            "dtype": info["dtype"].removeprefix("torch."),
-            "hidden_size": info["hidden_size"],
-            "layers": list(self.capture_config.layers),
-            "probehook_version": probehook_version,
-            "vllm_version": vllm.__version__,
-        }
-        self.store = ActivationStore.for_writing(path, meta, **options)
-        self.capture.store = self.store
-        self.store.begin_run({"capture": self.capture_config.to_dict()})
-        weakref.finalize(self, self.store.close)
+        if self.store is not None:
+            weakref.finalize(self, self.store.close)
 
     # -- vLLM's offline request path ------------------------------------------------------
 
@@ -284,32 +217,6 @@ def _empty_rows(output: Any) -> None:
     # layers=None is plain vLLM, but the attributes exist, so code works either way.
     clear_outputs(output)
     outputs.decorate(output)
-
-
-def _eos_token(llm: vllm.LLM) -> int | None:
-    """The token a stop monitor forces: the model's EOS."""
-    eos = getattr(llm.get_tokenizer(), "eos_token_id", None)
-    return eos if isinstance(eos, int) else None
-
-
-def _fingerprint_meta(fingerprint: dict[str, Any]) -> dict[str, Any]:
-    """The meta.json keys of a ``model_fingerprint`` result."""
-    return {
-        "model_fingerprint": fingerprint["fingerprint"],
-        "fingerprint_version": fingerprint["version"],
-        "fingerprint_covers": fingerprint["covers"],
-    }
-
-
-def _check_limit(limit: int | None) -> int:
-    if limit is None:
-        return 0
-    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
-        raise CaptureConfigError(
-            f"max_request_capture_bytes={limit!r} must be a non-negative int (bytes), or None "
-            "for no limit."
-        )
-    return limit
 
 
 def _request_id(engine_id: str) -> str:

@@ -63,15 +63,16 @@ def plan_factory(runner: Any, engine_config: CaptureConfig, scores: bool = False
         prompt_len = len(state.prompt_token_ids)
         # vLLM names the engine requests of n > 1 "<index>_<id>".
         index = int(req_id.split("_", 1)[0]) if extra.get("n", 1) > 1 else 0
+        stream = bool(extra.get("stream"))
         if scores:
             keep = keep_plan(score_config(config), prompt_len, index, end_known_in_worker=True)
         else:
             # Stop strings are matched in the front end, possibly steps after the worker
             # computed further positions; everything else that ends a request is decided in
-            # the engine.
-            end_known = not getattr(params, "stop", None)
+            # the engine. A stream sends each row as it is computed, before the end is known.
+            end_known = not getattr(params, "stop", None) and not stream
             keep = keep_plan(config, prompt_len, index, end_known)
-        return RequestPlan(key=f"{extra['tag']}/{index}", keep=keep)
+        return RequestPlan(key=f"{extra['tag']}/{index}", keep=keep, stream=stream)
 
     return plan_for
 

@@ -16,6 +16,7 @@ from typing import Any
 
 from probehook.adapter import probe_registry, runner_v1
 from probehook.adapter.loader import StepHook, step_hook
+from probehook.core import stream_plane
 from probehook.core.probe_bank import ProbeBank, ProbeSpec
 from probehook.core.recorder import StepRecorder
 from probehook.core.spans import Span
@@ -61,7 +62,15 @@ class ProbehookWorkerExtension:
             hook.scorer.keep_step_rows = True  # monitors read this step's scores
             recorders.append((hook.scorer, runner_v1.plan_factory(runner, hook.config, True)))
             probe_registry.register(self.vllm_config, hook, bank)  # type: ignore[attr-defined]
-        hook.attach(runner, lambda: runner_v1.record_step(runner, recorders))
+        if getattr(self, "_probehook_publisher", None) is None:
+            self._probehook_publisher = stream_plane.Publisher(None)  # until a stream connects
+
+        def on_step() -> None:
+            runner_v1.record_step(runner, recorders)
+            for recorder, _ in recorders:
+                _publish(recorder, self._probehook_publisher, runner.requests)
+
+        hook.attach(runner, on_step)
         if not _reports(self):
             return None
         buf = next(iter(hook.buffers.values()))
@@ -120,6 +129,15 @@ class ProbehookWorkerExtension:
         path, entries = write_tensors_with_fallback(paths, tensors) if tensors else (None, [])
         return {"path": path, "entries": entries, "spans": reports, "failures": failures}
 
+    def probehook_stream_connect(self, address: str) -> bool | None:
+        """Push streaming requests' rows and scores to the front end's socket at ``address``
+        (rank 0; the other ranks drop theirs)."""
+        old = getattr(self, "_probehook_publisher", None)
+        if old is not None:
+            old.close()
+        self._probehook_publisher = stream_plane.Publisher(address if _reports(self) else None)
+        return True if _reports(self) else None
+
     def probehook_forget(self, key_prefixes: list[str]) -> int | None:
         """Drop rows nobody will collect (aborted, failed or interrupted requests)."""
         hook = _hook(self)
@@ -129,10 +147,15 @@ class ProbehookWorkerExtension:
     def probehook_stats(self) -> dict[str, int] | None:
         """Counters for tests, debugging and the benchmark."""
         hook = _hook(self)
+        recorders = [r for r in (hook.recorder, hook.scorer) if r is not None]
+        publisher = getattr(self, "_probehook_publisher", None)
+        if publisher is not None:  # streams whose requests left since the last step
+            for recorder in recorders:
+                _publish(recorder, publisher, self.model_runner.requests)  # type: ignore[attr-defined]
         if not _reports(self):
             return None
-        recorders = [r for r in (hook.recorder, hook.scorer) if r is not None]
         return {
+            "pending_streams": sum(len(r.streams) for r in recorders),
             "steps_recorded": max((r.steps_recorded for r in recorders), default=0),
             "pending_requests": sum(len(r.rows_by_key) for r in recorders),
             "pending_scores": len(hook.scorer.rows_by_key) if hook.scorer is not None else 0,
@@ -143,6 +166,16 @@ class ProbehookWorkerExtension:
             "forwards": hook.forwards,
             "step_ns": hook.step_ns,
         }
+
+
+def _publish(recorder: StepRecorder, publisher: stream_plane.Publisher, live: Any) -> None:
+    source = "scores" if recorder.transform is not None else "hidden"
+    for key, lo, rows, error in recorder.take_streamed(live):
+        if error is not None:
+            publisher.send(stream_plane.encode_error(key, source, error))
+        else:
+            assert rows is not None
+            publisher.send(stream_plane.encode(key, source, lo, rows, recorder.row_dtype))
 
 
 def _device(hook: StepHook) -> Any:

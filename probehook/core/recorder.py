@@ -17,7 +17,7 @@ This module knows nothing about vLLM; ``probehook.adapter`` feeds it plain array
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Container, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -35,6 +35,9 @@ class RequestPlan:
 
     key: str
     keep: KeepPlan
+    stream: bool = False
+    """Push rows to the front end as they are computed (:meth:`StepRecorder.take_streamed`)
+    instead of holding them until an export."""
 
 
 @dataclass
@@ -51,10 +54,18 @@ class RequestRows:
     """The rows one engine request keeps: dense by position, plus an optional latest slot."""
 
     def __init__(
-        self, key: str, keep: KeepPlan, shape: tuple[int, int], dtype: torch.dtype, limit: int
+        self,
+        key: str,
+        keep: KeepPlan,
+        shape: tuple[int, int],
+        dtype: torch.dtype,
+        limit: int,
+        stream: bool = False,
     ) -> None:
         self.key = key
         self.keep = keep
+        self.stream = stream
+        self.error_sent = False
         self.num_layers, self.hidden = shape
         self.dtype = dtype
         self.limit = limit
@@ -166,6 +177,14 @@ class RequestRows:
                 filled[lo - span.lo : hi - span.lo] = self.filled[lo - self.base : hi - self.base]
         return out, (np.flatnonzero(~filled) + span.lo).tolist()
 
+    def ready(self) -> int:
+        """How many positions from the cursor on are filled without a gap."""
+        if self.data is None:
+            return 0
+        filled = self.filled[max(self.cursor - self.base, 0) :]
+        gaps = np.flatnonzero(~filled)
+        return int(gaps[0]) if len(gaps) else len(filled)
+
     def _count(self, slots: list[int] | slice) -> int:
         return self.num_layers if isinstance(slots, slice) else len(slots)
 
@@ -243,6 +262,9 @@ class StepRecorder:
         """Per-request cap on retained bytes (0: none); over it the request fails alone."""
         self.rows_by_req: dict[str, RequestRows | None] = {}
         self.rows_by_key: dict[str, RequestRows] = {}
+        self.streams: dict[str, RequestRows] = {}
+        """Streaming requests by engine request id, until they leave the engine."""
+        self._touched: dict[int, RequestRows] = {}  # streaming rows written since last taken
         self.steps_recorded = 0
         self.record_ns = 0
         self.export_ns = 0
@@ -322,8 +344,12 @@ class StepRecorder:
             rows = self.rows_by_key[plan.key]  # seen before under another engine-side entry
         elif plan is not None:
             shape = (len(self.slots), self.row_width)
-            rows = RequestRows(plan.key, plan.keep, shape, self.row_dtype, self.limit_bytes)
+            rows = RequestRows(
+                plan.key, plan.keep, shape, self.row_dtype, self.limit_bytes, plan.stream
+            )
             self.rows_by_key[plan.key] = rows
+        if rows is not None and rows.stream:
+            self.streams[req_id] = rows
         self.rows_by_req[req_id] = rows
         return rows
 
@@ -355,7 +381,48 @@ class StepRecorder:
             host = host_view(staged)
             for rows, offset, count, first in writes:
                 rows.write(host[:, offset : offset + count], first)
+                if rows.stream:
+                    self._touched[id(rows)] = rows
         self._in_flight.clear()
+
+    def take_streamed(
+        self, live_req_ids: Container[str]
+    ) -> list[tuple[str, int, np.ndarray | None, str | None]]:
+        """Hand over the rows streaming requests gained since the last call, as
+        ``(key, first position, rows [slots, count, width], None)``, or ``(key, 0, None,
+        reason)`` once for a request whose capture failed; then forget streaming requests
+        that left the engine (``live_req_ids``: the engine's current requests).
+
+        Rows are handed over only up to the first gap, so a stream's chunks are contiguous
+        and in order.
+        """
+        if not self.streams:
+            return []
+        self._settle()  # on a GPU this waits for the step's copy: the token must not outrun it
+        out: list[tuple[str, int, np.ndarray | None, str | None]] = []
+        for rows in self._touched.values():
+            if rows.error is not None:
+                if not rows.error_sent:
+                    rows.error_sent = True
+                    out.append((rows.key, 0, None, rows.error))
+                continue
+            count = rows.ready()
+            if count and rows.data is not None and not rows.closed:
+                first = max(rows.cursor, rows.base)  # a decode-only stream starts at P - 1
+                start = first - rows.base
+                out.append((rows.key, first, rows.data[:, start : start + count].copy(), None))
+                rows.advance(first + count)
+        self._touched.clear()
+        for req_id in [r for r in self.streams if r not in live_req_ids]:
+            rows = self.streams.pop(req_id)
+            if rows.error is not None and not rows.error_sent:
+                rows.error_sent = True
+                out.append((rows.key, 0, None, rows.error))
+            self.rows_by_req.pop(req_id, None)
+            if self.rows_by_key.get(rows.key) is rows:
+                del self.rows_by_key[rows.key]
+            rows.close()
+        return out
 
     def export(
         self, key: str, spans: Sequence[Span], layers: Sequence[int], final: bool

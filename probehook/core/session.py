@@ -119,9 +119,11 @@ class CaptureSession:
 
     # -- request path ---------------------------------------------------------------------
 
-    def tag(self, params: Any) -> Any:
+    def tag(self, params: Any, stream: bool = False) -> Any:
         """A copy of ``params`` marked for capture; per-request options are validated here,
-        before anything reaches the engine."""
+        before anything reaches the engine. ``stream``: the worker pushes the request's rows
+        through the data plane as they are computed (``AsyncLLM``) instead of holding them
+        for an export."""
         extra = dict(getattr(params, "extra_args", None) or {})
         options = dict(extra.get(EXTRA_ARGS_KEY) or {})
         config = self.config.narrow(capture_options(options))
@@ -142,7 +144,7 @@ class CaptureSession:
             )
         tagged = copy.copy(params)
         if config is not None:
-            options.update(tag=next(self._tags), n=params.n)
+            options.update(tag=next(self._tags), n=params.n, stream=stream)
             if probes is not None:
                 options.update(probes=list(probes.names), monitors=self._wire(probes, tagged))
                 if probes.stops:
@@ -169,9 +171,16 @@ class CaptureSession:
 
     def register(self, request_id: str, engine_id: str, params: Any) -> None:
         """Remember a request the engine accepted (``params`` as returned by :meth:`tag`)."""
+        tag = self.describe(params, engine_id)
+        if tag is not None:
+            self.pending[request_id] = tag
+
+    def describe(self, params: Any, engine_id: str = "") -> RequestTag | None:
+        """What the front end needs to collect a request tagged by :meth:`tag` (None: it
+        captures nothing)."""
         options = (getattr(params, "extra_args", None) or {}).get(EXTRA_ARGS_KEY) or {}
         if "tag" not in options:
-            return
+            return None
         sampling = {f: _jsonable(getattr(params, f, None)) for f in SAMPLING_FIELDS}
         probes = None
         if self.probes is not None:
@@ -180,7 +189,7 @@ class CaptureSession:
                 for m in options.get("monitors", ())
             )
             probes = RequestProbes(tuple(options.get("probes", ())), monitors)
-        self.pending[request_id] = RequestTag(
+        return RequestTag(
             options["tag"],
             engine_id,
             self.config.narrow(capture_options(options)),
@@ -226,13 +235,13 @@ class CaptureSession:
                 self._act_on_scores(output, tag)
         for output in outputs:
             if hasattr(output, "outputs"):
-                _mirror_first_completion(output)
+                mirror_first_completion(output)
                 self._decorate(output)
         if self.store is not None:
             from probehook.store.records import pending_request
 
             for output, tag in captured:
-                if _failed(output):
+                if failed(output):
                     logger.error("probehook: request %s is not stored.", output.request_id)
                     continue
                 # vLLM's request_id stays as it is; the store names the request itself.
@@ -367,17 +376,17 @@ def clear_outputs(output: Any) -> None:
         completion.hidden_states = {}
         completion.probe_scores = {}
         completion.probe_flags = {}
-    _mirror_first_completion(output)
+    mirror_first_completion(output)
     output.store_id = None
 
 
-def _mirror_first_completion(output: Any) -> None:
+def mirror_first_completion(output: Any) -> None:
     first = output.outputs[0] if output.outputs else None
     output.hidden_states = first.hidden_states if first is not None else {}
     output.probe_scores = first.probe_scores if first is not None else {}
 
 
-def _failed(output: Any) -> bool:
+def failed(output: Any) -> bool:
     attributes = ("prefill_hidden_states", "prefill_probe_scores")
     return any(isinstance(getattr(output, a), FailedCapture) for a in attributes) or any(
         isinstance(c.hidden_states, FailedCapture) or isinstance(c.probe_scores, FailedCapture)

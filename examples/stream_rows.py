@@ -1,0 +1,49 @@
+"""Stream tokens with their residual-stream rows (and probe scores) from probehook.AsyncLLM.
+
+python examples/stream_rows.py [MODEL_DIR] [PROBE_PATH]
+
+Each streamed output carries the rows of the tokens it holds: row i belongs to token i and
+arrives in the same yield. Pass a probe saved with LinearProbe.save (the demo trains some) to
+see its score per token too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+# vLLM logs pages of INFO/WARNING lines around a short result; keep its errors only.
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+
+
+async def main(model: str, probe: str | None) -> None:
+    from vllm.sampling_params import RequestOutputKind
+
+    from probehook import AsyncLLM, SamplingParams
+
+    probes = {"probe": probe} if probe else None
+    params = SamplingParams(max_tokens=8, temperature=0, output_kind=RequestOutputKind.DELTA)
+    async with AsyncLLM(model, layers=[-1], probes=probes, max_model_len=64) as engine:
+        last = engine.capture_config.layers[-1]
+        for prompt in ("12+7=", "3+4="):
+            print(f"prompt {prompt!r}: token, layer {last} row norm" + (", score" if probe else ""))
+            # DELTA: each output holds only its new tokens, and the rows of exactly those.
+            async for out in engine.generate(prompt, params):
+                completion = out.outputs[0]
+                rows = completion.hidden_states[last]
+                assert rows.shape[0] == len(completion.token_ids)
+                for i, token in enumerate(completion.token_ids):
+                    line = f"  {token:>4} {float(rows[i].float().norm()):8.3f}"
+                    if probe:
+                        line += f" {float(completion.probe_scores['probe'][i]):6.3f}"
+                    print(line)
+            print(f"  finish_reason={completion.finish_reason}")
+
+
+if __name__ == "__main__":
+    from probehook import tiny_model_path
+
+    model = sys.argv[1] if len(sys.argv) > 1 else str(tiny_model_path())
+    asyncio.run(main(model, sys.argv[2] if len(sys.argv) > 2 else None))

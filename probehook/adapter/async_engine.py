@@ -1,0 +1,278 @@
+"""``probehook.AsyncLLM``: vLLM's v1 ``AsyncLLM`` whose streamed outputs carry the rows and
+probe scores of the tokens yielded so far.
+
+Rows travel on the streaming data plane (``probehook.core.stream_plane``): the worker pushes
+each step's rows of streaming requests to a socket this front end binds, before the step's
+tokens leave the engine, and :class:`~probehook.core.request_stream.RequestStream` attaches them
+to each output after it leaves vLLM's per-request queue (attributes set earlier would be lost
+when a lagging DELTA consumer's outputs are merged). No RPC per step: vLLM serves RPCs between
+engine steps, so one per step would stall generation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import uuid
+import weakref
+from collections.abc import AsyncGenerator, Sequence
+from typing import Any
+
+from vllm import SamplingParams
+from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.sampling_params import RequestOutputKind
+from vllm.usage.usage_lib import UsageContext
+from vllm.v1.engine.async_llm import AsyncLLM as VllmAsyncLLM
+from vllm.v1.executor import Executor
+
+from probehook.adapter import engine_config, outputs, setup
+from probehook.capture_config import CaptureConfig, LayerSpec
+from probehook.core.probe_set import ProbeSet
+from probehook.core.request_stream import Kind, RequestStream
+from probehook.core.session import CaptureSession, clear_outputs
+from probehook.core.stream_plane import Receiver
+from probehook.errors import CaptureConfigError
+from probehook.store import ActivationStore
+
+KINDS: dict[Any, Kind] = {
+    RequestOutputKind.CUMULATIVE: "cumulative",
+    RequestOutputKind.DELTA: "delta",
+    RequestOutputKind.FINAL_ONLY: "final",
+}
+
+
+class AsyncLLM(VllmAsyncLLM):
+    """Drop-in ``vllm.v1.engine.async_llm.AsyncLLM`` with residual-stream capture and probes.
+
+    ``AsyncLLM(model, layers=..., probes=..., monitors=..., store=..., **engine_args)`` takes
+    the capture arguments of :class:`probehook.LLM` and any ``AsyncEngineArgs`` field;
+    :meth:`from_engine_args` takes an ``AsyncEngineArgs``. Every output that
+    :meth:`generate` yields carries ``hidden_states`` / ``probe_scores`` / ``probe_flags``
+    (and ``prefill_*``) for the tokens it holds, with the offline ``LLM``'s row semantics,
+    following the request's ``output_kind``: CUMULATIVE (vLLM's default) all rows to date,
+    DELTA only the new rows, FINAL_ONLY everything once.
+    """
+
+    def __init__(
+        self,
+        model: str | os.PathLike[str] | None = None,
+        *,
+        layers: LayerSpec | None = None,
+        include_prefill: bool = False,
+        include_decode: bool = True,
+        last_prefill_token: bool = False,
+        last_decode_token: bool = False,
+        store: str | os.PathLike[str] | None = None,
+        store_options: dict[str, Any] | None = None,
+        max_request_capture_bytes: int | None = None,
+        probes: Any = None,
+        monitors: Sequence[Any] | None = None,
+        vllm_config: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        self.capture_config: CaptureConfig | None = None
+        self.capture: CaptureSession | None = None
+        self.store: ActivationStore | None = None
+        self.probes: ProbeSet | None = None
+        self._receiver: Receiver | None = None
+        self._attached: asyncio.Future | None = None
+        self._streams: dict[str, RequestStream] = {}  # by request id, while generating
+        if vllm_config is not None:  # vLLM's own constructor path: a plain engine
+            if model is not None or layers is not None or probes is not None:
+                raise CaptureConfigError(
+                    "AsyncLLM(vllm_config=...) builds a plain vLLM engine; for capture pass "
+                    "model=... with layers/probes, or use AsyncLLM.from_engine_args(args, "
+                    "layers=...)."
+                )
+            super().__init__(vllm_config=vllm_config, **kwargs)
+            return
+        if model is None:
+            raise CaptureConfigError("AsyncLLM needs model= (a name or a local directory).")
+        model = os.fspath(model)
+        self._model = model
+        request = setup.CaptureRequest(
+            layers=layers,
+            include_prefill=include_prefill,
+            include_decode=include_decode,
+            last_prefill_token=last_prefill_token,
+            last_decode_token=last_decode_token,
+            store=store,
+            store_options=store_options,
+            max_request_capture_bytes=max_request_capture_bytes,
+            probes=probes,
+            monitors=monitors,
+        )
+        engine_kwargs, start = _split_start_kwargs(kwargs)
+        if not request.captures:
+            self._start_engine(engine_config.engine_args(model, engine_kwargs, True), start)
+            return
+        with engine_config.v1_runner():
+            plan = setup.prepare(model, engine_kwargs, request, _resolve)
+            assert plan is not None
+            self._start_engine(engine_config.engine_args(model, plan.engine_kwargs, True), start)
+        self._plan = plan
+        self.capture_config, self.probes = plan.config, plan.probes
+
+    def _start_engine(self, args: AsyncEngineArgs, start: dict[str, Any]) -> None:
+        usage = start.pop("usage_context", UsageContext.ENGINE_CONTEXT)
+        vllm_config = args.create_engine_config(usage)
+        super().__init__(
+            vllm_config=vllm_config,
+            executor_class=Executor.get_class(vllm_config),
+            log_requests=args.enable_log_requests,
+            log_stats=not args.disable_log_stats,
+            usage_context=usage,
+            **start,
+        )
+
+    @classmethod
+    def from_engine_args(  # type: ignore[override]
+        cls,
+        engine_args: AsyncEngineArgs,
+        start_engine_loop: bool = True,
+        usage_context: UsageContext = UsageContext.ENGINE_CONTEXT,
+        stat_loggers: list[Any] | None = None,
+        **capture: Any,
+    ) -> AsyncLLM:
+        """vLLM's ``from_engine_args``, plus the capture keyword arguments of ``AsyncLLM``."""
+        fields = {
+            f.name: getattr(engine_args, f.name)
+            for f in dataclasses.fields(engine_args)
+            if f.name != "model" and getattr(engine_args, f.name) != _default(f)
+        }
+        return cls(
+            engine_args.model,
+            **capture,
+            **fields,
+            start_engine_loop=start_engine_loop,
+            usage_context=usage_context,
+            stat_loggers=stat_loggers,
+        )
+
+    # -- capture start-up: the workers are reached through async RPC, so on first use -----
+
+    async def _ensure_attached(self) -> None:
+        if self.capture is not None or not hasattr(self, "_plan"):
+            return
+        if self._attached is None:
+            self._attached = asyncio.ensure_future(self._attach())
+        await asyncio.shield(self._attached)
+
+    async def _attach(self) -> None:
+        plan = self._plan
+        infos = await self.collective_rpc("probehook_attach", args=plan.attach_args())
+        tokenizer = self.get_tokenizer() if hasattr(self, "get_tokenizer") else None
+        if asyncio.iscoroutine(tokenizer):
+            tokenizer = await tokenizer
+        capture, info, store = setup.start(
+            plan,
+            self._model,
+            infos,
+            rpc=_no_sync_rpc,
+            abort=lambda ids: None,  # streams abort through AsyncLLM.abort
+            stop_token=setup.eos_token(tokenizer),
+        )
+        receiver = Receiver(capture.spool.dirs[0])
+        await self.collective_rpc("probehook_stream_connect", args=(receiver.address,))
+        self.capture_info: dict[str, Any] = info
+        """Layers, hidden size, dtype and model runner class of the tapped worker."""
+        self.capture, self.store, self._receiver = capture, store, receiver
+        # Finalizers, not __del__: they also run at interpreter exit, before modules go.
+        closers = [receiver.close, capture.close] + ([store.close] if store else [])
+        self._closers = [weakref.finalize(self, close) for close in closers]
+
+    # -- the request path -------------------------------------------------------------------
+
+    async def generate(  # type: ignore[override]
+        self,
+        prompt: Any,
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+        **kwargs: Any,
+    ) -> AsyncGenerator[Any, None]:
+        """vLLM's ``generate``; ``request_id`` is optional (a fresh one when omitted), and every
+        output carries the rows and scores of the tokens it holds."""
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        request_id = request_id if request_id is not None else uuid.uuid4().hex
+        await self._ensure_attached()
+        if self.capture is None or not isinstance(params, SamplingParams):
+            async for output in super().generate(prompt, params, request_id, **kwargs):
+                clear_outputs(output)
+                outputs.decorate(output)
+                yield output
+            return
+        assert self._receiver is not None
+        tagged = self.capture.tag(params, stream=True)
+        tag = self.capture.describe(tagged)
+        kind = KINDS[params.output_kind]
+        stream = RequestStream(self.capture, self._receiver, tag, kind) if tag else None
+        if stream is not None:
+            self._streams[request_id] = stream
+            self._receiver.expect(stream.tag.tag)
+        try:
+            async for output in super().generate(prompt, tagged, request_id, **kwargs):
+                if stream is not None:
+                    await stream.attach(output)
+                else:
+                    clear_outputs(output)
+                outputs.decorate(output)
+                yield output
+        finally:
+            self._streams.pop(request_id, None)
+            if tag is not None:
+                self._receiver.drop(tag.tag)
+
+    # -- life cycle -------------------------------------------------------------------------
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Stop the engine; make stored requests durable."""
+        if getattr(self, "_shut_down", False):
+            return  # vLLM's __del__ calls this again, maybe while the interpreter exits
+        self._shut_down = True
+        for close in getattr(self, "_closers", ()):
+            close()  # each runs once
+        super().shutdown(timeout)
+
+    async def __aenter__(self) -> AsyncLLM:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    async def stats(self) -> dict[str, Any]:
+        """The worker's and this front end's capture counters (tests, debugging)."""
+        await self._ensure_attached()
+        worker = next((r for r in await self.collective_rpc("probehook_stats") if r), {})
+        return {
+            **worker,
+            "front_end_streams": self._receiver.pending_streams if self._receiver else 0,
+            "front_end_requests": len(self._streams),
+        }
+
+
+def _resolve(model: str, kwargs: dict[str, Any]) -> Any:
+    return engine_config.engine_args(model, kwargs, True).create_engine_config(
+        UsageContext.ENGINE_CONTEXT
+    )
+
+
+START_KWARGS = ("start_engine_loop", "usage_context", "stat_loggers")
+
+
+def _split_start_kwargs(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Engine arguments, and the arguments of ``AsyncLLM.__init__`` itself."""
+    start = {k: kwargs[k] for k in START_KWARGS if k in kwargs and kwargs[k] is not None}
+    return {k: v for k, v in kwargs.items() if k not in START_KWARGS}, start
+
+
+def _default(field: dataclasses.Field) -> Any:
+    if field.default is not dataclasses.MISSING:
+        return field.default
+    if field.default_factory is not dataclasses.MISSING:
+        return field.default_factory()
+    return dataclasses.MISSING
+
+
+def _no_sync_rpc(method: str, args: tuple) -> list:
+    raise RuntimeError(f"AsyncLLM's capture session has no synchronous RPC ({method}).")

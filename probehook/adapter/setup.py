@@ -1,0 +1,219 @@
+"""Building a capturing engine, shared by every front end (``LLM`` and ``AsyncLLM``).
+
+:func:`prepare` runs before vLLM starts anything: it checks the arguments, resolves the model's
+layers and probes, and returns the engine arguments that switch capture on. After the engine is
+up and its workers answered ``probehook_attach``, :func:`start` builds the front end's
+:class:`~probehook.core.session.CaptureSession` and opens the store.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from probehook import __version__ as probehook_version
+from probehook.adapter import engine_config, outputs
+from probehook.capture_config import CaptureConfig, LayerSpec, resolve_layers
+from probehook.core.probe_set import ProbeSet, load_probes
+from probehook.core.session import CaptureSession, Rpc
+from probehook.errors import CaptureConfigError, CaptureError
+from probehook.store import ActivationStore
+from probehook.store.fingerprint import legacy_fingerprint, model_fingerprint
+from probehook.store.lock import WriterLock
+
+
+@dataclass
+class CaptureRequest:
+    """What the user asked a front end to capture (the keyword arguments of ``LLM``)."""
+
+    layers: LayerSpec | None = None
+    include_prefill: bool = False
+    include_decode: bool = True
+    last_prefill_token: bool = False
+    last_decode_token: bool = False
+    store: str | os.PathLike[str] | None = None
+    store_options: dict[str, Any] | None = None
+    max_request_capture_bytes: int | None = None
+    probes: Any = None
+    monitors: Sequence[Any] | None = field(default=None)
+
+    def __post_init__(self) -> None:
+        # Checked at once, so that a plain engine is built without probehook's runner choice.
+        if self.probes is not None:
+            self.probes = load_probes(self.probes) or None  # bad paths fail before start-up
+        if self.monitors and self.probes is None:
+            raise CaptureConfigError(
+                "monitors= watch probes, but no probes were given; pass probes={...}."
+            )
+        if self.layers is None and self.probes is None:
+            if self.store is not None:
+                raise CaptureConfigError(
+                    f"store={os.fspath(self.store)!r} needs something to store: pass "
+                    "layers=[...] or probes={...}."
+                )
+            if self.include_prefill or self.last_prefill_token or self.last_decode_token:
+                raise CaptureConfigError(
+                    "Capture options were given but layers=None captures nothing; pass "
+                    "layers=[...] or layers='all'."
+                )
+
+    @property
+    def captures(self) -> bool:
+        """False: the front end is plain vLLM."""
+        return self.layers is not None or self.probes is not None
+
+
+@dataclass
+class CaptureSetup:
+    """Everything :func:`prepare` resolved, for :func:`start`."""
+
+    config: CaptureConfig
+    probes: ProbeSet | None
+    engine_kwargs: dict[str, Any]
+    fingerprint: dict[str, Any]
+    legacy_fingerprint: Any
+    limit: int
+    store: str | None
+    store_options: dict[str, Any]
+
+    def attach_args(self) -> tuple[int, list[dict[str, Any]] | None]:
+        """Arguments of the workers' ``probehook_attach``."""
+        wire = [spec.to_wire() for spec in self.probes.specs] if self.probes else None
+        return self.limit, wire
+
+
+def prepare(
+    model: str,
+    kwargs: dict[str, Any],
+    request: CaptureRequest,
+    resolve: Callable[[str, dict[str, Any]], Any],
+) -> CaptureSetup | None:
+    """Check the capture arguments and build the engine arguments; None when the request
+    captures nothing (the front end is then plain vLLM). Call inside
+    ``engine_config.v1_runner()``, and start the engine inside the same block.
+
+    Args:
+        resolve: builds the ``VllmConfig`` that the engine will run with from ``(model,
+            kwargs)``, without starting it.
+    """
+    if not request.captures:
+        return None
+    probes = request.probes
+    limit = _check_limit(request.max_request_capture_bytes)
+    # The user's load format: capture_engine_kwargs swaps in probehook's wrapper.
+    load_format = kwargs.get("load_format") or "auto"
+    resolved = resolve(model, kwargs)
+    num_layers = engine_config.check_engine(resolved)
+    hf_config = resolved.model_config.hf_config
+    fingerprint = model_fingerprint(hf_config, resolved.model_config.model, load_format)
+    probe_set = None
+    if probes is not None:
+        probe_set = ProbeSet(
+            probes,
+            list(request.monitors or ()),
+            num_layers=num_layers,
+            hidden_size=resolved.model_config.get_hidden_size(),
+            model_fingerprint=fingerprint["fingerprint"],
+        )
+    config = CaptureConfig(
+        layers=resolve_layers(request.layers, num_layers) if request.layers is not None else (),
+        include_prefill=request.include_prefill,
+        include_decode=request.include_decode,
+        last_prefill_token=request.last_prefill_token,
+        last_decode_token=request.last_decode_token,
+    )
+    engine_kwargs = engine_config.capture_engine_kwargs(
+        kwargs, config, probe_set.layers if probe_set else ()
+    )
+    legacy = legacy_fingerprint(hf_config)  # only compared with pre-v2 stores
+    store = os.fspath(request.store) if request.store is not None else None
+    if store is not None:  # fail before a minute of engine start-up, not after
+        WriterLock.check_free(store)
+        ActivationStore.check_appendable(
+            store, fingerprint_meta(fingerprint), legacy_fingerprint=legacy
+        )
+    return CaptureSetup(
+        config,
+        probe_set,
+        engine_kwargs,
+        fingerprint,
+        legacy,
+        limit,
+        store,
+        dict(request.store_options or {}),
+    )
+
+
+def start(
+    setup: CaptureSetup,
+    model: str,
+    infos: list[Any],
+    rpc: Rpc,
+    abort: Callable[[list[str]], None],
+    stop_token: int | None,
+) -> tuple[CaptureSession, dict[str, Any], ActivationStore | None]:
+    """The front end's session, the tapped worker's report, and the open store (if any),
+    given the workers' replies to ``probehook_attach``."""
+    infos = [info for info in infos if info]
+    if not infos:
+        raise CaptureError("No vLLM worker reported probehook taps.")
+    session = CaptureSession(
+        setup.config,
+        rpc=rpc,
+        abort=abort,
+        decorate=outputs.decorate,
+        probes=setup.probes,
+        stop_token=stop_token if setup.probes is not None else None,
+    )
+    store = None
+    if setup.store is not None:
+        store = _open_store(setup, model, infos[0])
+        session.store = store
+    return session, infos[0], store
+
+
+def _open_store(setup: CaptureSetup, model: str, info: dict[str, Any]) -> ActivationStore:
+    import vllm
+
+    assert setup.store is not None
+    meta = {
+        "model": model,
+        **fingerprint_meta(setup.fingerprint),
+        "dtype": info["dtype"].removeprefix("torch."),
+        "hidden_size": info["hidden_size"],
+        "layers": list(setup.config.layers),
+        "probehook_version": probehook_version,
+        "vllm_version": vllm.__version__,
+    }
+    options = {**setup.store_options, "legacy_fingerprint": setup.legacy_fingerprint}
+    store = ActivationStore.for_writing(setup.store, meta, **options)
+    store.begin_run({"capture": setup.config.to_dict()})
+    return store
+
+
+def eos_token(tokenizer: Any) -> int | None:
+    """The token a stop monitor forces: the model's EOS."""
+    eos = getattr(tokenizer, "eos_token_id", None)
+    return eos if isinstance(eos, int) else None
+
+
+def fingerprint_meta(fingerprint: dict[str, Any]) -> dict[str, Any]:
+    """The meta.json keys of a ``model_fingerprint`` result."""
+    return {
+        "model_fingerprint": fingerprint["fingerprint"],
+        "fingerprint_version": fingerprint["version"],
+        "fingerprint_covers": fingerprint["covers"],
+    }
+
+
+def _check_limit(limit: int | None) -> int:
+    if limit is None:
+        return 0
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+        raise CaptureConfigError(
+            f"max_request_capture_bytes={limit!r} must be a non-negative int (bytes), or None "
+            "for no limit."
+        )
+    return limit

@@ -1,0 +1,183 @@
+"""Attaching streamed rows and scores to each output a streaming front end yields.
+
+One :class:`RequestStream` per user request. For every output vLLM yields, it asks the
+:class:`~probehook.core.stream_plane.Receiver` for the rows of the tokens the output holds
+(waiting, if need be, for the few microseconds the worker's push may trail the token) and sets
+the same attributes the offline ``LLM`` sets, with the same row semantics:
+
+- ``cumulative`` (vLLM's default): every row to date;
+- ``delta``: only the rows of the tokens this output adds (prefill rows in the first output
+  that has tokens);
+- ``final``: everything, once.
+
+This module knows nothing about vLLM.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from typing import Any, Literal
+
+import torch
+
+from probehook.core.session import (
+    CaptureSession,
+    FailedCapture,
+    RequestTag,
+    clear_outputs,
+    failed,
+    mirror_first_completion,
+)
+from probehook.core.spans import Span, completion_spans, score_config
+from probehook.core.stream_plane import Receiver, StreamFailed
+
+logger = logging.getLogger(__name__)
+Kind = Literal["cumulative", "delta", "final"]
+
+
+class RequestStream:
+    """Per-request state of a stream: tokens seen per completion, whether prefill rows went."""
+
+    def __init__(self, session: CaptureSession, receiver: Receiver, tag: RequestTag, kind: Kind):
+        self.session = session
+        self.receiver = receiver
+        self.tag = tag
+        self.kind = kind
+        self.seen: dict[int, int] = {}  # completion index -> tokens yielded so far
+        self.prefill_sent = False
+        self.stored = False
+        # Delta mode: every token and all text so far, per completion, for the store.
+        self.history: dict[int, tuple[list[int], str]] = {}
+
+    async def attach(self, output: Any) -> None:
+        """Set ``hidden_states``, ``probe_scores``, ``probe_flags`` (and the prefill twins)
+        on ``output`` and its completions; name the probe that stopped a finished one; store
+        a finished request when the engine has a store."""
+        delta = self.kind == "delta"
+        if delta and self.session.store is not None:
+            for c in output.outputs:
+                tokens, text = self.history.get(c.index, ([], ""))
+                self.history[c.index] = (tokens + list(c.token_ids), text + (c.text or ""))
+        await self._attach(output, delta)
+        if output.finished and self.session.store is not None and not self.stored:
+            whole = await self._whole(output) if delta else output
+            self._store(whole)
+            output.store_id = getattr(whole, "store_id", None)
+
+    async def _whole(self, output: Any) -> Any:
+        """A copy of a delta stream's final output holding every token and row, as a
+        cumulative stream's final output would."""
+        whole = copy.copy(output)
+        whole.outputs = []
+        for c in output.outputs:
+            full = copy.copy(c)
+            full.token_ids, full.text = self.history.get(c.index, ([], ""))
+            whole.outputs.append(full)
+        await self._attach(whole, delta=False)
+        return whole
+
+    async def _attach(self, output: Any, delta: bool) -> None:
+        clear_outputs(output)
+        tag, config = self.tag, self.tag.config
+        assert config is not None
+        prompt_len = len(output.prompt_token_ids or [])
+        send_prefill = not delta or not self.prefill_sent
+        for completion in output.outputs:
+            index = completion.index
+            before = self.seen.get(index, 0) if delta else 0
+            total = before + len(completion.token_ids)
+            self.seen[index] = total
+            if total == 0:
+                continue  # nothing computed that an output holds (an early abort)
+            key = f"{tag.tag}/{index}"
+            has_prefill = config.include_prefill and index == 0
+            if config.layers:
+                spans = completion_spans(config, prompt_len, total, index)
+                await self._fill(
+                    "hidden", key, spans, before, prompt_len, send_prefill, output, completion
+                )
+            if tag.probes is not None and tag.probes.names:
+                spans = completion_spans(score_config(config), prompt_len, total, index)
+                await self._fill(
+                    "scores", key, spans, before, prompt_len, send_prefill, output, completion
+                )
+                await self._act_on_scores(key, spans[1], before, delta, output, completion)
+            self.prefill_sent = self.prefill_sent or has_prefill
+        mirror_first_completion(output)
+
+    def _store(self, output: Any) -> None:
+        from probehook.store.records import pending_request
+
+        self.stored = True
+        assert self.session.store is not None
+        if failed(output):
+            logger.error("probehook: request %s is not stored.", output.request_id)
+            return
+        assert self.tag.config is not None
+        record = pending_request(output, self.tag.sampling, self.tag.config)
+        output.store_id = self.session.store.add(record)
+
+    async def _fill(
+        self,
+        source: str,
+        key: str,
+        spans: tuple[Span | None, Span | None],
+        before: int,
+        prompt_len: int,
+        send_prefill: bool,
+        output: Any,
+        completion: Any,
+    ) -> None:
+        prefill, decode = spans
+        kind = "hidden_states" if source == "hidden" else "probe_scores"
+        try:
+            if prefill is not None and send_prefill:
+                rows = await self.receiver.take(source, key, prefill.lo, prefill.hi)
+                setattr(output, "prefill_" + kind, self._value(source, rows))
+            if decode is not None:
+                # Only the rows of tokens this output adds, in delta mode.
+                lo = max(decode.lo, prompt_len - 1 + before)
+                if lo < decode.hi:
+                    rows = await self.receiver.take(source, key, lo, decode.hi)
+                    setattr(completion, kind, self._value(source, rows))
+        except StreamFailed as e:
+            failed = FailedCapture(str(e))
+            for target, attribute in ((output, "prefill_" + kind), (completion, kind)):
+                setattr(target, attribute, failed)
+            completion.capture_error = str(e)
+
+    def _value(self, source: str, rows: torch.Tensor) -> dict[Any, torch.Tensor]:
+        assert self.tag.config is not None
+        if source == "hidden":
+            return dict(zip(self.tag.config.layers, rows, strict=True))
+        assert self.session.probes is not None and self.tag.probes is not None
+        return self.session.probes.split(rows[0], self.tag.probes.names)
+
+    async def _act_on_scores(
+        self, key: str, decode: Span | None, before: int, delta: bool, output: Any, completion: Any
+    ) -> None:
+        """Flags over every score to date (only new crossings in delta mode); the probe's
+        name on ``stop_reason`` when a stop monitor ended the completion."""
+        probes, tag = self.session.probes, self.tag
+        assert probes is not None and tag.probes is not None
+        if not tag.probes.monitors or decode is None or len(decode) == 0:
+            return
+        if isinstance(completion.probe_scores, FailedCapture):
+            return
+        scores = probes.split(
+            (await self.receiver.take("scores", key, decode.lo, decode.hi))[0], tag.probes.names
+        )
+        stopped = (
+            tag.stop_token is not None
+            and output.finished
+            and completion.finish_reason == "stop"
+            and bool(completion.token_ids)
+            and completion.token_ids[-1] == tag.stop_token
+        )
+        flags, stop_reason = probes.flags_and_stop(tag.probes, scores, stopped)
+        if delta:
+            flags = {name: [p for p in where if p >= before] for name, where in flags.items()}
+        completion.probe_flags = flags
+        if stop_reason is not None:
+            completion.stop_reason = stop_reason

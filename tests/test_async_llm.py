@@ -1,0 +1,196 @@
+"""probehook.AsyncLLM: streamed outputs carry the rows and scores of the tokens they hold.
+
+The reference is the offline ``probehook.LLM`` with the same capture on the same weights (its
+rows equal Hugging Face's, see test_capture_parity.py): it runs first and is shut down before
+the AsyncLLM starts, so the two engines never share the machine. The AsyncLLM lives on one
+event loop for the whole module, as in a notebook or an ``asyncio.run`` script.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from probehook.testing import first_record, random_probes
+
+pytestmark = pytest.mark.slow
+ENGINE = dict(dtype="float32", max_model_len=256, gpu_memory_utilization=0.1, seed=0)
+CAPTURE = dict(layers=[0, 3], include_prefill=True, enforce_eager=True)
+TOL = 1e-4  # float32 rows of one eager engine in batches of other shapes
+
+
+def prompts(n: int) -> list[str]:
+    return [f"{i}+{(5 * i) % 40}=" * (1 + i % 3) for i in range(n)]
+
+
+def greedy(max_tokens: int = 16, **kwargs: Any) -> Any:
+    from probehook import SamplingParams
+
+    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def offline(llama_dir: Path) -> dict[str, Any]:
+    """Solo offline runs of every prompt the tests stream, by prompt."""
+    from probehook import LLM
+
+    llm = LLM(str(llama_dir), probes=random_probes(128), **CAPTURE, **ENGINE)
+    try:
+        outs = [llm.generate([p], greedy(), use_tqdm=False)[0] for p in prompts(8)]
+    finally:
+        llm.shutdown()
+    return {out.prompt: out for out in outs}
+
+
+@pytest.fixture(scope="module")
+def loop() -> Iterator[asyncio.AbstractEventLoop]:
+    loop = asyncio.new_event_loop()
+    yield loop
+    loop.close()
+
+
+@pytest.fixture(scope="module")
+def store_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("async") / "store"
+
+
+@pytest.fixture(scope="module")
+def engine(
+    llama_dir: Path, offline: dict, loop: asyncio.AbstractEventLoop, store_dir: Path
+) -> Iterator[Any]:
+    from probehook import AsyncLLM
+
+    engine = AsyncLLM(
+        str(llama_dir), probes=random_probes(128), store=store_dir, **CAPTURE, **ENGINE
+    )
+    yield engine
+    engine.shutdown()
+
+
+def close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and bool((a.float() - b.float()).abs().max() <= TOL)
+
+
+def assert_same_as_offline(final: Any, reference: Any) -> None:
+    got, ref = final.outputs[0], reference.outputs[0]
+    assert list(got.token_ids) == list(ref.token_ids)
+    for layer in (0, 3):
+        assert close(got.hidden_states[layer], ref.hidden_states[layer]), layer
+        assert close(final.prefill_hidden_states[layer], reference.prefill_hidden_states[layer])
+    for name in ref.probe_scores:
+        assert close(got.probe_scores[name], ref.probe_scores[name]), name
+        assert close(final.prefill_probe_scores[name], reference.prefill_probe_scores[name])
+    assert final.hidden_states is got.hidden_states and final.probe_scores is got.probe_scores
+
+
+async def collect(engine: Any, prompt: str, params: Any, request_id: str | None = None) -> list:
+    """The outputs, each with what it held when it was yielded (vLLM grows the token list of
+    a cumulative output in place, so it must be read at once)."""
+    outs = []
+    async for out in engine.generate(prompt, params, request_id):
+        out.tokens_then = len(out.outputs[0].token_ids)
+        outs.append(out)
+    return outs
+
+
+def test_each_output_kind_carries_the_rows_of_its_tokens(engine, offline, loop, store_dir) -> None:
+    from vllm.sampling_params import RequestOutputKind as Kind
+
+    from probehook import ActivationStore
+
+    prompt = prompts(8)[1]
+    reference = offline[prompt]
+
+    async def main() -> tuple[list, list, list]:
+        return await asyncio.gather(
+            collect(engine, prompt, greedy(output_kind=Kind.CUMULATIVE)),
+            collect(engine, prompt, greedy(output_kind=Kind.DELTA)),
+            collect(engine, prompt, greedy(output_kind=Kind.FINAL_ONLY)),
+        )
+
+    cumulative, delta, final_only = loop.run_until_complete(main())
+    assert len(cumulative) > 1 and len(delta) > 1 and len(final_only) == 1
+    for out in cumulative:  # row i belongs to token i, in the same yield
+        n = out.tokens_then
+        assert out.outputs[0].hidden_states[3].shape[0] == n
+        assert out.outputs[0].probe_scores["truth"].shape[0] == n
+    for i, out in enumerate(delta):
+        n = out.tokens_then
+        assert out.outputs[0].hidden_states[0].shape[0] == n
+        assert bool(out.prefill_hidden_states) == (i == 0)  # prefill rows once, first
+    assert_same_as_offline(cumulative[-1], reference)
+    assert_same_as_offline(final_only[0], reference)
+    joined = {
+        layer: torch.cat([o.outputs[0].hidden_states[layer] for o in delta]) for layer in (0, 3)
+    }
+    assert all(close(joined[layer], reference.outputs[0].hidden_states[layer]) for layer in joined)
+    scores = torch.cat([o.outputs[0].probe_scores["size"] for o in delta])
+    assert close(scores, reference.outputs[0].probe_scores["size"])
+
+    # Each kind's request is stored whole (a delta stream's too), and reads back as offline.
+    engine.store.flush()
+    store = ActivationStore.open(store_dir)
+    for final in (cumulative[-1], delta[-1], final_only[0]):
+        stored = store[final.store_id]
+        assert stored.output_token_ids == list(reference.outputs[0].token_ids)
+        assert close(stored.hidden_states[3], reference.outputs[0].hidden_states[3])
+        assert close(stored.prefill_hidden_states[0], reference.prefill_hidden_states[0])
+        assert close(stored.probe_scores["truth"], reference.outputs[0].probe_scores["truth"])
+
+
+def test_64_streams_with_random_aborts_leave_nothing_behind(engine, offline, loop) -> None:
+    chosen = random.Random(0)
+    batch = [prompts(8)[i % 8] for i in range(64)]
+    aborted_at = {i: chosen.randint(1, 10) for i in chosen.sample(range(64), 16)}
+
+    async def stream(i: int) -> tuple[int, Any]:
+        last = None
+        aborted = False
+        async for out in engine.generate(batch[i], greedy(), f"load-{i}"):
+            last = out
+            # >=: a lagging consumer may see several new tokens in one output.
+            if not aborted and len(out.outputs[0].token_ids) >= aborted_at.get(i, 99):
+                await engine.abort(f"load-{i}")
+                aborted = True
+        return i, last
+
+    async def main() -> list:
+        results = await asyncio.gather(*(stream(i) for i in range(64)))
+        await asyncio.sleep(0.5)  # let the engine step past the aborted requests
+        return results
+
+    results = loop.run_until_complete(main())
+    for i, last in results:
+        if i in aborted_at:
+            assert last.outputs[0].finish_reason == "abort"
+            n = len(last.outputs[0].token_ids)
+            assert last.outputs[0].hidden_states[0].shape[0] == n  # what it got is complete
+        else:
+            assert_same_as_offline(last, offline[batch[i]])
+    stats = loop.run_until_complete(engine.stats())
+    assert stats["pending_requests"] == 0 and stats["pending_streams"] == 0
+    assert stats["retained_bytes"] == 0
+    assert stats["front_end_streams"] == 0 and stats["front_end_requests"] == 0
+
+
+def test_stop_monitor_ends_a_stream_with_the_probe_named(engine, offline, loop) -> None:
+    prompt = prompts(8)[2]
+    k, threshold, direction = first_record(offline[prompt].outputs[0].probe_scores["size"])
+    monitor = {"probe": "size", "threshold": threshold, "action": "stop", "direction": direction}
+    params = greedy(extra_args={"probehook": {"monitors": [monitor]}})
+    outs = loop.run_until_complete(collect(engine, prompt, params))
+    final = outs[-1].outputs[0]
+    assert final.finish_reason == "stop" and final.stop_reason == "probe:size"
+    assert len(final.token_ids) == k + 1  # rows 0..k-1 did not cross; token k is the EOS
+
+
+def test_request_id_is_optional(engine, loop) -> None:
+    outs = loop.run_until_complete(collect(engine, prompts(1)[0], greedy(2)))
+    assert outs[-1].request_id and outs[-1].finished
+    assert outs[-1].outputs[0].hidden_states[0].shape[0] == 2

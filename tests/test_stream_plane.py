@@ -1,0 +1,121 @@
+"""Unit tests of the streaming data plane (no vLLM): the recorder hands over streamed rows in
+order and frees them, frames round-trip without pickle, the receiver waits for late rows and
+reports failures."""
+
+from __future__ import annotations
+
+import asyncio
+import tempfile
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from probehook.core import stream_plane
+from probehook.core.recorder import RequestPlan, StepRecorder
+from probehook.core.spans import OPEN, KeepPlan, Span
+from probehook.errors import CaptureError
+
+HIDDEN = 3
+
+
+def fill(buffer: torch.Tensor, positions: list[int]) -> None:
+    for row, pos in enumerate(positions):
+        buffer[row] = pos
+
+
+def test_recorder_hands_over_contiguous_rows_once_and_forgets_departed_streams() -> None:
+    buffer = torch.zeros(8, HIDDEN)
+    recorder = StepRecorder([buffer], layers=(0,))
+    plans = {"r": RequestPlan("T/0", KeepPlan(Span(0, OPEN), None), stream=True)}
+    fill(buffer, [0, 1, 2])  # a 3-token prompt
+    recorder.record(["r"], np.array([0, 3]), np.array([0]), plans.get)
+    (key, lo, rows, error), *rest = recorder.take_streamed({"r"})
+    assert (key, lo, error, rest) == ("T/0", 0, None, [])
+    assert rows[0, :, 0].tolist() == [0, 1, 2]
+    assert recorder.take_streamed({"r"}) == []  # nothing new: nothing sent twice
+    fill(buffer, [3])
+    recorder.record(["r"], np.array([0, 1]), np.array([3]), plans.get)
+    ((_, lo, rows, _),) = recorder.take_streamed({"r"})
+    assert lo == 3 and rows[0, :, 0].tolist() == [3]
+    assert recorder.retained_bytes() == 0  # handed over means freed
+    assert recorder.take_streamed(set()) == []  # the request left the engine
+    assert recorder.streams == {} and recorder.rows_by_key == {} and recorder.rows_by_req == {}
+
+
+def test_a_decode_only_stream_starts_at_its_first_kept_position() -> None:
+    buffer = torch.zeros(8, HIDDEN)
+    recorder = StepRecorder([buffer], layers=(0,))
+    plans = {"r": RequestPlan("T/0", KeepPlan(Span(4, OPEN), None), stream=True)}  # P = 5
+    fill(buffer, [0, 1, 2, 3, 4])
+    recorder.record(["r"], np.array([0, 5]), np.array([0]), plans.get)
+    ((_, lo, rows, _),) = recorder.take_streamed({"r"})
+    assert lo == 4 and rows[0, :, 0].tolist() == [4]
+    fill(buffer, [5])
+    recorder.record(["r"], np.array([0, 1]), np.array([5]), plans.get)
+    ((_, lo, rows, _),) = recorder.take_streamed({"r"})
+    assert lo == 5 and rows[0, :, 0].tolist() == [5]
+
+
+def test_a_failed_stream_is_reported_once() -> None:
+    buffer = torch.zeros(8, HIDDEN)
+    recorder = StepRecorder([buffer], layers=(0,), limit_bytes=4)  # less than one row
+    plans = {"r": RequestPlan("T/0", KeepPlan(Span(0, OPEN), None), stream=True)}
+    recorder.record(["r"], np.array([0, 2]), np.array([0]), plans.get)
+    ((key, _, rows, error),) = recorder.take_streamed({"r"})
+    assert key == "T/0" and rows is None and "per-request limit" in error
+    recorder.record(["r"], np.array([0, 1]), np.array([2]), plans.get)
+    assert recorder.take_streamed({"r"}) == []
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_frames_round_trip(dtype: torch.dtype) -> None:
+    rows = torch.randn(2, 5, HIDDEN).to(dtype)
+    host = (rows.view(torch.int16) if dtype == torch.bfloat16 else rows).numpy()
+    frames = stream_plane.encode("T/0", "hidden", 7, host, dtype)
+    header, tensor = stream_plane.decode([bytes(f) for f in frames])
+    assert header["lo"] == 7 and tensor.dtype == dtype and torch.equal(tensor, rows)
+    with pytest.raises(CaptureError, match="dtype"):
+        stream_plane.decode([frames[0].replace(b"float", b"pickle"), bytes(frames[1])])
+
+
+def test_receiver_waits_for_rows_and_reports_failures() -> None:
+    with tempfile.TemporaryDirectory() as directory:
+        receiver = stream_plane.Receiver(directory)
+        publisher = stream_plane.Publisher(receiver.address)
+        receiver.expect("T")
+        try:
+
+            async def main() -> tuple[torch.Tensor, float]:
+                waiting = asyncio.ensure_future(receiver.take("hidden", "T/0", 0, 4))
+                await asyncio.sleep(0.2)
+                assert not waiting.done()  # positions 0..3 have not arrived
+                chunk = np.arange(2 * HIDDEN, dtype=np.float32).reshape(1, 2, HIDDEN)
+                publisher.send(stream_plane.encode("T/0", "hidden", 0, chunk, torch.float32))
+                publisher.send(stream_plane.encode("T/0", "hidden", 2, chunk, torch.float32))
+                started = time.monotonic()
+                rows = await asyncio.wait_for(waiting, 10)
+                return rows, time.monotonic() - started
+
+            rows, waited = asyncio.run(main())
+            assert rows.shape == (1, 4, HIDDEN) and waited < 5
+            publisher.send(stream_plane.encode_error("T/1", "scores", "over the limit"))
+            with pytest.raises(stream_plane.StreamFailed, match="over the limit"):
+                asyncio.run(asyncio.wait_for(receiver.take("scores", "T/1", 0, 1), 10))
+            receiver.drop("T")
+            assert receiver.pending_streams == 0
+            chunk = np.zeros((1, 1, HIDDEN), dtype=np.float32)  # a late row of a dropped tag
+            publisher.send(stream_plane.encode("T/0", "hidden", 9, chunk, torch.float32))
+            time.sleep(0.3)
+            assert receiver.pending_streams == 0
+        finally:
+            publisher.close()
+            receiver.close()
+
+
+def test_out_of_order_rows_are_refused() -> None:
+    stream = stream_plane.StreamRows()
+    stream.add(4, torch.zeros(1, 2, HIDDEN))
+    with pytest.raises(CaptureError, match="out of order"):
+        stream.add(7, torch.zeros(1, 1, HIDDEN))

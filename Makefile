@@ -41,6 +41,7 @@ bench: $(STAMP)
 	# Seven engines live at once: 1 GiB of KV cache each, not the 2 GiB the demo uses.
 	VLLM_CPU_KVCACHE_SPACE=1 $(PY) benchmarks/overhead.py
 	$(PY) benchmarks/store_throughput.py
+	$(PY) benchmarks/async_streams.py
 
 # Re-execute notebooks/*.ipynb in place (committed with outputs; the tests check they're fresh).
 notebooks: $(STAMP)

@@ -194,3 +194,36 @@ def test_request_id_is_optional(engine, loop) -> None:
     outs = loop.run_until_complete(collect(engine, prompts(1)[0], greedy(2)))
     assert outs[-1].request_id and outs[-1].finished
     assert outs[-1].outputs[0].hidden_states[0].shape[0] == 2
+
+
+def test_bad_per_request_options_fail_before_generation(engine, loop) -> None:
+    from probehook.errors import CaptureConfigError
+
+    bad = greedy(2, extra_args={"probehook": {"probes": ["lies"]}})
+    with pytest.raises(CaptureConfigError, match=r"not engine probes; valid names"):
+        loop.run_until_complete(collect(engine, "1+1=", bad))
+    with pytest.raises(CaptureConfigError, match=r"layers"):
+        loop.run_until_complete(
+            collect(engine, "1+1=", greedy(2, extra_args={"probehook": {"layers": [7]}}))
+        )
+    stats = loop.run_until_complete(engine.stats())
+    assert stats["front_end_requests"] == 0 and stats["pending_streams"] == 0
+
+
+def test_from_engine_args_without_capture_is_plain_vllm(llama_dir, engine, loop) -> None:
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    from probehook import AsyncLLM
+
+    async def main() -> list:
+        args = AsyncEngineArgs(model=str(llama_dir), enforce_eager=True, **ENGINE)
+        plain = AsyncLLM.from_engine_args(args)
+        try:
+            assert plain.capture is None
+            return await collect(plain, prompts(1)[0], greedy(3))
+        finally:
+            plain.shutdown()
+
+    final = loop.run_until_complete(main())[-1]
+    assert len(final.outputs[0].token_ids) == 3
+    assert final.hidden_states == {} and final.probe_scores == {} and final.store_id is None

@@ -22,7 +22,6 @@ import json
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -100,15 +99,15 @@ class Publisher:
             self._socket = None
 
 
-@dataclass
 class StreamRows:
     """What the front end received for one (source, stream key): contiguous positions from
-    ``lo`` to ``hi``, as chunks concatenated on demand."""
+    ``lo`` to ``hi`` in one growing buffer, so that handing out rows is a view, not a copy
+    (a cumulative stream asks for every row to date at every token)."""
 
-    lo: int = -1
-    hi: int = -1
-    chunks: list[torch.Tensor] = field(default_factory=list)
-    error: str | None = None
+    def __init__(self) -> None:
+        self.lo = self.hi = -1
+        self.error: str | None = None
+        self._buf: torch.Tensor | None = None  # [slots, capacity, width]
 
     def add(self, lo: int, rows: torch.Tensor) -> None:
         if self.lo < 0:
@@ -118,14 +117,30 @@ class StreamRows:
                 f"Streamed rows out of order: got position {lo}, expected {self.hi}. This is "
                 "a probehook bug: please report it."
             )
-        self.chunks.append(rows)
-        self.hi = lo + rows.shape[1]
+        count, end = rows.shape[1], self.hi - self.lo + rows.shape[1]
+        if self._buf is None or end > self._buf.shape[1]:
+            # Views handed out earlier keep the old buffer alive and unchanged.
+            grown = torch.empty(
+                (rows.shape[0], max(end, 2 * self.capacity, 16), rows.shape[2]), dtype=rows.dtype
+            )
+            if self._buf is not None:
+                grown[:, : self.hi - self.lo] = self._buf[:, : self.hi - self.lo]
+            self._buf = grown
+        self._buf[:, end - count : end] = rows
+        self.hi = lo + count
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self._buf is None else self._buf.shape[1]
+
+    @property
+    def chunks(self) -> list[torch.Tensor]:
+        return [] if self._buf is None else [self._buf[:, : self.hi - self.lo]]
 
     def take(self, lo: int, hi: int) -> torch.Tensor:
-        """Rows of positions ``[lo, hi)``, ``[slots, hi - lo, width]``."""
-        if len(self.chunks) > 1:
-            self.chunks = [torch.cat(self.chunks, dim=1)]
-        return self.chunks[0][:, lo - self.lo : hi - self.lo]
+        """Rows of positions ``[lo, hi)``, ``[slots, hi - lo, width]`` (a view)."""
+        assert self._buf is not None
+        return self._buf[:, lo - self.lo : hi - self.lo]
 
 
 class Receiver:

@@ -162,16 +162,13 @@ class AsyncLLM(VllmAsyncLLM):
     async def _attach(self) -> None:
         plan = self._plan
         infos = await self.collective_rpc("probehook_attach", args=plan.attach_args())
-        tokenizer = self.get_tokenizer() if hasattr(self, "get_tokenizer") else None
-        if asyncio.iscoroutine(tokenizer):
-            tokenizer = await tokenizer
         capture, info, store = setup.start(
             plan,
             self._model,
             infos,
             rpc=_no_sync_rpc,
             abort=lambda ids: None,  # streams abort through AsyncLLM.abort
-            stop_token=setup.eos_token(tokenizer),
+            stop_token=setup.eos_token(self.get_tokenizer()),
         )
         receiver = Receiver(capture.spool.dirs[0])
         await self.collective_rpc("probehook_stream_connect", args=(receiver.address,))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from probehook import __version__ as probehook_version
@@ -37,7 +37,7 @@ class CaptureRequest:
     store_options: dict[str, Any] | None = None
     max_request_capture_bytes: int | None = None
     probes: Any = None
-    monitors: Sequence[Any] | None = field(default=None)
+    monitors: Sequence[Any] | None = None
 
     def __post_init__(self) -> None:
         # Checked at once, so that a plain engine is built without probehook's runner choice.

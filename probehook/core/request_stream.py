@@ -16,7 +16,6 @@ This module knows nothing about vLLM.
 from __future__ import annotations
 
 import copy
-import logging
 from typing import Any, Literal
 
 import torch
@@ -26,13 +25,12 @@ from probehook.core.session import (
     FailedCapture,
     RequestTag,
     clear_outputs,
-    failed,
+    ended_on_stop_token,
     mirror_first_completion,
 )
 from probehook.core.spans import Span, completion_spans, score_config
 from probehook.core.stream_plane import Receiver, StreamFailed
 
-logger = logging.getLogger(__name__)
 Kind = Literal["cumulative", "delta", "final"]
 
 
@@ -62,7 +60,8 @@ class RequestStream:
         await self._attach(output, delta)
         if output.finished and self.session.store is not None and not self.stored:
             whole = await self._whole(output) if delta else output
-            self._store(whole)
+            self.stored = True
+            self.session.store_output(whole, self.tag)
             output.store_id = getattr(whole, "store_id", None)
 
     async def _whole(self, output: Any) -> Any:
@@ -105,18 +104,6 @@ class RequestStream:
                 await self._act_on_scores(key, spans[1], before, delta, output, completion)
             self.prefill_sent = self.prefill_sent or has_prefill
         mirror_first_completion(output)
-
-    def _store(self, output: Any) -> None:
-        from probehook.store.records import pending_request
-
-        self.stored = True
-        assert self.session.store is not None
-        if failed(output):
-            logger.error("probehook: request %s is not stored.", output.request_id)
-            return
-        assert self.tag.config is not None
-        record = pending_request(output, self.tag.sampling, self.tag.config)
-        output.store_id = self.session.store.add(record)
 
     async def _fill(
         self,
@@ -168,13 +155,7 @@ class RequestStream:
         scores = probes.split(
             (await self.receiver.take("scores", key, decode.lo, decode.hi))[0], tag.probes.names
         )
-        stopped = (
-            tag.stop_token is not None
-            and output.finished
-            and completion.finish_reason == "stop"
-            and bool(completion.token_ids)
-            and completion.token_ids[-1] == tag.stop_token
-        )
+        stopped = output.finished and ended_on_stop_token(tag, completion)
         flags, stop_reason = probes.flags_and_stop(tag.probes, scores, stopped)
         if delta:
             flags = {name: [p for p in where if p >= before] for name, where in flags.items()}

@@ -238,26 +238,27 @@ class CaptureSession:
                 mirror_first_completion(output)
                 self._decorate(output)
         if self.store is not None:
-            from probehook.store.records import pending_request
-
             for output, tag in captured:
-                if failed(output):
-                    logger.error("probehook: request %s is not stored.", output.request_id)
-                    continue
-                # vLLM's request_id stays as it is; the store names the request itself.
-                output.store_id = self.store.add(pending_request(output, tag.sampling, tag.config))
+                self.store_output(output, tag)
+
+    def store_output(self, output: Any, tag: RequestTag) -> None:
+        """Add a finished output, rows attached, to the store; set its ``store_id``. A
+        request whose capture failed is logged and not stored."""
+        from probehook.store.records import pending_request
+
+        assert self.store is not None and tag.config is not None
+        if failed(output):
+            logger.error("probehook: request %s is not stored.", output.request_id)
+            return
+        # vLLM's request_id stays as it is; the store names the request itself.
+        output.store_id = self.store.add(pending_request(output, tag.sampling, tag.config))
 
     def _act_on_scores(self, output: Any, tag: RequestTag) -> None:
         assert self.probes is not None and tag.probes is not None
         for completion in output.outputs:
             if isinstance(completion.probe_scores, FailedCapture):
                 continue
-            stopped = (
-                tag.stop_token is not None
-                and completion.finish_reason == "stop"
-                and bool(completion.token_ids)
-                and completion.token_ids[-1] == tag.stop_token
-            )
+            stopped = ended_on_stop_token(tag, completion)
             flags, stop_reason = self.probes.flags_and_stop(
                 tag.probes, completion.probe_scores, stopped
             )
@@ -365,6 +366,16 @@ def _slots(spans: tuple[Any, Any], output: Any, completion: Any, kind: str) -> l
     if decode is not None:
         slots.append((completion, kind))
     return slots
+
+
+def ended_on_stop_token(tag: RequestTag, completion: Any) -> bool:
+    """Whether a finished completion ended on the token a stop monitor forces."""
+    return (
+        tag.stop_token is not None
+        and completion.finish_reason == "stop"
+        and bool(completion.token_ids)
+        and completion.token_ids[-1] == tag.stop_token
+    )
 
 
 def clear_outputs(output: Any) -> None:

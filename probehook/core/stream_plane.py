@@ -133,10 +133,6 @@ class StreamRows:
     def capacity(self) -> int:
         return 0 if self._buf is None else self._buf.shape[1]
 
-    @property
-    def chunks(self) -> list[torch.Tensor]:
-        return [] if self._buf is None else [self._buf[:, : self.hi - self.lo]]
-
     def take(self, lo: int, hi: int) -> torch.Tensor:
         """Rows of positions ``[lo, hi)``, ``[slots, hi - lo, width]`` (a view)."""
         assert self._buf is not None
@@ -204,6 +200,8 @@ class Receiver:
     async def take(self, source: str, key: str, lo: int, hi: int) -> torch.Tensor:
         """Rows ``[lo, hi)`` of a stream, waiting for them if the worker has not sent them yet.
         Raises :class:`CaptureError` if the worker reported the stream failed."""
+        if hi <= lo:
+            raise ValueError(f"empty span {lo}..{hi}: ask only for positions that exist")
         deadline = time.monotonic() + WAIT_TIMEOUT_S
         name = (source, key)
         while True:
@@ -213,8 +211,6 @@ class Receiver:
                     raise StreamFailed(f"Capture of stream {key} failed: {stream.error}")
                 if stream is not None and stream.lo <= lo and stream.hi >= hi:
                     return stream.take(lo, hi)
-                if hi <= lo:
-                    return _empty_like(stream)
                 loop = asyncio.get_running_loop()
                 future = loop.create_future()
                 self._waiters.setdefault(name, []).append((loop, future))
@@ -258,10 +254,3 @@ class Receiver:
 def _wake(future: Any) -> None:
     if not future.done():
         future.set_result(None)
-
-
-def _empty_like(stream: StreamRows | None) -> torch.Tensor:
-    if stream is None or not stream.chunks:
-        return torch.empty((0, 0, 0))
-    first = stream.chunks[0]
-    return first[:, :0]

@@ -129,7 +129,7 @@ class CaptureConfig:
         if unknown:
             raise CaptureConfigError(
                 f"Unknown per-request capture option(s) {sorted(unknown)}; valid options "
-                f"are {sorted(known)}."
+                f"are {sorted(known | set(PROBE_KEYS))}."
             )
         merged = {**self.to_dict(), **options}
         layers = merged["layers"]

@@ -1,5 +1,5 @@
-"""The ``probehook`` command line: ``probehook capture ...`` and ``probehook store info | fsck |
-compact PATH``."""
+"""The ``probehook`` command line: ``probehook capture ...``, ``probehook serve MODEL ...`` and
+``probehook store info | fsck | compact PATH``."""
 
 from __future__ import annotations
 
@@ -118,8 +118,19 @@ def cmd_store_compact(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve"]:  # vLLM's own parser takes every `vllm serve` flag
+        from probehook.adapter.server import main as serve
+
+        serve(argv[1:])
+        return
     parser = argparse.ArgumentParser(prog="probehook", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser(
+        "serve",
+        help="vLLM's OpenAI-compatible server with capture and probes "
+        "(probehook serve MODEL --layers ... --probe NAME=PATH; --help for every flag)",
+    )
     cap = sub.add_parser("capture", help="generate and stream captures into a store")
     cap.add_argument("--model", required=True, help="model directory or name")
     cap.add_argument("--layers", required=True, help="comma-separated layers, or 'all'")

@@ -27,10 +27,10 @@ from vllm.v1.engine.async_llm import AsyncLLM as VllmAsyncLLM
 from vllm.v1.executor import Executor
 
 from probehook.adapter import engine_config, outputs, setup
-from probehook.capture_config import CaptureConfig, LayerSpec
+from probehook.capture_config import EXTRA_ARGS_KEY, CaptureConfig, LayerSpec
 from probehook.core.probe_set import ProbeSet
 from probehook.core.request_stream import Kind, RequestStream
-from probehook.core.session import CaptureSession, clear_outputs
+from probehook.core.session import CaptureSession, RequestTag, clear_outputs
 from probehook.core.stream_plane import Receiver
 from probehook.errors import CaptureConfigError
 from probehook.store import ActivationStore
@@ -151,6 +151,29 @@ class AsyncLLM(VllmAsyncLLM):
         )
 
     # -- capture start-up: the workers are reached through async RPC, so on first use -----
+
+    async def start_capture(self) -> None:
+        """Attach to the workers now instead of on the first request (a server does this at
+        start-up, so that it can check requests before they reach the engine)."""
+        await self._ensure_attached()
+
+    def check_request(self, params: SamplingParams) -> RequestTag | None:
+        """What ``params`` would capture (None: nothing), or :class:`CaptureConfigError` for
+        bad per-request options; nothing reaches the engine. Call :meth:`start_capture`
+        first."""
+        options = (params.extra_args or {}).get(EXTRA_ARGS_KEY) or {}
+        if self.capture is None:
+            if hasattr(self, "_plan"):
+                raise CaptureConfigError("check_request: call await start_capture() first.")
+            asked = {k: v for k, v in options.items() if v not in (False, None, [], {})}
+            if asked:
+                raise CaptureConfigError(
+                    f"This engine captures nothing (no layers, no probes), so the request's "
+                    f"probehook options {sorted(asked)} cannot be served; start it with "
+                    "layers=... or probes=...."
+                )
+            return None
+        return self.capture.describe(self.capture.tag(params, stream=True))
 
     async def _ensure_attached(self) -> None:
         if self.capture is not None or not hasattr(self, "_plan"):

@@ -72,7 +72,8 @@ def plan_factory(runner: Any, engine_config: CaptureConfig, scores: bool = False
             # the engine. A stream sends each row as it is computed, before the end is known.
             end_known = not getattr(params, "stop", None) and not stream
             keep = keep_plan(config, prompt_len, index, end_known)
-        return RequestPlan(key=f"{extra['tag']}/{index}", keep=keep, stream=stream)
+        layers = None if scores else config.layers
+        return RequestPlan(f"{extra['tag']}/{index}", keep, stream, layers)
 
     return plan_for
 

@@ -38,6 +38,8 @@ class RequestPlan:
     stream: bool = False
     """Push rows to the front end as they are computed (:meth:`StepRecorder.take_streamed`)
     instead of holding them until an export."""
+    layers: tuple[int, ...] | None = None
+    """The layers a stream pushes (a subset of the recorder's); None: all of them."""
 
 
 @dataclass
@@ -65,6 +67,7 @@ class RequestRows:
         self.key = key
         self.keep = keep
         self.stream = stream
+        self.stream_slots: slice | list[int] = slice(None)  # what a stream pushes
         self.error_sent = False
         self.num_layers, self.hidden = shape
         self.dtype = dtype
@@ -347,6 +350,8 @@ class StepRecorder:
             rows = RequestRows(
                 plan.key, plan.keep, shape, self.row_dtype, self.limit_bytes, plan.stream
             )
+            if plan.layers is not None and plan.layers != self.slots:
+                rows.stream_slots = [self.slots.index(layer) for layer in plan.layers]
             self.rows_by_key[plan.key] = rows
         if rows is not None and rows.stream:
             self.streams[req_id] = rows
@@ -410,7 +415,10 @@ class StepRecorder:
             if count and rows.data is not None and not rows.closed:
                 first = max(rows.cursor, rows.base)  # a decode-only stream starts at P - 1
                 start = first - rows.base
-                out.append((rows.key, first, rows.data[:, start : start + count].copy(), None))
+                chunk = rows.data[rows.stream_slots, start : start + count]
+                if isinstance(rows.stream_slots, slice):
+                    chunk = chunk.copy()  # a view of the buffer, which is reused
+                out.append((rows.key, first, chunk, None))
                 rows.advance(first + count)
         self._touched.clear()
         for req_id in [r for r in self.streams if r not in live_req_ids]:

@@ -1,0 +1,233 @@
+"""``probehook serve MODEL --layers ... --probe NAME=PATH ... [vllm serve flags]``: vLLM's own
+OpenAI-compatible server with a probehook :class:`~probehook.adapter.async_engine.AsyncLLM`
+inside.
+
+The command parses with ``vllm serve``'s own parser plus a probehook group, so every ``vllm
+serve`` flag works. :func:`serve` follows vLLM's ``build_and_serve``: build the app, let vLLM
+initialise its state, then :func:`probehook.adapter.serving.install` the capture handlers and add
+``GET /v1/probehook`` (what the server captures). One step is added to vLLM's sequence instead of
+an endpoint plugin, because endpoint plugins load only when named in ``VLLM_PLUGINS`` and would
+also load in a plain ``vllm serve``, whose engine cannot capture.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from probehook.core.monitors import ProbeMonitor
+from probehook.errors import CaptureConfigError
+
+MiB = 1 << 20
+
+
+def add_capture_args(parser: Any) -> None:
+    group = parser.add_argument_group(
+        "probehook", "What the server may capture; each request opts in with a 'probehook' field."
+    )
+    group.add_argument(
+        "--layers", default=None, help="layers requests may ask hidden states of: '1,5' or 'all'"
+    )
+    group.add_argument(
+        "--probe",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="a probe file (safetensors) requests may ask scores of; repeatable",
+    )
+    group.add_argument(
+        "--monitor",
+        action="append",
+        default=[],
+        metavar="SPEC",
+        help="PROBE:ACTION:THRESHOLD[:DIRECTION[:LABEL]] (e.g. truth:stop:0.9) or a JSON object; "
+        "acts on requests that ask for its probe; repeatable",
+    )
+    group.add_argument(
+        "--include-prefill",
+        action="store_true",
+        help="let requests ask for prompt rows and scores too",
+    )
+    group.add_argument(
+        "--store", default=None, help="also store every captured request in this directory"
+    )
+    group.add_argument(
+        "--max-capture-response-mb",
+        type=float,
+        default=64.0,
+        help="refuse (400) requests whose hidden states could exceed this (default 64)",
+    )
+
+
+def capture_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """``AsyncLLM`` capture arguments from the parsed flags; bad flags exit with a message."""
+    from probehook.cli import parse_layers
+
+    probes = {}
+    for item in args.probe:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise SystemExit(f"error: --probe {item!r} must be NAME=PATH (e.g. truth=probe.st)")
+        if name in probes:
+            raise SystemExit(f"error: --probe {name} is given twice")
+        probes[name] = path
+    try:
+        monitors = [parse_monitor(spec) for spec in args.monitor]
+    except CaptureConfigError as e:
+        raise SystemExit(f"error: {e}") from None
+    if args.max_capture_response_mb <= 0:
+        raise SystemExit("error: --max-capture-response-mb must be positive")
+    layers = parse_layers(args.layers) if args.layers is not None else None
+    return dict(
+        layers=layers,
+        probes=probes or None,
+        monitors=monitors or None,
+        include_prefill=args.include_prefill,
+        store=args.store,
+    )
+
+
+def parse_monitor(spec: str) -> ProbeMonitor:
+    """``truth:stop:0.9``, ``truth:flag:0.2:below``, or ``{"probe": "truth", ...}``."""
+    if spec.lstrip().startswith("{"):
+        try:
+            return ProbeMonitor.coerce(json.loads(spec))
+        except ValueError as e:
+            raise CaptureConfigError(f"--monitor {spec!r} is not valid JSON: {e}") from None
+    parts = spec.split(":")
+    if not 3 <= len(parts) <= 5:
+        raise CaptureConfigError(
+            f"--monitor {spec!r} must be PROBE:ACTION:THRESHOLD[:DIRECTION[:LABEL]], "
+            "e.g. truth:stop:0.9, or a JSON object."
+        )
+    try:
+        threshold = float(parts[2])
+    except ValueError:
+        raise CaptureConfigError(
+            f"--monitor {spec!r}: threshold {parts[2]!r} is not a number"
+        ) from None
+    keys = ("direction", "label")
+    return ProbeMonitor(parts[0], threshold, parts[1], **dict(zip(keys, parts[3:], strict=False)))
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser(
+        prog="probehook serve",
+        description="vLLM's OpenAI-compatible server, with residual-stream capture and probes.",
+    )
+    parser = make_arg_parser(parser)
+    add_capture_args(parser)
+    args = parser.parse_args(argv)
+    if getattr(args, "model_tag", None) is not None:
+        args.model = args.model_tag
+    validate_parsed_serve_args(args)
+    for flag, bad in (
+        ("--headless", args.headless),
+        ("--grpc", getattr(args, "grpc", False)),
+        ("--api-server-count > 1", (args.api_server_count or 1) > 1),
+        ("--data-parallel-size > 1", args.data_parallel_size > 1),
+    ):
+        if bad:
+            raise SystemExit(
+                f"error: probehook serve runs one API server around one engine; {flag} is not "
+                "supported (capture across data-parallel engines is not built yet)."
+            )
+    return args
+
+
+def main(argv: list[str]) -> None:
+    import uvloop
+    from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
+    from vllm.logger import configure_logging_from_args
+
+    cli_env_setup()
+    args = parse_args(argv)
+    capture = capture_kwargs(args)
+    configure_logging_from_args(args)
+    uvloop.run(serve(args, capture))
+
+
+async def serve(args: argparse.Namespace, capture: dict[str, Any]) -> None:
+    """Start the engine and vLLM's app around it; return when the server shuts down."""
+    import vllm.envs as envs
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.entrypoints.launchers.api_server.app_state import init_app_state
+    from vllm.entrypoints.launchers.app import build_app
+    from vllm.entrypoints.launchers.launcher import serve_http, setup_server
+    from vllm.entrypoints.launchers.utils.server_utils import get_uvicorn_log_config
+    from vllm.usage.usage_lib import UsageContext
+
+    from probehook.adapter.async_engine import AsyncLLM
+    from probehook.adapter.serving import install
+
+    listen_address, sock = setup_server(args, reuse_port=False)
+    engine = AsyncLLM.from_engine_args(
+        AsyncEngineArgs.from_cli_args(args),
+        usage_context=UsageContext.OPENAI_API_SERVER,
+        **capture,
+    )
+    try:
+        await engine.start_capture()
+        tasks = await engine.get_supported_tasks()
+        app = build_app(args, tasks, engine.model_config)
+        await init_app_state(engine, app.state, args, tasks)
+        limit = int(args.max_capture_response_mb * MiB)
+        install(app.state, limit)
+        app.add_api_route("/v1/probehook", _describe(engine, limit), methods=["GET"])
+        uvicorn_kwargs: dict[str, Any] = {}
+        log_config = get_uvicorn_log_config(args)
+        if log_config is not None:
+            uvicorn_kwargs["log_config"] = log_config
+        shutdown = await serve_http(
+            app,
+            sock=sock,
+            enable_ssl_refresh=args.enable_ssl_refresh,
+            host=args.host,
+            port=args.port,
+            log_level=args.uvicorn_log_level,
+            access_log=not args.disable_uvicorn_access_log,
+            timeout_keep_alive=envs.VLLM_HTTP_TIMEOUT_KEEP_ALIVE,
+            ssl_keyfile=args.ssl_keyfile,
+            ssl_certfile=args.ssl_certfile,
+            ssl_ca_certs=args.ssl_ca_certs,
+            ssl_cert_reqs=args.ssl_cert_reqs,
+            ssl_ciphers=args.ssl_ciphers,
+            h11_max_incomplete_event_size=args.h11_max_incomplete_event_size,
+            h11_max_header_count=args.h11_max_header_count,
+            **uvicorn_kwargs,
+        )
+        await shutdown
+    finally:
+        engine.shutdown()
+        sock.close()
+
+
+def _describe(engine: Any, limit: int) -> Any:
+    """``GET /v1/probehook``: what requests may ask this server for."""
+    config, probes = engine.capture_config, engine.probes
+    info = getattr(engine, "capture_info", {})
+    body = {
+        "layers": list(config.layers) if config is not None else [],
+        "include_prefill": bool(config is not None and config.include_prefill),
+        "probes": (
+            {
+                name: {"layer": p.layer, "kind": p.kind, "labels": p.label_names}
+                for name, p in probes.probes.items()
+            }
+            if probes
+            else {}
+        ),
+        "monitors": [m.to_dict() for m in probes.monitors] if probes else [],
+        "hidden_size": info.get("hidden_size"),
+        "dtype": str(info.get("dtype", "")).removeprefix("torch.") or None,
+        "max_capture_response_bytes": limit,
+    }
+
+    async def describe() -> dict[str, Any]:
+        return body
+
+    return describe

@@ -1,0 +1,195 @@
+"""vLLM's OpenAI completion and chat handlers, returning probehook's per-choice field.
+
+:func:`install` swaps the class of the handlers vLLM's ``init_app_state`` built (so vLLM's
+constructor arguments are not repeated here) for subclasses that:
+
+- read the request body's ``probehook`` object, check it against the engine (unknown layers or
+  probes, malformed options, a response over the size cap: a 400 before generation), and pass
+  it to the engine in ``SamplingParams.extra_args``; a request without it captures nothing;
+- add the ``probehook`` field (``probehook.core.response_fields``) to each choice of a response,
+  and to each chunk choice of a stream with the rows of that chunk's own tokens. vLLM's stream
+  generators consume one engine output and yield its chunks before pulling the next, so
+  recording each output as it is pulled pairs rows with chunks exactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any
+
+from vllm import SamplingParams
+from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
+from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
+
+from probehook.capture_config import EXTRA_ARGS_KEY
+from probehook.core.response_fields import (
+    FIELD,
+    ChoiceFields,
+    request_options,
+    response_bytes_bound,
+)
+from probehook.errors import CaptureConfigError
+
+MiB = 1 << 20
+
+
+class CaptureServing:
+    """What the completion and chat handlers share: option checks and the size cap."""
+
+    max_response_bytes: int = 64 * MiB
+
+    def _prepare(self, request: Any, prompts: int) -> Any:
+        """Put the request's probehook options into its ``vllm_xargs``; an error response
+        (400) when they are bad, None when the request may go on."""
+        engine: Any = self.engine_client  # type: ignore[attr-defined]
+        if EXTRA_ARGS_KEY in (request.vllm_xargs or {}):
+            return self._refuse(
+                f"vllm_xargs['{EXTRA_ARGS_KEY}'] is reserved: put probehook options in a "
+                f'top-level "{FIELD}" object of the request body.'
+            )
+        try:
+            options = request_options((request.model_extra or {}).get(FIELD))
+            n = request.n or 1
+            tag = engine.check_request(SamplingParams(n=n, extra_args={EXTRA_ARGS_KEY: options}))
+            if tag is not None and tag.config is not None and tag.config.layers:
+                self._check_size(request, tag.config, n * prompts)
+        except CaptureConfigError as e:
+            return self._refuse(str(e))
+        except (TypeError, ValueError) as e:  # a malformed value deep in the options
+            return self._refuse(f"malformed '{FIELD}' options: {e}")
+        request.vllm_xargs = {**(request.vllm_xargs or {}), EXTRA_ARGS_KEY: options}
+        request.probehook_wanted = tag is not None
+        return None
+
+    def _check_size(self, request: Any, config: Any, completions: int) -> None:
+        """The most hidden-state bytes the request could return, against the cap."""
+        info = self.engine_client.capture_info  # type: ignore[attr-defined]
+        max_len = self.model_config.max_model_len  # type: ignore[attr-defined]
+        max_tokens = getattr(request, "max_completion_tokens", None) or request.max_tokens
+        rows = max_len if config.include_prefill or not max_tokens else min(max_tokens, max_len)
+        itemsize = {"float32": 4, "float64": 8}.get(info["dtype"].removeprefix("torch."), 2)
+        bound = response_bytes_bound(
+            rows * completions, len(config.layers), info["hidden_size"], itemsize
+        )
+        if bound > self.max_response_bytes:
+            raise CaptureConfigError(
+                f"This request could return up to {bound / MiB:.1f} MiB of hidden states "
+                f"({len(config.layers)} layer(s) x {rows} rows x {completions} completion(s) x "
+                f"{info['hidden_size']} values), over this server's cap of "
+                f"{self.max_response_bytes / MiB:.1f} MiB (--max-capture-response-mb). Ask for "
+                "fewer layers or max_tokens, or leave include_prefill off."
+            )
+
+    def _refuse(self, message: str) -> Any:
+        return self.create_error_response(message, param=FIELD)  # type: ignore[attr-defined]
+
+
+class CaptureCompletionServing(CaptureServing, OpenAIServingCompletion):
+    async def create_completion(self, request: Any, raw_request: Any = None) -> Any:
+        prompt = request.prompt
+        prompts = len(prompt) if isinstance(prompt, list) and prompt and not _is_ids(prompt) else 1
+        error = self._prepare(request, prompts)
+        return error if error is not None else await super().create_completion(request, raw_request)
+
+    async def completion_stream_generator(  # type: ignore[override]
+        self,
+        request: Any,
+        engine_inputs: Any,
+        result_generator: AsyncIterator,
+        *args: Any,
+        **kw: Any,
+    ) -> AsyncGenerator[str, None]:
+        fields = ChoiceFields()
+        n = request.n or 1
+
+        async def recorded() -> AsyncIterator[tuple[int, Any]]:
+            async for prompt_index, output in result_generator:
+                for completion in output.outputs:
+                    fields.add(prompt_index * n + completion.index, output, completion)
+                yield prompt_index, output
+
+        source = recorded() if getattr(request, "probehook_wanted", False) else result_generator
+        stream = super().completion_stream_generator(request, engine_inputs, source, *args, **kw)
+        async for line in stream:
+            yield fields.annotate_sse(line)
+
+    def request_output_to_completion_response(  # type: ignore[override]
+        self, final_res_batch: list[Any], *args: Any, **kwargs: Any
+    ) -> Any:
+        response = super().request_output_to_completion_response(final_res_batch, *args, **kwargs)
+        fields = ChoiceFields()
+        pairs = [(output, c) for output in final_res_batch for c in output.outputs]
+        for index, (output, completion) in enumerate(pairs):  # vLLM numbers choices so
+            fields.add(index, output, completion)
+        _annotate(response, fields)
+        return response
+
+
+class CaptureChatServing(CaptureServing, OpenAIServingChat):
+    async def create_chat_completion(self, request: Any, raw_request: Any = None) -> Any:
+        error = self._prepare(request, 1)
+        if error is not None:
+            return error
+        return await super().create_chat_completion(request, raw_request)
+
+    async def chat_completion_stream_generator(  # type: ignore[override]
+        self, request: Any, result_generator: AsyncIterator, *args: Any, **kwargs: Any
+    ) -> AsyncGenerator[str, None]:
+        fields = ChoiceFields()
+        source = _recorded(result_generator, fields)
+        if not getattr(request, "probehook_wanted", False):
+            source = result_generator
+        stream = super().chat_completion_stream_generator(request, source, *args, **kwargs)
+        async for line in stream:
+            yield fields.annotate_sse(line)
+
+    async def chat_completion_full_generator(  # type: ignore[override]
+        self, request: Any, result_generator: AsyncIterator, *args: Any, **kwargs: Any
+    ) -> Any:
+        fields = ChoiceFields()
+        source = _recorded(result_generator, fields)
+        response = await super().chat_completion_full_generator(request, source, *args, **kwargs)
+        _annotate(response, fields)
+        return response
+
+
+async def _recorded(outputs: AsyncIterator[Any], fields: ChoiceFields) -> AsyncIterator[Any]:
+    """``outputs``, each noted in ``fields`` under its completions' indices as it passes."""
+    async for output in outputs:
+        for completion in output.outputs:
+            fields.add(completion.index, output, completion)
+        yield output
+
+
+def _annotate(response: Any, fields: ChoiceFields) -> None:
+    for choice in getattr(response, "choices", None) or ():  # an error response has none
+        field = fields.take(choice.index)
+        if field is not None:
+            setattr(choice, FIELD, field)  # an extra field: response models allow them
+
+
+def _is_ids(prompt: list) -> bool:
+    """A completion prompt given as one list of token ids (not a list of prompts)."""
+    return isinstance(prompt[0], int)
+
+
+HANDLERS = {
+    "openai_serving_completion": (OpenAIServingCompletion, CaptureCompletionServing),
+    "openai_serving_chat": (OpenAIServingChat, CaptureChatServing),
+}
+
+
+def install(state: Any, max_response_bytes: int) -> list[str]:
+    """Give the app's completion and chat handlers probehook's classes; the names of the
+    handlers changed (a model without a chat template has no chat handler)."""
+    changed = []
+    for name, (base, capture_class) in HANDLERS.items():
+        handler = getattr(state, name, None)
+        if handler is None:
+            continue
+        if type(handler) is not base:
+            raise TypeError(f"app.state.{name} is a {type(handler)}, not vLLM's {base}")
+        handler.__class__ = capture_class
+        handler.max_response_bytes = max_response_bytes
+        changed.append(name)
+    return changed

@@ -1,0 +1,165 @@
+"""The ``probehook`` extension field of an OpenAI choice, and the request option that asks
+for it. The server (``probehook serve``) fills it; clients read it with :func:`decode_array`.
+
+A request opts in with a top-level ``probehook`` object in its body (``extra_body=`` in the
+``openai`` client); its keys are the per-request options of the offline ``LLM``'s
+``extra_args["probehook"]`` (``layers``, ``probes``, ``monitors``, ``include_prefill``, ...),
+but everything defaults to *off*, so a request that does not ask gets an ordinary response
+and costs nothing. Each choice then carries::
+
+    "probehook": {
+        "probe_scores": {"truth": [0.91, 0.88, ...]},     # one per token of this choice/chunk
+        "probe_flags": {"truth": [3]},                    # rows where a flag monitor fired
+        "hidden_states": {"15": {"dtype": "float32", "shape": [n, d], "data": "<base64>"}},
+        "prefill_hidden_states": {...}, "prefill_probe_scores": {...},  # first choice only
+        "error": "..."                                    # only when the capture failed
+    }
+
+Arrays are the raw little-endian bytes of the tensor, base64-encoded, with dtype and shape:
+never pickle. In a stream each chunk carries the rows of its own tokens.
+
+This module knows nothing about vLLM.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from probehook.errors import CaptureConfigError
+
+FIELD = "probehook"
+OFF = {"layers": [], "probes": False, "include_prefill": False}
+"""What a request that names nothing gets: no rows, no scores."""
+
+# Keys of the field whose values grow by row, in the order they are written.
+ROW_KEYS = ("hidden_states", "probe_scores", "prefill_hidden_states", "prefill_probe_scores")
+
+
+def request_options(value: Any) -> dict[str, Any]:
+    """The engine's per-request options for a request body's ``probehook`` value (None when
+    the body has none): opt-in, so every key defaults to off."""
+    if value is None:
+        return dict(OFF)
+    if not isinstance(value, Mapping):
+        raise CaptureConfigError(
+            f'\'{FIELD}\' must be an object such as {{"probes": ["truth"], "layers": [15]}}, '
+            f"not {json.dumps(value)[:80]}."
+        )
+    return {**OFF, **value}
+
+
+def response_bytes_bound(rows: int, layers: int, hidden_size: int, itemsize: int) -> int:
+    """The most bytes the hidden states of ``rows`` rows can add to a response (base64)."""
+    return 4 * -(-(rows * layers * hidden_size * itemsize) // 3)
+
+
+# -- arrays ---------------------------------------------------------------------------------
+
+
+def encode_array(tensor: torch.Tensor) -> dict[str, Any]:
+    """``{"dtype", "shape", "data"}``: the tensor's raw little-endian bytes in base64."""
+    t = tensor.detach().to("cpu").contiguous()
+    raw = t.view(torch.uint8) if t.dim() else t.reshape(1).view(torch.uint8)
+    return {
+        "dtype": str(t.dtype).removeprefix("torch."),
+        "shape": list(t.shape),
+        "data": base64.b64encode(raw.numpy().tobytes()).decode("ascii"),
+    }
+
+
+def decode_array(obj: Mapping[str, Any]) -> np.ndarray:
+    """The array an :func:`encode_array` object holds, as numpy. ``bfloat16`` has no numpy
+    dtype; it comes back as float32 holding the same values exactly."""
+    try:
+        dtype, shape, data = obj["dtype"], obj["shape"], base64.b64decode(obj["data"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"not an encoded array (dtype, shape, data): {e}") from None
+    if dtype == "bfloat16":  # the top half of a float32
+        wide = np.frombuffer(data, dtype="<u2").astype("<u4") << 16
+        return wide.view("<f4").reshape(shape)
+    return np.frombuffer(data, dtype=np.dtype(dtype).newbyteorder("<")).reshape(shape)
+
+
+# -- choices --------------------------------------------------------------------------------
+
+
+class ChoiceFields:
+    """Collects, per choice index, the rows and scores of outputs not yet written to a
+    choice, and writes them as one ``probehook`` field. A stream's chunk may be skipped (a
+    token with no text yet): its rows wait for the next chunk of the same choice."""
+
+    def __init__(self) -> None:
+        self._parts: dict[int, dict[str, Any]] = {}
+
+    def add(self, index: int, output: Any, completion: Any) -> None:
+        """Note what ``output`` (a ``RequestOutput``) and ``completion`` (one of its
+        ``outputs``) carry for choice ``index``."""
+        found = {
+            "hidden_states": getattr(completion, "hidden_states", None),
+            "probe_scores": getattr(completion, "probe_scores", None),
+        }
+        if completion.index == 0:  # the request's prompt rows go with its first choice
+            found["prefill_hidden_states"] = getattr(output, "prefill_hidden_states", None)
+            found["prefill_probe_scores"] = getattr(output, "prefill_probe_scores", None)
+        error = getattr(completion, "capture_error", None)
+        flags = getattr(completion, "probe_flags", None)
+        if not error and not flags and not any(found.values()):
+            return
+        part = self._parts.setdefault(index, {})
+        if error:
+            part["error"] = error
+            return
+        for key, values in found.items():
+            for name, value in (values or {}).items():
+                part.setdefault(key, {}).setdefault(name, []).append(value)
+        for name, rows in (flags or {}).items():
+            part.setdefault("probe_flags", {}).setdefault(name, []).extend(rows)
+
+    def __bool__(self) -> bool:
+        return bool(self._parts)
+
+    def take(self, index: int) -> dict[str, Any] | None:
+        """The ``probehook`` field for choice ``index`` (None: nothing waiting), forgotten."""
+        part = self._parts.pop(index, None)
+        if part is None:
+            return None
+        if "error" in part:
+            return {"error": part["error"]}
+        field: dict[str, Any] = {}
+        for key in ROW_KEYS:
+            for name, pieces in part.get(key, {}).items():
+                whole = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+                value = encode_array(whole) if "hidden" in key else whole.float().tolist()
+                field.setdefault(key, {})[str(name)] = value
+        if "probe_flags" in part:
+            field["probe_flags"] = part["probe_flags"]
+        return field
+
+    def annotate_sse(self, line: str) -> str:
+        """An SSE line of vLLM's stream with the waiting fields added to its choices that
+        carry tokens; other lines unchanged."""
+        if not self._parts or not line.startswith("data: {"):
+            return line
+        chunk = json.loads(line[len("data: ") :])
+        changed = False
+        for choice in chunk.get("choices") or ():
+            if _carries_tokens(choice):
+                field = self.take(choice.get("index", 0))
+                if field is not None:
+                    choice[FIELD] = field
+                    changed = True
+        return f"data: {json.dumps(chunk, separators=(',', ':'))}\n\n" if changed else line
+
+
+def _carries_tokens(choice: Mapping[str, Any]) -> bool:
+    """A chunk choice that holds new tokens, or ends its choice (not a chat role chunk)."""
+    if choice.get("finish_reason") or choice.get("text") or choice.get("token_ids"):
+        return True
+    delta = choice.get("delta") or {}
+    return any(delta.get(k) for k in ("content", "reasoning", "reasoning_content", "tool_calls"))

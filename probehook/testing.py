@@ -243,3 +243,60 @@ def first_record(values: torch.Tensor, start: int = 2) -> tuple[int, float, str]
         if values[k] < values[:k].min():
             return k, float((values[:k].min() + values[k]) / 2), "below"
     raise AssertionError("no new maximum or minimum; pick another prompt")
+
+
+class ServerProcess:
+    """``probehook serve`` in a subprocess on a free localhost port, for tests and benchmarks.
+
+    ``ServerProcess(["MODEL", "--layers", "0"], log=path)``; :meth:`wait` blocks until the
+    server answers (or raises with the log's tail when it died); :meth:`stop` ends it.
+    """
+
+    def __init__(self, argv: Sequence[str], log: str | Path, env: dict[str, str] | None = None):
+        import os
+        import socket
+        import subprocess
+        import sys
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.base_url = f"http://127.0.0.1:{self.port}/v1"
+        self.log = Path(log)
+        full_env = {"VLLM_CPU_KVCACHE_SPACE": "1", **os.environ, **(env or {})}
+        command = [sys.executable, "-m", "probehook.cli", "serve", *argv]
+        command += ["--host", "127.0.0.1", "--port", str(self.port)]
+        with open(self.log, "wb") as out:
+            self.process = subprocess.Popen(
+                command, stdout=out, stderr=subprocess.STDOUT, env=full_env
+            )
+
+    def wait(self, timeout: float = 600.0) -> ServerProcess:
+        import time
+        import urllib.request
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"probehook serve exited:\n{self.tail()}")
+            try:
+                with urllib.request.urlopen(f"{self.base_url}/probehook", timeout=5):
+                    return self
+            except OSError:
+                time.sleep(1.0)
+        self.stop()
+        raise TimeoutError(f"probehook serve did not answer in {timeout} s:\n{self.tail()}")
+
+    def tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+
+    def stop(self) -> None:
+        import subprocess
+
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(60)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()

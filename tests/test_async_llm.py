@@ -190,6 +190,19 @@ def test_stop_monitor_ends_a_stream_with_the_probe_named(engine, offline, loop) 
     assert len(final.token_ids) == k + 1  # rows 0..k-1 did not cross; token k is the EOS
 
 
+def test_a_stream_may_ask_for_a_subset_of_layers_and_probes(engine, offline, loop) -> None:
+    prompt = prompts(8)[3]
+    reference = offline[prompt]
+    params = greedy(extra_args={"probehook": {"layers": [3], "probes": ["topic"]}})
+    final = loop.run_until_complete(collect(engine, prompt, params))[-1]
+    got = final.outputs[0]
+    assert list(got.hidden_states) == [3] and list(final.prefill_hidden_states) == [3]
+    assert close(got.hidden_states[3], reference.outputs[0].hidden_states[3])
+    assert close(final.prefill_hidden_states[3], reference.prefill_hidden_states[3])
+    assert list(got.probe_scores) == ["topic"]
+    assert close(got.probe_scores["topic"], reference.outputs[0].probe_scores["topic"])
+
+
 def test_request_id_is_optional(engine, loop) -> None:
     outs = loop.run_until_complete(collect(engine, prompts(1)[0], greedy(2)))
     assert outs[-1].request_id and outs[-1].finished

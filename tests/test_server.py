@@ -1,0 +1,301 @@
+"""``probehook serve``: vLLM's OpenAI server with probehook's engine, over real HTTP.
+
+The server runs in a subprocess on localhost and the tests talk to it with the official
+``openai`` client. The reference is the offline ``probehook.LLM`` on the same weights and probe
+files (its rows equal Hugging Face's, see test_capture_parity.py); it runs before the server
+starts, so the two engines never share the machine.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from probehook.core.response_fields import decode_array
+from probehook.testing import ServerProcess, first_record, random_probes
+
+pytestmark = pytest.mark.slow
+ENGINE = dict(dtype="float32", max_model_len=256, seed=0, enforce_eager=True)
+TOL = 1e-4
+MAX_TOKENS = 12
+CAP_MB = 0.4  # two prompts of one layer with prefill rows fit; see test_size_cap
+# The template adds the BOS the offline prompt gets, so chat and offline see the same ids.
+CHAT_TEMPLATE = "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+
+
+def prompts(n: int) -> list[str]:
+    return [f"{i}+{(7 * i) % 30}=" * (1 + i % 2) for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def probe_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    out = tmp_path_factory.mktemp("probes")
+    return {
+        name: probe.save(out / f"{name}.safetensors") for name, probe in random_probes(128).items()
+    }
+
+
+@pytest.fixture(scope="module")
+def offline(llama_dir: Path, probe_files: dict[str, Path]) -> dict[str, Any]:
+    """Solo offline runs of every prompt, by prompt."""
+    from probehook import LLM, SamplingParams
+
+    llm = LLM(
+        str(llama_dir),
+        layers=[0, 3],
+        include_prefill=True,
+        probes={name: str(path) for name, path in probe_files.items()},
+        gpu_memory_utilization=0.1,
+        **ENGINE,
+    )
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    try:
+        outs = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts(8)]
+    finally:
+        llm.shutdown()
+    return {out.prompt: out for out in outs}
+
+
+@pytest.fixture(scope="module")
+def server(
+    llama_dir: Path, probe_files: dict[str, Path], offline: dict, tmp_path_factory: Any
+) -> Iterator[ServerProcess]:
+    work = tmp_path_factory.mktemp("server")
+    (work / "chat.jinja").write_text(CHAT_TEMPLATE)
+    argv = [str(llama_dir), "--layers", "0,3", "--include-prefill"]
+    for name, path in probe_files.items():
+        argv += ["--probe", f"{name}={path}"]
+    argv += ["--monitor", "other:flag:0.5", "--max-capture-response-mb", str(CAP_MB)]
+    argv += ["--chat-template", str(work / "chat.jinja"), "--served-model-name", "tiny"]
+    argv += ["--dtype", "float32", "--max-model-len", "256", "--seed", "0", "--enforce-eager"]
+    process = ServerProcess(argv, log=work / "server.log")
+    try:
+        yield process.wait()
+    finally:
+        process.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerProcess) -> Any:
+    import openai
+
+    return openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
+
+
+def greedy(**kwargs: Any) -> dict[str, Any]:
+    return dict(model="tiny", max_tokens=MAX_TOKENS, temperature=0, **kwargs)
+
+
+def ignore_eos(options: dict[str, Any] | None = None) -> dict[str, Any]:
+    body: dict[str, Any] = {"ignore_eos": True}
+    if options is not None:
+        body["probehook"] = options
+    return body
+
+
+def close(got: Any, want: torch.Tensor) -> bool:
+    got = torch.as_tensor(np.asarray(got, dtype=np.float32))
+    return got.shape == want.shape and bool((got - want.float()).abs().max() <= TOL)
+
+
+def field(choice: Any) -> dict[str, Any]:
+    return (choice.model_extra or {}).get("probehook", {})
+
+
+def test_an_ordinary_request_gets_an_ordinary_response(client, offline) -> None:
+    prompt = prompts(8)[0]
+    response = client.completions.create(prompt=prompt, extra_body=ignore_eos(), **greedy())
+    choice = response.choices[0]
+    assert choice.text == offline[prompt].outputs[0].text
+    assert "probehook" not in (choice.model_extra or {})
+    chat = client.chat.completions.create(
+        messages=[{"role": "user", "content": prompt}], extra_body=ignore_eos(), **greedy()
+    )
+    assert "probehook" not in (chat.choices[0].model_extra or {})
+
+
+def test_completion_returns_scores_and_rows_equal_to_offline(client, offline) -> None:
+    batch = prompts(8)[:2]
+    options = {"layers": [3], "probes": ["truth", "topic"], "include_prefill": True}
+    response = client.completions.create(prompt=batch, extra_body=ignore_eos(options), **greedy())
+    assert [c.index for c in response.choices] == [0, 1]
+    for prompt, choice in zip(batch, response.choices, strict=True):
+        want, got = offline[prompt], field(choice)
+        assert choice.text == want.outputs[0].text
+        assert set(got["hidden_states"]) == {"3"}  # only the layer asked for
+        assert close(decode_array(got["hidden_states"]["3"]), want.outputs[0].hidden_states[3])
+        assert close(decode_array(got["prefill_hidden_states"]["3"]), want.prefill_hidden_states[3])
+        assert set(got["probe_scores"]) == {"truth", "topic"}
+        for name in ("truth", "topic"):
+            assert close(got["probe_scores"][name], want.outputs[0].probe_scores[name])
+            assert close(got["prefill_probe_scores"][name], want.prefill_probe_scores[name])
+
+
+def test_each_stream_chunk_carries_the_scores_of_its_own_tokens(client, offline) -> None:
+    prompt = prompts(8)[2]
+    want = offline[prompt].outputs[0]
+    body = {**ignore_eos({"layers": [0], "probes": ["size"]}), "return_token_ids": True}
+    stream = client.completions.create(prompt=prompt, stream=True, extra_body=body, **greedy())
+    scores, rows, chunks = [], [], 0
+    for chunk in stream:
+        for choice in chunk.choices:
+            tokens = (choice.model_extra or {}).get("token_ids") or []
+            got = field(choice)
+            if tokens:
+                chunks += 1
+                assert len(got["probe_scores"]["size"]) == len(tokens)
+                scores += got["probe_scores"]["size"]
+                rows.append(decode_array(got["hidden_states"]["0"]))
+    assert chunks > 1  # really streamed
+    assert close(scores, want.probe_scores["size"])
+    assert close(np.concatenate(rows), want.hidden_states[0])
+
+
+def test_chat_streamed_and_not_equals_offline(client, offline) -> None:
+    prompt = prompts(8)[3]
+    want = offline[prompt]
+    messages = [{"role": "user", "content": prompt}]
+    options = {"probes": ["truth"], "layers": [3], "include_prefill": True}
+    body = {**ignore_eos(options), "return_token_ids": True}
+    full = client.chat.completions.create(messages=messages, extra_body=body, **greedy())
+    assert getattr(full, "prompt_token_ids", None) == list(want.prompt_token_ids)
+    got = field(full.choices[0])
+    assert close(got["probe_scores"]["truth"], want.outputs[0].probe_scores["truth"])
+    assert close(decode_array(got["hidden_states"]["3"]), want.outputs[0].hidden_states[3])
+    assert close(decode_array(got["prefill_hidden_states"]["3"]), want.prefill_hidden_states[3])
+    stream = client.chat.completions.create(
+        messages=messages, stream=True, extra_body=ignore_eos(options), **greedy()
+    )
+    scores, prefill = [], None
+    for chunk in stream:
+        for choice in chunk.choices:
+            got = field(choice)
+            if not choice.delta.content and not choice.finish_reason:
+                assert not got  # the role chunk holds no token, so no rows
+            scores += got.get("probe_scores", {}).get("truth", [])
+            prefill = got.get("prefill_hidden_states", prefill)
+    assert close(scores, want.outputs[0].probe_scores["truth"])
+    assert prefill is not None and close(decode_array(prefill["3"]), want.prefill_hidden_states[3])
+
+
+def test_concurrent_clients_each_get_their_own_rows(client, offline) -> None:
+    def one(i: int) -> None:
+        prompt = prompts(8)[i]
+        want = offline[prompt].outputs[0]
+        options = {"probes": ["truth", "other"], "layers": [0, 3]}
+        if i % 2:
+            response = client.completions.create(
+                prompt=prompt, extra_body=ignore_eos(options), **greedy()
+            )
+            got = field(response.choices[0])
+            scores = got["probe_scores"]["truth"]
+            hidden = decode_array(got["hidden_states"]["0"])
+        else:
+            scores, pieces = [], []
+            stream = client.completions.create(
+                prompt=prompt, stream=True, extra_body=ignore_eos(options), **greedy()
+            )
+            for chunk in stream:
+                for choice in chunk.choices:
+                    scores += field(choice).get("probe_scores", {}).get("truth", [])
+                    if "hidden_states" in field(choice):
+                        pieces.append(decode_array(field(choice)["hidden_states"]["0"]))
+            hidden = np.concatenate(pieces)
+        assert close(scores, want.probe_scores["truth"]), i
+        assert close(hidden, want.hidden_states[0]), i
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        list(pool.map(one, range(8)))  # re-raises the first failure
+
+
+def test_flag_and_stop_monitors(client, offline) -> None:
+    prompt = prompts(8)[4]
+    want = offline[prompt].outputs[0]
+    # The server's --monitor other:flag:0.5 acts on requests that ask for "other".
+    got = field(
+        client.completions.create(
+            prompt=prompt, extra_body=ignore_eos({"probes": ["other"]}), **greedy()
+        ).choices[0]
+    )
+    expected = [i for i, s in enumerate(want.probe_scores["other"].tolist()) if s > 0.5]
+    assert got.get("probe_flags", {}).get("other", []) == expected
+    k, threshold, direction = first_record(want.probe_scores["size"])
+    monitor = {"probe": "size", "threshold": threshold, "action": "stop", "direction": direction}
+    response = client.completions.create(
+        prompt=prompt,
+        extra_body=ignore_eos({"probes": ["size"], "monitors": [monitor]}),
+        **greedy(),
+    )
+    choice = response.choices[0]
+    assert choice.finish_reason == "stop" and choice.stop_reason == "probe:size"
+    assert response.usage.completion_tokens == k + 1  # token k is the forced EOS
+    assert len(field(choice)["probe_scores"]["size"]) == k + 1
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"layers": [1]}, r"layer 1 was not captured.*layers=\[0, 3\]"),
+        ({"probes": ["lies"]}, r"not engine probes; valid names are \['other', 'size'"),
+        ({"probes": "truth"}, r"must be a list of probe names"),
+        ({"layers": [[0]]}, r"not an int"),
+        ({"colour": "red"}, r"Unknown per-request capture option.*'probes'"),
+        ("all", r"'probehook' must be an object"),
+        ({"monitors": [{"probe": "truth"}]}, r"Bad ProbeMonitor"),
+    ],
+)
+def test_guard_rails(client, options, message) -> None:
+    import openai
+
+    with pytest.raises(openai.BadRequestError, match=message):
+        client.completions.create(prompt="1+1=", extra_body={"probehook": options}, **greedy())
+    with pytest.raises(openai.BadRequestError, match=message):
+        client.chat.completions.create(
+            messages=[{"role": "user", "content": "1+1="}],
+            stream=True,
+            extra_body={"probehook": options},
+            **greedy(),
+        )
+
+
+def test_size_cap_refuses_before_generation(client) -> None:
+    import openai
+
+    big = {"probehook": {"layers": [0, 3], "include_prefill": True}}
+    message = r"up to 1.0 MiB of hidden states .* over this server's cap of 0.4 MiB"
+    with pytest.raises(openai.BadRequestError, match=message):
+        client.completions.create(prompt=["1+1="] * 3, extra_body=big, **greedy())
+    with pytest.raises(openai.BadRequestError, match=message):
+        client.chat.completions.create(
+            messages=[{"role": "user", "content": "1+1="}],
+            stream=True,
+            extra_body=big,
+            **{**greedy(), "n": 3, "temperature": 1.0},
+        )
+    small = {"probehook": {"layers": [0, 3]}}  # 12 decode rows: far under the cap
+    assert client.completions.create(prompt=["1+1="] * 3, extra_body=small, **greedy()).choices
+
+
+def test_reserved_xargs_key_and_info_route(client, server) -> None:
+    import openai
+
+    with pytest.raises(openai.BadRequestError, match=r"reserved"):
+        client.completions.create(
+            prompt="1+1=", extra_body={"vllm_xargs": {"probehook": "x"}}, **greedy()
+        )
+    with urllib.request.urlopen(f"{server.base_url}/probehook") as reply:
+        info = json.load(reply)
+    assert info["layers"] == [0, 3] and info["include_prefill"] is True
+    assert sorted(info["probes"]) == ["other", "size", "topic", "truth"]
+    assert info["probes"]["topic"]["labels"] == ["a", "b", "c"]
+    assert info["max_capture_response_bytes"] == int(CAP_MB * (1 << 20))
+    # The server is still serving after every refusal above.
+    assert client.completions.create(prompt="1+1=", **greedy()).choices[0].text is not None

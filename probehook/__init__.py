@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from probehook.adapter.offline import LLM
     from probehook.capture_config import CaptureConfig
     from probehook.core.monitors import ProbeMonitor
+    from probehook.core.response_fields import decode_array
     from probehook.core.session import FailedCapture
     from probehook.probes import LinearProbe
     from probehook.store import ActivationStore, LayerMatrix, StoredRequest
@@ -46,6 +47,7 @@ _LAZY = {
     "StoredRequest": ("probehook.store", "StoredRequest"),
     "LinearProbe": ("probehook.probes", "LinearProbe"),
     "ProbeMonitor": ("probehook.core.monitors", "ProbeMonitor"),
+    "decode_array": ("probehook.core.response_fields", "decode_array"),
 }
 
 __all__ = [
@@ -58,6 +60,7 @@ __all__ = [
     "StoredRequest",
     "LinearProbe",
     "ProbeMonitor",
+    "decode_array",
     "FailedCapture",
     "CaptureConfigError",
     "CaptureError",

@@ -197,7 +197,9 @@ def test_notebook_staleness_on_handmade_notebooks() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("script", ["demo.py", "capture_hidden_states.py", "stream_rows.py"])
+@pytest.mark.parametrize(
+    "script", ["demo.py", "capture_hidden_states.py", "stream_rows.py", "openai_client.py"]
+)
 def test_example_runs(script: str) -> None:
     # As a user runs them: vLLM's own log level, not the test suite's.
     env = {k: v for k, v in os.environ.items() if k != "VLLM_LOGGING_LEVEL"}

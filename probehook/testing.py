@@ -246,13 +246,20 @@ def first_record(values: torch.Tensor, start: int = 2) -> tuple[int, float, str]
 
 
 class ServerProcess:
-    """``probehook serve`` in a subprocess on a free localhost port, for tests and benchmarks.
+    """``probehook serve`` (or, with ``program="vllm"``, plain ``vllm serve``) in a subprocess
+    on a free localhost port, for tests and benchmarks.
 
     ``ServerProcess(["MODEL", "--layers", "0"], log=path)``; :meth:`wait` blocks until the
     server answers (or raises with the log's tail when it died); :meth:`stop` ends it.
     """
 
-    def __init__(self, argv: Sequence[str], log: str | Path, env: dict[str, str] | None = None):
+    def __init__(
+        self,
+        argv: Sequence[str],
+        log: str | Path,
+        env: dict[str, str] | None = None,
+        program: str = "probehook",
+    ):
         import os
         import socket
         import subprocess
@@ -264,7 +271,8 @@ class ServerProcess:
         self.base_url = f"http://127.0.0.1:{self.port}/v1"
         self.log = Path(log)
         full_env = {"VLLM_CPU_KVCACHE_SPACE": "1", **os.environ, **(env or {})}
-        command = [sys.executable, "-m", "probehook.cli", "serve", *argv]
+        module = {"probehook": "probehook.cli", "vllm": "vllm.entrypoints.cli.main"}[program]
+        command = [sys.executable, "-m", module, "serve", *argv]
         command += ["--host", "127.0.0.1", "--port", str(self.port)]
         with open(self.log, "wb") as out:
             self.process = subprocess.Popen(
@@ -280,7 +288,7 @@ class ServerProcess:
             if self.process.poll() is not None:
                 raise RuntimeError(f"probehook serve exited:\n{self.tail()}")
             try:
-                with urllib.request.urlopen(f"{self.base_url}/probehook", timeout=5):
+                with urllib.request.urlopen(f"{self.base_url}/models", timeout=5):
                     return self
             except OSError:
                 time.sleep(1.0)

@@ -271,8 +271,12 @@ class ServerProcess:
         self.base_url = f"http://127.0.0.1:{self.port}/v1"
         self.log = Path(log)
         full_env = {"VLLM_CPU_KVCACHE_SPACE": "1", **os.environ, **(env or {})}
-        module = {"probehook": "probehook.cli", "vllm": "vllm.entrypoints.cli.main"}[program]
-        command = [sys.executable, "-m", module, "serve", *argv]
+        if program == "probehook":
+            command = [sys.executable, "-m", "probehook.cli", "serve", *argv]
+        else:  # vLLM's server module: the `vllm` command looks up a "vllm" distribution,
+            # and the CPU build's is "vllm-cpu"
+            entry = "vllm.entrypoints.launchers.api_server.entry"
+            command = [sys.executable, "-m", entry, "--model", argv[0], *argv[1:]]
         command += ["--host", "127.0.0.1", "--port", str(self.port)]
         with open(self.log, "wb") as out:
             self.process = subprocess.Popen(

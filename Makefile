@@ -42,6 +42,7 @@ bench: $(STAMP)
 	VLLM_CPU_KVCACHE_SPACE=1 $(PY) benchmarks/overhead.py
 	$(PY) benchmarks/store_throughput.py
 	$(PY) benchmarks/async_streams.py
+	VLLM_CPU_KVCACHE_SPACE=1 $(PY) benchmarks/serve_load.py
 
 # Re-execute notebooks/*.ipynb in place (committed with outputs; the tests check they're fresh).
 notebooks: $(STAMP)

@@ -73,11 +73,26 @@ def test_a_failed_stream_is_reported_once() -> None:
 def test_frames_round_trip(dtype: torch.dtype) -> None:
     rows = torch.randn(2, 5, HIDDEN).to(dtype)
     host = (rows.view(torch.int16) if dtype == torch.bfloat16 else rows).numpy()
-    frames = stream_plane.encode("T/0", "hidden", 7, host, dtype)
-    header, tensor = stream_plane.decode([bytes(f) for f in frames])
-    assert header["lo"] == 7 and tensor.dtype == dtype and torch.equal(tensor, rows)
+    other = torch.randn(2, 1, HIDDEN).to(dtype)  # a second stream in the same message
+    other_host = (other.view(torch.int16) if dtype == torch.bfloat16 else other).numpy()
+    chunks = [
+        ("T/0", 7, host, None),
+        ("U/0", 0, None, "over the limit"),
+        ("V/1", 3, other_host, None),
+    ]
+    frames = stream_plane.encode("hidden", chunks, dtype)
+    source, got = stream_plane.decode([bytes(f) for f in frames])
+    assert source == "hidden" and [(k, lo, e) for k, lo, _, e in got] == [
+        ("T/0", 7, None),
+        ("U/0", 0, "over the limit"),
+        ("V/1", 3, None),
+    ]
+    assert got[0][2].dtype == dtype and torch.equal(got[0][2], rows) and got[1][2] is None
+    assert torch.equal(got[2][2], other)
     with pytest.raises(CaptureError, match="dtype"):
         stream_plane.decode([frames[0].replace(b"float", b"pickle"), bytes(frames[1])])
+    with pytest.raises(CaptureError, match="too short"):
+        stream_plane.decode([frames[0], bytes(frames[1])[:-1]])
 
 
 def test_receiver_waits_for_rows_and_reports_failures() -> None:
@@ -92,21 +107,25 @@ def test_receiver_waits_for_rows_and_reports_failures() -> None:
                 await asyncio.sleep(0.2)
                 assert not waiting.done()  # positions 0..3 have not arrived
                 chunk = np.arange(2 * HIDDEN, dtype=np.float32).reshape(1, 2, HIDDEN)
-                publisher.send(stream_plane.encode("T/0", "hidden", 0, chunk, torch.float32))
-                publisher.send(stream_plane.encode("T/0", "hidden", 2, chunk, torch.float32))
+                for lo in (0, 2):
+                    message = stream_plane.encode(
+                        "hidden", [("T/0", lo, chunk, None)], torch.float32
+                    )
+                    publisher.send(message)
                 started = time.monotonic()
                 rows = await asyncio.wait_for(waiting, 10)
                 return rows, time.monotonic() - started
 
             rows, waited = asyncio.run(main())
             assert rows.shape == (1, 4, HIDDEN) and waited < 5
-            publisher.send(stream_plane.encode_error("T/1", "scores", "over the limit"))
+            failed = [("T/1", 0, None, "over the limit")]
+            publisher.send(stream_plane.encode("scores", failed, torch.float32))
             with pytest.raises(stream_plane.StreamFailed, match="over the limit"):
                 asyncio.run(asyncio.wait_for(receiver.take("scores", "T/1", 0, 1), 10))
             receiver.drop("T")
             assert receiver.pending_streams == 0
             chunk = np.zeros((1, 1, HIDDEN), dtype=np.float32)  # a late row of a dropped tag
-            publisher.send(stream_plane.encode("T/0", "hidden", 9, chunk, torch.float32))
+            publisher.send(stream_plane.encode("hidden", [("T/0", 9, chunk, None)], torch.float32))
             time.sleep(0.3)
             assert receiver.pending_streams == 0
         finally:

@@ -170,12 +170,9 @@ class ProbehookWorkerExtension:
 
 def _publish(recorder: StepRecorder, publisher: stream_plane.Publisher, live: Any) -> None:
     source = "scores" if recorder.transform is not None else "hidden"
-    for key, lo, rows, error in recorder.take_streamed(live):
-        if error is not None:
-            publisher.send(stream_plane.encode_error(key, source, error))
-        else:
-            assert rows is not None
-            publisher.send(stream_plane.encode(key, source, lo, rows, recorder.row_dtype))
+    chunks = recorder.take_streamed(live)
+    if chunks:  # one message for every stream of the step
+        publisher.send(stream_plane.encode(source, chunks, recorder.row_dtype))
 
 
 def _device(hook: StepHook) -> Any:

@@ -3,9 +3,10 @@ end as they are computed, so a streamed token and its row arrive in the same yie
 RPC per step (vLLM serves RPCs between engine steps, so one per step would stall generation).
 
 One ZeroMQ PUSH socket in the worker (rank 0), one PULL socket bound by the front end on an
-``ipc://`` path in its private (0700) spool directory. A message is two frames: a JSON header
-``{"key", "source", "lo", "dtype", "shape"}`` (or ``{"key", "source", "error"}``) and the raw
-bytes of a ``[slots, rows, width]`` array, C order. Nothing is pickled.
+``ipc://`` path in its private (0700) spool directory. One message per step and source: two
+frames, a JSON header ``{"source", "dtype", "chunks": [{"key", "lo", "shape", "offset"} or
+{"key", "error"}, ...]}`` and the raw bytes of every chunk's ``[slots, rows, width]`` array, C
+order, back to back. Nothing is pickled.
 
 Rows of one stream arrive in position order and without gaps: the worker sends a request's
 rows only once every position below them is filled (see
@@ -22,6 +23,7 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -38,35 +40,64 @@ WAIT_TIMEOUT_S = 120.0
 each row before the token it produced leaves the engine, so a wait this long means a bug."""
 
 
+ZERO_COPY_BYTES = 1 << 16
+
+
 class StreamFailed(CaptureError):
     """The worker reported that a stream's capture failed (for instance, over the
     per-request byte limit); the request's other outputs are fine."""
 
 
-def encode(key: str, source: str, lo: int, rows: np.ndarray, dtype: torch.dtype) -> list[Any]:
-    """The two frames of one chunk of rows (``rows``: host numpy, bfloat16 as int16 bits)."""
-    header = {"key": key, "source": source, "lo": lo, "dtype": str(dtype), "shape": rows.shape}
-    return [json.dumps(header).encode(), memoryview(np.ascontiguousarray(rows))]
+Chunk = tuple[str, int, Any, str | None]
+"""``(stream key, first position, rows or None, failure reason or None)``: one stream's part
+of a message (what :meth:`~probehook.core.recorder.StepRecorder.take_streamed` returns)."""
 
 
-def encode_error(key: str, source: str, reason: str) -> list[Any]:
-    return [json.dumps({"key": key, "source": source, "error": reason}).encode(), b""]
+def encode(source: str, chunks: Sequence[Chunk], dtype: torch.dtype) -> list[Any]:
+    """The two frames of one step's chunks of ``source`` ("hidden" or "scores"): a JSON header
+    listing each stream's key, first position, shape and byte offset (or its failure), and
+    the rows of all streams back to back (host numpy, bfloat16 as int16 bits). One message per
+    step, not one per stream: each message costs both ends far more than its bytes do."""
+    entries: list[dict[str, Any]] = []
+    parts: list[np.ndarray] = []
+    offset = 0
+    for key, lo, rows, error in chunks:
+        if error is not None:
+            entries.append({"key": key, "error": error})
+            continue
+        rows = np.ascontiguousarray(rows)
+        entries.append({"key": key, "lo": lo, "shape": rows.shape, "offset": offset})
+        parts.append(rows.reshape(-1).view(np.uint8))
+        offset += rows.nbytes
+    payload = parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else b""
+    header = {"source": source, "dtype": str(dtype), "chunks": entries}
+    return [json.dumps(header).encode(), memoryview(payload)]
 
 
-def decode(frames: list[Any]) -> tuple[dict[str, Any], torch.Tensor | None]:
-    """Header and tensor of one message; refuses anything that is not what :func:`encode`
-    writes (the socket is private, but a bad frame must fail loudly, never be guessed at)."""
+def decode(frames: list[Any]) -> tuple[str, list[Chunk]]:
+    """The source and chunks of one message, each chunk's rows a view of one private buffer;
+    refuses anything that is not what :func:`encode` writes (the socket is private, but a bad
+    frame must fail loudly, never be guessed at)."""
     if len(frames) != 2:
         raise CaptureError(f"Stream message with {len(frames)} frames; expected 2.")
     header = json.loads(bytes(frames[0]))
-    if "error" in header:
-        return header, None
     dtype = DTYPES.get(header["dtype"])
     if dtype is None:
         raise CaptureError(f"Stream message with dtype {header['dtype']!r}; known: {list(DTYPES)}")
-    payload = bytearray(frames[1])  # a private, writable copy the tensor can own
-    tensor = torch.frombuffer(payload, dtype=dtype) if payload else torch.empty(0, dtype=dtype)
-    return header, tensor.view(header["shape"])
+    payload = bytearray(frames[1])  # a private, writable copy the tensors can share
+    whole = torch.frombuffer(payload, dtype=torch.uint8) if payload else None
+    chunks: list[Chunk] = []
+    for entry in header["chunks"]:
+        if "error" in entry:
+            chunks.append((entry["key"], 0, None, str(entry["error"])))
+            continue
+        shape, start = entry["shape"], int(entry["offset"])
+        size = int(np.prod(shape)) * dtype.itemsize
+        if whole is None or start + size > len(payload):
+            raise CaptureError(f"Stream message too short for chunk {entry}.")
+        rows = whole[start : start + size].view(dtype).view(shape)
+        chunks.append((entry["key"], int(entry["lo"]), rows, None))
+    return header["source"], chunks
 
 
 class Publisher:
@@ -90,7 +121,8 @@ class Publisher:
     def send(self, frames: list[Any]) -> None:
         if self._socket is None:
             return
-        self._socket.send_multipart(frames, copy=False)
+        # Zero-copy pays off only for large payloads; small ones are cheaper copied.
+        self._socket.send_multipart(frames, copy=len(frames[1]) < ZERO_COPY_BYTES)
         self.sent_bytes += sum(len(f) for f in frames)
 
     def close(self) -> None:
@@ -177,24 +209,25 @@ class Receiver:
                 raise
             self.received_bytes += sum(len(f.buffer) for f in frames)
             try:
-                header, tensor = decode([f.buffer for f in frames])
-            except (CaptureError, ValueError, KeyError) as e:  # never let the thread die
+                source, chunks = decode([f.buffer for f in frames])
+            except (CaptureError, ValueError, KeyError, TypeError) as e:  # the thread must live
                 logger.error("probehook: dropped a bad stream message: %s", e)
                 continue
-            key = (header["source"], header["key"])
+            woken = []
             with self._lock:
-                if header["key"].rsplit("/", 1)[0] not in self._expected:
-                    continue  # a step that ran after its request was dropped (an abort)
-                stream = self._streams.setdefault(key, StreamRows())
-                if tensor is None:
-                    stream.error = header["error"]
-                else:
-                    try:
-                        stream.add(int(header["lo"]), tensor)
-                    except CaptureError as e:  # the stream's reader gets the error
-                        stream.error = str(e)
-                waiters = self._waiters.pop(key, [])
-            for loop, future in waiters:
+                for key, lo, rows, error in chunks:
+                    if key.rsplit("/", 1)[0] not in self._expected:
+                        continue  # a step that ran after its request was dropped (an abort)
+                    stream = self._streams.setdefault((source, key), StreamRows())
+                    if error is not None:
+                        stream.error = error
+                    else:
+                        try:
+                            stream.add(lo, rows)
+                        except CaptureError as e:  # the stream's reader gets the error
+                            stream.error = str(e)
+                    woken += self._waiters.pop((source, key), [])
+            for loop, future in woken:
                 loop.call_soon_threadsafe(_wake, future)
 
     async def take(self, source: str, key: str, lo: int, hi: int) -> torch.Tensor:

@@ -199,7 +199,7 @@ class AsyncLLM(VllmAsyncLLM):
         """Layers, hidden size, dtype and model runner class of the tapped worker."""
         self.capture, self.store, self._receiver = capture, store, receiver
         # Finalizers, not __del__: they also run at interpreter exit, before modules go.
-        closers = [receiver.close, capture.close] + ([store.close] if store else [])
+        closers = [receiver.close, capture.close] + ([store.close] if store is not None else [])
         self._closers = [weakref.finalize(self, close) for close in closers]
 
     # -- the request path -------------------------------------------------------------------

@@ -128,7 +128,8 @@ class CaptureSession:
         options = dict(extra.get(EXTRA_ARGS_KEY) or {})
         config = self.config.narrow(capture_options(options))
         probes = self.probes.for_request(options) if self.probes is not None else None
-        if probes is None and ("probes" in options or "monitors" in options):
+        asks_for_probes = options.get("probes") not in (None, False, []) or options.get("monitors")
+        if probes is None and asks_for_probes:
             raise CaptureConfigError(
                 "This request sets probes/monitors, but the engine has no probes; build the LLM "
                 "with probes={...}."

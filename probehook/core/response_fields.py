@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import base64
 import json
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy as np
@@ -36,9 +36,6 @@ from probehook.errors import CaptureConfigError
 FIELD = "probehook"
 OFF = {"layers": [], "probes": False, "include_prefill": False}
 """What a request that names nothing gets: no rows, no scores."""
-
-# Keys of the field whose values grow by row, in the order they are written.
-ROW_KEYS = ("hidden_states", "probe_scores", "prefill_hidden_states", "prefill_probe_scores")
 
 
 def request_options(value: Any) -> dict[str, Any]:
@@ -90,36 +87,44 @@ def decode_array(obj: Mapping[str, Any]) -> np.ndarray:
 
 
 class ChoiceFields:
-    """Collects, per choice index, the rows and scores of outputs not yet written to a
-    choice, and writes them as one ``probehook`` field. A stream's chunk may be skipped (a
-    token with no text yet): its rows wait for the next chunk of the same choice."""
+    """Collects, per choice index, the values of outputs not yet written to a choice, and
+    writes them as one ``probehook`` field. What is collected, how stream pieces join and how
+    values are written is each output processor's business (``probehook.outputs``): every
+    registered processor's non-empty attributes go in. A stream's chunk may be skipped (a token
+    with no text yet): its values wait for the next chunk of the same choice."""
 
-    def __init__(self) -> None:
+    def __init__(self, processors: Iterable[Any] | None = None) -> None:
+        if processors is None:
+            from probehook.outputs import OUTPUT_PROCESSORS
+
+            processors = OUTPUT_PROCESSORS
+        # (processor, attribute, on the request output?) for every attribute owned
+        self._owned = [
+            (p, attribute, on_request)
+            for p in processors
+            for on_request, attributes in (
+                (True, p.request_attributes),
+                (False, p.completion_attributes),
+            )
+            for attribute in attributes
+        ]
         self._parts: dict[int, dict[str, Any]] = {}
 
     def add(self, index: int, output: Any, completion: Any) -> None:
         """Note what ``output`` (a ``RequestOutput``) and ``completion`` (one of its
-        ``outputs``) carry for choice ``index``."""
-        found = {
-            "hidden_states": getattr(completion, "hidden_states", None),
-            "probe_scores": getattr(completion, "probe_scores", None),
-        }
-        if completion.index == 0:  # the request's prompt rows go with its first choice
-            found["prefill_hidden_states"] = getattr(output, "prefill_hidden_states", None)
-            found["prefill_probe_scores"] = getattr(output, "prefill_probe_scores", None)
+        ``outputs``) carry for choice ``index``. The request output's values (the prompt's
+        rows) go with the request's first choice."""
         error = getattr(completion, "capture_error", None)
-        flags = getattr(completion, "probe_flags", None)
-        if not error and not flags and not any(found.values()):
-            return
-        part = self._parts.setdefault(index, {})
         if error:
-            part["error"] = error
+            self._parts.setdefault(index, {})["error"] = error
             return
-        for key, values in found.items():
-            for name, value in (values or {}).items():
-                part.setdefault(key, {}).setdefault(name, []).append(value)
-        for name, rows in (flags or {}).items():
-            part.setdefault("probe_flags", {}).setdefault(name, []).extend(rows)
+        for processor, attribute, on_request in self._owned:
+            if on_request and completion.index != 0:
+                continue
+            value = getattr(output if on_request else completion, attribute, None)
+            if value:
+                part = self._parts.setdefault(index, {})
+                part.setdefault(attribute, (processor, []))[1].append(value)
 
     def __bool__(self) -> bool:
         return bool(self._parts)
@@ -131,15 +136,10 @@ class ChoiceFields:
             return None
         if "error" in part:
             return {"error": part["error"]}
-        field: dict[str, Any] = {}
-        for key in ROW_KEYS:
-            for name, pieces in part.get(key, {}).items():
-                whole = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
-                value = encode_array(whole) if "hidden" in key else whole.float().tolist()
-                field.setdefault(key, {})[str(name)] = value
-        if "probe_flags" in part:
-            field["probe_flags"] = part["probe_flags"]
-        return field
+        return {
+            attribute: processor.to_response(processor.merge(pieces))
+            for attribute, (processor, pieces) in part.items()
+        }
 
     def annotate_sse(self, line: str) -> str:
         """An SSE line of vLLM's stream with the waiting fields added to its choices that

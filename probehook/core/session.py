@@ -37,6 +37,7 @@ from probehook.core.probe_set import ProbeSet, RequestProbes
 from probehook.core.spans import completion_spans, score_config
 from probehook.core.transport import Spool, read_tensors
 from probehook.errors import CaptureConfigError, CaptureError
+from probehook.outputs import OUTPUT_PROCESSORS
 
 logger = logging.getLogger(__name__)
 
@@ -382,12 +383,12 @@ def ended_on_stop_token(tag: RequestTag, completion: Any) -> bool:
 def clear_outputs(output: Any) -> None:
     """Every probehook attribute exists on every output, empty until filled (also on the
     outputs of an engine without capture, so code works either way)."""
-    output.prefill_hidden_states = {}
-    output.prefill_probe_scores = {}
-    for completion in getattr(output, "outputs", ()):
-        completion.hidden_states = {}
-        completion.probe_scores = {}
-        completion.probe_flags = {}
+    for processor in OUTPUT_PROCESSORS:  # each output processor's attributes, empty
+        for attribute in processor.request_attributes:
+            setattr(output, attribute, processor.empty())
+        for completion in getattr(output, "outputs", ()):
+            for attribute in processor.completion_attributes:
+                setattr(completion, attribute, processor.empty())
     mirror_first_completion(output)
     output.store_id = None
 

@@ -1,0 +1,69 @@
+"""probehook's own output processors: the residual-stream rows and probe results that capture
+attaches to outputs. Registered in ``OUTPUT_PROCESSORS`` like any other processor.
+
+This module knows nothing about vLLM.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+
+from probehook.core.response_fields import encode_array
+from probehook.outputs.registry import OutputProcessor
+
+
+def _concat_by_key(pieces: list[dict[Any, torch.Tensor]]) -> dict[Any, torch.Tensor]:
+    keys = list(dict.fromkeys(k for piece in pieces for k in piece))
+    out = {}
+    for key in keys:
+        parts = [piece[key] for piece in pieces if key in piece]
+        out[key] = parts[0] if len(parts) == 1 else torch.cat(parts)
+    return out
+
+
+class HiddenStates(OutputProcessor):
+    """Residual-stream rows by layer: ``[rows, hidden]`` tensors; base64 arrays online."""
+
+    name: ClassVar[str] = "hidden_states"
+    request_attributes = ("prefill_hidden_states",)
+    completion_attributes = ("hidden_states",)
+
+    def merge(self, pieces: list[dict[int, torch.Tensor]]) -> dict[int, torch.Tensor]:
+        return _concat_by_key(pieces)
+
+    def to_response(self, value: dict[int, torch.Tensor]) -> dict[str, Any]:
+        return {str(layer): encode_array(rows) for layer, rows in value.items()}
+
+
+class ProbeScores(OutputProcessor):
+    """Probe scores by probe name, one per token (a row of class probabilities for a
+    multi-class probe); lists of floats online."""
+
+    name: ClassVar[str] = "probe_scores"
+    request_attributes = ("prefill_probe_scores",)
+    completion_attributes = ("probe_scores",)
+
+    def merge(self, pieces: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        return _concat_by_key(pieces)
+
+    def to_response(self, value: dict[str, torch.Tensor]) -> dict[str, Any]:
+        return {name: scores.float().tolist() for name, scores in value.items()}
+
+
+class ProbeFlags(OutputProcessor):
+    """The rows where a flag monitor's threshold was crossed, by probe name."""
+
+    name: ClassVar[str] = "probe_flags"
+    completion_attributes = ("probe_flags",)
+
+    def merge(self, pieces: list[dict[str, list[int]]]) -> dict[str, list[int]]:
+        out: dict[str, list[int]] = {}
+        for piece in pieces:
+            for name, rows in piece.items():
+                out.setdefault(name, []).extend(rows)
+        return out
+
+
+BUILTIN = (HiddenStates, ProbeScores, ProbeFlags)

@@ -1,0 +1,158 @@
+"""The output-processor registry: one place that decides what a request returns besides text.
+
+An output processor owns some attributes of vLLM's outputs (on the request output, on each
+completion, or both) and says how their values are written into an HTTP response and how the
+pieces a stream delivers join up. probehook's own captures (hidden states, probe scores, probe
+flags) are processors registered here like any third party's, and the offline ``LLM``, the
+streaming ``AsyncLLM`` and the server read and write those attributes through the registry.
+
+Register a processor by name (``OUTPUT_PROCESSORS.register(processor)``, or as a class
+decorator), attach one to a model class (``@OUTPUT_PROCESSORS.for_model("name")``), or ship one
+in a package through the entry-point group ``probehook.output_processors`` (each entry point
+is a zero-argument callable returning a processor).
+
+This module knows nothing about vLLM.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any, ClassVar, TypeVar
+
+from probehook.errors import ProbehookError
+
+ENTRY_POINT_GROUP = "probehook.output_processors"
+MODEL_ATTRIBUTE = "probehook_output_processor"
+"""The attribute ``for_model`` sets on a model class: the name of its output processor."""
+
+
+class OutputProcessorError(ProbehookError, ValueError):
+    """A bad registration, or a lookup of a name nobody registered."""
+
+
+class OutputProcessor:
+    """Base class of output processors. Subclasses set ``name`` and the attributes they own,
+    and override what differs from the defaults (values are returned as they are).
+
+    - ``request_attributes`` / ``completion_attributes``: attributes this processor owns on
+      a ``RequestOutput`` and on each of its ``CompletionOutput``s; every output gets them,
+      empty (``empty()``) until filled.
+    - ``merge(pieces)``: one value from the pieces of consecutive stream outputs, in order.
+    - ``to_response(value)``: the JSON-ready form for an HTTP response.
+    """
+
+    name: ClassVar[str] = ""
+    request_attributes: ClassVar[tuple[str, ...]] = ()
+    completion_attributes: ClassVar[tuple[str, ...]] = ()
+
+    def empty(self) -> Any:
+        return {}
+
+    def merge(self, pieces: list[Any]) -> Any:
+        if len(pieces) != 1:
+            raise NotImplementedError(f"output processor {self.name!r} cannot merge pieces")
+        return pieces[0]
+
+    def to_response(self, value: Any) -> Any:
+        return value
+
+    def __repr__(self) -> str:
+        return f"<output processor {self.name!r}>"
+
+
+P = TypeVar("P")
+
+
+class OutputProcessorRegistry:
+    """Output processors by name, and which model classes use which."""
+
+    def __init__(self, entry_point_group: str | None = ENTRY_POINT_GROUP) -> None:
+        self._processors: dict[str, OutputProcessor] = {}
+        self._group = entry_point_group
+        self._loaded = entry_point_group is None
+
+    def register(self, processor: P) -> P:
+        """Register a processor instance, or a processor class (instantiated with no
+        arguments; usable as a class decorator). Returns its argument."""
+        instance = processor() if isinstance(processor, type) else processor
+        if not isinstance(instance, OutputProcessor):
+            raise OutputProcessorError(
+                f"{processor!r} is not an output processor: subclass "
+                "probehook.outputs.OutputProcessor and set its name."
+            )
+        name = instance.name
+        if not isinstance(name, str) or not name:
+            raise OutputProcessorError(f"{processor!r} has no name; set `name = '...'`.")
+        if name in self._processors:
+            raise OutputProcessorError(
+                f"An output processor named {name!r} is already registered "
+                f"({self._processors[name]!r}); pick another name."
+            )
+        owned = {a: p for p in self._processors.values() for a in _attributes(p)}
+        clash = sorted(set(_attributes(instance)) & set(owned))
+        if clash:
+            raise OutputProcessorError(
+                f"Output processor {name!r} would own attribute(s) {clash}, already owned by "
+                f"{[owned[a].name for a in clash]}."
+            )
+        self._processors[name] = instance
+        return processor
+
+    def for_model(self, name: str) -> Callable[[type], type]:
+        """Class decorator: ``model_cls`` returns its outputs through processor ``name``
+        (checked when :meth:`for_model_class` looks it up, so order of import is free)."""
+
+        def attach(model_cls: type) -> type:
+            setattr(model_cls, MODEL_ATTRIBUTE, name)
+            return model_cls
+
+        return attach
+
+    def for_model_class(self, model_cls: type) -> OutputProcessor | None:
+        """The processor a model class was attached to with :meth:`for_model`, if any."""
+        name = getattr(model_cls, MODEL_ATTRIBUTE, None)
+        return None if name is None else self[name]
+
+    def __getitem__(self, name: str) -> OutputProcessor:
+        self._load_entry_points()
+        try:
+            return self._processors[name]
+        except KeyError:
+            raise OutputProcessorError(
+                f"No output processor named {name!r}; known: {sorted(self._processors)}. "
+                f"Register it with OUTPUT_PROCESSORS.register(...) or the entry-point group "
+                f"{ENTRY_POINT_GROUP!r}."
+            ) from None
+
+    def __contains__(self, name: object) -> bool:
+        self._load_entry_points()
+        return name in self._processors
+
+    def __iter__(self) -> Iterator[OutputProcessor]:
+        self._load_entry_points()
+        return iter(list(self._processors.values()))
+
+    def names(self) -> list[str]:
+        self._load_entry_points()
+        return list(self._processors)
+
+    def _load_entry_points(self) -> None:
+        """Register the group's processors, once; a broken one is an error that names it."""
+        if self._loaded:
+            return
+        self._loaded = True
+        from importlib.metadata import entry_points
+
+        for entry in entry_points(group=self._group or ""):
+            try:
+                made = entry.load()()
+            except Exception as e:
+                raise OutputProcessorError(
+                    f"Output processor entry point {entry.name!r} ({entry.value}) failed to "
+                    f"load: {e}"
+                ) from e
+            self.register(made)
+
+
+def _attributes(processor: OutputProcessor) -> tuple[str, ...]:
+    return (*processor.request_attributes, *processor.completion_attributes)

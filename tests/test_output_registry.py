@@ -1,0 +1,153 @@
+"""probehook.outputs: the output-processor registry, and the paths that go through it."""
+
+from __future__ import annotations
+
+from importlib.metadata import EntryPoint
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from probehook.core.response_fields import ChoiceFields, decode_array
+from probehook.core.session import clear_outputs
+from probehook.outputs import (
+    OUTPUT_PROCESSORS,
+    OutputProcessor,
+    OutputProcessorError,
+    OutputProcessorRegistry,
+)
+from probehook.outputs.captures import BUILTIN
+
+
+class TokenNorms(OutputProcessor):
+    """A third party's processor: one number per token, joined across stream pieces."""
+
+    name = "token_norms"
+    completion_attributes = ("token_norms",)
+
+    def empty(self) -> list:
+        return []
+
+    def merge(self, pieces: list[list[float]]) -> list[float]:
+        return [x for piece in pieces for x in piece]
+
+    def to_response(self, value: list[float]) -> list[float]:
+        return [round(x, 2) for x in value]
+
+
+def fresh(*processors: Any) -> OutputProcessorRegistry:
+    registry = OutputProcessorRegistry(entry_point_group=None)
+    for processor in processors:
+        registry.register(processor)
+    return registry
+
+
+def test_builtin_processors_are_registered() -> None:
+    assert OUTPUT_PROCESSORS.names()[:3] == ["hidden_states", "probe_scores", "probe_flags"]
+    assert OUTPUT_PROCESSORS["probe_scores"].request_attributes == ("prefill_probe_scores",)
+
+
+def test_register_by_instance_or_as_a_class_decorator() -> None:
+    registry = fresh()
+    assert registry.register(TokenNorms()) is not None and "token_norms" in registry
+
+    other = fresh()
+
+    @other.register
+    class Logits(OutputProcessor):
+        name = "logits"
+        completion_attributes = ("logits",)
+
+    assert isinstance(other["logits"], Logits)
+
+
+def test_bad_registrations_are_clear_errors() -> None:
+    registry = fresh(TokenNorms)
+    with pytest.raises(OutputProcessorError, match="'token_norms' is already registered"):
+        registry.register(TokenNorms)
+
+    class Clash(OutputProcessor):
+        name = "clash"
+        completion_attributes = ("token_norms",)
+
+    with pytest.raises(OutputProcessorError, match=r"already owned by \['token_norms'\]"):
+        registry.register(Clash)
+
+    class Nameless(OutputProcessor):
+        pass
+
+    with pytest.raises(OutputProcessorError, match="has no name"):
+        registry.register(Nameless)
+    with pytest.raises(OutputProcessorError, match="not an output processor"):
+        registry.register(object())
+
+
+def test_an_unknown_name_lists_the_known_ones() -> None:
+    with pytest.raises(OutputProcessorError, match=r"'images'; known: \['hidden_states'"):
+        OUTPUT_PROCESSORS["images"]
+
+
+def test_attach_to_a_model_class() -> None:
+    registry = fresh(TokenNorms)
+
+    @registry.for_model("token_norms")
+    class TinyModel:
+        pass
+
+    @registry.for_model("segmentation")
+    class Unregistered:
+        pass
+
+    assert isinstance(registry.for_model_class(TinyModel), TokenNorms)
+    assert registry.for_model_class(object) is None
+    with pytest.raises(OutputProcessorError, match="'segmentation'; known: \\['token_norms'\\]"):
+        registry.for_model_class(Unregistered)
+
+
+def test_entry_points_register_on_first_use(monkeypatch: pytest.MonkeyPatch) -> None:
+    group = "probehook.output_processors"
+    good = EntryPoint("norms", "test_output_registry:TokenNorms", group)
+    monkeypatch.syspath_prepend(str(__import__("pathlib").Path(__file__).parent))
+    monkeypatch.setattr("importlib.metadata.entry_points", lambda group: [good])
+    registry = OutputProcessorRegistry(entry_point_group=group)
+    assert "token_norms" in registry.names()
+
+    broken = EntryPoint("broken", "no_such_module_anywhere:make", group)
+    monkeypatch.setattr("importlib.metadata.entry_points", lambda group: [broken])
+    with pytest.raises(OutputProcessorError, match="'broken' .* failed to load"):
+        OutputProcessorRegistry(entry_point_group=group).names()
+
+
+def outputs(**completion: Any) -> tuple[Any, Any]:
+    c = SimpleNamespace(index=0, **completion)
+    return SimpleNamespace(outputs=[c]), c
+
+
+def test_a_registered_processor_reaches_server_responses_and_streams_join() -> None:
+    registry = fresh(*BUILTIN, TokenNorms)
+    fields = ChoiceFields(registry)
+    for lo in (0, 2):  # two stream outputs before the chunk that carries them
+        output, c = outputs(
+            hidden_states={3: torch.arange(lo, lo + 2.0).repeat(4, 1).T},
+            probe_scores={"truth": torch.tensor([0.5, 0.25]) + lo},
+            token_norms=[1.234 + lo, 2.0],
+        )
+        output.prefill_hidden_states = {3: torch.ones(5, 4)} if lo == 0 else {}
+        fields.add(0, output, c)
+    field = fields.take(0)
+    assert field is not None and fields.take(0) is None
+    assert field["token_norms"] == [1.23, 2.0, 3.23, 2.0]
+    assert field["probe_scores"] == {"truth": [0.5, 0.25, 2.5, 2.25]}
+    assert decode_array(field["hidden_states"]["3"])[:, 0].tolist() == [0, 1, 2, 3]
+    assert decode_array(field["prefill_hidden_states"]["3"]).shape == (5, 4)
+
+
+def test_every_output_gets_every_processors_attributes_empty() -> None:
+    output, c = outputs(token_ids=[1])
+    clear_outputs(output)
+    for processor in OUTPUT_PROCESSORS:
+        for attribute in processor.request_attributes:
+            assert getattr(output, attribute) == processor.empty()
+        for attribute in processor.completion_attributes:
+            assert getattr(c, attribute) == processor.empty()

@@ -279,8 +279,8 @@ class ServerProcess:
             command = [sys.executable, "-m", entry, "--model", argv[0], *argv[1:]]
         command += ["--host", "127.0.0.1", "--port", str(self.port)]
         with open(self.log, "wb") as out:
-            self.process = subprocess.Popen(
-                command, stdout=out, stderr=subprocess.STDOUT, env=full_env
+            self.process = subprocess.Popen(  # its own process group: see kill()
+                command, stdout=out, stderr=subprocess.STDOUT, env=full_env, start_new_session=True
             )
 
     def wait(self, timeout: float = 600.0) -> ServerProcess:
@@ -301,6 +301,16 @@ class ServerProcess:
 
     def tail(self, lines: int = 40) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+
+    def kill(self) -> None:
+        """SIGKILL the server and every process it started (engine core, workers): a crash."""
+        import contextlib
+        import os
+        import signal
+
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait()
 
     def stop(self) -> None:
         import subprocess

@@ -240,3 +240,16 @@ def test_from_engine_args_without_capture_is_plain_vllm(llama_dir, engine, loop)
     final = loop.run_until_complete(main())[-1]
     assert len(final.outputs[0].token_ids) == 3
     assert final.hidden_states == {} and final.probe_scores == {} and final.store_id is None
+
+
+def test_shutdown_commits_what_was_stored(engine, loop, store_dir) -> None:
+    """Runs last: shuts the module's engine down. Requests stored since the last flush are
+    committed by shutdown, with no flush by the user."""
+    from probehook import ActivationStore
+
+    final = loop.run_until_complete(collect(engine, prompts(8)[5], greedy(4)))[-1]
+    assert final.store_id is not None and engine.store.unflushed > 0
+    engine.shutdown()
+    stored = ActivationStore.open(store_dir)[final.store_id]
+    assert stored.output_token_ids == list(final.outputs[0].token_ids)
+    assert close(stored.hidden_states[3], final.outputs[0].hidden_states[3])

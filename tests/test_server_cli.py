@@ -19,6 +19,7 @@ def flags(**overrides: object) -> argparse.Namespace:
         include_prefill=False,
         store=None,
         max_capture_response_mb=64.0,
+        store_flush_interval=5.0,
     )
     return argparse.Namespace(**{**values, **overrides})
 
@@ -52,6 +53,7 @@ def test_monitor_specs() -> None:
         ({"monitor": ["truth:stop"]}, "PROBE:ACTION:THRESHOLD"),
         ({"max_capture_response_mb": 0.0}, "must be positive"),
         ({"layers": "1,x"}, "comma-separated ints"),
+        ({"store_flush_interval": -1.0}, "store-flush-interval"),
     ],
 )
 def test_bad_flags_exit_with_a_message(overrides: dict, message: str) -> None:

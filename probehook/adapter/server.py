@@ -13,6 +13,7 @@ also load in a plain ``vllm serve``, whose engine cannot capture.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 from typing import Any
 
@@ -53,6 +54,14 @@ def add_capture_args(parser: Any) -> None:
         "--store", default=None, help="also store every captured request in this directory"
     )
     group.add_argument(
+        "--store-flush-interval",
+        type=float,
+        default=5.0,
+        metavar="SECONDS",
+        help="commit stored requests at least this often (default 5; 0: only when a shard "
+        "fills and at shutdown)",
+    )
+    group.add_argument(
         "--max-capture-response-mb",
         type=float,
         default=64.0,
@@ -78,6 +87,8 @@ def capture_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit(f"error: {e}") from None
     if args.max_capture_response_mb <= 0:
         raise SystemExit("error: --max-capture-response-mb must be positive")
+    if args.store_flush_interval < 0:
+        raise SystemExit("error: --store-flush-interval must be 0 (off) or positive seconds")
     layers = parse_layers(args.layers) if args.layers is not None else None
     return dict(
         layers=layers,
@@ -170,8 +181,11 @@ async def serve(args: argparse.Namespace, capture: dict[str, Any]) -> None:
         usage_context=UsageContext.OPENAI_API_SERVER,
         **capture,
     )
+    flusher = None
     try:
         await engine.start_capture()
+        if engine.store is not None and args.store_flush_interval > 0:
+            flusher = asyncio.create_task(_flush_store(engine, args.store_flush_interval))
         tasks = await engine.get_supported_tasks()
         app = build_app(args, tasks, engine.model_config)
         await init_app_state(engine, app.state, args, tasks)
@@ -202,8 +216,24 @@ async def serve(args: argparse.Namespace, capture: dict[str, Any]) -> None:
         )
         await shutdown
     finally:
+        if flusher is not None:
+            flusher.cancel()
         engine.shutdown()
         sock.close()
+
+
+async def _flush_store(engine: Any, interval: float) -> None:
+    """Commit stored requests every ``interval`` seconds, off the event loop, so that a crash
+    loses at most the last interval's records. Stops once the engine shuts down (its store's
+    close commits the rest)."""
+    loop = asyncio.get_running_loop()
+    while True:
+        await asyncio.sleep(interval)
+        store = engine.store
+        if getattr(engine, "_shut_down", False) or store is None:
+            return
+        if store.unflushed:
+            await loop.run_in_executor(None, store.flush)
 
 
 def _describe(engine: Any, limit: int) -> Any:

@@ -241,6 +241,8 @@ class ActivationStore:
         self.dropped = dropped
         self._index: SegmentIndex | None = None
         self._writer: ShardWriter | None = None
+        self.unflushed = 0
+        """Requests added since the last :meth:`flush` began (not yet durable)."""
         self._run_id: str | None = None
         self._lock: WriterLock | None = None
         # Shard files open for reading, least recently used first; a store of thousands of
@@ -492,11 +494,13 @@ class ActivationStore:
         record["id"] = f"{self._run_id}-{record['request_id']}"
         record["run"] = self._run_id
         writer.submit(request)
+        self.unflushed += 1
         return record["id"]
 
     def flush(self) -> None:
         """Make every added request durable; afterwards they are visible to readers."""
         writer = self._require_writer()
+        self.unflushed = 0
         writer.flush()
         for record in writer.take_committed():
             if self._index is not None and record["id"] not in self._records:

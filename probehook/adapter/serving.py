@@ -14,7 +14,7 @@ constructor arguments are not repeated here) for subclasses that:
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
 from vllm import SamplingParams
@@ -28,6 +28,7 @@ from probehook.core.response_fields import (
     request_options,
     response_bytes_bound,
 )
+from probehook.core.transport import DTYPES
 from probehook.errors import CaptureConfigError
 
 MiB = 1 << 20
@@ -67,7 +68,7 @@ class CaptureServing:
         max_len = self.model_config.max_model_len  # type: ignore[attr-defined]
         max_tokens = getattr(request, "max_completion_tokens", None) or request.max_tokens
         rows = max_len if config.include_prefill or not max_tokens else min(max_tokens, max_len)
-        itemsize = {"float32": 4, "float64": 8}.get(info["dtype"].removeprefix("torch."), 2)
+        itemsize = DTYPES[info["dtype"]].itemsize
         bound = response_bytes_bound(
             rows * completions, len(config.layers), info["hidden_size"], itemsize
         )
@@ -101,14 +102,7 @@ class CaptureCompletionServing(CaptureServing, OpenAIServingCompletion):
     ) -> AsyncGenerator[str, None]:
         fields = ChoiceFields()
         n = request.n or 1
-
-        async def recorded() -> AsyncIterator[tuple[int, Any]]:
-            async for prompt_index, output in result_generator:
-                for completion in output.outputs:
-                    fields.add(prompt_index * n + completion.index, output, completion)
-                yield prompt_index, output
-
-        source = recorded() if getattr(request, "probehook_wanted", False) else result_generator
+        source = _recorded(request, result_generator, fields, lambda item: (item[1], item[0] * n))
         stream = super().completion_stream_generator(request, engine_inputs, source, *args, **kw)
         async for line in stream:
             yield fields.annotate_sse(line)
@@ -136,9 +130,7 @@ class CaptureChatServing(CaptureServing, OpenAIServingChat):
         self, request: Any, result_generator: AsyncIterator, *args: Any, **kwargs: Any
     ) -> AsyncGenerator[str, None]:
         fields = ChoiceFields()
-        source = _recorded(result_generator, fields)
-        if not getattr(request, "probehook_wanted", False):
-            source = result_generator
+        source = _recorded(request, result_generator, fields, _single)
         stream = super().chat_completion_stream_generator(request, source, *args, **kwargs)
         async for line in stream:
             yield fields.annotate_sse(line)
@@ -147,18 +139,37 @@ class CaptureChatServing(CaptureServing, OpenAIServingChat):
         self, request: Any, result_generator: AsyncIterator, *args: Any, **kwargs: Any
     ) -> Any:
         fields = ChoiceFields()
-        source = _recorded(result_generator, fields)
+        source = _recorded(request, result_generator, fields, _single)
         response = await super().chat_completion_full_generator(request, source, *args, **kwargs)
         _annotate(response, fields)
         return response
 
 
-async def _recorded(outputs: AsyncIterator[Any], fields: ChoiceFields) -> AsyncIterator[Any]:
-    """``outputs``, each noted in ``fields`` under its completions' indices as it passes."""
-    async for output in outputs:
-        for completion in output.outputs:
-            fields.add(completion.index, output, completion)
-        yield output
+def _recorded(
+    request: Any,
+    items: AsyncIterator[Any],
+    fields: ChoiceFields,
+    unpack: Callable[[Any], tuple[Any, int]],
+) -> AsyncIterator[Any]:
+    """``items`` unchanged, each output noted in ``fields`` under its choices' indices as it
+    passes (``unpack``: an item's output and its first choice index); ``items`` itself when
+    the request asked for nothing."""
+    if not getattr(request, "probehook_wanted", False):
+        return items
+
+    async def recorded() -> AsyncIterator[Any]:
+        async for item in items:
+            output, first = unpack(item)
+            for completion in output.outputs:
+                fields.add(first + completion.index, output, completion)
+            yield item
+
+    return recorded()
+
+
+def _single(output: Any) -> tuple[Any, int]:
+    """A chat request's outputs: one prompt, choices numbered by completion index."""
+    return output, 0
 
 
 def _annotate(response: Any, fields: ChoiceFields) -> None:

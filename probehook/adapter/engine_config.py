@@ -32,6 +32,10 @@ SUPPORTED_ARCHITECTURES = (
     "GemmaForCausalLM",
     "Gemma2ForCausalLM",
     "Phi3ForCausalLM",
+    # pooling models (encode / embed / classify / score): encoder layers
+    "BertModel",
+    "BertForSequenceClassification",
+    "ProbehookTinySegmenter",
 )
 WORKER_EXTENSION = "probehook.adapter.worker.ProbehookWorkerExtension"
 MONITOR_PROCESSOR = "probehook.adapter.monitor_processor:ProbeStopProcessor"
@@ -137,13 +141,6 @@ def check_engine(vllm_config: Any) -> int:
     """Refuse engine features capture cannot serve; return the number of decoder layers."""
     model_config = vllm_config.model_config
     architectures = list(model_config.architectures or [])
-    if model_config.runner_type == "pooling":
-        raise CaptureConfigError(
-            f"runner={model_config.runner_type!r} ({', '.join(architectures)}): capture and "
-            "probes on pooling models (encode/embed/classify/score) are not supported yet "
-            "(and vLLM refuses the custom logits processor that probe monitors use on pooling "
-            "models). Pass layers=None and no probes to use them as in vLLM."
-        )
     if vllm_config.speculative_config is not None:
         method = getattr(vllm_config.speculative_config, "method", None)
         raise CaptureConfigError(
@@ -159,7 +156,7 @@ def check_engine(vllm_config: Any) -> int:
             "not supported with capture (each stage holds only some layers); use "
             "tensor_parallel_size instead."
         )
-    if getattr(model_config, "enable_prompt_embeds", False):
+    if getattr(model_config, "enable_prompt_embeds", False) and not is_pooling(vllm_config):
         raise CaptureConfigError(
             "enable_prompt_embeds=True is not supported with capture: rows of prompts given as "
             "embeddings cannot be checked against token ids yet. Pass token or text prompts, "
@@ -182,8 +179,16 @@ def check_engine(vllm_config: Any) -> int:
     return num_layers
 
 
+def is_pooling(vllm_config: Any) -> bool:
+    """Whether the engine runs a pooling model (one pass per request, no sampling)."""
+    return vllm_config.model_config.runner_type == "pooling"
+
+
 def capture_engine_kwargs(
-    kwargs: dict[str, Any], capture: CaptureConfig, probe_layers: tuple[int, ...] = ()
+    kwargs: dict[str, Any],
+    capture: CaptureConfig,
+    probe_layers: tuple[int, ...] = (),
+    pooling: bool = False,
 ) -> dict[str, Any]:
     """Return ``kwargs`` for ``vllm.LLM`` with probehook's loader, extension and config; with
     probes, their layers are tapped too and the monitor logits processor is added."""
@@ -224,7 +229,7 @@ def capture_engine_kwargs(
     }
     kwargs["additional_config"] = additional
     kwargs["worker_extension_cls"] = WORKER_EXTENSION
-    if probe_layers:
+    if probe_layers and not pooling:  # pooling models sample nothing, so nothing to stop
         # Per engine, never the global entry-point group (it would touch every engine).
         processors = list(kwargs.get("logits_processors") or [])
         if MONITOR_PROCESSOR not in processors:

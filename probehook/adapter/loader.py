@@ -43,8 +43,11 @@ LAYER_PATHS: tuple[str, ...] = (
     "gpt_neox.layers",  # GPT-NeoX, Pythia
     "language_model.model.layers",  # multimodal wrappers
     "model.language_model.layers",
+    "model.encoder.layer",  # BERT embedding models (vLLM nests BertModel under .model)
+    "bert.encoder.layer",  # BertForSequenceClassification
+    "encoder.layers",  # probehook's own encoders (the toy image model)
 )
-SUPPORTED_FAMILIES = "Llama, Mistral, Qwen2, Qwen3, GPT-2, OPT, GPT-NeoX and similar"
+SUPPORTED_FAMILIES = "Llama, Mistral, Qwen2, Qwen3, GPT-2, OPT, GPT-NeoX, BERT and similar"
 
 
 # --- loading: taps go in before compilation ------------------------------------------------
@@ -239,12 +242,19 @@ class StepHook:
         runner.execute_model = execute_model
 
     def fire(self) -> None:
+        """Called by the model's ``compute_logits``, or by its pooler for pooling models."""
         if self.armed and self.on_step is not None:
             self.armed = False
             self.on_step()
 
 
 def _install_logits_hook(model: nn.Module) -> None:
+    pooler = getattr(model, "pooler", None)
+    if getattr(model, "is_pooling_model", False) and isinstance(pooler, nn.Module):
+        # Pooling models never call compute_logits: the runner hands the step's hidden states
+        # to the pooler instead (eagerly, outside the compiled graph), once per forward.
+        pooler.register_forward_pre_hook(lambda module, args: getattr(model, RECORDER_ATTR).fire())
+        return
     original = model.compute_logits
 
     def compute_logits(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:

@@ -8,18 +8,19 @@ connects it to the offline request path: ``_add_request`` (tag and register), th
 
 from __future__ import annotations
 
+import itertools
 import os
 import weakref
 from collections.abc import Sequence
 from typing import Any
 
 import vllm
-from vllm import SamplingParams
+from vllm import PoolingParams, SamplingParams
 
 from probehook.adapter import engine_config, outputs, setup
 from probehook.capture_config import CaptureConfig, LayerSpec
 from probehook.core.probe_set import ProbeSet
-from probehook.core.session import CaptureSession, clear_outputs
+from probehook.core.session import CaptureSession, clear_outputs, copy_captures
 from probehook.errors import CaptureConfigError
 from probehook.store import ActivationStore
 
@@ -84,6 +85,8 @@ class LLM(vllm.LLM):
         self.capture: CaptureSession | None = None
         self.store: ActivationStore | None = None
         self.probes: ProbeSet | None = None
+        self._inputs = itertools.count()  # user inputs split by an IO Processor plugin
+        self._pooled: dict[str, Any] = {}  # the last pooling call's outputs, by request id
         request = setup.CaptureRequest(
             layers=layers,
             include_prefill=include_prefill,
@@ -121,7 +124,7 @@ class LLM(vllm.LLM):
     # -- vLLM's offline request path ------------------------------------------------------
 
     def _add_request(self, prompt: Any, params: Any, *args: Any, **kwargs: Any) -> str:
-        if self.capture is None or not isinstance(params, SamplingParams):
+        if self.capture is None or not isinstance(params, SamplingParams | PoolingParams):
             return super()._add_request(prompt, params, *args, **kwargs)
         params = self.capture.tag(params)
         engine_id = super()._add_request(prompt, params, *args, **kwargs)
@@ -180,6 +183,66 @@ class LLM(vllm.LLM):
             if pbar is not None:
                 pbar.close()
         return [output for _, output in sorted(finished, key=lambda item: item[0])]
+
+    def _run_tiling_engine(self, io_processor: Any, *args: Any, **kwargs: Any) -> list[Any]:
+        # vLLM's loop for pooling models (encode, embed, classify, score and IO Processor
+        # plugins): every output is finished when it arrives; attach rows to all of them
+        # before vLLM post-processes (so a plugin's post_process sees them too).
+        try:
+            pooled = super()._run_tiling_engine(io_processor, *args, **kwargs)
+        except BaseException:
+            self._abort_unfinished()
+            raise
+        if self.capture is None:
+            for output in pooled:
+                _empty_rows(output)
+            return pooled
+        if getattr(io_processor, "io_processor", None) is not None:
+            # An IO Processor plugin split one user input into these requests (patches):
+            # the store keeps each one's rows keyed to the input and its index.
+            user_request = f"input-{next(self._inputs)}"
+            for index, output in enumerate(pooled):
+                output.store_fields = {"user_request": user_request, "patch": index}
+        try:
+            self.capture.attach(pooled)
+        finally:
+            self.capture.abandon(abort=False)
+        if self.store is not None:
+            self.store.flush()
+        self._pooled = {output.request_id: output for output in pooled}
+        return pooled
+
+    # vLLM wraps pooled outputs in new objects (EmbeddingRequestOutput.from_base, ...): carry
+    # the captures over by request id.
+
+    def embed(self, *args: Any, **kwargs: Any) -> list[Any]:
+        return self._carry(super().embed(*args, **kwargs))
+
+    def classify(self, *args: Any, **kwargs: Any) -> list[Any]:
+        return self._carry(super().classify(*args, **kwargs))
+
+    def score(self, *args: Any, **kwargs: Any) -> list[Any]:
+        """vLLM's ``score``; with capture each result also has ``inputs``: the two pooled
+        outputs it compared (each with its ``hidden_states`` and ``probe_scores``), or one
+        output for a cross-encoder that reads the pair together."""
+        results = super().score(*args, **kwargs)
+        pooled, self._pooled = self._pooled, {}
+        for result in results:
+            # A bi-encoder's pair result is named "<first id>_<second id>".
+            ids = [result.request_id] if result.request_id in pooled else []
+            ids = ids or result.request_id.split("_")
+            result.inputs = tuple(pooled[i] for i in ids if i in pooled)
+        return results
+
+    def _carry(self, results: list[Any]) -> list[Any]:
+        pooled, self._pooled = self._pooled, {}
+        for result in results:
+            source = pooled.get(result.request_id)
+            if source is not None:
+                copy_captures(source, result)
+            else:
+                clear_outputs(result)
+        return results
 
     def _abort_unfinished(self) -> None:
         """After an error or Ctrl-C: nothing of this call may come back in a later call."""

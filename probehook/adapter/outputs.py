@@ -12,6 +12,8 @@ from typing import Any
 import torch
 from vllm.outputs import CompletionOutput, RequestOutput
 
+from probehook.core.session import completions
+
 Rows = dict[int, torch.Tensor]
 Scores = dict[str, torch.Tensor]
 
@@ -60,6 +62,6 @@ def decorate(output: Any) -> None:
     """Give a finished output (and its completions) probehook's output classes."""
     if type(output) is RequestOutput:
         output.__class__ = CapturedRequestOutput
-    for completion in getattr(output, "outputs", ()):
+    for completion in completions(output):
         if type(completion) is CompletionOutput:
             completion.__class__ = CapturedCompletionOutput

@@ -51,8 +51,8 @@ def plan_factory(runner: Any, engine_config: CaptureConfig, scores: bool = False
 
     def plan_for(req_id: str) -> RequestPlan | None:
         state = runner.requests.get(req_id)
-        params = getattr(state, "sampling_params", None)
-        extra = (getattr(params, "extra_args", None) or {}).get(EXTRA_ARGS_KEY)
+        params = request_params(state)
+        extra = extra_options(params).get(EXTRA_ARGS_KEY)
         if not extra or "tag" not in extra:
             return None  # not submitted through probehook: nobody will collect it
         if scores and not extra.get("probes"):
@@ -60,7 +60,7 @@ def plan_factory(runner: Any, engine_config: CaptureConfig, scores: bool = False
         config = engine_config.narrow(capture_options(extra))
         if config is None or (not scores and not config.layers):
             return None
-        prompt_len = len(state.prompt_token_ids)
+        prompt_len = state.num_prompt_tokens  # also counts prompts given as embeddings
         # vLLM names the engine requests of n > 1 "<index>_<id>".
         index = int(req_id.split("_", 1)[0]) if extra.get("n", 1) > 1 else 0
         stream = bool(extra.get("stream"))
@@ -76,6 +76,21 @@ def plan_factory(runner: Any, engine_config: CaptureConfig, scores: bool = False
         return RequestPlan(f"{extra['tag']}/{index}", keep, stream, layers)
 
     return plan_for
+
+
+def request_params(state: Any) -> Any:
+    """A request's SamplingParams, or its PoolingParams for a pooling model."""
+    params = getattr(state, "sampling_params", None)
+    return params if params is not None else getattr(state, "pooling_params", None)
+
+
+def extra_options(params: Any) -> dict[str, Any]:
+    """The free-form per-request dict vLLM carries to the worker: ``SamplingParams.extra_args``
+    or ``PoolingParams.extra_kwargs``."""
+    extra = getattr(params, "extra_args", None)
+    if extra is None:
+        extra = getattr(params, "extra_kwargs", None)
+    return extra or {}
 
 
 def live_request_ids(runner: Any) -> set[str]:

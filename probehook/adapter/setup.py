@@ -117,15 +117,19 @@ def prepare(
             hidden_size=resolved.model_config.get_hidden_size(),
             model_fingerprint=fingerprint["fingerprint"],
         )
+    pooling = engine_config.is_pooling(resolved)
+    if pooling:
+        _check_pooling(request, resolved.model_config.architectures)
     config = CaptureConfig(
         layers=resolve_layers(request.layers, num_layers) if request.layers is not None else (),
-        include_prefill=request.include_prefill,
-        include_decode=request.include_decode,
+        # A pooling model reads its input in one pass: every row is an input (prompt) row.
+        include_prefill=request.include_prefill or pooling,
+        include_decode=request.include_decode and not pooling,
         last_prefill_token=request.last_prefill_token,
         last_decode_token=request.last_decode_token,
     )
     engine_kwargs = engine_config.capture_engine_kwargs(
-        kwargs, config, probe_set.layers if probe_set else ()
+        kwargs, config, probe_set.layers if probe_set else (), pooling
     )
     legacy = legacy_fingerprint(hf_config)  # only compared with pre-v2 stores
     store = os.fspath(request.store) if request.store is not None else None
@@ -206,6 +210,22 @@ def fingerprint_meta(fingerprint: dict[str, Any]) -> dict[str, Any]:
         "fingerprint_version": fingerprint["version"],
         "fingerprint_covers": fingerprint["covers"],
     }
+
+
+def _check_pooling(request: CaptureRequest, architectures: Any) -> None:
+    """Options that only mean something when a model generates tokens."""
+    model = ", ".join(architectures or ["this model"])
+    if request.monitors:
+        raise CaptureConfigError(
+            f"monitors= stop or flag generation, but {model} is a pooling model: it generates "
+            "nothing. Drop monitors=; probe scores still come back on every output "
+            "(output.probe_scores)."
+        )
+    if request.last_decode_token:
+        raise CaptureConfigError(
+            f"last_decode_token=True, but {model} is a pooling model with no decode tokens; "
+            "use last_prefill_token=True to keep only the last input token's row."
+        )
 
 
 def _check_limit(limit: int | None) -> int:

@@ -55,6 +55,11 @@ SAMPLING_FIELDS = (
     "frequency_penalty",
 )
 
+POOLING_FIELDS = ("task", "dimensions", "use_activation")
+"""What the store records of a pooling request's PoolingParams."""
+POOLING_EXTRA = "extra_kwargs"
+"""Where PoolingParams carry free-form options (SamplingParams: ``extra_args``)."""
+
 Rpc = Callable[[str, tuple], list]
 
 
@@ -125,8 +130,15 @@ class CaptureSession:
         before anything reaches the engine. ``stream``: the worker pushes the request's rows
         through the data plane as they are computed (``AsyncLLM``) instead of holding them
         for an export."""
-        extra = dict(getattr(params, "extra_args", None) or {})
+        field = _extra_field(params)
+        extra = dict(getattr(params, field, None) or {})
         options = dict(extra.get(EXTRA_ARGS_KEY) or {})
+        if field == POOLING_EXTRA and options.get("monitors"):
+            raise CaptureConfigError(
+                "This request sets monitors, but it is a pooling request: nothing is generated, "
+                "so nothing can be stopped or flagged. Drop monitors; probe scores still come "
+                "back on output.probe_scores."
+            )
         config = self.config.narrow(capture_options(options))
         probes = self.probes.for_request(options) if self.probes is not None else None
         asks_for_probes = options.get("probes") not in (None, False, []) or options.get("monitors")
@@ -146,13 +158,13 @@ class CaptureSession:
             )
         tagged = copy.copy(params)
         if config is not None:
-            options.update(tag=next(self._tags), n=params.n, stream=stream)
+            options.update(tag=next(self._tags), n=getattr(params, "n", 1), stream=stream)
             if probes is not None:
                 options.update(probes=list(probes.names), monitors=self._wire(probes, tagged))
                 if probes.stops:
                     options["stop_token"] = self.stop_token
             extra[EXTRA_ARGS_KEY] = options
-            tagged.extra_args = extra
+            setattr(tagged, field, extra)
             if config.include_prefill:
                 # Cached prompt blocks are never recomputed, so their rows would be missing.
                 tagged.skip_reading_prefix_cache = True
@@ -180,10 +192,11 @@ class CaptureSession:
     def describe(self, params: Any, engine_id: str = "") -> RequestTag | None:
         """What the front end needs to collect a request tagged by :meth:`tag` (None: it
         captures nothing)."""
-        options = (getattr(params, "extra_args", None) or {}).get(EXTRA_ARGS_KEY) or {}
+        options = (getattr(params, _extra_field(params), None) or {}).get(EXTRA_ARGS_KEY) or {}
         if "tag" not in options:
             return None
-        sampling = {f: _jsonable(getattr(params, f, None)) for f in SAMPLING_FIELDS}
+        names = POOLING_FIELDS if _extra_field(params) == POOLING_EXTRA else SAMPLING_FIELDS
+        sampling = {f: _jsonable(getattr(params, f, None)) for f in names}
         probes = None
         if self.probes is not None:
             monitors = tuple(
@@ -215,6 +228,10 @@ class CaptureSession:
                 continue
             captured.append((output, tag))
             prompt_len = len(output.prompt_token_ids or [])
+            if is_pooled(output):
+                # One pass over the input: its rows and scores are prompt rows.
+                self._ask_pooled(output, tag, prompt_len, requests, targets)
+                continue
             for completion in output.outputs:
                 key = f"{tag.tag}/{completion.index}"
                 n_out = len(completion.token_ids)
@@ -242,6 +259,25 @@ class CaptureSession:
         if self.store is not None:
             for output, tag in captured:
                 self.store_output(output, tag)
+
+    def _ask_pooled(
+        self,
+        output: Any,
+        tag: RequestTag,
+        prompt_len: int,
+        requests: list[dict[str, Any]],
+        targets: list[list[tuple[Any, str]]],
+    ) -> None:
+        assert tag.config is not None
+        key = f"{tag.tag}/0"
+        if tag.config.layers:
+            spans = completion_spans(tag.config, prompt_len, 0)
+            requests.append(_export(key, "hidden", spans[:1], list(tag.config.layers)))
+            targets.append([(output, "prefill_hidden_states")])
+        if tag.probes is not None and tag.probes.names:
+            spans = completion_spans(score_config(tag.config), prompt_len, 0)
+            requests.append(_export(key, "scores", spans[:1], ["scores"]))
+            targets.append([(output, "prefill_probe_scores")])
 
     def store_output(self, output: Any, tag: RequestTag) -> None:
         """Add a finished output, rows attached, to the store; set its ``store_id``. A
@@ -345,6 +381,20 @@ class CaptureSession:
         self.spool.remove()
 
 
+def _extra_field(params: Any) -> str:
+    return "extra_args" if hasattr(params, "extra_args") else POOLING_EXTRA
+
+
+def is_pooled(output: Any) -> bool:
+    """Whether ``output`` is a pooling model's (one ``outputs`` object, not completions)."""
+    return not isinstance(getattr(output, "outputs", None), list)
+
+
+def completions(output: Any) -> list[Any]:
+    """A generation output's completions; none for a pooling output."""
+    return [] if is_pooled(output) else list(output.outputs)
+
+
 def _tags_by_name(captured: list[tuple[Any, RequestTag]]) -> list[tuple[str, RequestTag]]:
     return [(tag.tag, tag) for _, tag in captured]
 
@@ -386,14 +436,30 @@ def clear_outputs(output: Any) -> None:
     for processor in OUTPUT_PROCESSORS:  # each output processor's attributes, empty
         for attribute in processor.request_attributes:
             setattr(output, attribute, processor.empty())
-        for completion in getattr(output, "outputs", ()):
+        for completion in completions(output):
             for attribute in processor.completion_attributes:
                 setattr(completion, attribute, processor.empty())
     mirror_first_completion(output)
     output.store_id = None
 
 
+def copy_captures(source: Any, target: Any) -> None:
+    """Give ``target`` (a new object vLLM built from a pooled output) the captures of
+    ``source``: every registered processor's request attributes, and the store id."""
+    for processor in OUTPUT_PROCESSORS:
+        for attribute in processor.request_attributes:
+            setattr(target, attribute, getattr(source, attribute))
+    mirror_first_completion(target)
+    target.store_id = getattr(source, "store_id", None)
+
+
 def mirror_first_completion(output: Any) -> None:
+    """``output.hidden_states`` / ``probe_scores``: the first completion's; for a pooling
+    output, which reads its input in one pass, its (prompt) rows and scores."""
+    if is_pooled(output):
+        output.hidden_states = output.prefill_hidden_states
+        output.probe_scores = output.prefill_probe_scores
+        return
     first = output.outputs[0] if output.outputs else None
     output.hidden_states = first.hidden_states if first is not None else {}
     output.probe_scores = first.probe_scores if first is not None else {}
@@ -403,7 +469,7 @@ def failed(output: Any) -> bool:
     attributes = ("prefill_hidden_states", "prefill_probe_scores")
     return any(isinstance(getattr(output, a), FailedCapture) for a in attributes) or any(
         isinstance(c.hidden_states, FailedCapture) or isinstance(c.probe_scores, FailedCapture)
-        for c in output.outputs
+        for c in completions(output)
     )
 
 

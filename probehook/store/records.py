@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from probehook.capture_config import CaptureConfig
+from probehook.core.session import completions, is_pooled
 from probehook.core.spans import completion_spans
 from probehook.store.writer import PendingRequest, RowBlock
 
@@ -12,9 +13,10 @@ from probehook.store.writer import PendingRequest, RowBlock
 def pending_request(output: Any, sampling: dict[str, Any], config: CaptureConfig) -> PendingRequest:
     """Record + row blocks of one output whose tensors probehook.LLM has attached."""
     prompt_len = len(output.prompt_token_ids or [])
+    pooled = is_pooled(output)
     record = {
         "id": output.request_id,
-        "prompt": output.prompt,
+        "prompt": getattr(output, "prompt", None),
         "prompt_token_ids": list(output.prompt_token_ids or []),
         "sampling_params": sampling,
         "completions": [
@@ -25,14 +27,22 @@ def pending_request(output: Any, sampling: dict[str, Any], config: CaptureConfig
                 "finish_reason": c.finish_reason,
                 **_probe_fields(c),
             }
-            for c in output.outputs
+            for c in completions(output)
         ],
     }
+    if pooled:  # a pooling model's request: one pass, no completions
+        record["pooling_params"] = record.pop("sampling_params")
+        record.update(getattr(output, "store_fields", None) or {})
     prefill_scores = getattr(output, "prefill_probe_scores", None)
     if prefill_scores:
         record["prefill_probe_scores"] = _scores(prefill_scores)
     blocks = []
-    for c in output.outputs:
+    if pooled:
+        prefill, _ = completion_spans(config, prompt_len, 0)
+        assert prefill is not None  # pooling engines capture every input row
+        for layer, rows in output.prefill_hidden_states.items():
+            blocks.append(RowBlock("prefill", None, layer, prefill.lo, rows))
+    for c in completions(output):
         prefill, decode = completion_spans(config, prompt_len, len(c.token_ids), c.index)
         if prefill is not None:
             for layer, rows in output.prefill_hidden_states.items():

@@ -191,7 +191,7 @@ class AsyncLLM(VllmAsyncLLM):
             infos,
             rpc=_no_sync_rpc,
             abort=lambda ids: None,  # streams abort through AsyncLLM.abort
-            stop_token=setup.eos_token(self.get_tokenizer()),
+            stop_token=setup.eos_token(self.get_tokenizer),
         )
         receiver = Receiver(capture.spool.dirs[0])
         await self.collective_rpc("probehook_stream_connect", args=(receiver.address,))

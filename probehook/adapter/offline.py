@@ -114,7 +114,7 @@ class LLM(vllm.LLM):
             infos,
             rpc=lambda method, args: self.collective_rpc(method, args=args),
             abort=lambda ids: self.llm_engine.abort_request(ids, internal=True),
-            stop_token=setup.eos_token(self.get_tokenizer()),
+            stop_token=setup.eos_token(self.get_tokenizer),
         )
         """Layers, hidden size, dtype and model runner class of the tapped worker."""
         weakref.finalize(self, self.capture.close)

@@ -197,8 +197,13 @@ def _open_store(setup: CaptureSetup, model: str, info: dict[str, Any]) -> Activa
     return store
 
 
-def eos_token(tokenizer: Any) -> int | None:
-    """The token a stop monitor forces: the model's EOS."""
+def eos_token(get_tokenizer: Callable[[], Any]) -> int | None:
+    """The token a stop monitor forces: the model's EOS (None without a tokenizer, as with
+    ``skip_tokenizer_init=True``; a stop monitor then fails clearly when used)."""
+    try:
+        tokenizer = get_tokenizer()
+    except ValueError:
+        return None
     eos = getattr(tokenizer, "eos_token_id", None)
     return eos if isinstance(eos, int) else None
 

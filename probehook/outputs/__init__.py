@@ -9,6 +9,7 @@ from __future__ import annotations
 from probehook.outputs.captures import BUILTIN, HiddenStates, ProbeFlags, ProbeScores
 from probehook.outputs.registry import (
     ENTRY_POINT_GROUP,
+    OnePassProcessor,
     OutputProcessor,
     OutputProcessorError,
     OutputProcessorRegistry,
@@ -18,10 +19,20 @@ OUTPUT_PROCESSORS = OutputProcessorRegistry()
 for _processor in BUILTIN:
     OUTPUT_PROCESSORS.register(_processor)
 
+
+def _register_segmentation() -> None:
+    from probehook.segmentation.processor import SegmentationImage  # no vLLM imports
+
+    OUTPUT_PROCESSORS.register(SegmentationImage)
+
+
+_register_segmentation()
+
 __all__ = [
     "ENTRY_POINT_GROUP",
     "OUTPUT_PROCESSORS",
     "HiddenStates",
+    "OnePassProcessor",
     "OutputProcessor",
     "OutputProcessorError",
     "OutputProcessorRegistry",

@@ -60,6 +60,35 @@ class OutputProcessor:
         return f"<output processor {self.name!r}>"
 
 
+class OnePassProcessor(OutputProcessor):
+    """An output processor for a one-pass (pooling) model that also owns that model's input:
+    one user input becomes several requests (patches of an image, say), and their outputs
+    become one result. probehook runs it as vLLM's IO Processor plugin ``probehook``
+    (``probehook.adapter.io_processor``); attach it to the model class with
+    ``@OUTPUT_PROCESSORS.for_model(name)``.
+
+    Every method runs in the front-end process. ``parse`` and ``split`` raise on bad input
+    before any model work starts.
+    """
+
+    pooling_task: ClassVar[str] = "token_classify"
+    """The pooling task each of the input's requests runs (vLLM's PoolingParams.task)."""
+
+    def parse(self, data: Any, online: bool) -> Any:
+        """Validate a user input (``online``: it came over HTTP); return what ``split`` and
+        ``assemble`` need."""
+        raise NotImplementedError
+
+    def split(self, parsed: Any) -> list[dict[str, Any]]:
+        """The prompts (``{"prompt_token_ids": [...]}``) the input runs as, in order."""
+        raise NotImplementedError
+
+    def assemble(self, parsed: Any, outputs: list[Any]) -> Any:
+        """One result from the requests' pooled outputs (in ``split`` order). The result is
+        what vLLM returns offline and, through ``to_response``, in the HTTP response."""
+        raise NotImplementedError
+
+
 P = TypeVar("P")
 
 

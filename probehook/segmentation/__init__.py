@@ -1,0 +1,16 @@
+"""A one-pass, non-text model at toy scale: per-pixel segmentation of small images.
+
+The RFC on non-text-generating models (geospatial segmentation) in miniature: an image is split
+into patches, every patch runs through vLLM as one pooling request under the same user input,
+and an output processor puts the patch outputs back together as an image.
+
+- :mod:`~probehook.segmentation.codec`: pixels <-> token ids, the network in plain torch
+  (the reference the tests compare vLLM against), the bundled weights (no vLLM imports);
+- :mod:`~probehook.segmentation.processor`: the ``segmentation_image`` output processor (file ->
+  patches -> mask image; no vLLM imports);
+- :mod:`~probehook.segmentation.model`: the network as a vLLM out-of-tree pooling model.
+"""
+
+from probehook.segmentation.codec import segmenter_path
+
+__all__ = ["segmenter_path"]

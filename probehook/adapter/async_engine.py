@@ -19,7 +19,7 @@ import weakref
 from collections.abc import AsyncGenerator, Sequence
 from typing import Any
 
-from vllm import SamplingParams
+from vllm import PoolingParams, SamplingParams
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.sampling_params import RequestOutputKind
 from vllm.usage.usage_lib import UsageContext
@@ -30,7 +30,7 @@ from probehook.adapter import engine_config, outputs, setup
 from probehook.capture_config import EXTRA_ARGS_KEY, CaptureConfig, LayerSpec
 from probehook.core.probe_set import ProbeSet
 from probehook.core.request_stream import Kind, RequestStream
-from probehook.core.session import CaptureSession, RequestTag, clear_outputs
+from probehook.core.session import CaptureSession, RequestTag, clear_outputs, marked
 from probehook.core.stream_plane import Receiver
 from probehook.errors import CaptureConfigError
 from probehook.store import ActivationStore
@@ -78,6 +78,9 @@ class AsyncLLM(VllmAsyncLLM):
         self._receiver: Receiver | None = None
         self._attached: asyncio.Future | None = None
         self._streams: dict[str, RequestStream] = {}  # by request id, while generating
+        self.capture_unmarked = True
+        """Capture requests that carry no probehook options with the engine's defaults. The
+        server sets False: only requests that opt in capture (its pooling routes: none)."""
         if vllm_config is not None:  # vLLM's own constructor path: a plain engine
             if model is not None or layers is not None or probes is not None:
                 raise CaptureConfigError(
@@ -215,9 +218,32 @@ class AsyncLLM(VllmAsyncLLM):
         output carries the rows and scores of the tokens it holds."""
         params = sampling_params if sampling_params is not None else SamplingParams()
         request_id = request_id if request_id is not None else uuid.uuid4().hex
+        async for output in self._captured(super().generate, prompt, params, request_id, kwargs):
+            yield output
+
+    async def encode(  # type: ignore[override]
+        self,
+        prompt: Any,
+        pooling_params: PoolingParams | None = None,
+        request_id: str | None = None,
+        **kwargs: Any,
+    ) -> AsyncGenerator[Any, None]:
+        """vLLM's ``encode`` for pooling models; the (single, final) output carries
+        ``hidden_states`` and ``probe_scores``: one row per input token."""
+        params = pooling_params if pooling_params is not None else PoolingParams()
+        request_id = request_id if request_id is not None else uuid.uuid4().hex
+        async for output in self._captured(super().encode, prompt, params, request_id, kwargs):
+            yield output
+
+    async def _captured(
+        self, run: Any, prompt: Any, params: Any, request_id: str, kwargs: dict[str, Any]
+    ) -> AsyncGenerator[Any, None]:
+        """One request through vLLM's ``run`` (generate or encode), tagged for capture; every
+        output it yields gets its rows and scores."""
         await self._ensure_attached()
-        if self.capture is None or not isinstance(params, SamplingParams):
-            async for output in super().generate(prompt, params, request_id, **kwargs):
+        plain = not self.capture_unmarked and not marked(params)
+        if plain or self.capture is None or not isinstance(params, SamplingParams | PoolingParams):
+            async for output in run(prompt, params, request_id, **kwargs):
                 clear_outputs(output)
                 outputs.decorate(output)
                 yield output
@@ -231,7 +257,7 @@ class AsyncLLM(VllmAsyncLLM):
             self._streams[request_id] = stream
             self._receiver.expect(stream.tag.tag)
         try:
-            async for output in super().generate(prompt, tagged, request_id, **kwargs):
+            async for output in run(prompt, tagged, request_id, **kwargs):
                 if stream is not None:
                     await stream.attach(output)
                 else:

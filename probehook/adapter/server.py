@@ -182,6 +182,7 @@ async def serve(args: argparse.Namespace, capture: dict[str, Any]) -> None:
         **capture,
     )
     flusher = None
+    engine.capture_unmarked = False  # opt-in: a request captures only what it asks for
     try:
         await engine.start_capture()
         if engine.store is not None and args.store_flush_interval > 0:

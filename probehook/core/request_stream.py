@@ -26,6 +26,7 @@ from probehook.core.session import (
     RequestTag,
     clear_outputs,
     ended_on_stop_token,
+    is_pooled,
     mirror_first_completion,
 )
 from probehook.core.spans import Span, completion_spans, score_config
@@ -81,6 +82,9 @@ class RequestStream:
         tag, config = self.tag, self.tag.config
         assert config is not None
         prompt_len = len(output.prompt_token_ids or [])
+        if is_pooled(output):
+            await self._attach_pooled(output, prompt_len)
+            return
         send_prefill = not delta or not self.prefill_sent
         for completion in output.outputs:
             index = completion.index
@@ -103,6 +107,25 @@ class RequestStream:
                 )
                 await self._act_on_scores(key, spans[1], before, delta, output, completion)
             self.prefill_sent = self.prefill_sent or has_prefill
+        mirror_first_completion(output)
+
+    async def _attach_pooled(self, output: Any, prompt_len: int) -> None:
+        """A pooling model's one output: every row is an input (prompt) row."""
+        tag, config = self.tag, self.tag.config
+        assert config is not None
+        key = f"{tag.tag}/0"
+        wanted = [("hidden", "hidden_states", config)] if config.layers else []
+        if tag.probes is not None and tag.probes.names:
+            wanted.append(("scores", "probe_scores", score_config(config)))
+        for source, kind, spans_config in wanted:
+            prefill, _ = completion_spans(spans_config, prompt_len, 0)
+            assert prefill is not None  # pooling engines capture every input row
+            try:
+                rows = await self.receiver.take(source, key, prefill.lo, prefill.hi)
+                setattr(output, "prefill_" + kind, self._value(source, rows))
+            except StreamFailed as e:
+                setattr(output, "prefill_" + kind, FailedCapture(str(e)))
+                output.capture_error = str(e)
         mirror_first_completion(output)
 
     async def _fill(

@@ -385,6 +385,11 @@ def _extra_field(params: Any) -> str:
     return "extra_args" if hasattr(params, "extra_args") else POOLING_EXTRA
 
 
+def marked(params: Any) -> bool:
+    """Whether ``params`` carry probehook options (``extra_args`` / ``extra_kwargs``)."""
+    return EXTRA_ARGS_KEY in (getattr(params, _extra_field(params), None) or {})
+
+
 def is_pooled(output: Any) -> bool:
     """Whether ``output`` is a pooling model's (one ``outputs`` object, not completions)."""
     return not isinstance(getattr(output, "outputs", None), list)

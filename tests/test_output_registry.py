@@ -151,3 +151,15 @@ def test_every_output_gets_every_processors_attributes_empty() -> None:
             assert getattr(output, attribute) == processor.empty()
         for attribute in processor.completion_attributes:
             assert getattr(c, attribute) == processor.empty()
+
+
+def test_capture_sources_map_to_their_processors() -> None:
+    from probehook.core.session import attributes_of
+    from probehook.outputs import OUTPUT_PROCESSORS, OutputProcessorError
+
+    # The capture paths (offline attach, streams, pooling) name no attribute themselves.
+    assert attributes_of("hidden") == ("prefill_hidden_states", "hidden_states")
+    assert attributes_of("scores") == ("prefill_probe_scores", "probe_scores")
+    assert OUTPUT_PROCESSORS.for_source("scores").name == "probe_scores"
+    with pytest.raises(OutputProcessorError, match="capture source 'logits'"):
+        OUTPUT_PROCESSORS.for_source("logits")

@@ -24,6 +24,7 @@ from probehook.core.session import (
     CaptureSession,
     FailedCapture,
     RequestTag,
+    attributes_of,
     clear_outputs,
     ended_on_stop_token,
     is_pooled,
@@ -114,17 +115,18 @@ class RequestStream:
         tag, config = self.tag, self.tag.config
         assert config is not None
         key = f"{tag.tag}/0"
-        wanted = [("hidden", "hidden_states", config)] if config.layers else []
+        wanted = [("hidden", config)] if config.layers else []
         if tag.probes is not None and tag.probes.names:
-            wanted.append(("scores", "probe_scores", score_config(config)))
-        for source, kind, spans_config in wanted:
+            wanted.append(("scores", score_config(config)))
+        for source, spans_config in wanted:
+            attribute = attributes_of(source)[0]
             prefill, _ = completion_spans(spans_config, prompt_len, 0)
             assert prefill is not None  # pooling engines capture every input row
             try:
                 rows = await self.receiver.take(source, key, prefill.lo, prefill.hi)
-                setattr(output, "prefill_" + kind, self._value(source, rows))
+                setattr(output, attribute, self._value(source, rows))
             except StreamFailed as e:
-                setattr(output, "prefill_" + kind, FailedCapture(str(e)))
+                setattr(output, attribute, FailedCapture(str(e)))
                 output.capture_error = str(e)
         mirror_first_completion(output)
 
@@ -140,20 +142,20 @@ class RequestStream:
         completion: Any,
     ) -> None:
         prefill, decode = spans
-        kind = "hidden_states" if source == "hidden" else "probe_scores"
+        on_request, on_completion = attributes_of(source)
         try:
             if prefill is not None and send_prefill:
                 rows = await self.receiver.take(source, key, prefill.lo, prefill.hi)
-                setattr(output, "prefill_" + kind, self._value(source, rows))
+                setattr(output, on_request, self._value(source, rows))
             if decode is not None:
                 # Only the rows of tokens this output adds, in delta mode.
                 lo = max(decode.lo, prompt_len - 1 + before)
                 if lo < decode.hi:
                     rows = await self.receiver.take(source, key, lo, decode.hi)
-                    setattr(completion, kind, self._value(source, rows))
+                    setattr(completion, on_completion, self._value(source, rows))
         except StreamFailed as e:
             failed = FailedCapture(str(e))
-            for target, attribute in ((output, "prefill_" + kind), (completion, kind)):
+            for target, attribute in ((output, on_request), (completion, on_completion)):
                 setattr(target, attribute, failed)
             completion.capture_error = str(e)
 

@@ -238,13 +238,13 @@ class CaptureSession:
                 if tag.config.layers:
                     spans = completion_spans(tag.config, prompt_len, n_out, completion.index)
                     requests.append(_export(key, "hidden", spans, list(tag.config.layers)))
-                    targets.append(_slots(spans, output, completion, "hidden_states"))
+                    targets.append(_slots(spans, output, completion, "hidden"))
                 if tag.probes is not None and tag.probes.names:
                     spans = completion_spans(
                         score_config(tag.config), prompt_len, n_out, completion.index
                     )
                     requests.append(_export(key, "scores", spans, ["scores"]))
-                    targets.append(_slots(spans, output, completion, "probe_scores"))
+                    targets.append(_slots(spans, output, completion, "scores"))
         if requests:
             started = time.perf_counter_ns()
             self._fetch(requests, targets, dict(_tags_by_name(captured)))
@@ -273,11 +273,11 @@ class CaptureSession:
         if tag.config.layers:
             spans = completion_spans(tag.config, prompt_len, 0)
             requests.append(_export(key, "hidden", spans[:1], list(tag.config.layers)))
-            targets.append([(output, "prefill_hidden_states")])
+            targets.append([(output, attributes_of("hidden")[0])])
         if tag.probes is not None and tag.probes.names:
             spans = completion_spans(score_config(tag.config), prompt_len, 0)
             requests.append(_export(key, "scores", spans[:1], ["scores"]))
-            targets.append([(output, "prefill_probe_scores")])
+            targets.append([(output, attributes_of("scores")[0])])
 
     def store_output(self, output: Any, tag: RequestTag) -> None:
         """Add a finished output, rows attached, to the store; set its ``store_id``. A
@@ -414,14 +414,21 @@ def _export(key: str, source: str, spans: tuple[Any, Any], slots: list[Any]) -> 
     }
 
 
-def _slots(spans: tuple[Any, Any], output: Any, completion: Any, kind: str) -> list:
+def attributes_of(source: str) -> tuple[str, str]:
+    """The (request, completion) attributes that rows of capture ``source`` fill: the
+    output processor registered for that source decides."""
+    processor = OUTPUT_PROCESSORS.for_source(source)
+    return processor.request_attributes[0], processor.completion_attributes[0]
+
+
+def _slots(spans: tuple[Any, Any], output: Any, completion: Any, source: str) -> list:
     """Where each asked span goes: prefill on the request, decode on the completion."""
     prefill, decode = spans
     slots = []
     if prefill is not None:
-        slots.append((output, "prefill_" + kind))
+        slots.append((output, attributes_of(source)[0]))
     if decode is not None:
-        slots.append((completion, kind))
+        slots.append((completion, attributes_of(source)[1]))
     return slots
 
 

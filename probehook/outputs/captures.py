@@ -29,6 +29,7 @@ class HiddenStates(OutputProcessor):
     name: ClassVar[str] = "hidden_states"
     request_attributes = ("prefill_hidden_states",)
     completion_attributes = ("hidden_states",)
+    source = "hidden"
 
     def merge(self, pieces: list[dict[int, torch.Tensor]]) -> dict[int, torch.Tensor]:
         return _concat_by_key(pieces)
@@ -44,6 +45,7 @@ class ProbeScores(OutputProcessor):
     name: ClassVar[str] = "probe_scores"
     request_attributes = ("prefill_probe_scores",)
     completion_attributes = ("probe_scores",)
+    source = "scores"
 
     def merge(self, pieces: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         return _concat_by_key(pieces)

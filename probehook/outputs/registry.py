@@ -44,6 +44,10 @@ class OutputProcessor:
     name: ClassVar[str] = ""
     request_attributes: ClassVar[tuple[str, ...]] = ()
     completion_attributes: ClassVar[tuple[str, ...]] = ()
+    source: ClassVar[str | None] = None
+    """The worker capture source (``"hidden"`` rows or probe ``"scores"``) whose values fill
+    this processor's attributes: its first request attribute gets the prompt's, its first
+    completion attribute each completion's. None: filled by something else."""
 
     def empty(self) -> Any:
         return {}
@@ -141,6 +145,13 @@ class OutputProcessorRegistry:
         """The processor a model class was attached to with :meth:`for_model`, if any."""
         name = getattr(model_cls, MODEL_ATTRIBUTE, None)
         return None if name is None else self[name]
+
+    def for_source(self, source: str) -> OutputProcessor:
+        """The processor that captured values of ``source`` fill."""
+        for processor in self:
+            if processor.source == source:
+                return processor
+        raise OutputProcessorError(f"No output processor is filled by capture source {source!r}.")
 
     def __getitem__(self, name: str) -> OutputProcessor:
         self._load_entry_points()

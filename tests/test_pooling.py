@@ -213,3 +213,65 @@ def test_async_encode_rows_equal_offline(minilm: Any, engine_defaults: dict) -> 
         for layer in LAYERS:
             assert torch.allclose(got.hidden_states[layer], want.hidden_states[layer], atol=TOL)
         assert torch.allclose(got.probe_scores["mid"], want.probe_scores["mid"], atol=1e-4)
+
+
+def _post(port: int, route: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    import json
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}{route}",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+def test_server_embeddings_carry_rows_and_scores(minilm: Any, tmp_path: Path) -> None:
+    from probehook.core.response_fields import decode_array
+    from probehook.testing import ServerProcess
+
+    offline = minilm.embed(TEXTS, use_tqdm=False)
+    probe_path = PROBES["mid"].save(tmp_path / "mid.safetensors")
+    argv = [str(minilm_path()), "--layers", "0,5", "--probe", f"mid={probe_path}"]
+    argv += ["--max-capture-response-mb", "0.1", "--served-model-name", "minilm"]
+    argv += ["--dtype", "float32", "--max-model-len", "128", "--enforce-eager"]
+    argv += ["--gpu-memory-utilization", "0.1"]
+    server = ServerProcess(argv, log=tmp_path / "server.log")
+    try:
+        server.wait()
+        asked = {"layers": [5], "probes": ["mid"]}
+        body = {"model": "minilm", "input": TEXTS, "probehook": asked}
+        status, answer = _post(server.port, "/v1/embeddings", body)
+        assert status == 200, answer
+        for item, want in zip(answer["data"], offline, strict=True):
+            field = item["probehook"]
+            assert sorted(field) == ["hidden_states", "probe_scores"]
+            rows = torch.from_numpy(decode_array(field["hidden_states"]["5"]).copy())
+            assert torch.allclose(rows, want.hidden_states[5], atol=TOL)
+            assert torch.allclose(
+                torch.tensor(field["probe_scores"]["mid"]), want.probe_scores["mid"], atol=1e-4
+            )
+            assert item["embedding"] == pytest.approx(want.outputs.embedding, abs=1e-5)
+        # Without the field: vLLM's answer, untouched.
+        status, plain = _post(server.port, "/v1/embeddings", {"model": "minilm", "input": TEXTS})
+        assert status == 200 and all("probehook" not in item for item in plain["data"])
+        # Refused before any model work, with the reason.
+        for route, extra, message in [
+            ("/v1/embeddings", {"probehook": {"layers": [3]}}, "was not captured by this engine"),
+            ("/v1/embeddings", {"probehook": {"probes": ["nope"]}}, "nope"),
+            ("/v1/embeddings", {"probehook": {"colour": 1}}, "colour"),
+            ("/v1/embeddings", {"probehook": {"layers": [0, 5]}, "input": TEXTS * 20}, "cap"),
+        ]:
+            status, answer = _post(server.port, route, {"model": "minilm", "input": TEXTS, **extra})
+            assert status == 400 and message in answer["error"]["message"], answer
+        score = {"model": "minilm", "text_1": TEXTS[0], "text_2": TEXTS[1], "probehook": asked}
+        status, answer = _post(server.port, "/score", score)
+        assert status == 400 and "not available on /score" in answer["error"]["message"], answer
+    finally:
+        server.stop()

@@ -27,10 +27,16 @@ from vllm.v1.engine.async_llm import AsyncLLM as VllmAsyncLLM
 from vllm.v1.executor import Executor
 
 from probehook.adapter import engine_config, outputs, setup
-from probehook.capture_config import EXTRA_ARGS_KEY, CaptureConfig, LayerSpec
+from probehook.capture_config import CaptureConfig, LayerSpec
 from probehook.core.probe_set import ProbeSet
 from probehook.core.request_stream import Kind, RequestStream
-from probehook.core.session import CaptureSession, RequestTag, clear_outputs, marked
+from probehook.core.session import (
+    CaptureSession,
+    RequestTag,
+    clear_outputs,
+    marked,
+    options_of,
+)
 from probehook.core.stream_plane import Receiver
 from probehook.errors import CaptureConfigError
 from probehook.store import ActivationStore
@@ -160,11 +166,11 @@ class AsyncLLM(VllmAsyncLLM):
         start-up, so that it can check requests before they reach the engine)."""
         await self._ensure_attached()
 
-    def check_request(self, params: SamplingParams) -> RequestTag | None:
+    def check_request(self, params: SamplingParams | PoolingParams) -> RequestTag | None:
         """What ``params`` would capture (None: nothing), or :class:`CaptureConfigError` for
         bad per-request options; nothing reaches the engine. Call :meth:`start_capture`
         first."""
-        options = (params.extra_args or {}).get(EXTRA_ARGS_KEY) or {}
+        options = options_of(params)
         if self.capture is None:
             if hasattr(self, "_plan"):
                 raise CaptureConfigError("check_request: call await start_capture() first.")

@@ -191,10 +191,13 @@ HANDLERS = {
 
 
 def install(state: Any, max_response_bytes: int) -> list[str]:
-    """Give the app's completion and chat handlers probehook's classes; the names of the
-    handlers changed (a model without a chat template has no chat handler)."""
+    """Give the app's completion, chat and pooling handlers probehook's classes; the names of
+    the handlers changed (a generative model has no pooling handlers, a model without a chat
+    template no chat handler)."""
+    from probehook.adapter import pooling_serving
+
     changed = []
-    for name, (base, capture_class) in HANDLERS.items():
+    for name, (base, capture_class) in {**HANDLERS, **pooling_serving.HANDLERS}.items():
         handler = getattr(state, name, None)
         if handler is None:
             continue

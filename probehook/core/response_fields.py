@@ -157,6 +157,31 @@ class ChoiceFields:
         return f"data: {json.dumps(chunk, separators=(',', ':'))}\n\n" if changed else line
 
 
+class PooledFields:
+    """The ``probehook`` field of one item of a pooling response (an embedding, a
+    classification): every registered processor's non-empty value on the pooled output,
+    under the processor's name (its rows are input rows, one per token)."""
+
+    def __init__(self, processors: Iterable[Any] | None = None) -> None:
+        if processors is None:
+            from probehook.outputs import OUTPUT_PROCESSORS
+
+            processors = OUTPUT_PROCESSORS
+        self._processors = list(processors)
+
+    def of(self, output: Any) -> dict[str, Any]:
+        error = getattr(output, "capture_error", None)
+        if error:
+            return {"error": error}
+        field = {}
+        for processor in self._processors:
+            for attribute in processor.request_attributes:
+                value = getattr(output, attribute, None)
+                if value:
+                    field[processor.name] = processor.to_response(value)
+        return field
+
+
 def _carries_tokens(choice: Mapping[str, Any]) -> bool:
     """A chunk choice that holds new tokens, or ends its choice (not a chat role chunk)."""
     if choice.get("finish_reason") or choice.get("text") or choice.get("token_ids"):

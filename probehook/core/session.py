@@ -192,7 +192,7 @@ class CaptureSession:
     def describe(self, params: Any, engine_id: str = "") -> RequestTag | None:
         """What the front end needs to collect a request tagged by :meth:`tag` (None: it
         captures nothing)."""
-        options = (getattr(params, _extra_field(params), None) or {}).get(EXTRA_ARGS_KEY) or {}
+        options = options_of(params)
         if "tag" not in options:
             return None
         names = POOLING_FIELDS if _extra_field(params) == POOLING_EXTRA else SAMPLING_FIELDS
@@ -385,8 +385,14 @@ def _extra_field(params: Any) -> str:
     return "extra_args" if hasattr(params, "extra_args") else POOLING_EXTRA
 
 
+def options_of(params: Any) -> dict[str, Any]:
+    """The probehook options ``params`` carry (``extra_args`` of SamplingParams,
+    ``extra_kwargs`` of PoolingParams); empty when none."""
+    return dict((getattr(params, _extra_field(params), None) or {}).get(EXTRA_ARGS_KEY) or {})
+
+
 def marked(params: Any) -> bool:
-    """Whether ``params`` carry probehook options (``extra_args`` / ``extra_kwargs``)."""
+    """Whether ``params`` carry probehook options."""
     return EXTRA_ARGS_KEY in (getattr(params, _extra_field(params), None) or {})
 
 

@@ -1,0 +1,152 @@
+"""vLLM's pooling handlers (``/v1/embeddings``, ``/classify``, ``/pooling``, ``/score``) with
+probehook's opt-in per-item field.
+
+As for completions (``adapter/serving.py``), :func:`install` swaps the classes of the handlers
+vLLM built. A request whose body has a top-level ``probehook`` object gets, on each item of its
+``data``, a ``probehook`` field with the item's per-token rows (``hidden_states``: layer ->
+base64 array) and probe scores, from the registered output processors. A request without it
+is vLLM's, untouched. Bad options, an answer over the size cap, or a route or format that has
+no per-item JSON (``/score``, IO Processor plugin data, ``encoding_format`` bytes) are 400s
+before any model work.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from fastapi.responses import JSONResponse
+from vllm import PoolingParams
+from vllm.entrypoints.pooling.classify.serving import ServingClassification
+from vllm.entrypoints.pooling.embed.serving import ServingEmbedding
+from vllm.entrypoints.pooling.pooling.serving import ServingPooling
+from vllm.entrypoints.pooling.scoring.serving import ServingScores
+
+from probehook.capture_config import EXTRA_ARGS_KEY
+from probehook.core.response_fields import (
+    FIELD,
+    PooledFields,
+    request_options,
+    response_bytes_bound,
+)
+from probehook.core.transport import DTYPES
+from probehook.errors import CaptureConfigError
+
+MiB = 1 << 20
+
+
+class CapturePooling:
+    """What every pooling handler gets: the option check, the size cap, the per-item field.
+
+    Not a base class: vLLM's pooling handlers cannot take a mixin in front of them and still
+    accept a ``__class__`` swap (CPython refuses the layout), so :func:`capture_class` builds
+    a plain subclass of each with these methods, which call the vLLM class's own explicitly.
+    """
+
+    base: type
+    max_response_bytes: int = 64 * MiB
+    route = "this route"
+    per_item = True  # the response's ``data`` is one item per engine input
+
+    async def _init_ctx(self, io_processor: Any, request: Any, raw_request: Any = None) -> Any:
+        ctx = await self.base._init_ctx(self, io_processor, request, raw_request)
+        ctx.probehook_wanted = False
+        asked = (getattr(request, "model_extra", None) or {}).get(FIELD)
+        if asked is None:
+            return ctx  # opt-in: vLLM's request, untouched
+        self._check_route(request)
+        try:
+            # A pooling model reads its input in one pass: every row is an input row.
+            options = {**request_options(asked), "include_prefill": True, "include_decode": False}
+            params: PoolingParams = ctx.pooling_params
+            params.extra_kwargs = {**(params.extra_kwargs or {}), EXTRA_ARGS_KEY: options}
+            tag = self.engine_client.check_request(params)  # type: ignore[attr-defined]
+        except CaptureConfigError:
+            raise  # a ValueError: vLLM answers 400 with its message
+        except (TypeError, ValueError) as e:
+            raise CaptureConfigError(f"malformed '{FIELD}' options: {e}") from e
+        ctx.probehook_wanted = tag is not None
+        ctx.probehook_layers = len(tag.config.layers) if tag is not None and tag.config else 0
+        return ctx
+
+    def _check_route(self, request: Any) -> None:
+        if not self.per_item or getattr(request, "data", None) is not None:
+            raise CaptureConfigError(
+                f"'{FIELD}' fields are not available on {self.route}: its response has no item "
+                "per input. Capture these inputs offline (probehook.LLM.score / encode), or "
+                "leave the field out."
+            )
+        if getattr(request, "encoding_format", "float") in ("bytes", "bytes_only"):
+            raise CaptureConfigError(
+                f"'{FIELD}' fields need a JSON response; use encoding_format 'float' or "
+                "'base64', or leave the field out."
+            )
+
+    async def _prepare_generators(self, ctx: Any) -> None:
+        if getattr(ctx, "probehook_layers", 0):
+            self._check_size(ctx)
+        await self.base._prepare_generators(self, ctx)
+
+    def _check_size(self, ctx: Any) -> None:
+        """Every input's rows, against the cap, before the engine sees the request."""
+        info = self.engine_client.capture_info  # type: ignore[attr-defined]
+        max_len = self.model_config.max_model_len  # type: ignore[attr-defined]
+        rows = sum(
+            len(item["prompts"].get("prompt_token_ids") or ()) or max_len
+            if isinstance(item["prompts"], dict)
+            else max_len
+            for item in ctx.engine_inputs or ()
+        )
+        layers = ctx.probehook_layers
+        bound = response_bytes_bound(
+            rows, layers, info["hidden_size"], DTYPES[info["dtype"]].itemsize
+        )
+        if bound > self.max_response_bytes:
+            raise CaptureConfigError(
+                f"This request could return up to {bound / MiB:.1f} MiB of hidden states "
+                f"({layers} layer(s) x {rows} input tokens x {info['hidden_size']} values), over "
+                f"this server's cap of {self.max_response_bytes / MiB:.1f} MiB "
+                "(--max-capture-response-mb). Ask for fewer layers or send fewer inputs."
+            )
+
+    def _build_response(self, ctx: Any) -> Any:
+        response = self.base._build_response(self, ctx)
+        json_body = "json" in (getattr(response, "media_type", None) or "")
+        if not getattr(ctx, "probehook_wanted", False) or not json_body:
+            return response
+        body = json.loads(response.body)
+        items = body.get("data")
+        if not isinstance(items, list):
+            return response  # routes without per-item data are refused in _check_route
+        outputs = ctx.final_res_batch
+        for position, item in enumerate(items):
+            if len(items) != len(outputs):  # the engine split inputs (chunked processing)
+                item[FIELD] = {"error": "rows unavailable: vLLM split this input into chunks"}
+                continue
+            item[FIELD] = PooledFields().of(outputs[item.get("index", position)])
+        return JSONResponse(content=body, status_code=response.status_code)  # (or ORJSON's)
+
+
+def capture_class(base: type, route: str, per_item: bool = True) -> type:
+    """A subclass of vLLM's pooling handler ``base`` with :class:`CapturePooling`'s methods."""
+    methods = {
+        name: value
+        for name, value in vars(CapturePooling).items()
+        if not name.startswith("__") or name == "__doc__"
+    }
+    return type(
+        f"Capture{base.__name__}",
+        (base,),
+        {**methods, "base": base, "route": route, "per_item": per_item},
+    )
+
+
+HANDLERS = {
+    "serving_embedding": (ServingEmbedding, capture_class(ServingEmbedding, "/v1/embeddings")),
+    "serving_classification": (
+        ServingClassification,
+        capture_class(ServingClassification, "/classify"),
+    ),
+    "serving_pooling": (ServingPooling, capture_class(ServingPooling, "/pooling")),
+    "serving_scores": (ServingScores, capture_class(ServingScores, "/score", per_item=False)),
+}

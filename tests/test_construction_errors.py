@@ -58,7 +58,6 @@ def test_unsupported_architecture_lists_supported(llm_cls, tmp_path: Path) -> No
         ({"spec_method": "ngram", "spec_tokens": 2}, r"Speculative decoding \(method='ngram'\)"),
         ({"pipeline_parallel_size": 2}, "pipeline_parallel_size"),
         ({"enable_prompt_embeds": True}, "enable_prompt_embeds"),
-        ({"runner": "pooling", "convert": "embed"}, "pooling"),
         ({"worker_extension_cls": "my.Ext"}, "worker_extension_cls"),
         ({"load_format": "probehook"}, "load_format"),
     ],

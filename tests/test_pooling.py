@@ -4,7 +4,6 @@ scores checked against Hugging Face on the same weights."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -182,39 +181,6 @@ def test_classify_and_cross_encoder_score(tmp_path: Path, engine_defaults: dict)
         llm.shutdown()
 
 
-def test_async_encode_rows_equal_offline(minilm: Any, engine_defaults: dict) -> None:
-    from vllm import PoolingParams
-
-    from probehook import AsyncLLM
-
-    offline = minilm.encode(TEXTS, pooling_task="embed", use_tqdm=False)
-
-    async def run() -> list[Any]:
-        engine = AsyncLLM(
-            str(minilm_path()),
-            layers=LAYERS,
-            probes=PROBES,
-            enforce_eager=True,
-            **{**engine_defaults, "max_model_len": 128},
-        )
-        try:
-
-            async def one(text: str) -> Any:
-                outputs = [o async for o in engine.encode(text, PoolingParams(task="embed"))]
-                assert len(outputs) == 1 and outputs[0].finished
-                return outputs[0]
-
-            return await asyncio.gather(*(one(t) for t in TEXTS))
-        finally:
-            engine.shutdown()
-
-    for got, want in zip(asyncio.run(run()), offline, strict=True):
-        assert got.prompt_token_ids == want.prompt_token_ids
-        for layer in LAYERS:
-            assert torch.allclose(got.hidden_states[layer], want.hidden_states[layer], atol=TOL)
-        assert torch.allclose(got.probe_scores["mid"], want.probe_scores["mid"], atol=1e-4)
-
-
 def _post(port: int, route: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
     import json
     import urllib.error
@@ -233,6 +199,8 @@ def _post(port: int, route: str, body: dict[str, Any]) -> tuple[int, dict[str, A
 
 
 def test_server_embeddings_carry_rows_and_scores(minilm: Any, tmp_path: Path) -> None:
+    """The server runs probehook.AsyncLLM: this is also the test of ``AsyncLLM.encode`` (rows
+    through the streaming data plane equal the offline LLM's)."""
     from probehook.core.response_fields import decode_array
     from probehook.testing import ServerProcess
 

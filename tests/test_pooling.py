@@ -181,28 +181,11 @@ def test_classify_and_cross_encoder_score(tmp_path: Path, engine_defaults: dict)
         llm.shutdown()
 
 
-def _post(port: int, route: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-    import json
-    import urllib.error
-    import urllib.request
-
-    request = urllib.request.Request(
-        f"http://127.0.0.1:{port}{route}",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=60) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as error:
-        return error.code, json.loads(error.read())
-
-
 def test_server_embeddings_carry_rows_and_scores(minilm: Any, tmp_path: Path) -> None:
     """The server runs probehook.AsyncLLM: this is also the test of ``AsyncLLM.encode`` (rows
     through the streaming data plane equal the offline LLM's)."""
     from probehook.core.response_fields import decode_array
-    from probehook.testing import ServerProcess
+    from probehook.testing import ServerProcess, post_json
 
     offline = minilm.embed(TEXTS, use_tqdm=False)
     probe_path = PROBES["mid"].save(tmp_path / "mid.safetensors")
@@ -215,7 +198,7 @@ def test_server_embeddings_carry_rows_and_scores(minilm: Any, tmp_path: Path) ->
         server.wait()
         asked = {"layers": [5], "probes": ["mid"]}
         body = {"model": "minilm", "input": TEXTS, "probehook": asked}
-        status, answer = _post(server.port, "/v1/embeddings", body)
+        status, answer = post_json(server.port, "/v1/embeddings", body)
         assert status == 200, answer
         for item, want in zip(answer["data"], offline, strict=True):
             field = item["probehook"]
@@ -227,7 +210,9 @@ def test_server_embeddings_carry_rows_and_scores(minilm: Any, tmp_path: Path) ->
             )
             assert item["embedding"] == pytest.approx(want.outputs.embedding, abs=1e-5)
         # Without the field: vLLM's answer, untouched.
-        status, plain = _post(server.port, "/v1/embeddings", {"model": "minilm", "input": TEXTS})
+        status, plain = post_json(
+            server.port, "/v1/embeddings", {"model": "minilm", "input": TEXTS}
+        )
         assert status == 200 and all("probehook" not in item for item in plain["data"])
         # Refused before any model work, with the reason.
         for route, extra, message in [
@@ -236,10 +221,12 @@ def test_server_embeddings_carry_rows_and_scores(minilm: Any, tmp_path: Path) ->
             ("/v1/embeddings", {"probehook": {"colour": 1}}, "colour"),
             ("/v1/embeddings", {"probehook": {"layers": [0, 5]}, "input": TEXTS * 20}, "cap"),
         ]:
-            status, answer = _post(server.port, route, {"model": "minilm", "input": TEXTS, **extra})
+            status, answer = post_json(
+                server.port, route, {"model": "minilm", "input": TEXTS, **extra}
+            )
             assert status == 400 and message in answer["error"]["message"], answer
         score = {"model": "minilm", "text_1": TEXTS[0], "text_2": TEXTS[1], "probehook": asked}
-        status, answer = _post(server.port, "/score", score)
+        status, answer = post_json(server.port, "/score", score)
         assert status == 400 and "not available on /score" in answer["error"]["message"], answer
     finally:
         server.stop()

@@ -188,25 +188,8 @@ def test_processor_checks_without_an_engine() -> None:
     assert parsed.pixels.shape == (8, 8, 3)
 
 
-def _post(port: int, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-    import json
-    import urllib.error
-    import urllib.request
-
-    request = urllib.request.Request(
-        f"http://127.0.0.1:{port}/pooling",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=60) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as error:
-        return error.code, json.loads(error.read())
-
-
 def test_server_pooling_route_returns_base64_mask(tmp_path: Path) -> None:
-    from probehook.testing import ServerProcess
+    from probehook.testing import ServerProcess, post_json
 
     argv = [str(segmenter_path()), "--layers", "0", "--skip-tokenizer-init"]
     argv += ["--no-enable-prefix-caching", "--dtype", "float32", "--enforce-eager"]
@@ -216,7 +199,8 @@ def test_server_pooling_route_returns_base64_mask(tmp_path: Path) -> None:
         server.wait()
         image = _image(12, 20, seed=5)
         png = _png(image, tmp_path / "in.png").read_bytes()
-        status, body = _post(server.port, {"data": {"image": base64.b64encode(png).decode()}})
+        request = {"data": {"image": base64.b64encode(png).decode()}}
+        status, body = post_json(server.port, "/pooling", request)
         assert status == 200, body
         data = body["data"]
         assert data["shape"] == [12, 20] and data["path"] is None and "mask" not in data
@@ -228,8 +212,8 @@ def test_server_pooling_route_returns_base64_mask(tmp_path: Path) -> None:
             ({"image": base64.b64encode(b"hello").decode()}, "neither an image"),
             ({"image": base64.b64encode(png).decode(), "output_path": "/tmp/x"}, "output_path"),
         ]:
-            status, body = _post(server.port, {"data": bad})
+            status, body = post_json(server.port, "/pooling", {"data": bad})
             assert status == 400 and message in body["error"]["message"], body
-        assert _post(server.port, {"data": {"image": base64.b64encode(png).decode()}})[0] == 200
+        assert post_json(server.port, "/pooling", request)[0] == 200  # still serving
     finally:
         server.stop()

@@ -43,6 +43,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/store_throughput.py
 	$(PY) benchmarks/async_streams.py
 	VLLM_CPU_KVCACHE_SPACE=1 $(PY) benchmarks/serve_load.py
+	VLLM_CPU_KVCACHE_SPACE=1 $(PY) benchmarks/pooling.py
 
 # Re-execute notebooks/*.ipynb in place (committed with outputs; the tests check they're fresh).
 notebooks: $(STAMP)

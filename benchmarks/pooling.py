@@ -1,0 +1,159 @@
+"""Pooling-model throughput of probehook.LLM against plain vLLM, in one run.
+
+``embed`` over a batch of sentences on all-MiniLM-L6-v2 (a 6-layer BERT, compiled mode), and the
+tiny segmenter on a 256 x 256 image (1024 patch requests per input). Every configuration's
+round is bracketed by two rounds of the plain engine and compared with their geometric mean;
+the report quotes medians over rounds of that ratio. Configurations: one probe (scores only
+leave the worker), and one layer of rows plus the probe.
+
+Writes benchmarks/results/pooling.json and pooling.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+RESULTS = Path(__file__).parent / "results"
+BASELINE = "vLLM"
+ONE_PROBE = "probehook, 1 probe"
+ROWS_AND_PROBE = "probehook, 1 layer rows + 1 probe"
+
+
+def sentences(n: int) -> list[str]:
+    words = ["the", "a", "cat", "dog", "sat", "ran", "on", "under", "mat", "sofa", "quickly", "slowly", "red", "blue", "big", "small"]
+    return [
+        " ".join(words[(i * 7 + j * 3) % len(words)] for j in range(8 + i % 24)) for i in range(n)
+    ]
+
+
+def bracketed(run: dict[str, Callable[[], int]], rounds: int) -> dict[str, object]:
+    """Items per second of each configuration, and its ratio to the plain engine's rounds
+    either side of it."""
+    for fn in run.values():
+        fn()  # warm-up
+    samples: dict[str, list[float]] = {name: [] for name in run}
+    ratios: dict[str, list[float]] = {name: [] for name in run if name != BASELINE}
+
+    def rate(name: str) -> float:
+        start = time.perf_counter()
+        items = run[name]()
+        return items / (time.perf_counter() - start)
+
+    base = rate(BASELINE)
+    samples[BASELINE].append(base)
+    for _ in range(rounds):
+        for name in ratios:
+            value = rate(name)
+            after = rate(BASELINE)
+            samples[name].append(value)
+            samples[BASELINE].append(after)
+            ratios[name].append(value / (base * after) ** 0.5)
+            base = after
+    return {
+        "median_items_s": {n: statistics.median(s) for n, s in samples.items()},
+        "median_bracketed_ratio": {n: statistics.median(s) for n, s in ratios.items()},
+    }
+
+
+def embed_workload(args: argparse.Namespace) -> dict[str, object]:
+    import torch
+    import vllm
+
+    from probehook import LLM, LinearProbe
+    from probehook.testing import minilm_path
+
+    model = str(minilm_path())
+    common = dict(dtype="float32", max_model_len=128, gpu_memory_utilization=0.1, seed=0)
+    probe = LinearProbe(torch.randn(1, 384) / 384**0.5, torch.zeros(1), layer=3, kind="binary")
+    texts = sentences(args.sentences)
+    engines = {
+        BASELINE: vllm.LLM(model, **common),
+        ONE_PROBE: LLM(model, probes={"p": probe}, **common),
+        ROWS_AND_PROBE: LLM(model, layers=[5], probes={"p": probe}, **common),
+    }
+    try:
+
+        def embed(engine: object) -> Callable[[], int]:
+            return lambda: len(engine.embed(texts, use_tqdm=False))  # type: ignore[attr-defined]
+
+        return bracketed({name: embed(e) for name, e in engines.items()}, args.rounds)
+    finally:
+        for engine in engines.values():
+            engine.llm_engine.engine_core.shutdown()  # type: ignore[attr-defined]
+
+
+def segment_workload(args: argparse.Namespace) -> dict[str, object]:
+    import numpy as np
+    import torch
+    import vllm
+
+    from probehook import LLM, LinearProbe
+    from probehook.segmentation import ENGINE_KWARGS, segmenter_path
+
+    model = str(segmenter_path())
+    common = dict(ENGINE_KWARGS, gpu_memory_utilization=0.1, seed=0)
+    probe = LinearProbe(torch.randn(1, 32) / 32**0.5, torch.zeros(1), layer=1, kind="binary")
+    image = Path(tempfile.mkdtemp()) / "image.npy"
+    np.save(image, np.random.default_rng(0).random((args.image, args.image, 3)).astype("f4"))
+    engines = {
+        BASELINE: vllm.LLM(model, **common),
+        ONE_PROBE: LLM(model, probes={"p": probe}, **common),
+        ROWS_AND_PROBE: LLM(model, layers=[2], probes={"p": probe}, **common),
+    }
+    try:
+
+        def segment(engine: object) -> Callable[[], int]:
+            def run() -> int:
+                data = {"data": {"image": str(image)}}
+                engine.encode(data, pooling_task="plugin", use_tqdm=False)  # type: ignore[attr-defined]
+                return (args.image // 8) ** 2  # patches
+
+            return run
+
+        return bracketed({name: segment(e) for name, e in engines.items()}, args.rounds)
+    finally:
+        for engine in engines.values():
+            engine.llm_engine.engine_core.shutdown()  # type: ignore[attr-defined]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--sentences", type=int, default=256)
+    parser.add_argument("--image", type=int, default=256)
+    args = parser.parse_args()
+    report = {"workload": vars(args)}
+    report["embed"] = embed_workload(args)
+    report["segment"] = segment_workload(args)
+    lines = [
+        f"Workloads: `embed` of {args.sentences} sentences (8-31 words) on all-MiniLM-L6-v2, "
+        f"compiled; the tiny segmenter on a {args.image}x{args.image} image "
+        f"({(args.image // 8) ** 2} patch requests), eager (it has no compiled path). "
+        f"{args.rounds} bracketed rounds each.",
+        "",
+        "| workload | config | median items/s | median bracketed ratio |",
+        "| --- | --- | --- | --- |",
+    ]
+    for workload, unit in (("embed", "sentences"), ("segment", "patches")):
+        result = report[workload]
+        for name, value in result["median_items_s"].items():  # type: ignore[index]
+            ratio = result["median_bracketed_ratio"].get(name, 1.0)  # type: ignore[index]
+            lines.append(f"| {workload} | {name} | {value:.1f} {unit}/s | {ratio:.3f} |")
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "pooling.json").write_text(json.dumps(report, indent=2))
+    (RESULTS / "pooling.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -30,7 +30,8 @@ ROWS_AND_PROBE = "probehook, 1 layer rows + 1 probe"
 
 
 def sentences(n: int) -> list[str]:
-    words = ["the", "a", "cat", "dog", "sat", "ran", "on", "under", "mat", "sofa", "quickly", "slowly", "red", "blue", "big", "small"]
+    words = "the a cat dog sat ran on under mat sofa quickly slowly red blue big small"
+    words = words.split()
     return [
         " ".join(words[(i * 7 + j * 3) % len(words)] for j in range(8 + i % 24)) for i in range(n)
     ]

@@ -12,9 +12,10 @@ from probehook.errors import CaptureConfigError
 EXTRA_ARGS_KEY = "probehook"
 """Key under ``SamplingParams.extra_args`` that holds per-request capture options."""
 
-INTERNAL_KEYS = ("tag", "n", "stop_token", "stream")
+INTERNAL_KEYS = ("tag", "n", "stop_token", "stream", "record")
 """Keys probehook's front ends add under extra_args["probehook"] (request tag, fan-out count,
-the token a stop monitor forces, whether rows are pushed as they are computed)."""
+the token a stop monitor forces, whether rows are pushed as they are computed, extra fields of
+the request's store record)."""
 PROBE_KEYS = ("probes", "monitors")
 """Per-request probe options under extra_args["probehook"] (validated by the front end)."""
 

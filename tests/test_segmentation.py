@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import io
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -191,7 +192,8 @@ def test_processor_checks_without_an_engine() -> None:
 def test_server_pooling_route_returns_base64_mask(tmp_path: Path) -> None:
     from probehook.testing import ServerProcess, post_json
 
-    argv = [str(segmenter_path()), "--layers", "0", "--skip-tokenizer-init"]
+    argv = [str(segmenter_path()), "--layers", "0,2", "--skip-tokenizer-init"]
+    argv += ["--store", str(tmp_path / "store"), "--store-flush-interval", "0.2"]
     argv += ["--no-enable-prefix-caching", "--dtype", "float32", "--enforce-eager"]
     argv += ["--gpu-memory-utilization", "0.1"]
     server = ServerProcess(argv, log=tmp_path / "server.log")
@@ -215,5 +217,26 @@ def test_server_pooling_route_returns_base64_mask(tmp_path: Path) -> None:
             status, body = post_json(server.port, "/pooling", {"data": bad})
             assert status == 400 and message in body["error"]["message"], body
         assert post_json(server.port, "/pooling", request)[0] == 200  # still serving
+        # Opting in stores every patch's rows, keyed to the request and the patch.
+        status, body = post_json(server.port, "/pooling", {**request, "probehook": {"layers": [2]}})
+        assert status == 200 and body["data"]["shape"] == [12, 20], body
+        store_ids = body["probehook"]["store_ids"]
+        assert len(store_ids) == 2 * 3  # 12x20 pixels in 8x8 patches
+        reference = load_reference()
+        deadline = time.monotonic() + 30
+        while True:  # committed within a flush interval
+            reader = ActivationStore.open(tmp_path / "store")
+            if all(i in reader for i in store_ids) or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        for index, store_id in enumerate(store_ids):
+            stored = reader[store_id]
+            assert stored.record["user_request"] == body["request_id"]
+            assert stored.record["patch"] == index
+            assert sorted(stored.prefill_hidden_states) == [2]
+            with torch.no_grad():
+                want = reference.stream(torch.tensor(stored.prompt_token_ids))[2]
+            assert torch.allclose(stored.prefill_hidden_states[2], want, atol=1e-5)
+        assert len(reader) == len(store_ids)  # requests that did not opt in stored nothing
     finally:
         server.stop()

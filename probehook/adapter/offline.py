@@ -202,7 +202,9 @@ class LLM(vllm.LLM):
             # the store keeps each one's rows keyed to the input and its index.
             user_request = f"input-{next(self._inputs)}"
             for index, output in enumerate(pooled):
-                output.store_fields = {"user_request": user_request, "patch": index}
+                self.capture.label(
+                    output.request_id, {"user_request": user_request, "patch": index}
+                )
         try:
             self.capture.attach(pooled)
         finally:

@@ -67,10 +67,20 @@ class CapturePooling:
             raise CaptureConfigError(f"malformed '{FIELD}' options: {e}") from e
         ctx.probehook_wanted = tag is not None
         ctx.probehook_layers = len(tag.config.layers) if tag is not None and tag.config else 0
+        ctx.probehook_plugin = _is_plugin(request)
+        ctx.probehook_options = options
         return ctx
 
     def _check_route(self, request: Any) -> None:
-        if not self.per_item or getattr(request, "data", None) is not None:
+        if _is_plugin(request):
+            if getattr(self.engine_client, "store", None) is None:
+                raise CaptureConfigError(
+                    f"An IO Processor plugin request answers with the plugin's data only, so its "
+                    f"'{FIELD}' rows can only go to the store: start the server with --store "
+                    "PATH, or leave the field out."
+                )
+            return
+        if not self.per_item:
             raise CaptureConfigError(
                 f"'{FIELD}' fields are not available on {self.route}: its response has no item "
                 "per input. Capture these inputs offline (probehook.LLM.score / encode), or "
@@ -83,7 +93,9 @@ class CapturePooling:
             )
 
     async def _prepare_generators(self, ctx: Any) -> None:
-        if getattr(ctx, "probehook_layers", 0):
+        if getattr(ctx, "probehook_plugin", False) and ctx.probehook_wanted:
+            _label_patches(ctx)  # rows go to the store, keyed to this request and the patch
+        elif getattr(ctx, "probehook_layers", 0):
             self._check_size(ctx)
         await self.base._prepare_generators(self, ctx)
 
@@ -115,6 +127,9 @@ class CapturePooling:
         if not getattr(ctx, "probehook_wanted", False) or not json_body:
             return response
         body = json.loads(response.body)
+        if ctx.probehook_plugin:  # the plugin's data as it is; where the patches' rows went
+            body[FIELD] = {"store_ids": [o.store_id for o in ctx.final_res_batch]}
+            return JSONResponse(content=body, status_code=response.status_code)
         items = body.get("data")
         if not isinstance(items, list):
             return response  # routes without per-item data are refused in _check_route
@@ -125,6 +140,23 @@ class CapturePooling:
                 continue
             item[FIELD] = PooledFields().of(outputs[item.get("index", position)])
         return JSONResponse(content=body, status_code=response.status_code)  # (or ORJSON's)
+
+
+def _is_plugin(request: Any) -> bool:
+    """An IO Processor plugin request (``/pooling`` with ``data``)."""
+    return getattr(request, "data", None) is not None
+
+
+def _label_patches(ctx: Any) -> None:
+    """Each engine input of a plugin request gets its own params whose options name the
+    user request and the patch index, for its store record."""
+    # (the plugin's merge_pooling_params made these params, without the request's options)
+    for index, item in enumerate(ctx.engine_inputs):
+        params = item["params"].clone()
+        record = {"user_request": ctx.request_id, "patch": index}
+        options = {**ctx.probehook_options, "record": record}
+        params.extra_kwargs = {**(params.extra_kwargs or {}), EXTRA_ARGS_KEY: options}
+        item["params"] = params
 
 
 def capture_class(base: type, route: str, per_item: bool = True) -> type:

@@ -22,6 +22,7 @@ Ids (one word each, used across probehook):
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 import logging
 import time
@@ -73,6 +74,8 @@ class RequestTag:
     sampling: dict[str, Any]
     probes: RequestProbes | None = None
     stop_token: int | None = None
+    record: dict[str, Any] | None = None
+    """Extra fields of the request's store record (a one-pass input's request and patch)."""
 
 
 class FailedCapture(dict):
@@ -211,6 +214,7 @@ class CaptureSession:
             sampling,
             probes,
             self.stop_token if probes is not None and probes.stops else None,
+            options.get("record"),
         )
 
     def attach(self, outputs: Sequence[Any]) -> None:
@@ -279,6 +283,12 @@ class CaptureSession:
             requests.append(_export(key, "scores", spans[:1], ["scores"]))
             targets.append([(output, attributes_of("scores")[0])])
 
+    def label(self, request_id: str, record: dict[str, Any]) -> None:
+        """Extra fields for a pending request's store record (before :meth:`attach`)."""
+        tag = self.pending.get(request_id)
+        if tag is not None:
+            self.pending[request_id] = dataclasses.replace(tag, record=record)
+
     def store_output(self, output: Any, tag: RequestTag) -> None:
         """Add a finished output, rows attached, to the store; set its ``store_id``. A
         request whose capture failed is logged and not stored."""
@@ -289,7 +299,8 @@ class CaptureSession:
             logger.error("probehook: request %s is not stored.", output.request_id)
             return
         # vLLM's request_id stays as it is; the store names the request itself.
-        output.store_id = self.store.add(pending_request(output, tag.sampling, tag.config))
+        pending = pending_request(output, tag.sampling, tag.config, tag.record)
+        output.store_id = self.store.add(pending)
 
     def _act_on_scores(self, output: Any, tag: RequestTag) -> None:
         assert self.probes is not None and tag.probes is not None

@@ -10,8 +10,14 @@ from probehook.core.spans import completion_spans
 from probehook.store.writer import PendingRequest, RowBlock
 
 
-def pending_request(output: Any, sampling: dict[str, Any], config: CaptureConfig) -> PendingRequest:
-    """Record + row blocks of one output whose tensors probehook.LLM has attached."""
+def pending_request(
+    output: Any,
+    sampling: dict[str, Any],
+    config: CaptureConfig,
+    extra: dict[str, Any] | None = None,
+) -> PendingRequest:
+    """Record + row blocks of one output whose tensors probehook.LLM has attached; ``extra``
+    fields join the record (a one-pass input's ``user_request`` and ``patch``)."""
     prompt_len = len(output.prompt_token_ids or [])
     pooled = is_pooled(output)
     record = {
@@ -32,7 +38,7 @@ def pending_request(output: Any, sampling: dict[str, Any], config: CaptureConfig
     }
     if pooled:  # a pooling model's request: one pass, no completions
         record["pooling_params"] = record.pop("sampling_params")
-        record.update(getattr(output, "store_fields", None) or {})
+    record.update(extra or {})
     prefill_scores = getattr(output, "prefill_probe_scores", None)
     if prefill_scores:
         record["prefill_probe_scores"] = _scores(prefill_scores)

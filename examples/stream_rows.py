@@ -25,7 +25,9 @@ async def main(model: str, probe: str | None) -> None:
 
     probes = {"probe": probe} if probe else None
     params = SamplingParams(max_tokens=8, temperature=0, output_kind=RequestOutputKind.DELTA)
-    async with AsyncLLM(model, layers=[-1], probes=probes, max_model_len=64) as engine:
+    # enforce_eager: start-up in seconds on a CPU; leave it out for vLLM's compiled mode.
+    engine = AsyncLLM(model, layers=[-1], probes=probes, max_model_len=64, enforce_eager=True)
+    async with engine:
         last = engine.capture_config.layers[-1]
         for prompt in ("12+7=", "3+4="):
             print(f"prompt {prompt!r}: token, layer {last} row norm" + (", score" if probe else ""))

@@ -199,13 +199,8 @@ def test_notebook_staleness_on_handmade_notebooks() -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "script",
-    [
-        "demo.py",
-        "capture_hidden_states.py",
-        "stream_rows.py",
-        "openai_client.py",
-        "segment_image.py",
-    ],
+    # openai_client.py runs in tests/test_server.py, against that module's server.
+    ["demo.py", "capture_hidden_states.py", "stream_rows.py", "segment_image.py"],
 )
 def test_example_runs(script: str) -> None:
     # As a user runs them: vLLM's own log level, not the test suite's.

@@ -303,6 +303,25 @@ def test_reserved_xargs_key_and_info_route(client, server) -> None:
     assert client.completions.create(prompt="1+1=", **greedy()).choices[0].text is not None
 
 
+def test_openai_client_example_against_this_server(server) -> None:
+    """examples/openai_client.py, pointed at this module's server (saves a server start-up;
+    the example starts its own when run without arguments)."""
+    import subprocess
+    import sys
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "openai_client.py"
+    result = subprocess.run(
+        [sys.executable, str(example), server.base_url, "truth", "3"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = result.stdout
+    assert "layer 3 rows (" in out and "truth per token:" in out, out
+    assert "chat " in out and "ordinary request: extension field present: False" in out, out
+
+
 def test_served_captures_are_committed_while_serving_and_survive_kill_9(server, offline) -> None:
     """Runs last: kills the server and everything it started with SIGKILL, a crash."""
     from probehook import ActivationStore

@@ -83,16 +83,3 @@ def test_chat_captures(eager_llm, llama_dir: Path) -> None:
         use_tqdm=False,
     )[0]
     assert_matches_hf(llama_dir, out, [0, 2])
-
-
-def test_pooling_models_work_without_capture(llama_dir: Path, engine_defaults: dict) -> None:
-    from probehook import LLM
-
-    llm = LLM(
-        str(llama_dir), runner="pooling", convert="embed", enforce_eager=True, **engine_defaults
-    )
-    try:
-        (out,) = llm.embed(["12+34="], use_tqdm=False)
-        assert len(out.outputs.embedding) == 128
-    finally:
-        llm.shutdown()

@@ -173,6 +173,21 @@ def test_failing_output_processor_is_named_and_engine_serves_on(
     np.testing.assert_array_equal(result.mask, _expected(_image(8, 8, seed=4)))
 
 
+def test_without_capture_it_is_plain_vllm() -> None:
+    """No layers, no probes: vLLM's own engine (and runner); the same mask, and every output
+    has probehook's attributes, empty."""
+    from probehook import LLM
+
+    with LLM(str(segmenter_path()), gpu_memory_utilization=0.1, **ENGINE_KWARGS) as llm:
+        assert llm.capture is None
+        image = _image(8, 16, seed=6)
+        result = _segment(llm, {"image": image})
+        np.testing.assert_array_equal(result.mask, _expected(image))
+        for patch in result.patches:
+            assert patch.hidden_states == {} and patch.probe_scores == {}
+            assert patch.store_id is None
+
+
 def test_processor_checks_without_an_engine() -> None:
     processor = OUTPUT_PROCESSORS["segmentation_image"]
     with pytest.raises(SegmentationInputError, match="output_path is not accepted over HTTP"):

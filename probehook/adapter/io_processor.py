@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,6 +30,7 @@ from probehook.outputs.registry import OnePassProcessor
 logger = logging.getLogger(__name__)
 
 PLUGIN_NAME = "probehook"
+MAX_WAITING = 1024  # parsed inputs kept for post_process (requests in flight)
 OFFLINE = "<offline>"  # vLLM passes no request id offline
 
 
@@ -54,7 +56,9 @@ class OutputProcessorBridge(IOProcessor):
                 "@OUTPUT_PROCESSORS.for_model(name) (a OnePassProcessor subclass)."
             )
         self.processor: OnePassProcessor = processor
-        self._parsed: dict[str, Any] = {}
+        # Parsed inputs waiting for post_process. A request that fails in between never comes
+        # back for its entry, so the oldest are dropped beyond MAX_WAITING.
+        self._parsed: OrderedDict[str, Any] = OrderedDict()
         self._lock = threading.Lock()
 
     def parse_data(self, data: object) -> Any:
@@ -73,6 +77,8 @@ class OutputProcessorBridge(IOProcessor):
         prompts = self.processor.split(parsed)
         with self._lock:
             self._parsed[request_id or OFFLINE] = parsed
+            while len(self._parsed) > MAX_WAITING:
+                self._parsed.popitem(last=False)
         return prompts
 
     def post_process(

@@ -163,3 +163,58 @@ def test_capture_sources_map_to_their_processors() -> None:
     assert OUTPUT_PROCESSORS.for_source("scores").name == "probe_scores"
     with pytest.raises(OutputProcessorError, match="capture source 'logits'"):
         OUTPUT_PROCESSORS.for_source("logits")
+
+
+class _TokenNorms(OutputProcessor):
+    """docs/outputs.md's worked example: the norm of each generated token's row at the
+    deepest captured layer, derived from what capture attached."""
+
+    name = "token_norms"
+    completion_attributes = ("token_norms",)
+
+    def empty(self) -> list[float]:
+        return []
+
+    def fill(self, output: Any) -> None:
+        for completion in output.outputs:
+            rows = completion.hidden_states
+            if rows:
+                completion.token_norms = rows[max(rows)].float().norm(dim=-1).tolist()
+
+    def merge(self, pieces: list[list[float]]) -> list[float]:
+        return [x for piece in pieces for x in piece]
+
+
+class _Broken(OutputProcessor):
+    name = "broken"
+    request_attributes = ("broken_value",)
+
+    def fill(self, output: Any) -> None:
+        if output.request_id == "1":
+            raise RuntimeError("no luck")
+        output.broken_value = {"ok": True}
+
+
+def test_registered_processors_fill_every_output(eager_llm: Any) -> None:
+    from probehook import SamplingParams
+    from probehook.outputs import OUTPUT_PROCESSORS
+
+    OUTPUT_PROCESSORS.register(_TokenNorms)
+    OUTPUT_PROCESSORS.register(_Broken)
+    try:
+        params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+        first, second = eager_llm.generate(["12+7=", "3+4="], params, use_tqdm=False)
+    finally:
+        OUTPUT_PROCESSORS.unregister("token_norms")
+        OUTPUT_PROCESSORS.unregister("broken")
+    completion = first.outputs[0]
+    want = completion.hidden_states[2].float().norm(dim=-1).tolist()
+    assert completion.token_norms == pytest.approx(want) and len(want) == 4
+    # A processor that raises is named with the request; the others and the rows are intact.
+    assert first.broken_value == {"ok": True} and first.processor_errors == {}
+    assert second.broken_value == {}
+    message = second.processor_errors["broken"]
+    assert "'broken' failed on request 1" in message and "no luck" in message
+    assert second.outputs[0].token_norms and second.outputs[0].hidden_states[2].shape[0] == 4
+    with pytest.raises(OutputProcessorError, match="known"):
+        OUTPUT_PROCESSORS.unregister("token_norms")

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from vllm.outputs import CompletionOutput, RequestOutput
 
-from probehook.core.session import completions
+from probehook.core.session import completions, derive
 
 Rows = dict[int, torch.Tensor]
 Scores = dict[str, torch.Tensor]
@@ -59,9 +59,11 @@ class CapturedRequestOutput(RequestOutput):
 
 
 def decorate(output: Any) -> None:
-    """Give a finished output (and its completions) probehook's output classes."""
+    """Finish an output for the user: probehook's output classes (on it and its completions),
+    then every registered output processor's derived values (``OutputProcessor.fill``)."""
     if type(output) is RequestOutput:
         output.__class__ = CapturedRequestOutput
     for completion in completions(output):
         if type(completion) is CompletionOutput:
             completion.__class__ = CapturedCompletionOutput
+    derive(output)

@@ -470,6 +470,24 @@ def clear_outputs(output: Any) -> None:
                 setattr(completion, attribute, processor.empty())
     mirror_first_completion(output)
     output.store_id = None
+    output.processor_errors = {}
+
+
+def derive(output: Any) -> None:
+    """Let every registered output processor fill its values on ``output``. A processor that
+    raises is logged with its name and the request id, and named in the output's
+    ``processor_errors``; its values stay empty and nothing else is affected."""
+    for processor in OUTPUT_PROCESSORS:
+        try:
+            processor.fill(output)
+        except Exception as exc:
+            message = (
+                f"output processor {processor.name!r} failed on request "
+                f"{getattr(output, 'request_id', '?')}: {type(exc).__name__}: {exc}"
+            )
+            logger.error("probehook: %s", message)
+            errors = getattr(output, "processor_errors", None) or {}
+            output.processor_errors = {**errors, processor.name: message}
 
 
 def copy_captures(source: Any, target: Any) -> None:
@@ -480,6 +498,7 @@ def copy_captures(source: Any, target: Any) -> None:
             setattr(target, attribute, getattr(source, attribute))
     mirror_first_completion(target)
     target.store_id = getattr(source, "store_id", None)
+    target.processor_errors = getattr(source, "processor_errors", None) or {}
 
 
 def mirror_first_completion(output: Any) -> None:

@@ -37,6 +37,10 @@ class OutputProcessor:
     - ``request_attributes`` / ``completion_attributes``: attributes this processor owns on
       a ``RequestOutput`` and on each of its ``CompletionOutput``s; every output gets them,
       empty (``empty()``) until filled.
+    - ``fill(output)``: derive this processor's values on a finished or streamed output from
+      what it carries (its rows, text, tokens); called on every output probehook hands out,
+      offline, streamed and served, after capture attached the rows. Default: nothing (the
+      values are set elsewhere, as the built-in processors' are by capture).
     - ``merge(pieces)``: one value from the pieces of consecutive stream outputs, in order.
     - ``to_response(value)``: the JSON-ready form for an HTTP response.
     """
@@ -51,6 +55,9 @@ class OutputProcessor:
 
     def empty(self) -> Any:
         return {}
+
+    def fill(self, output: Any) -> None:
+        return None
 
     def merge(self, pieces: list[Any]) -> Any:
         if len(pieces) != 1:
@@ -129,6 +136,13 @@ class OutputProcessorRegistry:
                 f"{[owned[a].name for a in clash]}."
             )
         self._processors[name] = instance
+        return processor
+
+    def unregister(self, name: str) -> OutputProcessor:
+        """Remove a processor (to replace it, say, when a notebook cell runs again); returns
+        it. An unknown name is an error listing the known ones."""
+        processor = self[name]
+        del self._processors[name]
         return processor
 
     def for_model(self, name: str) -> Callable[[type], type]:

@@ -190,7 +190,7 @@ class _Broken(OutputProcessor):
     request_attributes = ("broken_value",)
 
     def fill(self, output: Any) -> None:
-        if output.request_id == "1":
+        if output.prompt == "3+4=":
             raise RuntimeError("no luck")
         output.broken_value = {"ok": True}
 
@@ -214,7 +214,7 @@ def test_registered_processors_fill_every_output(eager_llm: Any) -> None:
     assert first.broken_value == {"ok": True} and first.processor_errors == {}
     assert second.broken_value == {}
     message = second.processor_errors["broken"]
-    assert "'broken' failed on request 1" in message and "no luck" in message
+    assert f"'broken' failed on request {second.request_id}:" in message and "no luck" in message
     assert second.outputs[0].token_norms and second.outputs[0].hidden_states[2].shape[0] == 4
     with pytest.raises(OutputProcessorError, match="known"):
         OUTPUT_PROCESSORS.unregister("token_norms")

@@ -143,6 +143,20 @@ def test_a_registered_processor_reaches_server_responses_and_streams_join() -> N
     assert decode_array(field["prefill_hidden_states"]["3"]).shape == (5, 4)
 
 
+def test_a_failed_fill_is_named_in_server_fields() -> None:
+    from probehook.core.response_fields import PooledFields
+
+    registry = fresh(*BUILTIN, TokenNorms)
+    output, c = outputs(token_norms=[1.0])
+    output.processor_errors = {"other": "output processor 'other' failed on request r: boom"}
+    fields = ChoiceFields(registry)
+    fields.add(0, output, c)
+    field = fields.take(0)
+    assert field == {"token_norms": [1.0], "processor_errors": output.processor_errors}
+    pooled = SimpleNamespace(processor_errors=output.processor_errors)
+    assert PooledFields(registry).of(pooled) == {"processor_errors": output.processor_errors}
+
+
 def test_every_output_gets_every_processors_attributes_empty() -> None:
     output, c = outputs(token_ids=[1])
     clear_outputs(output)

@@ -34,6 +34,8 @@ import torch
 from probehook.errors import CaptureConfigError
 
 FIELD = "probehook"
+# Key, inside the field, naming output processors whose ``fill`` raised on this output.
+PROCESSOR_ERRORS = "processor_errors"
 OFF = {"layers": [], "probes": False, "include_prefill": False}
 """What a request that names nothing gets: no rows, no scores."""
 
@@ -118,6 +120,9 @@ class ChoiceFields:
         if error:
             self._parts.setdefault(index, {})["error"] = error
             return
+        failed = getattr(output, "processor_errors", None)
+        if failed:  # a processor's fill raised: say so rather than leave its field out
+            self._parts.setdefault(index, {}).setdefault(PROCESSOR_ERRORS, {}).update(failed)
         for processor, attribute, on_request in self._owned:
             if on_request and completion.index != 0:
                 continue
@@ -136,10 +141,14 @@ class ChoiceFields:
             return None
         if "error" in part:
             return {"error": part["error"]}
-        return {
+        failed = part.pop(PROCESSOR_ERRORS, None)
+        field = {
             attribute: processor.to_response(processor.merge(pieces))
             for attribute, (processor, pieces) in part.items()
         }
+        if failed:
+            field[PROCESSOR_ERRORS] = failed
+        return field
 
     def annotate_sse(self, line: str) -> str:
         """An SSE line of vLLM's stream with the waiting fields added to its choices that
@@ -179,6 +188,9 @@ class PooledFields:
                 value = getattr(output, attribute, None)
                 if value:
                     field[processor.name] = processor.to_response(value)
+        failed = getattr(output, "processor_errors", None)
+        if failed:
+            field[PROCESSOR_ERRORS] = dict(failed)
         return field
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -249,7 +250,14 @@ def test_shutdown_commits_what_was_stored(engine, loop, store_dir) -> None:
 
     final = loop.run_until_complete(collect(engine, prompts(8)[5], greedy(4)))[-1]
     assert final.store_id is not None and engine.store.unflushed > 0
-    engine.shutdown()
+    engine.shutdown()  # outside the loop, which stays open and idle
+    # vLLM's sockets are closed, so its ZeroMQ context can end: left open, whichever thread
+    # garbage-collects the context later blocks forever (it hung this suite once).
+    context = engine.engine_core.resources.ctx
+    ended = threading.Thread(target=context.term, daemon=True)
+    ended.start()
+    ended.join(timeout=20)
+    assert not ended.is_alive(), "vLLM's ZeroMQ context still has open sockets after shutdown"
     stored = ActivationStore.open(store_dir)[final.store_id]
     assert stored.output_token_ids == list(final.outputs[0].token_ids)
     assert close(stored.hidden_states[3], final.outputs[0].hidden_states[3])

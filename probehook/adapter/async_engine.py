@@ -285,6 +285,7 @@ class AsyncLLM(VllmAsyncLLM):
         for close in getattr(self, "_closers", ()):
             close()  # each runs once
         super().shutdown(timeout)
+        _close_sockets_of_idle_loop(getattr(self, "engine_core", None))
 
     async def __aenter__(self) -> AsyncLLM:
         return self
@@ -301,6 +302,38 @@ class AsyncLLM(VllmAsyncLLM):
             "front_end_streams": self._receiver.pending_streams if self._receiver else 0,
             "front_end_requests": len(self._streams),
         }
+
+
+def _close_sockets_of_idle_loop(engine_core: Any) -> None:
+    """Close vLLM's client sockets when ``shutdown`` ran outside their event loop and that loop
+    is not running (a script's ``run_until_complete``, a fixture's teardown).
+
+    vLLM 0.32 queues the close on the owning loop with ``call_soon_threadsafe``
+    (``core_client.py:541``); a loop that never runs again leaves the sockets open, and the
+    ZeroMQ context behind them then blocks, forever, whichever thread garbage-collects it
+    (``Context.term`` waits for open sockets). vLLM closes them directly when the loop is
+    already closed; an idle loop gets the same here. A loop running in another thread still
+    closes them itself."""
+    resources = getattr(engine_core, "resources", None)
+    task = getattr(resources, "output_queue_task", None)
+    if task is None:
+        return  # no loop ever owned them: vLLM closed them directly
+    loop = task.get_loop()
+    if loop.is_running() or loop.is_closed():
+        return
+    for name in (
+        "output_socket",
+        "input_socket",
+        "first_req_send_socket",
+        "first_req_rcv_socket",
+        "stats_update_socket",
+    ):
+        sock = getattr(resources, name, None)
+        if sock is not None and not sock.closed:
+            sock.close(linger=0)
+    for pending in (task, getattr(resources, "stats_update_task", None)):
+        if pending is not None and not pending.done():
+            pending.cancel()
 
 
 def _resolve(model: str, kwargs: dict[str, Any]) -> Any:

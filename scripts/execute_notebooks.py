@@ -13,7 +13,7 @@ never land in the repository: notebooks write them to relative paths (``stores/`
 checks that it did. Volatile metadata (execution timestamps,
 the kernel's Python version) is left out, so that a refresh's diff shows only what changed in
 the outputs. A notebook that raises is not written back, and the script exits non-zero.
-The test executes notebooks through ``execute()`` below, exactly as this script does.
+The test executes notebooks with ``--into DIR``, through the same ``execute()``.
 """
 
 from __future__ import annotations
@@ -89,14 +89,35 @@ def _shown(path: Path) -> str:
     return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
 
 
+def execute_into(path: Path, directory: Path) -> Path:
+    """Execute the notebook at ``path`` with ``directory`` as working directory and write the
+    executed copy there (the committed file is left alone); return the copy's path. The tests
+    run notebooks this way, in a subprocess, two at a time."""
+    nb = nbformat.read(path, as_version=4)
+    execute(nb, directory)
+    copy = directory / path.name
+    nbformat.write(strip_volatile(nb), copy)
+    return copy
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("notebooks", nargs="*", type=Path, help="default: every notebooks/*.ipynb")
+    parser.add_argument(
+        "--into",
+        type=Path,
+        metavar="DIR",
+        help="execute in DIR and write the executed copies there, not back in place",
+    )
     args = parser.parse_args(argv)
     paths = [p.resolve() for p in args.notebooks] or notebook_paths()
     for path in paths:
         print(f"executing {_shown(path)} ...", flush=True)
         try:
+            if args.into is not None:
+                args.into.mkdir(parents=True, exist_ok=True)
+                print(f"wrote {execute_into(path, args.into)}", flush=True)
+                continue
             elapsed = refresh(path)
         except Exception as exc:  # a failing cell: report it and leave the file as it was
             print(f"{_shown(path)} failed, left unchanged:\n{exc}", file=sys.stderr)

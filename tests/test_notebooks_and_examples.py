@@ -3,20 +3,22 @@
 Notebooks are committed executed (readers on GitHub see their outputs). Executing one here also
 checks that its committed outputs are fresh: ``make notebooks`` (scripts/execute_notebooks.py)
 refreshes them.
+
+Each notebook and example starts its own engine in a subprocess; two run at a time while this
+process only waits, so they take about half the wall time they would one after another.
 """
 
 from __future__ import annotations
 
 import copy
-import functools
-import importlib.util
 import os
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from types import ModuleType
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 
@@ -25,17 +27,74 @@ NOTEBOOKS = sorted(p.name for p in (ROOT / "notebooks").glob("*.ipynb"))
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
-@functools.cache
-def executor() -> ModuleType:
-    """scripts/execute_notebooks.py, so that the test executes notebooks exactly as it does."""
-    pytest.importorskip("nbclient")
-    spec = importlib.util.spec_from_file_location(
-        "execute_notebooks", ROOT / "scripts" / "execute_notebooks.py"
+# openai_client.py runs in tests/test_server.py, against that module's server.
+EXAMPLES = ["demo.py", "capture_hidden_states.py", "stream_rows.py", "segment_image.py"]
+SUBPROCESS_TIMEOUT_S = 600
+
+
+class Run(NamedTuple):
+    """A notebook or example running in the background, and its working directory."""
+
+    process: Future[subprocess.CompletedProcess]
+    directory: Path | None = None
+
+
+def _execute_notebook(name: str, directory: Path) -> subprocess.CompletedProcess:
+    """scripts/execute_notebooks.py --into: the notebook runs as ``make notebooks`` runs it,
+    with ``directory`` as working directory, and its executed copy lands there."""
+    return subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "execute_notebooks.py"),
+            "--into",
+            str(directory),
+            str(ROOT / "notebooks" / name),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=SUBPROCESS_TIMEOUT_S,
+        cwd=ROOT,
     )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+
+
+def _run_example(script: str) -> subprocess.CompletedProcess:
+    # As a user runs them: vLLM's own log level, not the test suite's.
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_LOGGING_LEVEL"}
+    env["VLLM_CPU_KVCACHE_SPACE"] = "1"
+    return subprocess.run(
+        [sys.executable, str(ROOT / "examples" / script)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=SUBPROCESS_TIMEOUT_S,
+        cwd=ROOT,
+    )
+
+
+@pytest.fixture(scope="module")
+def runs(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, Run]]:
+    """Every selected notebook and example, started in the background two at a time, by
+    name; each test waits for its own."""
+    pytest.importorskip("nbclient")
+    selected = {
+        item.callspec.params.get("name") or item.callspec.params.get("script")
+        for item in request.session.items
+        if item.module is sys.modules[__name__]
+        and item.originalname in ("test_notebook_runs", "test_example_runs")
+    }
+    pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="notebooks-and-examples")
+    jobs: dict[str, Run] = {}
+    for name in NOTEBOOKS:
+        if name in selected:
+            directory = tmp_path_factory.mktemp(Path(name).stem)
+            jobs[name] = Run(pool.submit(_execute_notebook, name, directory), directory)
+    for script in EXAMPLES:
+        if script in selected:
+            jobs[script] = Run(pool.submit(_run_example, script))
+    yield jobs
+    pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _output_structure(cell: Any) -> tuple[frozenset[str], list[tuple[str, tuple[str, ...]]]]:
@@ -98,21 +157,25 @@ def notebook_staleness(committed: Any, fresh: Any) -> list[str]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", NOTEBOOKS)
-def test_notebook_runs(name: str, tmp_path: Path) -> None:
+def test_notebook_runs(name: str, runs: dict[str, Run]) -> None:
     import nbformat
 
+    result = runs[name].process.result()
+    # A failing cell: the script names it, with its traceback, on stderr.
+    assert result.returncode == 0, result.stderr[-5000:]
+    directory = runs[name].directory
+    assert directory is not None
     committed = nbformat.read(ROOT / "notebooks" / name, as_version=4)
-    # Raises CellExecutionError, with the cell and its traceback, if a cell fails.
-    fresh = executor().execute(copy.deepcopy(committed), tmp_path)
+    fresh = nbformat.read(directory / name, as_version=4)
 
     problems = notebook_staleness(committed, fresh)
     assert not problems, (
         f"notebooks/{name} is not committed as it executes now; refresh it with `make notebooks`"
         " (scripts/execute_notebooks.py) and commit the outputs:\n" + "\n".join(problems)
     )
-    # Figures are shown inline and also saved (under the working directory, here tmp_path).
+    # Figures are shown inline and also saved (under the working directory).
     shown = sum("image/png" in o.get("data", {}) for c in fresh.cells for o in c.get("outputs", []))
-    saved = sorted(tmp_path.rglob("*.png"))
+    saved = sorted(directory.rglob("*.png"))
     assert len(saved) >= shown, f"{shown} figures shown but only {saved} saved"
     for png in saved:
         assert png.read_bytes().startswith(PNG_SIGNATURE) and png.stat().st_size > 1000, png
@@ -197,23 +260,9 @@ def test_notebook_staleness_on_handmade_notebooks() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "script",
-    # openai_client.py runs in tests/test_server.py, against that module's server.
-    ["demo.py", "capture_hidden_states.py", "stream_rows.py", "segment_image.py"],
-)
-def test_example_runs(script: str) -> None:
-    # As a user runs them: vLLM's own log level, not the test suite's.
-    env = {k: v for k, v in os.environ.items() if k != "VLLM_LOGGING_LEVEL"}
-    env["VLLM_CPU_KVCACHE_SPACE"] = "1"
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / script)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=ROOT,
-    )
+@pytest.mark.parametrize("script", EXAMPLES)
+def test_example_runs(script: str, runs: dict[str, Run]) -> None:
+    result = runs[script].process.result()
     assert result.returncode == 0, result.stderr[-3000:]
     assert "layer" in result.stdout
     # vLLM's warnings stay out of the result, and the engine shuts down cleanly.

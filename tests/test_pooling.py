@@ -181,6 +181,33 @@ def test_classify_and_cross_encoder_score(tmp_path: Path, engine_defaults: dict)
         llm.shutdown()
 
 
+def test_decoder_converted_to_an_embedding_model(llama_dir: Path, engine_defaults: dict) -> None:
+    """A decoder LLM served as an embedding model (vLLM's ``convert="embed"``, as for
+    e5-mistral-style embedders): its decoder layers' rows for every input token, as HF's."""
+    from probehook import LLM
+
+    llm = LLM(
+        str(llama_dir),
+        runner="pooling",
+        convert="embed",
+        layers=[0, 1],
+        enforce_eager=True,
+        **engine_defaults,
+    )
+    try:
+        outputs = llm.embed(["1+1=", "2+3=5"], use_tqdm=False)
+    finally:
+        llm.shutdown()
+    for out in outputs:
+        _assert_rows_equal_hf(out, llama_dir, "LlamaModel", [0, 1])
+        # vLLM's embedding, untouched: the last token's final (normed) state, normalised.
+        last = _hf_stream(llama_dir, "LlamaModel", list(out.prompt_token_ids))[-1][0, -1]
+        cosine = torch.nn.functional.cosine_similarity(
+            torch.tensor(out.outputs.embedding), last, dim=0
+        )
+        assert cosine.item() > 0.9999
+
+
 def test_server_embeddings_carry_rows_and_scores(minilm: Any, tmp_path: Path) -> None:
     """The server runs probehook.AsyncLLM: this is also the test of ``AsyncLLM.encode`` (rows
     through the streaming data plane equal the offline LLM's)."""

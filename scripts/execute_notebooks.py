@@ -94,6 +94,7 @@ def execute_into(path: Path, directory: Path) -> Path:
     executed copy there (the committed file is left alone); return the copy's path. The tests
     run notebooks this way, in a subprocess, two at a time."""
     nb = nbformat.read(path, as_version=4)
+    directory.mkdir(parents=True, exist_ok=True)
     execute(nb, directory)
     copy = directory / path.name
     nbformat.write(strip_volatile(nb), copy)
@@ -115,14 +116,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"executing {_shown(path)} ...", flush=True)
         try:
             if args.into is not None:
-                args.into.mkdir(parents=True, exist_ok=True)
-                print(f"wrote {execute_into(path, args.into)}", flush=True)
-                continue
-            elapsed = refresh(path)
+                done = f"wrote {execute_into(path, args.into)}"
+            else:
+                done = f"wrote {_shown(path)} ({refresh(path):.0f} s)"
         except Exception as exc:  # a failing cell: report it and leave the file as it was
             print(f"{_shown(path)} failed, left unchanged:\n{exc}", file=sys.stderr)
             return 1
-        print(f"wrote {_shown(path)} ({elapsed:.0f} s)", flush=True)
+        print(done, flush=True)
     return 0
 
 

@@ -39,36 +39,29 @@ class Run(NamedTuple):
     directory: Path | None = None
 
 
-def _execute_notebook(name: str, directory: Path) -> subprocess.CompletedProcess:
-    """scripts/execute_notebooks.py --into: the notebook runs as ``make notebooks`` runs it,
-    with ``directory`` as working directory, and its executed copy lands there."""
+def _run(args: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "scripts" / "execute_notebooks.py"),
-            "--into",
-            str(directory),
-            str(ROOT / "notebooks" / name),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=SUBPROCESS_TIMEOUT_S,
-        cwd=ROOT,
-    )
-
-
-def _run_example(script: str) -> subprocess.CompletedProcess:
-    # As a user runs them: vLLM's own log level, not the test suite's.
-    env = {k: v for k, v in os.environ.items() if k != "VLLM_LOGGING_LEVEL"}
-    env["VLLM_CPU_KVCACHE_SPACE"] = "1"
-    return subprocess.run(
-        [sys.executable, str(ROOT / "examples" / script)],
+        [sys.executable, *args],
         env=env,
         capture_output=True,
         text=True,
         timeout=SUBPROCESS_TIMEOUT_S,
         cwd=ROOT,
     )
+
+
+def _execute_notebook(name: str, directory: Path) -> subprocess.CompletedProcess:
+    """scripts/execute_notebooks.py --into: the notebook runs as ``make notebooks`` runs it,
+    with ``directory`` as working directory, and its executed copy lands there."""
+    script = str(ROOT / "scripts" / "execute_notebooks.py")
+    return _run([script, "--into", str(directory), str(ROOT / "notebooks" / name)])
+
+
+def _run_example(script: str) -> subprocess.CompletedProcess:
+    # As a user runs them: vLLM's own log level, not the test suite's.
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_LOGGING_LEVEL"}
+    env["VLLM_CPU_KVCACHE_SPACE"] = "1"
+    return _run([str(ROOT / "examples" / script)], env)
 
 
 @pytest.fixture(scope="module")

@@ -59,3 +59,51 @@ def test_monitor_specs() -> None:
 def test_bad_flags_exit_with_a_message(overrides: dict, message: str) -> None:
     with pytest.raises(SystemExit, match=message):
         capture_kwargs(flags(**overrides))
+
+
+def test_capture_default_is_a_json_object_checked_before_start() -> None:
+    from probehook.adapter.server import parse_capture_default
+
+    assert parse_capture_default(None) is None
+    assert parse_capture_default('{"probes": true, "layers": [3]}') == {
+        "probes": True,
+        "layers": [3],
+    }
+    with pytest.raises(SystemExit, match=r"--capture-default '\{probes' is not valid JSON"):
+        parse_capture_default("{probes")
+    with pytest.raises(SystemExit, match=r"must be a JSON object .* got '\[3\]'"):
+        parse_capture_default("[3]")
+
+
+def test_serve_flags_parse_with_the_installed_vllms_parser() -> None:
+    """The parser comes from wherever the installed vLLM keeps it (vllm_names)."""
+    from probehook.adapter.server import parse_args
+
+    args = parse_args(["MODEL", "--layers", "3", "--capture-default", "{}", "--port", "8123"])
+    assert args.model == "MODEL" and args.layers == "3" and args.port == 8123
+    assert args.capture_default == "{}"  # parsed into an object by main()
+    with pytest.raises(SystemExit, match="--data-parallel-size > 1 is not supported"):
+        parse_args(["MODEL", "--data-parallel-size", "2"])
+
+
+def test_token_embed_handler_refuses_the_opt_in() -> None:
+    """vLLM 0.33's ServingTokenEmbedding (absent on 0.32, so a stand-in base here): a request
+    with a probehook object gets the refusal (vLLM answers 400 with it), one without is
+    vLLM's."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from probehook.adapter import pooling_serving
+
+    class TokenEmbedding:  # the one method the capture class calls before refusing
+        async def _init_ctx(self, io_processor: object, request: object, raw: object) -> object:
+            return SimpleNamespace()
+
+    handler = pooling_serving.capture_class(
+        TokenEmbedding, "/v1/embeddings", refusal=pooling_serving.TOKEN_EMBED_REFUSAL
+    )()
+    asked = SimpleNamespace(model_extra={"probehook": {"layers": [0]}})
+    with pytest.raises(CaptureConfigError, match="token_embed model's /v1/embeddings"):
+        asyncio.run(handler._init_ctx(None, asked, None))
+    plain = asyncio.run(handler._init_ctx(None, SimpleNamespace(model_extra={}), None))
+    assert plain.probehook_wanted is False

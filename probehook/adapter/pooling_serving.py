@@ -47,6 +47,7 @@ class CapturePooling:
     max_response_bytes: int = 64 * MiB
     route = "this route"
     per_item = True  # the response's ``data`` is one item per engine input
+    refusal: str | None = None  # a route that never takes the field: why (the 400's message)
 
     async def _init_ctx(self, io_processor: Any, request: Any, raw_request: Any = None) -> Any:
         ctx = await self.base._init_ctx(self, io_processor, request, raw_request)
@@ -72,6 +73,8 @@ class CapturePooling:
         return ctx
 
     def _check_route(self, request: Any) -> None:
+        if self.refusal is not None:
+            raise CaptureConfigError(self.refusal)
         if _is_plugin(request):
             if getattr(self.engine_client, "store", None) is None:
                 raise CaptureConfigError(
@@ -159,8 +162,11 @@ def _label_patches(ctx: Any) -> None:
         item["params"] = params
 
 
-def capture_class(base: type, route: str, per_item: bool = True) -> type:
-    """A subclass of vLLM's pooling handler ``base`` with :class:`CapturePooling`'s methods."""
+def capture_class(
+    base: type, route: str, per_item: bool = True, refusal: str | None = None
+) -> type:
+    """A subclass of vLLM's pooling handler ``base`` with :class:`CapturePooling`'s methods
+    (``refusal``: every request with a ``probehook`` object gets a 400 with this message)."""
     methods = {
         name: value
         for name, value in vars(CapturePooling).items()
@@ -169,7 +175,7 @@ def capture_class(base: type, route: str, per_item: bool = True) -> type:
     return type(
         f"Capture{base.__name__}",
         (base,),
-        {**methods, "base": base, "route": route, "per_item": per_item},
+        {**methods, "base": base, "route": route, "per_item": per_item, "refusal": refusal},
     )
 
 
@@ -182,3 +188,25 @@ HANDLERS = {
     "serving_pooling": (ServingPooling, capture_class(ServingPooling, "/pooling")),
     "serving_scores": (ServingScores, capture_class(ServingScores, "/score", per_item=False)),
 }
+
+TOKEN_EMBED_REFUSAL = (
+    f"'{FIELD}' fields are not available for this token_embed model's /v1/embeddings "
+    "(vLLM's ServingTokenEmbedding, new in vLLM 0.33): probehook does not capture through "
+    "that handler yet. Capture these inputs offline (probehook.LLM.embed or encode), or leave "
+    "the field out."
+)
+
+
+def handlers() -> dict[str, tuple[type, type]]:
+    """:data:`HANDLERS`, plus the handlers of the installed vLLM that exist only in some
+    versions: 0.33's ``serving_token_embedding``, which refuses the opt-in."""
+    from probehook.adapter import vllm_names
+
+    found = dict(HANDLERS)
+    token_embedding = vllm_names.resolve("ServingTokenEmbedding")
+    if token_embedding is not None:
+        found["serving_token_embedding"] = (
+            token_embedding,
+            capture_class(token_embedding, "/v1/embeddings", refusal=TOKEN_EMBED_REFUSAL),
+        )
+    return found

@@ -17,6 +17,7 @@ import asyncio
 import json
 from typing import Any
 
+from probehook.adapter import vllm_names
 from probehook.core.monitors import ProbeMonitor
 from probehook.errors import CaptureConfigError
 
@@ -62,6 +63,14 @@ def add_capture_args(parser: Any) -> None:
         "fills and at shutdown)",
     )
     group.add_argument(
+        "--capture-default",
+        default=None,
+        metavar="JSON",
+        help="the probehook object of completion and chat requests that carry none, for "
+        "clients that cannot add a field to the body (e.g. "
+        '\'{"probes": true, "layers": [3]}\'); a request\'s own object wins, {} opts out',
+    )
+    group.add_argument(
         "--max-capture-response-mb",
         type=float,
         default=64.0,
@@ -99,6 +108,53 @@ def capture_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     )
 
 
+def parse_capture_default(text: str | None) -> dict[str, Any] | None:
+    """``--capture-default``'s JSON object (None: not given); bad JSON or a non-object exits
+    with a message before the engine starts. Option names and values are checked against the
+    engine once it is up (:func:`check_capture_default`)."""
+    if text is None:
+        return None
+    example = '\'{"probes": true, "layers": [3]}\''
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise SystemExit(
+            f"error: --capture-default {text!r} is not valid JSON ({e}); pass an object such "
+            f"as {example}."
+        ) from None
+    if not isinstance(value, dict):
+        raise SystemExit(
+            f"error: --capture-default must be a JSON object of per-request probehook options "
+            f"(layers, probes, monitors, include_prefill, ...), such as {example}; got "
+            f"{text!r}."
+        )
+    return value
+
+
+def check_capture_default(engine: Any, default: dict[str, Any] | None, tasks: Any) -> None:
+    """Refuse (exit) a ``--capture-default`` this engine cannot serve: unknown options, layers
+    or probes it does not capture, or a model with no completion route."""
+    if default is None:
+        return
+    from vllm import SamplingParams
+
+    from probehook.capture_config import EXTRA_ARGS_KEY
+    from probehook.core.response_fields import request_options
+
+    if "generate" not in tasks:
+        raise SystemExit(
+            "error: --capture-default applies to /v1/completions and /v1/chat/completions, which "
+            f"this model does not serve (its tasks: {sorted(tasks)}). Pooling requests opt in "
+            "with their own probehook object; drop --capture-default."
+        )
+    try:
+        engine.check_request(SamplingParams(extra_args={EXTRA_ARGS_KEY: request_options(default)}))
+    except (CaptureConfigError, TypeError, ValueError) as e:
+        raise SystemExit(
+            f"error: --capture-default {json.dumps(default)} cannot be served by this engine: {e}"
+        ) from None
+
+
 def parse_monitor(spec: str) -> ProbeMonitor:
     """``truth:stop:0.9``, ``truth:flag:0.2:below``, or ``{"probe": "truth", ...}``."""
     if spec.lstrip().startswith("{"):
@@ -123,8 +179,10 @@ def parse_monitor(spec: str) -> ProbeMonitor:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
     from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    make_arg_parser = vllm_names.resolve("make_arg_parser")
+    validate_parsed_serve_args = vllm_names.resolve("validate_parsed_serve_args")
 
     parser = FlexibleArgumentParser(
         prog="probehook serve",
@@ -152,12 +210,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str]) -> None:
     import uvloop
-    from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
     from vllm.logger import configure_logging_from_args
 
-    cli_env_setup()
+    vllm_names.resolve("cli_env_setup")()
     args = parse_args(argv)
     capture = capture_kwargs(args)
+    args.capture_default = parse_capture_default(args.capture_default)
     configure_logging_from_args(args)
     uvloop.run(serve(args, capture))
 
@@ -188,11 +246,13 @@ async def serve(args: argparse.Namespace, capture: dict[str, Any]) -> None:
         if engine.store is not None and args.store_flush_interval > 0:
             flusher = asyncio.create_task(_flush_store(engine, args.store_flush_interval))
         tasks = await engine.get_supported_tasks()
+        default = getattr(args, "capture_default", None)
+        check_capture_default(engine, default, tasks)
         app = build_app(args, tasks, engine.model_config)
         await init_app_state(engine, app.state, args, tasks)
         limit = int(args.max_capture_response_mb * MiB)
-        install(app.state, limit)
-        app.add_api_route("/v1/probehook", _describe(engine, limit), methods=["GET"])
+        install(app.state, limit, default)
+        app.add_api_route("/v1/probehook", _describe(engine, limit, default), methods=["GET"])
         uvicorn_kwargs: dict[str, Any] = {}
         log_config = get_uvicorn_log_config(args)
         if log_config is not None:
@@ -237,7 +297,7 @@ async def _flush_store(engine: Any, interval: float) -> None:
             await loop.run_in_executor(None, store.flush)
 
 
-def _describe(engine: Any, limit: int) -> Any:
+def _describe(engine: Any, limit: int, default: dict[str, Any] | None = None) -> Any:
     """``GET /v1/probehook``: what requests may ask this server for."""
     config, probes = engine.capture_config, engine.probes
     info = getattr(engine, "capture_info", {})
@@ -256,6 +316,7 @@ def _describe(engine: Any, limit: int) -> Any:
         "hidden_size": info.get("hidden_size"),
         "dtype": str(info.get("dtype", "")).removeprefix("torch.") or None,
         "max_capture_response_bytes": limit,
+        "capture_default": default,
     }
 
     async def describe() -> dict[str, Any]:

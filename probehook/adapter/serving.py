@@ -38,6 +38,10 @@ class CaptureServing:
     """What the completion and chat handlers share: option checks and the size cap."""
 
     max_response_bytes: int = 64 * MiB
+    capture_default: dict[str, Any] | None = None
+    """The server's ``--capture-default``: the options of a request whose body has no
+    ``probehook`` object (None: such a request captures nothing). A request's own object
+    wins; ``{}`` opts out."""
 
     def _prepare(self, request: Any, prompts: int) -> Any:
         """Put the request's probehook options into its ``vllm_xargs``; an error response
@@ -49,9 +53,18 @@ class CaptureServing:
                 f'top-level "{FIELD}" object of the request body.'
             )
         try:
-            options = request_options((request.model_extra or {}).get(FIELD))
+            asked = (request.model_extra or {}).get(FIELD)
+            options = request_options(self.capture_default if asked is None else asked)
             n = request.n or 1
             tag = engine.check_request(SamplingParams(n=n, extra_args={EXTRA_ARGS_KEY: options}))
+            if tag is not None and getattr(request, "use_beam_search", False):
+                where = "this server's --capture-default" if asked is None else "the request"
+                raise CaptureConfigError(
+                    f"use_beam_search cannot be combined with capture (asked for by {where}): "
+                    "vLLM runs beam search as one-token requests that recompute the prefix each "
+                    "step, so rows and scores would not belong to the final beams. For beam "
+                    f'search send "{FIELD}": {{}} (no capture); to capture, drop use_beam_search.'
+                )
             if tag is not None and tag.config is not None and tag.config.layers:
                 self._check_size(request, tag.config, n * prompts)
         except CaptureConfigError as e:
@@ -190,14 +203,17 @@ HANDLERS = {
 }
 
 
-def install(state: Any, max_response_bytes: int) -> list[str]:
+def install(
+    state: Any, max_response_bytes: int, capture_default: dict[str, Any] | None = None
+) -> list[str]:
     """Give the app's completion, chat and pooling handlers probehook's classes; the names of
     the handlers changed (a generative model has no pooling handlers, a model without a chat
-    template no chat handler)."""
+    template no chat handler). ``capture_default`` (``--capture-default``) goes to the
+    completion and chat handlers only."""
     from probehook.adapter import pooling_serving
 
     changed = []
-    for name, (base, capture_class) in {**HANDLERS, **pooling_serving.HANDLERS}.items():
+    for name, (base, capture_class) in {**HANDLERS, **pooling_serving.handlers()}.items():
         handler = getattr(state, name, None)
         if handler is None:
             continue
@@ -205,5 +221,7 @@ def install(state: Any, max_response_bytes: int) -> list[str]:
             raise TypeError(f"app.state.{name} is a {type(handler)}, not vLLM's {base}")
         handler.__class__ = capture_class
         handler.max_response_bytes = max_response_bytes
+        if name in HANDLERS:
+            handler.capture_default = capture_default
         changed.append(name)
     return changed

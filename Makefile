@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # vLLM's CPU build sizes its KV cache from this (GiB); the default would claim most of RAM.
 export VLLM_CPU_KVCACHE_SPACE ?= 2
 
-.PHONY: demo test lint format bench notebooks venv clean
+.PHONY: demo test lint format bench notebooks venv clean compat
 
 venv: $(STAMP)
 
@@ -44,6 +44,13 @@ bench: $(STAMP)
 	$(PY) benchmarks/async_streams.py
 	VLLM_CPU_KVCACHE_SPACE=1 $(PY) benchmarks/serve_load.py
 	VLLM_CPU_KVCACHE_SPACE=1 $(PY) benchmarks/pooling.py
+
+# Static check that vLLM $(VLLM) (e.g. 0.33.0; empty: the installed one) has every module, name
+# and attribute the adapter uses; downloads its wheel's sources to ~/.cache/probehook. Not part
+# of `make test` (it needs PyPI). docs/vllm-versions.md has the results.
+VLLM ?=
+compat: $(STAMP)
+	$(PY) scripts/check_vllm_compat.py $(VLLM)
 
 # Re-execute notebooks/*.ipynb in place (committed with outputs; the tests check they're fresh).
 notebooks: $(STAMP)

@@ -21,7 +21,7 @@ from typing import Any
 
 from vllm import PoolingParams, SamplingParams
 from vllm.engine.arg_utils import AsyncEngineArgs
-from vllm.sampling_params import RequestOutputKind
+from vllm.sampling_params import BeamSearchParams, RequestOutputKind
 from vllm.usage.usage_lib import UsageContext
 from vllm.v1.engine.async_llm import AsyncLLM as VllmAsyncLLM
 from vllm.v1.executor import Executor
@@ -41,6 +41,12 @@ from probehook.core.stream_plane import Receiver
 from probehook.errors import CaptureConfigError
 from probehook.store import ActivationStore
 
+BEAM_SEARCH_REFUSED = (
+    "Beam search is not supported on a capturing engine: vLLM runs it as one-token requests "
+    "that recompute the prefix each step, so rows would not belong to the final beams (and "
+    "vLLM's beam allow-lists are unsafe on the V1 runner that capture uses). Use an engine "
+    "built with layers=None and no probes for beam search."
+)
 KINDS: dict[Any, Kind] = {
     RequestOutputKind.CUMULATIVE: "cumulative",
     RequestOutputKind.DELTA: "delta",
@@ -121,6 +127,7 @@ class AsyncLLM(VllmAsyncLLM):
             assert plan is not None
             self._start_engine(engine_config.engine_args(model, plan.engine_kwargs, True), start)
         self._plan = plan
+        engine_config.pin_v1_runner(self.vllm_config)  # the workers run V1 for its whole life
         self.capture_config, self.probes = plan.config, plan.probes
 
     def _start_engine(self, args: AsyncEngineArgs, start: dict[str, Any]) -> None:
@@ -223,6 +230,8 @@ class AsyncLLM(VllmAsyncLLM):
         """vLLM's ``generate``; ``request_id`` is optional (a fresh one when omitted), and every
         output carries the rows and scores of the tokens it holds."""
         params = sampling_params if sampling_params is not None else SamplingParams()
+        if isinstance(sampling_params, BeamSearchParams) and hasattr(self, "_plan"):
+            raise CaptureConfigError(BEAM_SEARCH_REFUSED)
         request_id = request_id if request_id is not None else uuid.uuid4().hex
         async for output in self._captured(super().generate, prompt, params, request_id, kwargs):
             yield output

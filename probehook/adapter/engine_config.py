@@ -52,8 +52,10 @@ def v1_runner() -> Iterator[None]:
     vLLM decides the runner from ``VLLM_USE_V2_MODEL_RUNNER`` while it resolves the config and
     when its engine-core and worker processes start (they inherit the environment at spawn
     and cache it). So the variable is set to 0 for the block only, and restored afterwards: a
-    plain ``vllm.LLM`` built later in this process chooses its runner as usual. A forced V2
-    (``=1``) is refused, since probehook cannot read it yet.
+    plain ``vllm.LLM`` built later in this process chooses its runner as usual. The front end
+    keeps the right answer for the engine's life through :func:`pin_v1_runner`. A forced V2
+    (``=1``) is refused, since probehook cannot read it yet. An untested vLLM version gets
+    one warning per process here.
     """
     global _logged_runner_choice
     value = os.environ.get(RUNNER_ENV)
@@ -105,6 +107,9 @@ def engine_args(model: str, kwargs: dict[str, Any], asynchronous: bool = False) 
         AttentionConfig,
         CompilationConfig,
         ProfilerConfig,
+    from probehook.adapter import vllm_names
+
+    vllm_names.warn_if_untested()
         StructuredOutputsConfig,
     )
     from vllm.config.compilation import CompilationMode
@@ -135,6 +140,56 @@ def engine_args(model: str, kwargs: dict[str, Any], asynchronous: bool = False) 
 
         args["kv_transfer_config"] = KVTransferConfig(**args["kv_transfer_config"])
     return (AsyncEngineArgs if asynchronous else EngineArgs)(model=model, **args)
+
+def pin_v1_runner(vllm_config: Any) -> None:
+    """Make the front end's ``vllm_config.use_v2_model_runner`` say False for the engine's life.
+
+    vLLM's property is live: it reads ``VLLM_USE_V2_MODEL_RUNNER`` (and, unset, Triton and the
+    features in use) on every call. :func:`v1_runner` restores the variable once the engine's
+    processes have started with V1, so on a GPU the front end would then believe V2 while the
+    workers run V1, and vLLM's request-time checks that trust it (beam search allow-lists,
+    ``prompt_logprob_token_ids``) would let V2-only requests through. Pinning this engine's
+    config object (the one its input processor and the server's handlers hold) keeps the
+    answer true without leaving the variable set for other engines of the process. Swapping
+    the class is the only way: an instance attribute cannot shadow a property.
+    """
+    base = type(vllm_config)
+    if getattr(base, "_probehook_v1_pinned", False):
+        return
+    vllm_config.__class__ = _pinned_class(base)
+
+
+_PINNED: dict[type, type] = {}
+
+
+def _pinned_class(base: type) -> type:
+    """``base`` with ``use_v2_model_runner`` fixed to False; one class per base, reachable as
+    a module attribute so that a pinned config still pickles."""
+    pinned = _PINNED.get(base)
+    if pinned is None:
+        name = f"V1Runner{base.__name__}"
+        pinned = type(
+            name,
+            (base,),
+            {
+                "use_v2_model_runner": property(lambda self: False),
+                "_probehook_v1_pinned": True,
+                "__module__": __name__,
+                "__qualname__": name,
+            },
+        )
+        _PINNED[base] = pinned
+    return pinned
+
+
+def __getattr__(name: str) -> Any:
+    # Unpickling a pinned VllmConfig in another process looks its class up here.
+    if name == "V1RunnerVllmConfig":
+        from vllm.config import VllmConfig
+
+        return _pinned_class(VllmConfig)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 
 def check_engine(vllm_config: Any) -> int:

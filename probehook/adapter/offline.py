@@ -107,6 +107,7 @@ class LLM(vllm.LLM):
             assert plan is not None
             super().__init__(model=model, **plan.engine_kwargs)
         self.capture_config, self.probes = plan.config, plan.probes
+        engine_config.pin_v1_runner(self.llm_engine.vllm_config)  # its workers run V1
         infos = self.collective_rpc("probehook_attach", args=plan.attach_args())
         self.capture, self.capture_info, self.store = setup.start(
             plan,

@@ -58,6 +58,9 @@ def v1_runner() -> Iterator[None]:
     one warning per process here.
     """
     global _logged_runner_choice
+    from probehook.adapter import vllm_names
+
+    vllm_names.warn_if_untested()
     value = os.environ.get(RUNNER_ENV)
     if value is not None:
         try:
@@ -88,58 +91,6 @@ def v1_runner() -> Iterator[None]:
     finally:
         os.environ.pop(RUNNER_ENV, None)
 
-
-def resolve_vllm_config(model: str, kwargs: dict[str, Any]) -> Any:
-    """The ``VllmConfig`` that ``vllm.LLM(model, **kwargs)`` will run with, without starting it.
-
-    vLLM's own errors for bad arguments propagate unchanged.
-    """
-    from vllm.usage.usage_lib import UsageContext
-
-    return engine_args(model, kwargs).create_engine_config(UsageContext.LLM_CLASS)
-
-
-def engine_args(model: str, kwargs: dict[str, Any], asynchronous: bool = False) -> Any:
-    """``EngineArgs`` (or, ``asynchronous``, ``AsyncEngineArgs``) from keyword arguments as
-    ``vllm.LLM`` takes them: mirrors the argument conversions of ``vllm.LLM.__init__`` (0.32)
-    that matter for config resolution (dicts for config objects, an int compilation mode)."""
-    from vllm.config import (
-        AttentionConfig,
-        CompilationConfig,
-        ProfilerConfig,
-    from probehook.adapter import vllm_names
-
-    vllm_names.warn_if_untested()
-        StructuredOutputsConfig,
-    )
-    from vllm.config.compilation import CompilationMode
-    from vllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
-
-    args = dict(kwargs)
-    if not asynchronous:
-        args.setdefault("disable_log_stats", True)  # vllm.LLM's default
-    args["hf_overrides"] = args.get("hf_overrides") or {}
-    args["offload_params"] = args.get("offload_params") or set()
-    args.pop("worker_cls", None)  # only decides which class runs; not resolved here
-    compilation = args.get("compilation_config")
-    if isinstance(compilation, int):
-        args["compilation_config"] = CompilationConfig(mode=CompilationMode(compilation))
-    for name, cls in (
-        ("compilation_config", CompilationConfig),
-        ("structured_outputs_config", StructuredOutputsConfig),
-        ("profiler_config", ProfilerConfig),
-        ("attention_config", AttentionConfig),
-    ):
-        value = args.get(name)
-        if value is None:
-            args[name] = cls()
-        elif isinstance(value, dict):
-            args[name] = cls(**value)
-    if isinstance(args.get("kv_transfer_config"), dict):
-        from vllm.config.kv_transfer import KVTransferConfig
-
-        args["kv_transfer_config"] = KVTransferConfig(**args["kv_transfer_config"])
-    return (AsyncEngineArgs if asynchronous else EngineArgs)(model=model, **args)
 
 def pin_v1_runner(vllm_config: Any) -> None:
     """Make the front end's ``vllm_config.use_v2_model_runner`` say False for the engine's life.
@@ -190,6 +141,55 @@ def __getattr__(name: str) -> Any:
         return _pinned_class(VllmConfig)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
+
+def resolve_vllm_config(model: str, kwargs: dict[str, Any]) -> Any:
+    """The ``VllmConfig`` that ``vllm.LLM(model, **kwargs)`` will run with, without starting it.
+
+    vLLM's own errors for bad arguments propagate unchanged.
+    """
+    from vllm.usage.usage_lib import UsageContext
+
+    return engine_args(model, kwargs).create_engine_config(UsageContext.LLM_CLASS)
+
+
+def engine_args(model: str, kwargs: dict[str, Any], asynchronous: bool = False) -> Any:
+    """``EngineArgs`` (or, ``asynchronous``, ``AsyncEngineArgs``) from keyword arguments as
+    ``vllm.LLM`` takes them: mirrors the argument conversions of ``vllm.LLM.__init__`` (0.32)
+    that matter for config resolution (dicts for config objects, an int compilation mode)."""
+    from vllm.config import (
+        AttentionConfig,
+        CompilationConfig,
+        ProfilerConfig,
+        StructuredOutputsConfig,
+    )
+    from vllm.config.compilation import CompilationMode
+    from vllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
+
+    args = dict(kwargs)
+    if not asynchronous:
+        args.setdefault("disable_log_stats", True)  # vllm.LLM's default
+    args["hf_overrides"] = args.get("hf_overrides") or {}
+    args["offload_params"] = args.get("offload_params") or set()
+    args.pop("worker_cls", None)  # only decides which class runs; not resolved here
+    compilation = args.get("compilation_config")
+    if isinstance(compilation, int):
+        args["compilation_config"] = CompilationConfig(mode=CompilationMode(compilation))
+    for name, cls in (
+        ("compilation_config", CompilationConfig),
+        ("structured_outputs_config", StructuredOutputsConfig),
+        ("profiler_config", ProfilerConfig),
+        ("attention_config", AttentionConfig),
+    ):
+        value = args.get(name)
+        if value is None:
+            args[name] = cls()
+        elif isinstance(value, dict):
+            args[name] = cls(**value)
+    if isinstance(args.get("kv_transfer_config"), dict):
+        from vllm.config.kv_transfer import KVTransferConfig
+
+        args["kv_transfer_config"] = KVTransferConfig(**args["kv_transfer_config"])
+    return (AsyncEngineArgs if asynchronous else EngineArgs)(model=model, **args)
 
 
 def check_engine(vllm_config: Any) -> int:

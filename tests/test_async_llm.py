@@ -121,10 +121,13 @@ def test_each_output_kind_carries_the_rows_of_its_tokens(engine, offline, loop, 
         n = out.tokens_then
         assert out.outputs[0].hidden_states[3].shape[0] == n
         assert out.outputs[0].probe_scores["truth"].shape[0] == n
+    prompt_len = len(reference.prompt_token_ids)
     for i, out in enumerate(delta):
         n = out.tokens_then
         assert out.outputs[0].hidden_states[0].shape[0] == n
-        assert bool(out.prefill_hidden_states) == (i == 0)  # prefill rows once, first
+        for layer in (0, 3):  # prefill rows once, first; later yields keep the layer, 0 rows
+            rows = out.prefill_hidden_states[layer]
+            assert rows.shape == (prompt_len if i == 0 else 0, 128), (i, rows.shape)
     assert_same_as_offline(cumulative[-1], reference)
     assert_same_as_offline(final_only[0], reference)
     joined = {
@@ -178,6 +181,44 @@ def test_64_streams_with_random_aborts_leave_nothing_behind(engine, offline, loo
     assert stats["pending_requests"] == 0 and stats["pending_streams"] == 0
     assert stats["retained_bytes"] == 0
     assert stats["front_end_streams"] == 0 and stats["front_end_requests"] == 0
+
+
+def test_an_aborted_delta_stream_keeps_its_shape(engine, offline, loop) -> None:
+    """Every yield carries every asked layer and probe, with 0 rows when it holds no new
+    tokens: the abort's last output (0 new tokens) included, so a loop that concatenates
+    per yield never meets a missing key."""
+    from vllm.sampling_params import RequestOutputKind as Kind
+
+    prompt = prompts(8)[4]
+    reference = offline[prompt]
+
+    async def stream() -> list:
+        outs = []
+        async for out in engine.generate(prompt, greedy(output_kind=Kind.DELTA), "shape"):
+            out.tokens_then = len(out.outputs[0].token_ids)
+            outs.append(out)
+            if len(outs) == 3:
+                await engine.abort("shape")
+        return outs
+
+    outs = loop.run_until_complete(stream())
+    last = outs[-1]
+    assert last.outputs[0].finish_reason == "abort" and last.tokens_then == 0
+    names = list(reference.outputs[0].probe_scores)
+    for out in outs:
+        got = out.outputs[0]
+        assert list(got.hidden_states) == [0, 3] and list(out.prefill_hidden_states) == [0, 3]
+        assert list(got.probe_scores) == names and list(out.prefill_probe_scores) == names
+        assert got.hidden_states[3].shape == (out.tokens_then, 128)
+        assert out.hidden_states is got.hidden_states
+    assert last.prefill_hidden_states[0].shape == (0, 128)
+    assert last.outputs[0].probe_scores["truth"].shape == (0,)
+    joined = torch.cat([o.outputs[0].hidden_states[3] for o in outs])
+    n = joined.shape[0]
+    assert n == sum(o.tokens_then for o in outs) and n > 0
+    assert close(joined, reference.outputs[0].hidden_states[3][:n])
+    scores = torch.cat([o.outputs[0].probe_scores["topic"] for o in outs])
+    assert close(scores, reference.outputs[0].probe_scores["topic"][:n])
 
 
 def test_stop_monitor_ends_a_stream_with_the_probe_named(engine, offline, loop) -> None:

@@ -13,6 +13,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from probehook import __version__ as probehook_version
 from probehook.adapter import engine_config, outputs
 from probehook.capture_config import CaptureConfig, LayerSpec, resolve_layers
@@ -171,11 +173,19 @@ def start(
         probes=setup.probes,
         stop_token=stop_token if setup.probes is not None else None,
     )
+    session.row_format = (int(infos[0]["hidden_size"]), _torch_dtype(infos[0]["dtype"]))
     store = None
     if setup.store is not None:
         store = _open_store(setup, model, infos[0])
         session.store = store
     return session, infos[0], store
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise CaptureError(f"A worker reported rows of unknown dtype {name!r}.")
+    return dtype
 
 
 def _open_store(setup: CaptureSetup, model: str, info: dict[str, Any]) -> ActivationStore:

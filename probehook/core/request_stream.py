@@ -92,22 +92,38 @@ class RequestStream:
             before = self.seen.get(index, 0) if delta else 0
             total = before + len(completion.token_ids)
             self.seen[index] = total
-            if total == 0:
-                continue  # nothing computed that an output holds (an early abort)
+            # total == 0: an early abort; the output holds nothing computed, so no rows
+            # are taken, but it keeps its shape (every asked layer and probe, 0 rows).
+            take = total > 0
             key = f"{tag.tag}/{index}"
             has_prefill = config.include_prefill and index == 0
             if config.layers:
                 spans = completion_spans(config, prompt_len, total, index)
                 await self._fill(
-                    "hidden", key, spans, before, prompt_len, send_prefill, output, completion
+                    "hidden",
+                    key,
+                    spans,
+                    before,
+                    prompt_len,
+                    send_prefill and take,
+                    output,
+                    completion,
                 )
             if tag.probes is not None and tag.probes.names:
                 spans = completion_spans(score_config(config), prompt_len, total, index)
                 await self._fill(
-                    "scores", key, spans, before, prompt_len, send_prefill, output, completion
+                    "scores",
+                    key,
+                    spans,
+                    before,
+                    prompt_len,
+                    send_prefill and take,
+                    output,
+                    completion,
                 )
-                await self._act_on_scores(key, spans[1], before, delta, output, completion)
-            self.prefill_sent = self.prefill_sent or has_prefill
+                if take:
+                    await self._act_on_scores(key, spans[1], before, delta, output, completion)
+            self.prefill_sent = self.prefill_sent or (has_prefill and take)
         mirror_first_completion(output)
 
     async def _attach_pooled(self, output: Any, prompt_len: int) -> None:
@@ -143,16 +159,23 @@ class RequestStream:
     ) -> None:
         prefill, decode = spans
         on_request, on_completion = attributes_of(source)
+        # A span this output holds no positions of still gets its keys, with 0 rows.
+        empty = self.session.no_rows(source, self.tag)
         try:
-            if prefill is not None and send_prefill:
-                rows = await self.receiver.take(source, key, prefill.lo, prefill.hi)
-                setattr(output, on_request, self._value(source, rows))
+            if prefill is not None:
+                value = empty
+                if send_prefill:
+                    rows = await self.receiver.take(source, key, prefill.lo, prefill.hi)
+                    value = self._value(source, rows)
+                setattr(output, on_request, value)
             if decode is not None:
                 # Only the rows of tokens this output adds, in delta mode.
                 lo = max(decode.lo, prompt_len - 1 + before)
+                value = empty
                 if lo < decode.hi:
                     rows = await self.receiver.take(source, key, lo, decode.hi)
-                    setattr(completion, on_completion, self._value(source, rows))
+                    value = self._value(source, rows)
+                setattr(completion, on_completion, value)
         except StreamFailed as e:
             failed = FailedCapture(str(e))
             for target, attribute in ((output, on_request), (completion, on_completion)):

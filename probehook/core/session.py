@@ -125,6 +125,8 @@ class CaptureSession:
         self.spool = Spool()
         self.store: Any = None  # the ActivationStore being written, if any
         self.attach_ns = 0  # front-end time spent attaching rows (for the benchmark)
+        self.row_format: tuple[int, torch.dtype] = (0, torch.float32)
+        """(hidden size, dtype) of captured rows, as the workers report them."""
 
     # -- request path ---------------------------------------------------------------------
 
@@ -365,6 +367,17 @@ class CaptureSession:
                 else:
                     value = dict(zip(request["layers"], tensor, strict=True))
                 setattr(target, attribute, value)
+
+    def no_rows(self, source: str, tag: RequestTag) -> dict[Any, torch.Tensor]:
+        """The value of ``source`` for positions an output does not hold: every layer (or
+        probe) the request asked for, with 0 rows, so outputs keep their shape."""
+        if source == "hidden":
+            assert tag.config is not None
+            hidden, dtype = self.row_format
+            return {layer: torch.empty((0, hidden), dtype=dtype) for layer in tag.config.layers}
+        assert self.probes is not None and tag.probes is not None
+        width = max((c.hi for c in self.probes.columns.values()), default=0)
+        return self.probes.split(torch.empty((0, width)), tag.probes.names)
 
     def _fail(self, slots: list[tuple[Any, str]], reason: str) -> None:
         logger.error("probehook: %s", reason)

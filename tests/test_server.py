@@ -28,6 +28,8 @@ ENGINE = dict(dtype="float32", max_model_len=256, seed=0, enforce_eager=True)
 TOL = 1e-4
 MAX_TOKENS = 12
 CAP_MB = 0.4  # two prompts of one layer with prefill rows fit; see test_size_cap
+# --capture-default: what a request without a probehook object captures on this server
+DEFAULT = {"probes": ["truth"], "layers": [3]}
 # The template adds the BOS the offline prompt gets, so chat and offline see the same ids.
 CHAT_TEMPLATE = "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
 
@@ -76,6 +78,7 @@ def server(
         argv += ["--probe", f"{name}={path}"]
     argv += ["--monitor", "other:flag:0.5", "--max-capture-response-mb", str(CAP_MB)]
     argv += ["--store", str(work / "store"), "--store-flush-interval", "0.5"]
+    argv += ["--capture-default", json.dumps(DEFAULT)]
     argv += ["--chat-template", str(work / "chat.jinja"), "--served-model-name", "tiny"]
     argv += ["--dtype", "float32", "--max-model-len", "256", "--seed", "0", "--enforce-eager"]
     process = ServerProcess(argv, log=work / "server.log")
@@ -112,16 +115,82 @@ def field(choice: Any) -> dict[str, Any]:
     return (choice.model_extra or {}).get("probehook", {})
 
 
-def test_an_ordinary_request_gets_an_ordinary_response(client, offline) -> None:
+def test_an_opted_out_request_gets_an_ordinary_response(client, offline) -> None:
+    """``"probehook": {}`` opts out of the server's --capture-default (a server without one
+    treats a request without the field the same way: request_options(None) is OFF)."""
     prompt = prompts(8)[0]
-    response = client.completions.create(prompt=prompt, extra_body=ignore_eos(), **greedy())
+    response = client.completions.create(prompt=prompt, extra_body=ignore_eos({}), **greedy())
     choice = response.choices[0]
     assert choice.text == offline[prompt].outputs[0].text
     assert "probehook" not in (choice.model_extra or {})
     chat = client.chat.completions.create(
-        messages=[{"role": "user", "content": prompt}], extra_body=ignore_eos(), **greedy()
+        messages=[{"role": "user", "content": prompt}], extra_body=ignore_eos({}), **greedy()
     )
     assert "probehook" not in (chat.choices[0].model_extra or {})
+
+
+def test_capture_default_applies_to_requests_without_the_field(client, offline, server) -> None:
+    """What lm-eval and other fixed-body clients get: the server's default, stored under the
+    request id so that their samples can be joined to the records."""
+    from probehook import ActivationStore
+
+    prompt = prompts(8)[5]
+    want = offline[prompt]
+    response = client.completions.create(prompt=prompt, extra_body=ignore_eos(), **greedy())
+    got = field(response.choices[0])
+    assert response.choices[0].text == want.outputs[0].text
+    assert set(got["hidden_states"]) == {"3"} and set(got["probe_scores"]) == {"truth"}
+    assert close(decode_array(got["hidden_states"]["3"]), want.outputs[0].hidden_states[3])
+    assert close(got["probe_scores"]["truth"], want.outputs[0].probe_scores["truth"])
+    assert "prefill_hidden_states" not in got  # the default's options, not the engine's
+    chat = client.chat.completions.create(
+        messages=[{"role": "user", "content": prompt}], extra_body=ignore_eos(), **greedy()
+    )
+    assert close(
+        field(chat.choices[0])["probe_scores"]["truth"], want.outputs[0].probe_scores["truth"]
+    )
+    # A request's own object wins over the default.
+    own = client.completions.create(
+        prompt=prompt, extra_body=ignore_eos({"probes": ["size"]}), **greedy()
+    )
+    assert set(field(own.choices[0])) == {"probe_scores"}
+    assert set(field(own.choices[0])["probe_scores"]) == {"size"}
+    # vLLM names a completion prompt's request "<response id>-<prompt index>"; chat: the id.
+    root = Path(server.log).parent / "store"
+    wanted = {f"{response.id}-0": [3], chat.id: [3], f"{own.id}-0": []}
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        stored = {r.request_id: r for r in ActivationStore.open(root).requests}
+        if set(wanted) <= set(stored):
+            break
+        time.sleep(0.5)
+    assert set(wanted) <= set(stored), sorted(stored)
+    for request_id, layers in wanted.items():
+        assert sorted(stored[request_id].hidden_states) == layers, request_id
+    rows = stored[f"{response.id}-0"].hidden_states[3].numpy()
+    assert close(rows, want.outputs[0].hidden_states[3])
+
+
+def test_beam_search_is_refused_when_the_request_captures(client) -> None:
+    import openai
+
+    beam = dict(model="tiny", prompt="1+1=", n=2, max_tokens=1, temperature=0)
+    message = r"use_beam_search cannot be combined with capture \(asked for by %s\)"
+    with pytest.raises(openai.BadRequestError, match=message % "this server's --capture-default"):
+        client.completions.create(extra_body={"use_beam_search": True}, **beam)
+    with pytest.raises(openai.BadRequestError, match=message % "the request"):
+        client.completions.create(
+            extra_body={"use_beam_search": True, "probehook": {"probes": ["truth"]}}, **beam
+        )
+    with pytest.raises(openai.BadRequestError, match=message % "the request"):
+        client.chat.completions.create(
+            messages=[{"role": "user", "content": "1+1="}],
+            extra_body={"use_beam_search": True, "probehook": {"layers": [0]}},
+            **{k: v for k, v in beam.items() if k != "prompt"},
+        )
+    # Opted out, beam search is vLLM's own.
+    plain = client.completions.create(extra_body={"use_beam_search": True, "probehook": {}}, **beam)
+    assert len(plain.choices) == 2 and "probehook" not in (plain.choices[0].model_extra or {})
 
 
 def test_completion_returns_scores_and_rows_equal_to_offline(client, offline) -> None:
@@ -299,6 +368,7 @@ def test_reserved_xargs_key_and_info_route(client, server) -> None:
     assert sorted(info["probes"]) == ["other", "size", "topic", "truth"]
     assert info["probes"]["topic"]["labels"] == ["a", "b", "c"]
     assert info["max_capture_response_bytes"] == int(CAP_MB * (1 << 20))
+    assert info["capture_default"] == DEFAULT
     # The server is still serving after every refusal above.
     assert client.completions.create(prompt="1+1=", **greedy()).choices[0].text is not None
 
@@ -319,7 +389,9 @@ def test_openai_client_example_against_this_server(server) -> None:
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout
     assert "layer 3 rows (" in out and "truth per token:" in out, out
-    assert "chat " in out and "ordinary request: extension field present: False" in out, out
+    assert "chat " in out, out
+    # The example's request without a probehook object gets this server's --capture-default.
+    assert "ordinary request: extension field present: True" in out, out
 
 
 def test_served_captures_are_committed_while_serving_and_survive_kill_9(server, offline) -> None:

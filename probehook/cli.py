@@ -10,6 +10,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
+DESCRIPTION = """\
+probehook: vLLM generation with residual-stream capture, activation stores and probes.
+
+  probehook serve MODEL --layers 3 [--probe NAME=PATH] [vllm serve flags]
+  probehook capture --model MODEL --layers 1,3 --prompts FILE --store DIR
+  probehook store info | fsck | compact DIR
+"""
+
 
 def read_prompts(path: Path) -> list[str]:
     """Prompts from JSONL (a string, or an object with "prompt") or plain text, one per line."""
@@ -48,7 +56,6 @@ def parse_layers(text: str) -> list[int] | str:
 
 
 def cmd_capture(args: argparse.Namespace) -> None:
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     prompts = read_prompts(Path(args.prompts))
     from tqdm.auto import tqdm
 
@@ -124,7 +131,11 @@ def main(argv: list[str] | None = None) -> None:
 
         serve(argv[1:])
         return
-    parser = argparse.ArgumentParser(prog="probehook", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="probehook",
+        description=DESCRIPTION,  # plain text: the module docstring is reStructuredText
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser(
         "serve",

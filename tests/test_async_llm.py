@@ -284,6 +284,26 @@ def test_from_engine_args_without_capture_is_plain_vllm(llama_dir, engine, loop)
     assert final.hidden_states == {} and final.probe_scores == {} and final.store_id is None
 
 
+def test_front_end_believes_v1_and_beam_search_is_refused(engine, loop, monkeypatch) -> None:
+    """The front end of a capturing AsyncLLM answers V1 for its life, as its workers run, and
+    BeamSearchParams are refused before they reach the engine."""
+    import os
+
+    from vllm.sampling_params import BeamSearchParams
+
+    from probehook.adapter.engine_config import RUNNER_ENV
+    from probehook.errors import CaptureConfigError
+
+    assert RUNNER_ENV not in os.environ  # the process's setting, restored after construction
+    assert engine.input_processor.vllm_config is engine.vllm_config  # request-time checks
+    monkeypatch.setenv(RUNNER_ENV, "1")  # on a GPU, Triton makes an unset variable mean V2
+    assert engine.vllm_config.use_v2_model_runner is False
+    monkeypatch.delenv(RUNNER_ENV)
+    beam = BeamSearchParams(beam_width=2, max_tokens=2)
+    with pytest.raises(CaptureConfigError, match="Beam search is not supported on a capturing"):
+        loop.run_until_complete(collect(engine, "1+1=", beam))
+
+
 def test_shutdown_commits_what_was_stored(engine, loop, store_dir) -> None:
     """Runs last: shuts the module's engine down. Requests stored since the last flush are
     committed by shutdown, with no flush by the user."""

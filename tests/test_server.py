@@ -245,16 +245,22 @@ def test_chat_streamed_and_not_equals_offline(client, offline) -> None:
     stream = client.chat.completions.create(
         messages=messages, stream=True, extra_body=ignore_eos(options), **greedy()
     )
-    scores, prefill = [], None
+    scores, prefill = [], []
     for chunk in stream:
         for choice in chunk.choices:
             got = field(choice)
             if not choice.delta.content and not choice.finish_reason:
                 assert not got  # the role chunk holds no token, so no rows
-            scores += got.get("probe_scores", {}).get("truth", [])
-            prefill = got.get("prefill_hidden_states", prefill)
+                continue
+            # Every chunk with tokens keeps the shape: each asked layer and probe, prefill too
+            # (0 rows after the first).
+            assert list(got["prefill_hidden_states"]) == ["3"], got.keys()
+            assert list(got["probe_scores"]) == ["truth"]
+            scores += got["probe_scores"]["truth"]
+            prefill.append(decode_array(got["prefill_hidden_states"]["3"]))
     assert close(scores, want.outputs[0].probe_scores["truth"])
-    assert prefill is not None and close(decode_array(prefill["3"]), want.prefill_hidden_states[3])
+    assert prefill[0].shape[0] > 0 and all(p.shape == (0, 128) for p in prefill[1:])
+    assert close(np.concatenate(prefill), want.prefill_hidden_states[3])
 
 
 def test_concurrent_clients_each_get_their_own_rows(client, offline) -> None:

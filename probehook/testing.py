@@ -14,7 +14,75 @@ import torch
 
 from probehook.models import tiny_model_path
 
-ARCHITECTURES = ("llama", "qwen2")
+ARCHITECTURES = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "gpt2",
+    "opt",
+    "gpt_neox",
+    "gemma",
+    "gemma2",
+    "gemma3",
+    "phi3",
+    "olmo2",
+    "mixtral",
+    "qwen3_moe",
+    "granite",
+)
+"""Short names ``build_random_checkpoint`` accepts (transformers' ``model_type`` spelling)."""
+
+
+def _arch_config(arch: str, common: dict[str, Any], hidden: int, heads: int) -> dict[str, Any]:
+    """Config keyword arguments of one tiny architecture (its model_type and quirks)."""
+    head_dim = hidden // heads
+    vocab, layers = common["vocab_size"], common["num_hidden_layers"]
+    ids = {k: common[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    if arch == "gpt2":  # its own names; learned positions
+        return dict(
+            model_type="gpt2", vocab_size=vocab, n_embd=hidden, n_layer=layers, n_head=heads,
+            n_positions=256, **ids,
+        )  # fmt: skip
+    if arch == "opt":
+        return dict(
+            model_type="opt", vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
+            num_attention_heads=heads, ffn_dim=common["intermediate_size"],
+            word_embed_proj_dim=hidden, max_position_embeddings=256, **ids,
+        )  # fmt: skip
+    if arch == "gpt_neox":
+        return dict(
+            model_type="gpt_neox", vocab_size=vocab, hidden_size=hidden,
+            num_hidden_layers=layers, num_attention_heads=heads,
+            intermediate_size=common["intermediate_size"], max_position_embeddings=256,
+            rotary_pct=0.25, use_parallel_residual=True, tie_word_embeddings=False, **ids,
+        )  # fmt: skip
+    extra: dict[str, Any] = {}
+    if arch in ("qwen3", "gemma", "gemma2", "gemma3", "qwen3_moe"):
+        extra["head_dim"] = head_dim  # these default to a head_dim of their own
+    if arch in ("mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen3_moe"):
+        extra["sliding_window"] = None
+    if arch.startswith("gemma"):
+        extra["tie_word_embeddings"] = True  # vLLM's Gemma classes have no separate lm_head
+    if arch == "gemma2":
+        extra.update(query_pre_attn_scalar=head_dim, sliding_window=64)
+    if arch == "gemma3":
+        # model_type gemma3_text is the text-only Gemma3ForCausalLM
+        extra.update(query_pre_attn_scalar=head_dim, sliding_window=64, sliding_window_pattern=2)
+        arch = "gemma3_text"
+    if arch == "mixtral":
+        extra.update(num_local_experts=4, num_experts_per_tok=2)
+    if arch == "qwen3_moe":
+        extra.update(
+            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=hidden,
+            decoder_sparse_step=1, norm_topk_prob=True,
+        )  # fmt: skip
+    if arch == "granite":  # multipliers away from 1, so a missing one shows
+        extra.update(
+            residual_multiplier=0.5, embedding_multiplier=2.0, attention_multiplier=0.1,
+            logits_scaling=2.0,
+        )  # fmt: skip
+    return dict(model_type=arch, **{**common, **extra})
 
 
 def build_random_checkpoint(
@@ -28,19 +96,17 @@ def build_random_checkpoint(
     intermediate_size: int | None = None,
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
+    spread_norms: bool = False,
 ) -> Path:
-    """Write a random-weight Llama- or Qwen2-style checkpoint (GQA allowed) to ``out_dir``.
+    """Write a random-weight checkpoint of architecture ``arch`` (one of ``ARCHITECTURES``;
+    GQA allowed where the architecture has it) to ``out_dir``.
 
     head_dim is ``hidden_size // num_heads``; keep it at 64, which vLLM's CPU attention accepts.
     The bundled tiny model's tokenizer is copied in so vLLM and HF tokenise identically.
+    ``spread_norms`` moves norm weights away from their init (1, or 0 for Gemma's offset
+    form), so that a norm skipped or applied twice shows in the rows.
     """
-    from transformers import (
-        AutoTokenizer,
-        LlamaConfig,
-        LlamaForCausalLM,
-        Qwen2Config,
-        Qwen2ForCausalLM,
-    )
+    from transformers import CONFIG_MAPPING, AutoModelForCausalLM, AutoTokenizer
 
     if arch not in ARCHITECTURES:
         raise ValueError(f"arch={arch!r} is not one of {ARCHITECTURES}")
@@ -63,16 +129,21 @@ def build_random_checkpoint(
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
+    if arch == "qwen2":
+        common["use_sliding_window"] = False
+    kwargs = _arch_config(arch, common, hidden_size, num_heads)
+    config = CONFIG_MAPPING[kwargs.pop("model_type")](**kwargs)
     torch.manual_seed(seed)
-    if arch == "llama":
-        model = LlamaForCausalLM(LlamaConfig(**common))
-    else:
-        model = Qwen2ForCausalLM(Qwen2Config(**common, use_sliding_window=False))
+    model = AutoModelForCausalLM.from_config(config)
     # Default init is tiny (std 0.02); a larger spread makes layers differ visibly.
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() > 1:
                 p.normal_(0.0, 0.08)
+        if spread_norms:  # after the matrices, which stay what they were without it
+            for name, p in model.named_parameters():
+                if p.dim() == 1 and ("norm" in name or "ln" in name):
+                    p.add_(torch.randn_like(p) * 0.1)
     model.to(dtype).save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
@@ -166,7 +237,7 @@ def hf_residual_stream(
     """
     model = _hf_model(str(model_dir), dtype)
     captured: list[torch.Tensor] = []
-    norm = model.model.norm
+    norm = _final_norm(model)
     handle = norm.register_forward_pre_hook(lambda _m, args: captured.append(args[0]))
     try:
         with torch.no_grad():
@@ -177,6 +248,18 @@ def hf_residual_stream(
     return torch.stack(streams)
 
 
+def _final_norm(model: torch.nn.Module) -> torch.nn.Module:
+    """The norm after the last decoder layer of an HF causal LM, whatever its family calls it."""
+    base = model.base_model
+    for path in ("norm", "final_layer_norm", "ln_f", "decoder.final_layer_norm"):
+        module: Any = base
+        for part in path.split("."):
+            module = getattr(module, part, None)
+        if isinstance(module, torch.nn.Module):
+            return module
+    raise ValueError(f"no final norm found on {type(base).__name__}")
+
+
 _HF_CACHE: dict[tuple[str, torch.dtype], object] = {}
 
 
@@ -185,7 +268,10 @@ def _hf_model(model_dir: str, dtype: torch.dtype):  # noqa: ANN202 - transformer
 
     key = (model_dir, dtype)
     if key not in _HF_CACHE:
-        _HF_CACHE[key] = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+        # eager: HF's reference attention; its sdpa path drops Gemma 2's logit soft-capping
+        _HF_CACHE[key] = AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=dtype, attn_implementation="eager"
+        ).eval()
     return _HF_CACHE[key]
 
 
@@ -199,8 +285,10 @@ def assert_matches_hf(
     *,
     prefill: bool = True,
     tol: float = 1e-3,
-) -> None:
-    """Assert a RequestOutput's captured rows equal HF's residual stream for its tokens."""
+) -> float:
+    """Assert a RequestOutput's captured rows equal HF's residual stream for its tokens;
+    return the largest absolute difference seen."""
+    worst = 0.0
     prompt = list(output.prompt_token_ids)
     p = len(prompt)
     for completion in output.outputs:
@@ -213,6 +301,7 @@ def assert_matches_hf(
             assert rows.shape == (n, ref.shape[-1]), (layer, rows.shape)
             diff = (rows - ref[layer, p - 1 : p - 1 + n]).abs().max().item()
             assert diff <= tol, f"decode layer {layer}: max abs diff {diff}"
+            worst = max(worst, diff)
     if prefill:
         ref = hf_residual_stream(model_dir, prompt)
         for layer in layers:
@@ -220,6 +309,8 @@ def assert_matches_hf(
             assert rows.shape == (p, ref.shape[-1])
             diff = (rows - ref[layer]).abs().max().item()
             assert diff <= tol, f"prefill layer {layer}: max abs diff {diff}"
+            worst = max(worst, diff)
+    return worst
 
 
 def worker_stats(llm: Any) -> dict[str, int]:

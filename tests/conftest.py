@@ -59,21 +59,6 @@ def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def qwen2_gqa_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from probehook.testing import build_random_checkpoint
-
-    return build_random_checkpoint(
-        tmp_path_factory.mktemp("qwen2"),
-        arch="qwen2",
-        hidden_size=256,
-        num_heads=4,
-        num_kv_heads=2,
-        num_layers=3,
-        seed=2,
-    )
-
-
-@pytest.fixture(scope="session")
 def compiled_llm(llama_dir: Path) -> Iterator[object]:
     """vLLM's default compiled mode, under pressure: small prefill chunks, a KV cache small
     enough to force preemption, prefix caching on."""

@@ -33,6 +33,43 @@ def test_tap_under_torch_compile() -> None:
         torch.testing.assert_close(block.out[:n], block.proj(x).detach() + x)
 
 
+def test_tap_names_a_shape_it_cannot_take() -> None:
+    with pytest.raises(ValueError, match=r"\[tokens, hidden\] rows, got hidden \(1, 3, 8\)"):
+        tap(torch.zeros(1, 3, 8), None, torch.zeros(16, 8))
+
+
+class HFStyleLayer(nn.Module):
+    """Like an HF decoder layer on vLLM's Transformers backend: [1, tokens, hidden] in, the
+    finished stream out (alone, or first in a tuple)."""
+
+    def __init__(self, hidden: int, as_tuple: bool) -> None:
+        super().__init__()
+        self.proj = nn.Linear(hidden, hidden)
+        self.as_tuple = as_tuple
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, None]:
+        stream = x + self.proj(x)
+        return (stream, None) if self.as_tuple else stream
+
+
+@pytest.mark.parametrize("as_tuple", [False, True])
+def test_batched_stream_tap_traces_into_compiled_graph(as_tuple: bool) -> None:
+    from probehook.adapter.loader import TAP_KIND_ATTR, _tap_hook
+
+    torch.manual_seed(0)
+    layer = HFStyleLayer(8, as_tuple)
+    layer.register_buffer("probehook_tap_out", torch.zeros(16, 8), persistent=False)
+    setattr(layer, TAP_KIND_ATTR, "batched_stream")
+    layer.register_forward_hook(_tap_hook)
+    # fullgraph: a graph break (or an error) in the hook's flatten fails here
+    compiled = torch.compile(layer, fullgraph=True, dynamic=True)
+    for n in (5, 3, 7):
+        x = torch.randn(1, n, 8)
+        compiled(x)
+        want = (x + layer.proj(x)).detach()[0]
+        torch.testing.assert_close(layer.probehook_tap_out[:n], want)
+
+
 @pytest.mark.gpu
 def test_tap_under_cuda_graph_replay() -> None:
     torch.manual_seed(0)

@@ -21,22 +21,71 @@ from probehook.errors import CaptureConfigError, UnsupportedModelError
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_ARCHITECTURES = (
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-    "GPT2LMHeadModel",
-    "OPTForCausalLM",
-    "GPTNeoXForCausalLM",
-    "GemmaForCausalLM",
-    "Gemma2ForCausalLM",
-    "Phi3ForCausalLM",
+_ARCH_TEST = "tests/test_architectures.py::test_matches_hf"
+SUPPORTED_ARCHITECTURES: dict[str, str] = {
+    # architecture (config.json's, or vLLM's Transformers-backend class) -> the real-engine
+    # test that compares its rows with HF. The one list: the refusal message names these, and
+    # docs/capture.md's table must match it (tests/test_architectures.py checks).
+    "LlamaForCausalLM": f"{_ARCH_TEST}[llama]",
+    "MistralForCausalLM": f"{_ARCH_TEST}[mistral]",
+    "Qwen2ForCausalLM": f"{_ARCH_TEST}[qwen2]",
+    "Qwen3ForCausalLM": f"{_ARCH_TEST}[qwen3]",
+    "GPT2LMHeadModel": f"{_ARCH_TEST}[gpt2]",
+    "OPTForCausalLM": f"{_ARCH_TEST}[opt]",
+    "GemmaForCausalLM": f"{_ARCH_TEST}[gemma]",
+    "Gemma2ForCausalLM": f"{_ARCH_TEST}[gemma2]",
+    "Gemma3ForCausalLM": f"{_ARCH_TEST}[gemma3]",
+    "Phi3ForCausalLM": f"{_ARCH_TEST}[phi3]",
+    "MixtralForCausalLM": f"{_ARCH_TEST}[mixtral]",
+    "Qwen3MoeForCausalLM": f"{_ARCH_TEST}[qwen3_moe]",
+    "GraniteForCausalLM": f"{_ARCH_TEST}[granite]",
+    # vLLM 0.32 runs these two through its Transformers backend (below)
+    "GPTNeoXForCausalLM": f"{_ARCH_TEST}[gpt_neox]",
+    "Olmo2ForCausalLM": f"{_ARCH_TEST}[olmo2]",
+    # Transformers backend: any model vLLM runs through it (model_impl="transformers", or an
+    # architecture vLLM has no native class for)
+    "TransformersForCausalLM": f"{_ARCH_TEST}[llama-transformers]",
+    "TransformersMoEForCausalLM": f"{_ARCH_TEST}[mixtral-transformers]",
     # pooling models (encode / embed / classify / score): encoder layers
-    "BertModel",
-    "BertForSequenceClassification",
-    "ProbehookTinySegmenter",
-)
+    "BertModel": "tests/test_pooling.py::test_embed_rows_and_scores_equal_hf",
+    "BertForSequenceClassification": "tests/test_pooling.py::test_classify_and_cross_encoder_score",
+    "ProbehookTinySegmenter": "tests/test_segmentation.py",
+}
+TRANSFORMERS_BACKEND_CLASSES = ("TransformersForCausalLM", "TransformersMoEForCausalLM")
+"""vLLM's Transformers-backend classes probehook taps: HF decoder layers on [1, T, H]."""
+
+
+def supported_message() -> str:
+    """The sentence every architecture refusal ends with: the tested list."""
+    native = [a for a in SUPPORTED_ARCHITECTURES if a not in TRANSFORMERS_BACKEND_CLASSES]
+    return (
+        f"Tested architectures: {', '.join(native)}; and any causal LM vLLM runs through its "
+        f"Transformers backend ({' / '.join(TRANSFORMERS_BACKEND_CLASSES)}, e.g. "
+        'model_impl="transformers"). See docs/capture.md#architectures.'
+    )
+
+
+def check_architecture(model_config: Any) -> None:
+    """Refuse, before the engine starts, a model whose layers probehook cannot tap."""
+    architectures = list(model_config.architectures or [])
+    using_backend = getattr(model_config, "using_transformers_backend", lambda: False)()
+    if using_backend:
+        # Which backend class vLLM will build (multimodal / pooling ones are not tested).
+        backend_cls = model_config._get_transformers_backend_cls()
+        if backend_cls in TRANSFORMERS_BACKEND_CLASSES:
+            return
+        raise UnsupportedModelError(
+            f"probehook cannot tap {architectures or '(none listed)'} through vLLM's "
+            f"Transformers backend class {backend_cls}: only "
+            f"{' / '.join(TRANSFORMERS_BACKEND_CLASSES)} are tested. {supported_message()}"
+        )
+    if not any(arch in SUPPORTED_ARCHITECTURES for arch in architectures):
+        raise UnsupportedModelError(
+            f"probehook cannot tap architecture {architectures or '(none listed)'}: its "
+            f"decoder layers are not known. {supported_message()}"
+        )
+
+
 WORKER_EXTENSION = "probehook.adapter.worker.ProbehookWorkerExtension"
 MONITOR_PROCESSOR = "probehook.adapter.monitor_processor:ProbeStopProcessor"
 
@@ -195,7 +244,6 @@ def engine_args(model: str, kwargs: dict[str, Any], asynchronous: bool = False) 
 def check_engine(vllm_config: Any) -> int:
     """Refuse engine features capture cannot serve; return the number of decoder layers."""
     model_config = vllm_config.model_config
-    architectures = list(model_config.architectures or [])
     if vllm_config.speculative_config is not None:
         method = getattr(vllm_config.speculative_config, "method", None)
         raise CaptureConfigError(
@@ -223,11 +271,7 @@ def check_engine(vllm_config: Any) -> int:
             "watermarking or HiSparse attention), which probehook cannot read yet. Remove "
             "that option or pass layers=None."
         )
-    if not any(arch in SUPPORTED_ARCHITECTURES for arch in architectures):
-        raise UnsupportedModelError(
-            f"probehook cannot tap architecture {architectures or '(none listed)'}: its "
-            f"decoder layers are not known. Supported: {', '.join(SUPPORTED_ARCHITECTURES)}."
-        )
+    check_architecture(model_config)
     num_layers = getattr(model_config.hf_text_config, "num_hidden_layers", None)
     if not isinstance(num_layers, int) or num_layers <= 0:
         raise UnsupportedModelError(f"The model config has no num_hidden_layers ({num_layers}).")

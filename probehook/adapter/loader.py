@@ -37,17 +37,17 @@ RECORDER_ATTR = "probehook_step_hook"
 
 # Where decoder layers live, per model family. Paths are relative to the vLLM model.
 LAYER_PATHS: tuple[str, ...] = (
-    "model.layers",  # Llama, Mistral, Qwen2, Qwen3, Gemma, Phi3, ...
+    "model.layers",  # Llama, Mistral, Qwen2/3, Gemma 1-3, Phi-3, Mixtral, Qwen3-MoE, Granite
     "model.decoder.layers",  # OPT
-    "transformer.h",  # GPT-2, GPT-J, Bloom
-    "gpt_neox.layers",  # GPT-NeoX, Pythia
+    "transformer.h",  # GPT-2
     "language_model.model.layers",  # multimodal wrappers
     "model.language_model.layers",
     "model.encoder.layer",  # BERT embedding models (vLLM nests BertModel under .model)
     "bert.encoder.layer",  # BertForSequenceClassification
     "encoder.layers",  # probehook's own encoders (the toy image model)
 )
-SUPPORTED_FAMILIES = "Llama, Mistral, Qwen2, Qwen3, GPT-2, OPT, GPT-NeoX, BERT and similar"
+TAP_KIND_ATTR = "probehook_tap_kind"
+"""Layer attribute: how to read the layer's output (see ``_tap_hook``)."""
 
 
 # --- loading: taps go in before compilation ------------------------------------------------
@@ -115,8 +115,20 @@ def _make_loader_class() -> type:
     return ProbehookModelLoader
 
 
+def is_transformers_backend(model: nn.Module) -> bool:
+    """Whether vLLM runs this model through its Transformers modeling backend (the Hugging
+    Face model itself, with vLLM's attention and linear layers swapped in)."""
+    try:
+        from vllm.model_executor.models.transformers.base import Base
+    except ImportError:  # a vLLM without the backend
+        return False
+    return isinstance(model, Base)
+
+
 def locate_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
-    """Find the decoder layer list of a vLLM model, or say which families are supported."""
+    """Find the decoder layer list of a vLLM model, or say which architectures are tested."""
+    if is_transformers_backend(model):
+        return _transformers_backend_layers(model)
     for path in LAYER_PATHS:
         obj: Any = model
         for part in path.split("."):
@@ -127,14 +139,41 @@ def locate_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
             return path, obj
     raise UnsupportedModelError(
         f"Cannot find the decoder layers of {type(model).__name__}: none of "
-        f"{list(LAYER_PATHS)} is a layer list. probehook supports {SUPPORTED_FAMILIES} "
-        "models; open an issue with the architecture name to add yours."
+        f"{list(LAYER_PATHS)} is a layer list. {_supported_sentence()}"
     )
+
+
+def _transformers_backend_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
+    # The HF decoder holds exactly one layer list (vLLM's own pipeline-parallel split of this
+    # backend relies on the same rule); its length is the config's layer count.
+    hf_model: Any = model.model
+    decoder = hf_model.get_decoder() if hasattr(hf_model, "get_decoder") else hf_model
+    num_layers = getattr(model.text_config, "num_hidden_layers", None)
+    found = [
+        (name, child)
+        for name, child in decoder.named_children()
+        if isinstance(child, nn.ModuleList) and len(child) == num_layers
+    ]
+    if len(found) != 1:
+        raise UnsupportedModelError(
+            f"Cannot find the decoder layers of {type(decoder).__name__} (Transformers "
+            f"backend): expected one layer list of {num_layers} layers, found "
+            f"{[name for name, _ in found]}. {_supported_sentence()}"
+        )
+    for layer in found[0][1]:
+        setattr(layer, TAP_KIND_ATTR, "batched_stream")
+    return f"model.{found[0][0]}", found[0][1]
+
+
+def _supported_sentence() -> str:
+    from probehook.adapter.engine_config import supported_message
+
+    return supported_message()
 
 
 def _split_layer_output(output: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
     # Most vLLM decoder layers return (hidden, residual) with the add deferred to the next
-    # norm; GPT-2/OPT-style layers return the finished stream.
+    # norm; GPT-2/OPT/Granite-style layers return the finished stream.
     if isinstance(output, torch.Tensor):
         return output, None
     if isinstance(output, tuple) and len(output) == 2:
@@ -143,6 +182,13 @@ def _split_layer_output(output: Any) -> tuple[torch.Tensor, torch.Tensor | None]
         f"Unexpected decoder-layer output {type(output).__name__}; expected a tensor or a "
         "(hidden, residual) pair."
     )
+
+
+def _tokens_first(x: torch.Tensor) -> torch.Tensor:
+    # The Transformers backend runs HF layers on [1, tokens, hidden] (vLLM adds a batch dim of
+    # 1 and packs every request into it). ndim is static under torch.compile, and flatten is a
+    # view both in eager and in the traced graph, so this adds no copy and no graph break.
+    return x.flatten(0, -2) if x.dim() == 3 else x
 
 
 def install_taps(
@@ -183,6 +229,12 @@ def install_taps(
 
 
 def _tap_hook(module: nn.Module, args: Any, output: Any) -> None:
+    if getattr(module, TAP_KIND_ATTR, None) == "batched_stream":
+        # An HF layer (Transformers backend) returns the finished stream after the layer,
+        # alone or first in a tuple (attention weights may follow: never a residual).
+        stream = output[0] if isinstance(output, tuple) else output
+        tap(_tokens_first(stream), None, module.probehook_tap_out)
+        return
     hidden, residual = _split_layer_output(output)
     tap(hidden, residual, module.probehook_tap_out)
 

@@ -18,8 +18,16 @@ def tap(hidden: torch.Tensor, residual: torch.Tensor | None, out: torch.Tensor) 
     """Write ``hidden + residual`` (or ``hidden`` alone) into ``out[:num_tokens]``.
 
     vLLM decoder layers return ``(hidden, residual)`` with the residual add fused into the next
-    layer's norm; their sum is the residual stream after the layer.
+    layer's norm; their sum is the residual stream after the layer. Rows are ``[tokens,
+    hidden]``: the loader flattens the Transformers backend's ``[1, tokens, hidden]`` first.
     """
+    if hidden.dim() != 2 or (residual is not None and residual.shape != hidden.shape):
+        # Say what went wrong instead of a broadcast error from deep inside the engine.
+        raise ValueError(
+            f"probehook::tap takes [tokens, hidden] rows, got hidden {tuple(hidden.shape)}"
+            f"{'' if residual is None else f' and residual {tuple(residual.shape)}'}: the "
+            "layer-output adapter in probehook/adapter/loader.py does not fit this model."
+        )
     rows = out[: hidden.shape[0]]
     if residual is None:
         rows.copy_(hidden)

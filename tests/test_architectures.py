@@ -1,0 +1,261 @@
+"""Every architecture probehook claims, on a real engine, against HF on every layer.
+
+One tiny random-weight checkpoint per architecture (hidden 128, 2 heads of 64, 2 layers); one
+eager engine each with ``layers="all", include_prefill=True``, 2 prompts, 4 greedy tokens; every
+layer's prefill and decode rows compared with HF ``hidden_states[L + 1]`` on the same fp32
+weights. Plus the Transformers backend (``model_impl="transformers"``) on a dense and an MoE
+model, and one compiled Transformers-backend engine.
+
+Speed: 18 engine starts at the usual cost (about 20 s each with a process spawn and a vLLM
+import per engine) would add about 6 minutes to the suite. So all engines run one after
+another in ONE subprocess with ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (the engine core inside
+that process): about 3-5 s per eager start there. The subprocess only generates and saves
+rows; HF runs here, because vLLM's Transformers backend decorates HF's model classes in the
+process that loads them, which breaks plain HF models in that same process.
+
+Run as a script, this file is that subprocess: ``python test_architectures.py SPEC OUT``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPTS = ["1+2=", "12+34=56. 7+"]
+MAX_TOKENS = 4
+# (case id, checkpoint arch, extra engine kwargs). MoE cases come first: with several engines
+# in one process vLLM creates its expert-parallel group only when the process's first engine
+# is an MoE model ("expert parallel group is not initialized" otherwise).
+CASES: list[tuple[str, str, dict[str, Any]]] = [
+    ("mixtral", "mixtral", {}),
+    ("qwen3_moe", "qwen3_moe", {}),
+    ("mixtral-transformers", "mixtral", {"model_impl": "transformers"}),
+    ("llama", "llama", {}),
+    ("mistral", "mistral", {}),
+    ("qwen2", "qwen2", {}),
+    ("qwen3", "qwen3", {}),
+    ("gpt2", "gpt2", {}),
+    ("opt", "opt", {}),
+    ("gemma", "gemma", {}),
+    ("gemma2", "gemma2", {}),
+    ("gemma3", "gemma3", {}),
+    ("phi3", "phi3", {}),
+    ("granite", "granite", {}),
+    ("olmo2", "olmo2", {}),  # Transformers backend in vLLM 0.32
+    ("gpt_neox", "gpt_neox", {}),  # Transformers backend in vLLM 0.32
+    ("llama-transformers", "llama", {"model_impl": "transformers"}),
+    # compiled (vLLM's default): the batch-dim flatten must trace into the graph
+    ("gpt_neox-compiled", "gpt_neox", {"enforce_eager": False}),
+]
+GQA = {"mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "gemma3", "olmo2"}
+ENGINE_KWARGS = dict(
+    dtype="float32",
+    max_model_len=128,
+    max_num_seqs=4,
+    gpu_memory_utilization=0.1,
+    seed=0,
+    enforce_eager=True,
+)
+
+
+# --- the subprocess --------------------------------------------------------------------------
+
+
+def _run_engines(spec_path: str, out_dir: str) -> None:
+    """Start each case's engine in turn, generate, save its rows (or its error) and timings."""
+    import torch
+
+    from probehook import LLM, SamplingParams
+
+    out = Path(out_dir)
+    timings: dict[str, dict[str, float]] = {}
+    for case in json.loads(Path(spec_path).read_text()):
+        started = time.perf_counter()
+        llm = None
+        try:
+            llm = LLM(
+                case["dir"],
+                layers="all",
+                include_prefill=True,
+                **{**ENGINE_KWARGS, **case["kwargs"]},
+            )
+            ready = time.perf_counter()
+            outs = llm.generate(
+                PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+            )
+            rows = [
+                dict(
+                    prompt_token_ids=list(o.prompt_token_ids),
+                    token_ids=list(o.outputs[0].token_ids),
+                    prefill=dict(o.prefill_hidden_states),
+                    decode=dict(o.outputs[0].hidden_states),
+                )
+                for o in outs
+            ]
+            torch.save(rows, out / f"{case['id']}.pt")
+            timings[case["id"]] = {"start_s": ready - started}
+        except Exception as error:  # noqa: BLE001 - recorded; the case's test fails with it
+            (out / f"{case['id']}.error").write_text(f"{type(error).__name__}: {error}")
+        finally:
+            if llm is not None:
+                llm.shutdown()
+            timings.setdefault(case["id"], {})["total_s"] = time.perf_counter() - started
+            (out / "timings.json").write_text(json.dumps(timings, indent=1))
+
+
+if __name__ == "__main__":
+    _run_engines(sys.argv[1], sys.argv[2])
+    sys.exit(0)
+
+
+# --- the tests -------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def engine_runs(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> SimpleNamespace:
+    from probehook.testing import build_random_checkpoint
+
+    # Only the engines of the cases this session runs (``-k gemma`` starts one engine).
+    selected = {
+        item.callspec.params["case"]
+        for item in request.session.items
+        if getattr(item, "originalname", None) == "test_matches_hf"
+    }
+    base = tmp_path_factory.mktemp("archs")
+    dirs: dict[str, Path] = {}
+    for seed, arch in enumerate(sorted({arch for _, arch, _ in CASES})):
+        dirs[arch] = build_random_checkpoint(
+            base / arch,
+            arch=arch,
+            num_layers=2,
+            # grouped-query attention where the architecture has it
+            num_kv_heads=1 if arch in GQA else None,
+            seed=10 + seed,
+            spread_norms=True,
+        )
+    spec = [
+        {"id": i, "dir": str(dirs[arch]), "kwargs": kw} for i, arch, kw in CASES if i in selected
+    ]
+    (base / "spec.json").write_text(json.dumps(spec))
+    out = base / "rows"
+    out.mkdir()
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    started = time.perf_counter()
+    proc = subprocess.run(
+        [sys.executable, __file__, str(base / "spec.json"), str(out)],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=800,
+    )
+    wall = time.perf_counter() - started
+    timings_file = out / "timings.json"
+    timings = json.loads(timings_file.read_text()) if timings_file.exists() else {}
+    starts = ", ".join(f"{k} {v.get('start_s', 0):.1f}" for k, v in timings.items())
+    print(f"\narchitecture engines: {wall:.0f} s in one subprocess; starts (s): {starts}")
+    return SimpleNamespace(
+        dirs=dirs, out=out, log=proc.stdout[-3000:] + proc.stderr[-3000:], rc=proc.returncode
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", [c[0] for c in CASES])
+def test_matches_hf(case: str, engine_runs: SimpleNamespace) -> None:
+    import torch
+
+    from probehook.testing import assert_matches_hf
+
+    arch = next(a for i, a, _ in CASES if i == case)
+    error = engine_runs.out / f"{case}.error"
+    assert not error.exists(), error.read_text()
+    rows_file = engine_runs.out / f"{case}.pt"
+    assert rows_file.exists(), f"engine subprocess died (rc {engine_runs.rc}):\n{engine_runs.log}"
+    model_dir = engine_runs.dirs[arch]
+    worst = 0.0
+    for saved in torch.load(rows_file):
+        output = SimpleNamespace(
+            prompt_token_ids=saved["prompt_token_ids"],
+            prefill_hidden_states=saved["prefill"],
+            outputs=[SimpleNamespace(token_ids=saved["token_ids"], hidden_states=saved["decode"])],
+        )
+        assert len(saved["token_ids"]) == MAX_TOKENS
+        worst = max(worst, assert_matches_hf(model_dir, output, [0, 1]))
+    print(f"{case}: max abs diff vs HF {worst:.2e}")
+
+
+# --- the one list: code and docs agree -------------------------------------------------------
+
+
+def _docs_table() -> dict[str, str]:
+    """docs/capture.md's architecture table: architecture -> the test named in its row."""
+    text = (ROOT / "docs" / "capture.md").read_text()
+    section = text.split("## Architectures", 1)[1].split("\n## ", 1)[0]
+    table: dict[str, str] = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) >= 3 and cells[0].startswith("`"):
+            tests = re.findall(r"`([^`]+)`", cells[-1])
+            table[cells[0].strip("`")] = tests[0] if tests else ""
+    return table
+
+
+def test_docs_table_is_the_supported_list() -> None:
+    from probehook.adapter.engine_config import SUPPORTED_ARCHITECTURES
+
+    assert _docs_table() == SUPPORTED_ARCHITECTURES
+
+
+def test_every_listed_test_exists() -> None:
+    from probehook.adapter.engine_config import SUPPORTED_ARCHITECTURES
+
+    ids = {c[0] for c in CASES}
+    for arch, test in SUPPORTED_ARCHITECTURES.items():
+        path, _, rest = test.partition("::")
+        assert (ROOT / path).exists(), (arch, test)
+        if rest:
+            name, _, param = rest.partition("[")
+            assert f"def {name}(" in (ROOT / path).read_text(), (arch, test)
+            if param:
+                assert param.rstrip("]") in ids, (arch, test)
+
+
+def _model_config(architectures: list[str], backend_cls: str | None = None) -> SimpleNamespace:
+    return SimpleNamespace(
+        architectures=architectures,
+        using_transformers_backend=lambda: backend_cls is not None,
+        _get_transformers_backend_cls=lambda: backend_cls,
+    )
+
+
+def test_refusal_names_the_list() -> None:
+    from probehook.adapter.engine_config import SUPPORTED_ARCHITECTURES, check_architecture
+    from probehook.errors import UnsupportedModelError
+
+    with pytest.raises(UnsupportedModelError) as err:
+        check_architecture(_model_config(["MambaForCausalLM"]))
+    for arch in SUPPORTED_ARCHITECTURES:
+        assert arch in str(err.value)
+    check_architecture(_model_config(["Gemma3ForCausalLM"]))
+    # anything vLLM runs through its Transformers backend as a causal LM is accepted ...
+    check_architecture(_model_config(["Olmo3ForCausalLM"], "TransformersForCausalLM"))
+    check_architecture(_model_config(["FlexOlmoForCausalLM"], "TransformersMoEForCausalLM"))
+    # ... but not its untested multimodal or pooling classes
+    with pytest.raises(UnsupportedModelError, match="TransformersEmbeddingModel"):
+        check_architecture(_model_config(["BertModel"], "TransformersEmbeddingModel"))
+    with pytest.raises(UnsupportedModelError, match="TransformersMultiModalForCausalLM"):
+        check_architecture(
+            _model_config(["Emu3ForConditionalGeneration"], "TransformersMultiModalForCausalLM")
+        )

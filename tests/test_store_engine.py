@@ -180,3 +180,64 @@ def test_cli_capture_and_info(llama_dir: Path, tmp_path: Path) -> None:
         timeout=60,
     )
     assert missing.returncode != 0 and "not a probehook activation store" in missing.stderr
+
+
+LOW_LIMIT_CHILD = textwrap.dedent("""
+    import gc, json, os, resource, sys, torch
+    from probehook import LLM, SamplingParams, tiny_model_path
+    from probehook.store import ActivationStore
+
+    if __name__ == "__main__":
+        path = sys.argv[1]
+        llm = LLM(str(tiny_model_path()), layers=[1], enforce_eager=True, store=path,
+                  dtype="float32", max_model_len=64, gpu_memory_utilization=0.1)
+        params = SamplingParams(max_tokens=1, temperature=0)
+        expected = {}
+        for i in range(91):  # one generate() per prompt: 91 small shards
+            out = llm.generate([f"{i}+1="], params, use_tqdm=False)[0]
+            expected[out.store_id] = out.hidden_states[1].clone()
+            del out  # a live output's rows hold a descriptor (the transport's mmap)
+        gc.collect()
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (64, hard))  # the engine is up
+        result = {"in_use": len(os.listdir("/proc/self/fd")) - 1}
+        reader = ActivationStore.open(path)
+        try:
+            result["max_open_files"] = reader.max_open_files
+            result["shards"] = reader.info()["shards"]
+            result["each"] = all(
+                torch.equal(reader[i].hidden_states[1], rows) for i, rows in expected.items()
+            )
+            result["matrix"] = torch.equal(reader.layer(1)[:], torch.cat(list(expected.values())))
+            result["open"] = len(reader._files)
+        except OSError as e:
+            result["error"] = repr(e)
+        reader.close()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        llm.shutdown()
+        print("RESULT " + json.dumps(result), flush=True)
+""")
+
+
+def test_reading_many_shards_under_a_low_open_file_limit_beside_an_engine(
+    tmp_path: Path,
+) -> None:
+    """A process holding a real engine, its open-file limit lowered to 64 after start-up,
+    reads a store of 91 one-request shards: the reader's handle cache must fit what is
+    left (a fixed cache of 128 failed with EMFILE). In a subprocess: the limit stays there."""
+    script = tmp_path / "low_limit.py"
+    script.write_text(LOW_LIMIT_CHILD)
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "store")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
+    results = [line[7:] for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert done.returncode == 0 and results, done.stdout[-2000:] + done.stderr[-3000:]
+    result = json.loads(results[0])
+    assert "error" not in result, result
+    assert result["shards"] == 91 and result["each"] and result["matrix"], result
+    assert result["in_use"] < 64 and result["open"] <= result["max_open_files"] < 64, result

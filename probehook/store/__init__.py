@@ -1,10 +1,16 @@
 """Sharded, crash-safe on-disk store of captured activations."""
 
 from probehook.errors import StoreCorruptError, StoreLockedError
-from probehook.store.store import ActivationStore, LayerMatrix, StoredRequest
+from probehook.store.store import (
+    ActivationStore,
+    DuplicateStoreIdError,
+    LayerMatrix,
+    StoredRequest,
+)
 
 __all__ = [
     "ActivationStore",
+    "DuplicateStoreIdError",
     "LayerMatrix",
     "StoreCorruptError",
     "StoreLockedError",

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import functools
 import hashlib
 import json
 import logging
+import operator
 import os
+import threading
 import time
 import uuid
+import weakref
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -19,7 +24,13 @@ import h5py
 import numpy as np
 import torch
 
-from probehook.errors import MissingExtraError, StoreCorruptError, StoreFormatError
+from probehook.errors import (
+    MissingExtraError,
+    ProbehookError,
+    StoreCorruptError,
+    StoreError,
+    StoreFormatError,
+)
 from probehook.store.format import (
     DEFAULT_SHARD_BYTES,
     FORMAT_NAME,
@@ -30,6 +41,7 @@ from probehook.store.format import (
     SHARD_DIR,
     WRITER_LOCK,
     dataset_name,
+    fsync_dir,
     write_json_atomic,
 )
 from probehook.store.lock import WriterLock
@@ -48,6 +60,50 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 TOKENS = ("all", "last")
 MAX_OPEN_FILES = 128
+"""The most shard files one reader keeps open; fewer when the process has fewer descriptors
+left (see :func:`open_file_budget`)."""
+
+_INHERITED_FILES: list[Any] = []
+"""In a forked child: shard files opened by the parent, kept referenced and never closed here
+(see ``ActivationStore._after_fork``)."""
+
+
+class DuplicateStoreIdError(ProbehookError, ValueError):
+    """A request was added under a store id the store already has (or was given earlier in
+    this run); a second record would shadow the first."""
+
+
+def _soft_nofile() -> int | None:
+    """This process's soft RLIMIT_NOFILE (None: unlimited or unknown)."""
+    try:
+        import resource
+    except ImportError:  # not a Unix
+        return None
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return None if soft == resource.RLIM_INFINITY else int(soft)
+
+
+def _descriptors_in_use() -> int | None:
+    for fd_dir in ("/proc/self/fd", "/dev/fd"):
+        with contextlib.suppress(OSError):
+            return len(os.listdir(fd_dir)) - 1  # less the listing's own descriptor
+    return None
+
+
+def open_file_budget(soft_limit: int | None, in_use: int | None, held: int = 0) -> int:
+    """How many shard files a reader may keep open: half of what the process has left under
+    its soft open-file limit, counting the ``held`` files the reader already has as its own
+    (the other half stays for everything else: engine sockets, the user's files). At most
+    :data:`MAX_OPEN_FILES`, at least 1."""
+    if soft_limit is None or in_use is None:
+        return MAX_OPEN_FILES
+    free = soft_limit - (in_use - held)
+    return max(1, min(MAX_OPEN_FILES, free // 2))
+
+
+def _is_emfile(error: OSError) -> bool:
+    # h5py sets errno from HDF5's message ("errno = 24"); the text is a fallback.
+    return error.errno == errno.EMFILE or "Too many open files" in str(error)
 
 
 @dataclass
@@ -186,17 +242,50 @@ class LayerMatrix:
         return self.shape[0]
 
     def __getitem__(self, item: slice | int) -> torch.Tensor:
-        if isinstance(item, int):
-            if not -len(self) <= item < len(self):
-                raise IndexError(f"row {item} out of range for {len(self)} rows")
-            item %= len(self)
-            return self[item : item + 1][0]
-        start, stop, step = item.indices(len(self))
-        if step != 1:
-            raise ValueError("LayerMatrix supports contiguous slices only; use numpy() first.")
-        out = np.empty(
-            (max(stop - start, 0), self.store.hidden_size), dtype=self.store.storage_dtype
-        )
+        if isinstance(item, slice):
+            start, stop, step = item.indices(len(self))
+            if step != 1:
+                raise ValueError(
+                    "LayerMatrix supports contiguous slices only; use take(indices) or numpy()."
+                )
+            return self.store._to_tensor(self._read(start, max(start, stop)))
+        row = self._row_number(item)
+        return self.store._to_tensor(self._read(row, row + 1))[0]
+
+    def take(self, indices: Sequence[int] | np.ndarray) -> torch.Tensor:
+        """Rows ``indices`` (any order, repeats allowed) as one ``[len(indices), hidden]``
+        tensor. Rows that are contiguous in the matrix are read together, one HDF5 read per
+        run of consecutive rows (and shard), so a sequential batch costs one or two reads."""
+        rows = np.fromiter((self._row_number(i) for i in indices), dtype=np.int64)
+        out = np.empty((len(rows), self.store.hidden_size), dtype=self.store.storage_dtype)
+        if len(rows):
+            order = np.argsort(rows, kind="stable")
+            ordered = rows[order]
+            # A new block wherever the next wanted row is neither this one nor the next.
+            breaks = np.flatnonzero(np.diff(ordered) > 1) + 1
+            for block in np.split(np.arange(len(ordered)), breaks):
+                first, last = int(ordered[block[0]]), int(ordered[block[-1]])
+                out[order[block]] = self._read(first, last + 1)[ordered[block] - first]
+        return self.store._to_tensor(out)
+
+    def _row_number(self, item: Any) -> int:
+        """``item`` as a row number in range; any integer type (numpy, torch) is accepted."""
+        try:
+            row = operator.index(item)
+        except TypeError:
+            raise TypeError(
+                f"LayerMatrix rows are indexed by an integer or a contiguous slice, not "
+                f"{item!r} ({type(item).__name__}); for a list of rows use take(indices)."
+            ) from None
+        if not -len(self) <= row < len(self):
+            raise IndexError(f"row {row} out of range for {len(self)} rows")
+        return row % len(self)
+
+    def _read(self, start: int, stop: int) -> np.ndarray:
+        """Rows ``start:stop`` (in range) in storage dtype, each run read straight into place."""
+        out = np.empty((stop - start, self.store.hidden_size), dtype=self.store.storage_dtype)
+        if stop <= start:
+            return out
         runs = self._runs
         first = int(np.searchsorted(runs.offsets, start, side="right")) - 1
         for i in range(max(first, 0), len(runs.shards)):
@@ -210,7 +299,7 @@ class LayerMatrix:
             self.store._dataset(runs.shards[i], self.phase, self.layer).read_direct(
                 out, np.s_[lo:hi], np.s_[dest : dest + hi - lo]
             )
-        return self.store._to_tensor(out)
+        return out
 
     def iter_blocks(self, rows: int = 65536) -> Iterator[torch.Tensor]:
         """Stream the matrix in blocks of at most ``rows`` rows."""
@@ -245,10 +334,35 @@ class ActivationStore:
         """Requests added since the last :meth:`flush` began (not yet durable)."""
         self._run_id: str | None = None
         self._lock: WriterLock | None = None
+        self._adding: set[str] = set()  # store ids added since the last flush
+        self._finalizer: weakref.finalize | None = None
         # Shard files open for reading, least recently used first; a store of thousands of
-        # shards must not hold thousands of file handles.
+        # shards must not hold thousands of file handles, and may hold only as many as the
+        # process can spare (see max_open_files).
         self._files: OrderedDict[str, h5py.File] = OrderedDict()
-        self.max_open_files = MAX_OPEN_FILES
+        self._pid = os.getpid()  # a forked child must not use the parent's HDF5 handles
+        self._open_files_bound = MAX_OPEN_FILES
+        self._budget_for: int | None = -1  # the soft limit the budget was computed for
+        self._budget = MAX_OPEN_FILES
+
+    @property
+    def max_open_files(self) -> int:
+        """The most shard files this reader keeps open: the bound you set (128 by default),
+        lowered to half of the descriptors the process has left under its soft
+        ``RLIMIT_NOFILE`` (recomputed when the limit changes). If opening a shard still runs
+        out of descriptors (``EMFILE``), cached files are closed and the open retried."""
+        soft = _soft_nofile()
+        if soft != self._budget_for:
+            self._budget_for = soft
+            self._budget = open_file_budget(soft, _descriptors_in_use(), len(self._files))
+        return max(1, min(self._open_files_bound, self._budget))
+
+    @max_open_files.setter
+    def max_open_files(self, bound: int) -> None:
+        bound = operator.index(bound)
+        if bound < 1:
+            raise ValueError(f"max_open_files={bound}; it must be at least 1.")
+        self._open_files_bound = bound
 
     # -- opening ------------------------------------------------------------------------------
 
@@ -303,6 +417,13 @@ class ActivationStore:
                     dropped.append(f"{record['name']} (listed but missing)")
             elif kind == "request":
                 if record["shard"] in shards:
+                    if record["id"] in records:  # written before ids were checked at add()
+                        earlier = records.pop(record["id"])
+                        dropped.append(
+                            f"request {record['id']} in {earlier['shard']} (shadowed by a "
+                            f"later record with the same id in {record['shard']})"
+                        )
+                        logger.warning("probehook store %s: %s", root, dropped[-1])
                     records[record["id"]] = record
             elif kind == "run":
                 runs[record["run_id"]] = record
@@ -345,7 +466,7 @@ class ActivationStore:
         if not (root / META_FILE).exists():
             # No writer.lock dropped into a foreign directory.
             cls.check_appendable(root, meta, legacy_fingerprint=legacy_fingerprint)
-        root.mkdir(parents=True, exist_ok=True)
+        _make_dirs_durably(root)
         lock = WriterLock.acquire(root)
         try:
             # Again: another writer may have created it since.
@@ -367,6 +488,11 @@ class ActivationStore:
             lock.release()
             raise
         store._lock = lock
+        # Added but never closed: flushed when the store is collected or the interpreter
+        # exits normally. The finalizer holds the writer and lock, never the store itself.
+        store._finalizer = weakref.finalize(
+            store, _close_abandoned_writer, root, store._writer, lock, os.getpid()
+        )
         return store
 
     @classmethod
@@ -478,7 +604,15 @@ class ActivationStore:
         """Record a new run (``info``: what it captures, under ``"capture"``); return its id."""
         run_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
         record = {"kind": "run", "run_id": run_id, "started": time.time(), **info}
-        self._require_writer().append_manifest([record])
+        try:
+            self._require_writer().append_manifest([record])
+        except OSError as e:  # the manifest was cut back: nothing of the run is in it
+            full = " The disk is full." if e.errno in (errno.ENOSPC, errno.EDQUOT) else ""
+            raise StoreError(
+                f"Writing the activation store at {self.root} failed while starting a run: "
+                f"{e}.{full} Nothing already in the store was lost; free space (or fix the "
+                "cause) and try again."
+            ) from e
         self.runs[run_id] = record
         self._run_id = run_id
         return run_id
@@ -490,26 +624,52 @@ class ActivationStore:
         if self._run_id is None:
             self.begin_run({})
         record = request.record
-        record.setdefault("request_id", record["id"])
-        record["id"] = f"{self._run_id}-{record['request_id']}"
+        request_id = record.get("request_id", record["id"])
+        store_id = f"{self._run_id}-{request_id}"
+        if store_id in self._records or store_id in self._adding:
+            raise DuplicateStoreIdError(
+                f"Store id {store_id!r} (request_id {request_id!r} of run {self._run_id}) is "
+                f"already in the activation store at {self.root}; a second record with it "
+                "would shadow the first. Give every request of a run its own request_id."
+            )
+        record["request_id"] = request_id
+        record["id"] = store_id
         record["run"] = self._run_id
-        writer.submit(request)
+        try:
+            writer.submit(request)
+        except StoreError:
+            self._forget_unflushed()
+            raise
+        self._adding.add(store_id)
         self.unflushed += 1
-        return record["id"]
+        return store_id
 
     def flush(self) -> None:
-        """Make every added request durable; afterwards they are visible to readers."""
+        """Make every added request durable; afterwards they are visible to readers.
+
+        On a write error (``StoreError``, e.g. disk full) the requests added since the last
+        flush that were not committed are not in the store (the error names them); every
+        earlier one is, and later adds work again once the cause is fixed."""
         writer = self._require_writer()
+        try:
+            writer.flush()
+        finally:
+            # Shards committed before an error are durable: take them either way.
+            for record in writer.take_committed():
+                if self._index is not None and record["id"] not in self._records:
+                    self._index.add(record)
+                else:
+                    self._index = None  # a replaced record: rebuild on next use
+                self._records[record["id"]] = record
+            self._forget_unflushed()
+
+    def _forget_unflushed(self) -> None:
         self.unflushed = 0
-        writer.flush()
-        for record in writer.take_committed():
-            if self._index is not None and record["id"] not in self._records:
-                self._index.add(record)
-            else:
-                self._index = None  # a replaced record: rebuild on next use
-            self._records[record["id"]] = record
+        self._adding.clear()
 
     def close(self) -> None:
+        if self._finalizer is not None:
+            self._finalizer.detach()
         try:
             if self._writer is not None:
                 self._writer.close()
@@ -715,15 +875,56 @@ class ActivationStore:
         return self._index
 
     def _dataset(self, shard: str, phase: str, layer: int) -> h5py.Dataset:
+        if self._pid != os.getpid():
+            self._after_fork()
         f = self._files.get(shard)
         if f is None:
-            while len(self._files) >= max(self.max_open_files, 1):
-                self._files.popitem(last=False)[1].close()
-            # No chunk cache: whole-chunk reads then go straight into the caller's array.
-            f = self._files[shard] = h5py.File(self.root / SHARD_DIR / shard, "r", rdcc_nbytes=0)
+            f = self._files[shard] = self._open_shard(shard)
         else:
             self._files.move_to_end(shard)
         return f[dataset_name(phase, layer)]
+
+    def _open_shard(self, shard: str) -> h5py.File:
+        limit = self.max_open_files
+        while len(self._files) >= limit:
+            self._files.popitem(last=False)[1].close()
+        path = self.root / SHARD_DIR / shard
+        while True:
+            try:
+                # No chunk cache: whole-chunk reads then go straight into the caller's array.
+                return h5py.File(path, "r", rdcc_nbytes=0)
+            except OSError as e:
+                if not _is_emfile(e):
+                    raise
+                if not self._files:
+                    raise StoreError(
+                        f"Cannot open shard {path} of the activation store at {self.root}: "
+                        f"this process has no file descriptors left (soft open-file limit "
+                        f"{_soft_nofile()}, {_descriptors_in_use()} open) and the store holds "
+                        "none it could give back. Raise the limit (`ulimit -n`, "
+                        "resource.setrlimit) or close other files."
+                    ) from e
+                # Something else in the process took descriptors: give back the older half of
+                # ours, and keep the cache that small from now on.
+                for _ in range(max(1, len(self._files) // 2)):
+                    self._files.popitem(last=False)[1].close()
+                self._budget = max(1, len(self._files))
+                logger.info(
+                    "probehook store %s: out of file descriptors; keeping at most %d shard "
+                    "files open",
+                    self.root,
+                    self._budget,
+                )
+
+    def _after_fork(self) -> None:
+        """In a forked child (a DataLoader worker): open shards afresh. The inherited handles
+        are HDF5 state copied from the parent; closing them here would also drop the parent's
+        lock on those files (a ``flock`` belongs to the open file, which parent and child
+        share), so they are kept referenced and never touched."""
+        _INHERITED_FILES.extend(self._files.values())
+        self._files = OrderedDict()
+        self._pid = os.getpid()
+        self._budget_for = -1
 
     def _to_tensor(self, data: np.ndarray) -> torch.Tensor:
         if self.dtype == torch.bfloat16:
@@ -794,3 +995,46 @@ class _LayerDataset(torch.utils.data.Dataset):
     def __getitem__(self, i: int) -> Any:
         row = self.matrix[i]
         return row if self.labels is None else (row, self.labels[i])
+
+    def __getitems__(self, indices: Sequence[int]) -> list[Any]:
+        """A batch (torch's DataLoader calls this with each batch's indices): consecutive
+        rows are read in one block instead of one HDF5 read per row."""
+        rows = list(self.matrix.take(indices))
+        if self.labels is None:
+            return rows
+        return [(row, self.labels[i]) for row, i in zip(rows, indices, strict=True)]
+
+
+def _make_dirs_durably(root: Path) -> None:
+    """``mkdir -p root``, fsyncing the parent of each directory it creates: a new directory's
+    name lives in its parent, and a power cut could otherwise lose the whole store."""
+    missing = []
+    path = root
+    while not path.exists():
+        missing.append(path)
+        if path.parent == path:
+            break
+        path = path.parent
+    root.mkdir(parents=True, exist_ok=True)
+    for created in reversed(missing):
+        fsync_dir(created.parent)
+
+
+def _close_abandoned_writer(root: Path, writer: ShardWriter, lock: WriterLock, pid: int) -> None:
+    """The finalizer of a writing store never closed: flush what was added, release the lock.
+    Runs at normal interpreter exit or when the store is collected."""
+    if os.getpid() != pid:
+        return  # a forked child: the writer thread and the lock are the parent's
+    if threading.current_thread() is writer._thread:
+        # Collected on the writer thread itself, which cannot wait for its own queue: close
+        # from another thread (not a daemon, so the interpreter waits for it at exit).
+        threading.Thread(
+            target=_close_abandoned_writer, args=(root, writer, lock, pid), daemon=False
+        ).start()
+        return
+    try:
+        writer.close()
+    except Exception as e:
+        logger.error("probehook store %s: flushing a store never closed failed: %s", root, e)
+    finally:
+        lock.release()

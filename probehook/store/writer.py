@@ -3,11 +3,16 @@
 The queue is bounded in bytes. When it is full, ``submit`` blocks (backpressure) instead of
 growing memory. Any write error is kept and re-raised from the next ``submit`` or ``flush``, so
 ``generate()`` fails loudly rather than leaving a silently short store.
+
+An error is reported once. Reporting it first drains the queue (requests queued before it are
+dropped, never half-written), so the writer is clean again afterwards: when the disk has space
+again, the next request starts a new shard and the store is appendable without reopening.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import queue
 import threading
@@ -31,8 +36,16 @@ from probehook.store.format import (
     fsync_dir,
 )
 
-_FLUSH = object()
 _STOP = object()
+
+
+@dataclass
+class _Barrier:
+    """Queued after the requests it waits for; ``commit``: also commit the open shard."""
+
+    commit: bool
+    done: threading.Event = field(default_factory=threading.Event)
+
 
 fault_hook: Callable[[str], None] | None = None
 """Test-only: called with the name of each shard commit stage as it is reached ("shard_written",
@@ -93,14 +106,18 @@ class ShardWriter:
         self._queued_bytes = 0
         self._cond = threading.Condition()
         self._error: BaseException | None = None
-        self._flushed = threading.Event()
+        self._lost: list[str] = []  # ids of requests dropped since the last reported error
         self._manifest_lock = threading.Lock()
+        # The manifest's directory entry is fsynced when the first append creates the file.
+        self._manifest_exists = (root / MANIFEST_FILE).exists()
+        self._torn_tail_left = False
         self._file: h5py.File | None = None
         self._tmp_path: Path | None = None
         self._shard_requests: list[dict[str, Any]] = []
         self._shard_rows: dict[str, int] = {}
         self._shard_bytes_written = 0
         self._datasets: dict[str, DatasetAppender] = {}
+        self._renamed: Path | None = None  # a renamed shard whose manifest lines are not in
         self._committed: list[dict[str, Any]] = []
         self._thread = threading.Thread(target=self._run, name="probehook-store", daemon=True)
         self._thread.start()
@@ -111,33 +128,67 @@ class ShardWriter:
         self._raise_if_failed()
         size = request.nbytes
         with self._cond:
-            while self._queued_bytes > 0 and self._queued_bytes + size > self.max_queue_bytes:
+            while (
+                self._error is None
+                and self._queued_bytes > 0
+                and self._queued_bytes + size > self.max_queue_bytes
+            ):
                 self._cond.wait(timeout=1.0)
-                self._raise_if_failed()
-            self._queued_bytes += size
+            if self._error is None:
+                self._queued_bytes += size
+        self._raise_if_failed()  # outside the condition: reporting drains the queue
         self._queue.put(request)
 
     def flush(self) -> None:
         """Block until everything submitted is in a committed shard and the manifest."""
-        self._flushed.clear()
-        self._queue.put(_FLUSH)
-        while not self._flushed.wait(timeout=1.0):
-            self._raise_if_failed()
-            if not self._thread.is_alive():
-                break
+        self._barrier(commit=True)
         self._raise_if_failed()
 
+    def _barrier(self, *, commit: bool) -> None:
+        """Wait until the writer thread has handled everything queued before this call."""
+        barrier = _Barrier(commit)
+        self._queue.put(barrier)
+        while not barrier.done.wait(timeout=1.0):
+            if not self._thread.is_alive():
+                break
+
     def append_manifest(self, records: list[dict[str, Any]]) -> None:
+        """Append ``records`` and fsync. On failure (disk full) the manifest is cut back to
+        its old length, so no partial line is left for the next append to glue onto (which
+        would turn that next, acknowledged record into a damaged line)."""
         data = "".join(encode_line(r) for r in records).encode()
-        with self._manifest_lock, open(self.root / MANIFEST_FILE, "ab") as f:
-            if fault_hook is not None:  # tests: a crash with half the lines on disk
-                f.write(data[: len(data) // 2])
-                f.flush()
-                _stage("manifest_torn")
-                data = data[len(data) // 2 :]
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        with self._manifest_lock:
+            # Unbuffered: after a failed write no buffered bytes may land later.
+            fd = os.open(self.root / MANIFEST_FILE, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                size = os.fstat(fd).st_size
+                if self._torn_tail_left:  # an earlier cut back failed: cut now, or append nothing
+                    size = _end_of_last_line(self.root / MANIFEST_FILE)
+                    os.ftruncate(fd, size)
+                    self._torn_tail_left = False
+                try:
+                    if fault_hook is not None:  # tests: a crash with half the lines on disk
+                        _write_all(fd, data[: len(data) // 2])
+                        _stage("manifest_torn")
+                        data = data[len(data) // 2 :]
+                    _write_all(fd, data)
+                    os.fsync(fd)
+                    self._renamed = None  # its lines are in: the shard is no longer garbage
+                except BaseException:
+                    try:
+                        os.ftruncate(fd, size)
+                        os.fsync(fd)
+                    except OSError:
+                        self._torn_tail_left = True
+                        self._renamed = None  # its lines may be in: keep the shard
+                    raise
+                if not self._manifest_exists:
+                    # A new file's name lives in the directory: without this fsync a power
+                    # cut could lose the whole manifest, with every record in it.
+                    fsync_dir(self.root)
+                    self._manifest_exists = True
+            finally:
+                os.close(fd)
 
     def take_committed(self) -> list[dict[str, Any]]:
         """Request records committed since the last call (call after ``flush``)."""
@@ -154,11 +205,26 @@ class ShardWriter:
                 self._thread.join()
 
     def _raise_if_failed(self) -> None:
-        if self._error is not None:
-            raise StoreError(
-                f"Writing the activation store at {self.root} failed: {self._error}. Requests "
-                "returned before this error are durable; the failed ones are not in the store."
-            ) from self._error
+        if self._error is None:
+            return
+        # Drop whatever was queued before this report, so the writer is clean afterwards.
+        self._barrier(commit=False)
+        error, lost = self._error, self._lost
+        self._error, self._lost = None, []
+        shown = ", ".join(lost[:5]) + (f" and {len(lost) - 5} more" if len(lost) > 5 else "")
+        full = isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT)
+        raise StoreError(
+            f"Writing the activation store at {self.root} failed: {error}. "
+            + ("The disk is full. " if full else "")
+            + "Requests acknowledged before this error (returned by generate(), or added "
+            "before a flush() that returned) are durable; "
+            + (
+                f"{len(lost)} request(s) added since are not in the store: {shown}. "
+                if lost
+                else "nothing else was lost. "
+            )
+            + "The store stays appendable: free space (or fix the cause) and add them again."
+        ) from error
 
     # -- writer thread ----------------------------------------------------------------------
 
@@ -168,23 +234,27 @@ class ShardWriter:
             if item is _STOP:
                 return
             try:
-                if item is _FLUSH:
-                    self._commit_shard()
-                    self._flushed.set()
+                if isinstance(item, _Barrier):
+                    if item.commit and self._error is None:
+                        self._commit_shard()
                 else:
                     self._write(item)
             except BaseException as e:  # kept and re-raised to the caller
                 self._error = e
+                if not isinstance(item, _Barrier):
+                    self._lost.append(item.record["id"])
                 self._abandon_shard()
-                self._flushed.set()
             finally:
-                if item is not _FLUSH and item is not _STOP:
+                if isinstance(item, _Barrier):
+                    item.done.set()
+                else:
                     with self._cond:
                         self._queued_bytes -= item.nbytes
                         self._cond.notify_all()
 
     def _write(self, request: PendingRequest) -> None:
-        if self._error is not None:
+        if self._error is not None:  # queued before an error was reported: dropped
+            self._lost.append(request.record["id"])
             return
         if self._file is None:
             name = f"shard-{uuid.uuid4().hex[:12]}.h5"
@@ -220,16 +290,20 @@ class ShardWriter:
     def _abandon_shard(self) -> None:
         """After a write error: close the open shard once and delete it. It was never
         committed (no manifest line names it), so it is provably garbage; and HDF5 must not
-        try to write to a file that failed again later (at exit it may crash or hang)."""
-        file, tmp = self._file, self._tmp_path
-        self._file, self._tmp_path = None, None
+        try to write to a file that failed again later (at exit it may crash or hang). A shard
+        already renamed whose manifest append failed (and was cut back) is deleted too: no
+        manifest line names it either, and on a full disk its space is what is needed."""
+        file, tmp, final = self._file, self._tmp_path, self._renamed
+        self._file, self._tmp_path, self._renamed = None, None, None
+        self._lost.extend(r["id"] for r in self._shard_requests)
         self._datasets, self._shard_requests, self._shard_bytes_written = {}, [], 0
         if file is not None:
             with contextlib.suppress(Exception):
                 file.close()
-        if tmp is not None:
-            with contextlib.suppress(OSError):
-                tmp.unlink()
+        for path in (tmp, final):
+            if path is not None:
+                with contextlib.suppress(OSError):
+                    path.unlink()
 
     def _commit_shard(self) -> None:
         if self._file is None:
@@ -246,6 +320,7 @@ class ShardWriter:
         _stage("shard_fsynced")
         final = self._tmp_path.with_suffix("")  # drop ".tmp"
         os.replace(self._tmp_path, final)
+        self._tmp_path, self._renamed = None, final
         _stage("shard_renamed")
         fsync_dir(final.parent)
         _stage("dir_fsynced")
@@ -261,4 +336,15 @@ class ShardWriter:
         self._committed.extend(requests)
         self._shard_requests = []
         self._shard_bytes_written = 0
-        self._tmp_path = None
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def _end_of_last_line(path: Path) -> int:
+    """The length of ``path`` up to and including its last newline."""
+    data = path.read_bytes()
+    return data.rfind(b"\n") + 1

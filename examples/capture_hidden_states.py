@@ -1,6 +1,6 @@
 """Capture prefill and decode residual streams, with per-request options and n > 1.
 
-python examples/capture_hidden_states.py [MODEL_DIR]
+python examples/capture_hidden_states.py [MODEL_DIR] [-v]
 """
 
 from __future__ import annotations
@@ -8,15 +8,16 @@ from __future__ import annotations
 import os
 import sys
 
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-# vLLM logs pages of INFO/WARNING lines around a short result; keep its errors only.
-os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+from probehook.logs import quiet_vllm
+
+# vLLM's warnings and loading bars stay out of the result unless run with -v.
+QUIET = quiet_vllm()
 
 
 def main(model: str | os.PathLike[str]) -> None:
     from probehook import LLM
 
-    llm = LLM(model, layers=[0, -1], include_prefill=True, max_model_len=64)
+    llm = LLM(model, layers=[0, -1], include_prefill=True, max_model_len=64, **QUIET)
     with llm:  # shuts the engine's processes down cleanly at the end
         run(llm)
 
@@ -50,8 +51,9 @@ def run(llm) -> None:  # noqa: ANN001 - probehook.LLM
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1:
-        main(sys.argv[1])
+    args = [a for a in sys.argv[1:] if a != "-v"]
+    if args:
+        main(args[0])
     else:
         from probehook import tiny_model_path
 

@@ -14,17 +14,14 @@ package (docs/tiny-model.md):
 
 from __future__ import annotations
 
-import os
 import sys
 import tempfile
 from pathlib import Path
 
-# vLLM's CPU backend sizes its KV cache from this (GiB); its default claims most of RAM.
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-# vLLM logs pages of INFO/WARNING lines around a short result; keep its errors only.
-os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+from probehook.logs import quiet_vllm
 
-ENGINE = dict(max_model_len=64, enforce_eager=True)
+# vLLM's warnings and loading bars stay out of the result unless run with -v.
+ENGINE = dict(max_model_len=64, enforce_eager=True, **quiet_vllm())
 
 
 def statements(pairs: list[tuple[int, int]], seed: int) -> tuple[list[str], list[int]]:

@@ -1,6 +1,6 @@
 """Segment an image with a one-pass, non-text model through vLLM, and keep its activations.
 
-python examples/segment_image.py [IMAGE] [--out MASK.png] [--store DIR]
+python examples/segment_image.py [IMAGE] [--out MASK.png] [--store DIR] [-v]
 
 The bundled tiny segmenter labels each pixel background, red, green or blue (whichever channel
 dominates). The image is split into 8x8 patches, each patch runs as one vLLM pooling request
@@ -12,13 +12,13 @@ Without IMAGE, a synthetic picture is drawn; the residual stream of every patch 
 from __future__ import annotations
 
 import argparse
-import os
 import tempfile
 from pathlib import Path
 
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-# vLLM logs pages of INFO/WARNING lines around a short result; keep its errors only.
-os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+from probehook.logs import quiet_vllm
+
+# vLLM's warnings and loading bars stay out of the result unless run with -v.
+QUIET = quiet_vllm()
 
 
 def synthetic_image(path: Path) -> Path:
@@ -40,6 +40,7 @@ def main() -> None:
     parser.add_argument("image", nargs="?", help="PNG/TIFF/JPEG or .npy (default: synthetic)")
     parser.add_argument("--out", help="where to write the mask (PNG, or TIFF by suffix)")
     parser.add_argument("--store", help="activation store directory (default: a temp dir)")
+    parser.add_argument("-v", action="store_true", help="show vLLM's warnings and loading bars")
     args = parser.parse_args()
 
     from probehook import LLM
@@ -52,7 +53,7 @@ def main() -> None:
     store = Path(args.store) if args.store else work / "store"
     fmt = "tiff" if out.suffix.lower() in (".tif", ".tiff") else "png"
 
-    with LLM(str(segmenter_path()), layers=[0, 2], store=store, **ENGINE_KWARGS) as llm:
+    with LLM(str(segmenter_path()), layers=[0, 2], store=store, **ENGINE_KWARGS, **QUIET) as llm:
         data = {"image": str(image), "output_path": str(out), "format": fmt}
         (result,) = llm.encode({"data": data}, pooling_task="plugin", use_tqdm=False)
         mask = result.outputs

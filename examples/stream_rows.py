@@ -10,12 +10,12 @@ see its score per token too.
 from __future__ import annotations
 
 import asyncio
-import os
 import sys
 
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-# vLLM logs pages of INFO/WARNING lines around a short result; keep its errors only.
-os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+from probehook.logs import quiet_vllm
+
+# vLLM's warnings and loading bars stay out of the result unless run with -v.
+QUIET = quiet_vllm()
 
 
 async def main(model: str, probe: str | None) -> None:
@@ -26,7 +26,9 @@ async def main(model: str, probe: str | None) -> None:
     probes = {"probe": probe} if probe else None
     params = SamplingParams(max_tokens=8, temperature=0, output_kind=RequestOutputKind.DELTA)
     # enforce_eager: start-up in seconds on a CPU; leave it out for vLLM's compiled mode.
-    engine = AsyncLLM(model, layers=[-1], probes=probes, max_model_len=64, enforce_eager=True)
+    engine = AsyncLLM(
+        model, layers=[-1], probes=probes, max_model_len=64, enforce_eager=True, **QUIET
+    )
     async with engine:
         last = engine.capture_config.layers[-1]
         for prompt in ("12+7=", "3+4="):
@@ -47,5 +49,6 @@ async def main(model: str, probe: str | None) -> None:
 if __name__ == "__main__":
     from probehook import tiny_model_path
 
-    model = sys.argv[1] if len(sys.argv) > 1 else str(tiny_model_path())
-    asyncio.run(main(model, sys.argv[2] if len(sys.argv) > 2 else None))
+    args = [a for a in sys.argv[1:] if a != "-v"]
+    model = args[0] if args else str(tiny_model_path())
+    asyncio.run(main(model, args[1] if len(args) > 1 else None))

@@ -26,7 +26,7 @@ from vllm.usage.usage_lib import UsageContext
 from vllm.v1.engine.async_llm import AsyncLLM as VllmAsyncLLM
 from vllm.v1.executor import Executor
 
-from probehook.adapter import engine_config, outputs, setup
+from probehook.adapter import cpu_memory, engine_config, outputs, setup
 from probehook.capture_config import CaptureConfig, LayerSpec
 from probehook.core.probe_set import ProbeSet
 from probehook.core.request_stream import Kind, RequestStream
@@ -119,6 +119,7 @@ class AsyncLLM(VllmAsyncLLM):
             monitors=monitors,
         )
         engine_kwargs, start = _split_start_kwargs(kwargs)
+        engine_kwargs = cpu_memory.size_for_cpu(model, engine_kwargs, _resolve)
         if not request.captures:
             self._start_engine(engine_config.engine_args(model, engine_kwargs, True), start)
             return
@@ -126,8 +127,8 @@ class AsyncLLM(VllmAsyncLLM):
             plan = setup.prepare(model, engine_kwargs, request, _resolve)
             assert plan is not None
             self._start_engine(engine_config.engine_args(model, plan.engine_kwargs, True), start)
-        self._plan = plan
         engine_config.pin_v1_runner(self.vllm_config)  # the workers run V1 for its whole life
+        self._plan = plan
         self.capture_config, self.probes = plan.config, plan.probes
 
     def _start_engine(self, args: AsyncEngineArgs, start: dict[str, Any]) -> None:
@@ -229,9 +230,9 @@ class AsyncLLM(VllmAsyncLLM):
     ) -> AsyncGenerator[Any, None]:
         """vLLM's ``generate``; ``request_id`` is optional (a fresh one when omitted), and every
         output carries the rows and scores of the tokens it holds."""
-        params = sampling_params if sampling_params is not None else SamplingParams()
         if isinstance(sampling_params, BeamSearchParams) and hasattr(self, "_plan"):
             raise CaptureConfigError(BEAM_SEARCH_REFUSED)
+        params = sampling_params if sampling_params is not None else SamplingParams()
         request_id = request_id if request_id is not None else uuid.uuid4().hex
         async for output in self._captured(super().generate, prompt, params, request_id, kwargs):
             yield output

@@ -17,7 +17,7 @@ from typing import Any
 import vllm
 from vllm import PoolingParams, SamplingParams
 
-from probehook.adapter import engine_config, outputs, setup
+from probehook.adapter import cpu_memory, engine_config, outputs, setup
 from probehook.capture_config import CaptureConfig, LayerSpec
 from probehook.core.probe_set import ProbeSet
 from probehook.core.session import CaptureSession, clear_outputs, copy_captures
@@ -99,6 +99,7 @@ class LLM(vllm.LLM):
             probes=probes,
             monitors=monitors,
         )
+        kwargs = cpu_memory.size_for_cpu(model, kwargs, engine_config.resolve_vllm_config)
         if not request.captures:  # plain vLLM, with the runner vLLM itself chooses
             super().__init__(model=model, **kwargs)
             return
@@ -106,8 +107,8 @@ class LLM(vllm.LLM):
             plan = setup.prepare(model, kwargs, request, engine_config.resolve_vllm_config)
             assert plan is not None
             super().__init__(model=model, **plan.engine_kwargs)
-        self.capture_config, self.probes = plan.config, plan.probes
         engine_config.pin_v1_runner(self.llm_engine.vllm_config)  # its workers run V1
+        self.capture_config, self.probes = plan.config, plan.probes
         infos = self.collective_rpc("probehook_attach", args=plan.attach_args())
         self.capture, self.capture_info, self.store = setup.start(
             plan,

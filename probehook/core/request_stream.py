@@ -159,22 +159,23 @@ class RequestStream:
     ) -> None:
         prefill, decode = spans
         on_request, on_completion = attributes_of(source)
-        # A span this output holds no positions of still gets its keys, with 0 rows.
-        empty = self.session.no_rows(source, self.tag)
         try:
+            # A span this output holds no positions of still gets its keys, with 0 rows.
             if prefill is not None:
-                value = empty
                 if send_prefill:
                     rows = await self.receiver.take(source, key, prefill.lo, prefill.hi)
                     value = self._value(source, rows)
+                else:
+                    value = self.session.no_rows(source, self.tag)
                 setattr(output, on_request, value)
             if decode is not None:
                 # Only the rows of tokens this output adds, in delta mode.
                 lo = max(decode.lo, prompt_len - 1 + before)
-                value = empty
                 if lo < decode.hi:
                     rows = await self.receiver.take(source, key, lo, decode.hi)
                     value = self._value(source, rows)
+                else:
+                    value = self.session.no_rows(source, self.tag)
                 setattr(completion, on_completion, value)
         except StreamFailed as e:
             failed = FailedCapture(str(e))

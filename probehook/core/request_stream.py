@@ -95,31 +95,18 @@ class RequestStream:
             # total == 0: an early abort; the output holds nothing computed, so no rows
             # are taken, but it keeps its shape (every asked layer and probe, 0 rows).
             take = total > 0
+            prefill = send_prefill and take
             key = f"{tag.tag}/{index}"
             has_prefill = config.include_prefill and index == 0
             if config.layers:
                 spans = completion_spans(config, prompt_len, total, index)
                 await self._fill(
-                    "hidden",
-                    key,
-                    spans,
-                    before,
-                    prompt_len,
-                    send_prefill and take,
-                    output,
-                    completion,
+                    "hidden", key, spans, before, prompt_len, prefill, output, completion
                 )
             if tag.probes is not None and tag.probes.names:
                 spans = completion_spans(score_config(config), prompt_len, total, index)
                 await self._fill(
-                    "scores",
-                    key,
-                    spans,
-                    before,
-                    prompt_len,
-                    send_prefill and take,
-                    output,
-                    completion,
+                    "scores", key, spans, before, prompt_len, prefill, output, completion
                 )
                 if take:
                     await self._act_on_scores(key, spans[1], before, delta, output, completion)

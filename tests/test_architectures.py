@@ -6,12 +6,14 @@ layer's prefill and decode rows compared with HF ``hidden_states[L + 1]`` on the
 weights. Plus the Transformers backend (``model_impl="transformers"``) on a dense and an MoE
 model, and one compiled Transformers-backend engine.
 
-Speed: 18 engine starts at the usual cost (about 20 s each with a process spawn and a vLLM
-import per engine) would add about 6 minutes to the suite. So all engines run one after
-another in ONE subprocess with ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (the engine core inside
-that process): about 3-5 s per eager start there. The subprocess only generates and saves
-rows; HF runs here, because vLLM's Transformers backend decorates HF's model classes in the
-process that loads them, which breaks plain HF models in that same process.
+Speed: 18 engine starts at the usual cost (about 22 s each here: a process spawn, a vLLM
+import and the engine core's start per engine) would add about 6-7 minutes to the suite. So
+all engines run one after another in ONE subprocess with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``
+(the engine core inside that process): about 2-4 s per eager start there (the KV cache size
+makes no measurable difference), 25-40 s for the compiled one, about 100-160 s for the whole
+file on 2 cores. The subprocess only generates and saves rows; HF runs here, because vLLM's
+Transformers backend decorates HF's model classes in the process that loads them, which
+breaks plain HF models in that same process.
 
 Run as a script, this file is that subprocess: ``python test_architectures.py SPEC OUT``.
 """
@@ -259,3 +261,15 @@ def test_refusal_names_the_list() -> None:
         check_architecture(
             _model_config(["Emu3ForConditionalGeneration"], "TransformersMultiModalForCausalLM")
         )
+
+
+def test_untested_backend_class_refused_before_start_up(engine_defaults: dict) -> None:
+    """A real config: BERT through the Transformers backend resolves to its embedding class."""
+    from probehook import LLM
+    from probehook.errors import UnsupportedModelError
+    from probehook.testing import minilm_path
+
+    started = time.perf_counter()
+    with pytest.raises(UnsupportedModelError, match="class TransformersEmbeddingModel"):
+        LLM(str(minilm_path()), layers=[0], model_impl="transformers", **engine_defaults)
+    assert time.perf_counter() - started < 60  # config resolution only, no engine

@@ -75,3 +75,31 @@ def test_other_errors_are_not_hidden_by_the_fallback(tmp_path: Path) -> None:
             [str(missing_dir), str(tmp_path / "export.bin")], tensors()
         )
     assert not (tmp_path / "export.bin").exists()
+
+
+def test_kept_tensors_hold_no_file_descriptor(tmp_path: Path) -> None:
+    """A user who keeps every output of a loop keeps every export's tensors: they must not
+    hold a descriptor each (Python's mmap would), or a long loop runs out of them. The memory
+    is unmapped once the last tensor over it is gone."""
+    import gc
+    import os
+
+    def open_fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    def maps_of(directory: Path) -> int:
+        return Path("/proc/self/maps").read_text().count(str(directory))
+
+    before = open_fds()
+    kept = []
+    for i in range(300):
+        path = str(tmp_path / f"export-{i}.bin")
+        sent = [torch.full((4, 8), float(i))]
+        kept.append(transport.read_tensors(path, transport.write_tensors(path, sent))[0][1:])
+    assert open_fds() <= before + 2, open_fds() - before
+    assert all(float(t[0, 0]) == i for i, t in enumerate(kept))
+    assert maps_of(tmp_path) == 300
+    kept[7].add_(1)  # copy-on-write: writable, and the file is not touched
+    del kept
+    gc.collect()
+    assert maps_of(tmp_path) == 0

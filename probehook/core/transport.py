@@ -12,15 +12,20 @@ says so once in the log.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import errno
+import functools
 import logging
 import mmap
 import os
 import shutil
 import tempfile
 import uuid
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -31,6 +36,59 @@ _warned_fallback = False
 DTYPES = {
     str(dtype): dtype for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 }
+
+
+def map_file(path: str, size: int) -> Any:
+    """A private, writable (copy-on-write) mapping of ``path`` that holds no file descriptor.
+
+    Python's ``mmap`` keeps a duplicate of the file's descriptor until the map is collected,
+    so every export whose tensors a user keeps (``outs.append(llm.generate([p])[0])`` in a
+    loop) would hold one descriptor, and a long loop would run out of them. Mapped through libc
+    the descriptor is closed at once; the mapping is unmapped when the last tensor over it is
+    gone (``torch.frombuffer`` keeps the buffer alive). Falls back to ``mmap`` where libc's
+    ``mmap`` cannot be reached.
+    """
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        libc = _libc()
+        address = None
+        if libc is not None:
+            address = libc.mmap(None, size, _PROT_RW, mmap.MAP_PRIVATE, fd, 0)
+            if address in (None, _MAP_FAILED):
+                address = None
+        if address is None:
+            return mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE)
+    finally:
+        os.close(fd)
+    buffer = (ctypes.c_char * size).from_address(address)
+    weakref.finalize(buffer, libc.munmap, address, size)
+    return buffer
+
+
+_PROT_RW = mmap.PROT_READ | mmap.PROT_WRITE
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+@functools.cache
+def _libc() -> Any:
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return None
+    try:
+        libc = ctypes.CDLL(name, use_errno=True)
+    except OSError:
+        return None
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_size_t,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_long,
+    ]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    return libc
 
 
 class Spool:
@@ -105,8 +163,7 @@ def read_tensors(path: str, entries: Sequence[dict]) -> list[torch.Tensor]:
         size = os.path.getsize(path)
         if size == 0:
             return [torch.empty(e["shape"], dtype=DTYPES[e["dtype"]]) for e in entries]
-        with open(path, "r+b") as f:
-            buf = mmap.mmap(f.fileno(), size)
+        buf = map_file(path, size)
     finally:
         if os.path.exists(path):
             os.unlink(path)

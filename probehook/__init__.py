@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from probehook.errors import (
     CaptureConfigError,
     CaptureError,
+    DuplicateStoreIdError,
     MissingExtraError,
     ProbeError,
     ProbehookError,
@@ -64,6 +65,7 @@ __all__ = [
     "FailedCapture",
     "CaptureConfigError",
     "CaptureError",
+    "DuplicateStoreIdError",
     "MissingExtraError",
     "ProbeError",
     "ProbehookError",

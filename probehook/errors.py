@@ -33,6 +33,11 @@ class StoreFormatError(ProbehookError, ValueError):
     """A path is not an activation store, or was written by an incompatible version."""
 
 
+class DuplicateStoreIdError(ProbehookError, ValueError):
+    """A request was added under a store id the store already has (or was given earlier in
+    this run); a second record would shadow the first."""
+
+
 class StoreCorruptError(StoreFormatError):
     """The store's manifest has a damaged line before good ones; appending would lose records.
     ``probehook store fsck PATH --repair`` rewrites it keeping every verifiable record."""

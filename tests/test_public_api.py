@@ -16,6 +16,7 @@ PUBLIC = [
     "FailedCapture",
     "CaptureConfigError",
     "CaptureError",
+    "DuplicateStoreIdError",
     "MissingExtraError",
     "ProbeError",
     "ProbehookError",

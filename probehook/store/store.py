@@ -25,8 +25,8 @@ import numpy as np
 import torch
 
 from probehook.errors import (
+    DuplicateStoreIdError,
     MissingExtraError,
-    ProbehookError,
     StoreCorruptError,
     StoreError,
     StoreFormatError,
@@ -66,11 +66,6 @@ left (see :func:`open_file_budget`)."""
 _INHERITED_FILES: list[Any] = []
 """In a forked child: shard files opened by the parent, kept referenced and never closed here
 (see ``ActivationStore._after_fork``)."""
-
-
-class DuplicateStoreIdError(ProbehookError, ValueError):
-    """A request was added under a store id the store already has (or was given earlier in
-    this run); a second record would shadow the first."""
 
 
 def _soft_nofile() -> int | None:

@@ -9,25 +9,6 @@ from typing import Any
 
 from probehook.errors import CaptureConfigError
 
-EXTRA_ARGS_KEY = "probehook"
-"""Key under ``SamplingParams.extra_args`` that holds per-request capture options."""
-
-INTERNAL_KEYS = ("tag", "n", "stop_token", "stream", "record")
-"""Keys probehook's front ends add under extra_args["probehook"] (request tag, fan-out count,
-the token a stop monitor forces, whether rows are pushed as they are computed, extra fields of
-the request's store record)."""
-PROBE_KEYS = ("probes", "monitors")
-"""Per-request probe options under extra_args["probehook"] (validated by the front end)."""
-
-
-def capture_options(options: Mapping[str, Any] | None) -> dict[str, Any]:
-    """The capture options of a request's ``extra_args["probehook"]`` (no internal or probe
-    keys), as :meth:`CaptureConfig.narrow` takes them."""
-    return {
-        k: v for k, v in (options or {}).items() if k not in INTERNAL_KEYS and k not in PROBE_KEYS
-    }
-
-
 LayerSpec = Sequence[int] | str
 
 
@@ -129,8 +110,8 @@ class CaptureConfig:
         unknown = set(options) - known
         if unknown:
             raise CaptureConfigError(
-                f"Unknown per-request capture option(s) {sorted(unknown)}; valid options "
-                f"are {sorted(known | set(PROBE_KEYS))}."
+                f"Unknown per-request capture option(s) {sorted(map(str, unknown))}; valid "
+                f"options are {sorted(known)}."
             )
         merged = {**self.to_dict(), **options}
         layers = merged["layers"]

@@ -265,6 +265,41 @@ def test_bad_per_request_options_fail_before_generation(engine, loop) -> None:
     assert stats["front_end_requests"] == 0 and stats["pending_streams"] == 0
 
 
+def test_malformed_options_storm(engine, offline, loop) -> None:
+    """Every malformed option object is refused with the words of the one parser (the same
+    as the offline LLM's), all of them sent at once; the engine then streams a normal request
+    exactly as the offline reference."""
+    from malformed_options import malformed
+    from vllm.exceptions import VLLMValidationError
+
+    from probehook.core.request_options import RequestOptions
+    from probehook.errors import CaptureConfigError
+
+    wanted, params = [], []
+    for value in malformed():
+        try:
+            params.append(greedy(2, extra_args={"probehook": value}))
+        except VLLMValidationError:
+            continue  # vLLM's SamplingParams refuses it itself (an int over 64 bits)
+        with pytest.raises(CaptureConfigError) as err:
+            RequestOptions.from_user(value)
+        wanted.append(str(err.value))
+    assert len(params) >= 100
+
+    async def storm() -> list:
+        return await asyncio.gather(
+            *(collect(engine, "1+1=", p) for p in params), return_exceptions=True
+        )
+
+    for got, want in zip(loop.run_until_complete(storm()), wanted, strict=True):
+        assert isinstance(got, CaptureConfigError) and str(got) == want, (got, want)
+    prompt = prompts(1)[0]
+    outs = loop.run_until_complete(collect(engine, prompt, greedy()))
+    assert_same_as_offline(outs[-1], offline[prompt])
+    stats = loop.run_until_complete(engine.stats())
+    assert stats["front_end_requests"] == 0 and stats["pending_streams"] == 0
+
+
 def test_from_engine_args_without_capture_is_plain_vllm(llama_dir, engine, loop) -> None:
     from vllm.engine.arg_utils import AsyncEngineArgs
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import pytest
@@ -83,3 +84,106 @@ def test_chat_captures(eager_llm, llama_dir: Path) -> None:
         use_tqdm=False,
     )[0]
     assert_matches_hf(llama_dir, out, [0, 2])
+
+
+def _params(value: object, **kwargs: object) -> object:
+    from probehook import SamplingParams
+
+    extra = {} if value is ... else {"extra_args": {"probehook": value}}
+    return SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, **extra, **kwargs)
+
+
+def test_malformed_options_storm(eager_llm) -> None:
+    """Every malformed option object is refused before the engine with the parser's own
+    words; the engine then serves a normal request exactly as before the storm."""
+    from malformed_options import malformed
+
+    from probehook.core.request_options import RequestOptions
+
+    prompt = "12+34="
+    before = eager_llm.generate([prompt], _params(...), use_tqdm=False)[0]
+    from vllm.exceptions import VLLMValidationError
+
+    sent = 0
+    for value in malformed():
+        with pytest.raises(CaptureConfigError) as want:
+            RequestOptions.from_user(value)
+        try:
+            params = _params(value)
+        except VLLMValidationError:
+            continue  # vLLM's SamplingParams refuses it itself (an int over 64 bits)
+        with pytest.raises(CaptureConfigError) as got:
+            eager_llm.generate([prompt], params, use_tqdm=False)
+        assert str(got.value) == str(want.value)
+        sent += 1
+    assert sent >= 100
+    # Well formed, but not what this engine (layers 0 and 2, no probes) can serve.
+    for value, words in [
+        ({"layers": [1]}, "layer 1 was not captured"),
+        ({"layers": [99]}, "layer 99 was not captured"),
+        ({"layers": [-1]}, "layer -1 was not captured"),
+        ({"probes": ["lies"]}, "engine has no probes"),
+        ({"monitors": [{"probe": "lies", "threshold": 0.5}]}, "engine has no probes"),
+    ]:
+        with pytest.raises(CaptureConfigError, match=words):
+            eager_llm.generate([prompt], _params(value), use_tqdm=False)
+    assert not eager_llm.capture.pending
+    after = eager_llm.generate([prompt], _params(...), use_tqdm=False)[0]
+    assert list(after.outputs[0].token_ids) == list(before.outputs[0].token_ids)
+    for layer in (0, 2):
+        torch.testing.assert_close(after.hidden_states[layer], before.hidden_states[layer])
+        torch.testing.assert_close(
+            after.prefill_hidden_states[layer], before.prefill_hidden_states[layer]
+        )
+
+
+def test_a_corrupt_wire_past_the_front_end_fails_its_request_alone(eager_llm, monkeypatch) -> None:
+    """Wire objects the front end would never write, injected between the session and vLLM
+    (the session registers the good one, the worker receives the bad one): each such request
+    gets a failed capture with the reason, the requests between them are served normally."""
+    from malformed_options import CORRUPTIONS
+
+    from probehook import CaptureError
+
+    corruptions = [(k, v) for k, v in CORRUPTIONS if k != "tag"]  # tag: nobody collects
+    prompts = [f"{i}+{2 * i}=" for i in range(2 * len(corruptions) + 1)]
+    reference = eager_llm.generate(prompts[::2], _params(...), use_tqdm=False)
+    session = eager_llm.capture
+    real_tag, real_register = session.tag, session.register
+    registered: dict[int, object] = {}
+
+    def tag(params, stream=False):
+        good = real_tag(params, stream)
+        i = params.seed  # which prompt this is (vLLM may add them in any order)
+        if i % 2 == 0:
+            return good
+        key, value = corruptions[i // 2]
+        bad = copy.copy(good)
+        bad.extra_args = {"probehook": {**good.extra_args["probehook"], key: value}}
+        registered[id(bad)] = (bad, good)
+        return bad
+
+    def register(request_id, engine_id, params):
+        bad_good = registered.get(id(params))
+        real_register(request_id, engine_id, bad_good[1] if bad_good else params)
+
+    monkeypatch.setattr(session, "tag", tag)
+    monkeypatch.setattr(session, "register", register)
+    params = [_params(..., seed=i) for i in range(len(prompts))]
+    outs = eager_llm.generate(prompts, params, use_tqdm=False)
+    monkeypatch.undo()
+    for out in outs:
+        i = prompts.index(out.prompt)
+        if i % 2 == 0:
+            ref = reference[i // 2]
+            assert list(out.outputs[0].token_ids) == list(ref.outputs[0].token_ids)
+            for layer in (0, 2):
+                torch.testing.assert_close(out.hidden_states[layer], ref.hidden_states[layer])
+            continue
+        assert len(out.outputs[0].token_ids) == 3  # generated normally, only capture failed
+        with pytest.raises(CaptureError, match="could not read this request's probehook"):
+            out.hidden_states[0]
+    # The engine is alive and correct afterwards.
+    again = eager_llm.generate(prompts[::2], _params(...), use_tqdm=False)
+    for got, ref in zip(again, reference, strict=True):
+        torch.testing.assert_close(got.hidden_states[2], ref.hidden_states[2])

@@ -4,6 +4,7 @@ scores checked against Hugging Face on the same weights."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -156,6 +157,34 @@ def test_per_request_monitors_refused(minilm: Any) -> None:
         minilm.embed(TEXTS[:1], pooling_params=params, use_tqdm=False)
 
 
+def test_malformed_options_storm(minilm: Any) -> None:
+    """Pooling requests go through the same parser: the same words as generation."""
+    from malformed_options import malformed
+    from vllm import PoolingParams
+
+    from probehook.core.request_options import RequestOptions
+
+    address = re.compile(r"0x[0-9a-f]+")
+    before = minilm.embed(TEXTS[:1], use_tqdm=False)[0]
+    sent = 0
+    for value in malformed():
+        try:
+            params = PoolingParams(extra_kwargs={"probehook": value})
+        except ValueError:
+            continue  # vLLM refuses it itself
+        with pytest.raises(CaptureConfigError) as want:
+            RequestOptions.from_user(value)
+        with pytest.raises(CaptureConfigError) as got:
+            minilm.embed(TEXTS[:1], pooling_params=params, use_tqdm=False)
+        # (vLLM copies the params, so an object() differs in its address only)
+        assert address.sub("0x", str(got.value)) == address.sub("0x", str(want.value))
+        sent += 1
+    assert sent >= 100
+    after = minilm.embed(TEXTS[:1], use_tqdm=False)[0]
+    for layer in LAYERS:
+        assert torch.equal(after.hidden_states[layer], before.hidden_states[layer])
+
+
 def test_classify_and_cross_encoder_score(tmp_path: Path, engine_defaults: dict) -> None:
     from probehook import LLM
 
@@ -252,6 +281,21 @@ def test_server_embeddings_carry_rows_and_scores(minilm: Any, tmp_path: Path) ->
                 server.port, route, {"model": "minilm", "input": TEXTS, **extra}
             )
             assert status == 400 and message in answer["error"]["message"], answer
+        # Every malformed object is a 400 with the words of the one parser.
+        from malformed_options import malformed
+
+        from probehook.core.request_options import RequestOptions
+
+        for value in malformed(json_only=True):
+            with pytest.raises(CaptureConfigError) as want:
+                RequestOptions.from_user(value)
+            body = {"model": "minilm", "input": TEXTS[:1], "probehook": value}
+            status, answer = post_json(server.port, "/v1/embeddings", body)
+            assert status == 400 and answer["error"]["message"] == str(want.value), answer
+        status, answer = post_json(server.port, "/v1/embeddings", body | {"probehook": asked})
+        assert status == 200 and answer["data"][0]["embedding"] == pytest.approx(
+            offline[0].outputs.embedding, abs=1e-5
+        )
         score = {"model": "minilm", "text_1": TEXTS[0], "text_2": TEXTS[1], "probehook": asked}
         status, answer = post_json(server.port, "/score", score)
         assert status == 400 and "not available on /score" in answer["error"]["message"], answer

@@ -322,11 +322,11 @@ def test_flag_and_stop_monitors(client, offline) -> None:
     [
         ({"layers": [1]}, r"layer 1 was not captured.*layers=\[0, 3\]"),
         ({"probes": ["lies"]}, r"not engine probes; valid names are \['other', 'size'"),
-        ({"probes": "truth"}, r"must be a list of probe names"),
+        ({"probes": "truth"}, r"probes='truth' \(str\) is not valid: pass a list of probe names"),
         ({"layers": [[0]]}, r"not an int"),
-        ({"colour": "red"}, r"Unknown per-request capture option.*'probes'"),
-        ("all", r"'probehook' must be an object"),
-        ({"monitors": [{"probe": "truth"}]}, r"Bad ProbeMonitor"),
+        ({"colour": "red"}, r"Unknown probehook option\(s\) 'colour'.*'probes'"),
+        ("all", r"probehook options must be a dict \(a JSON object\)"),
+        ({"monitors": [{"probe": "truth"}]}, r"monitors\[0\].*lacks \['threshold'\]"),
     ],
 )
 def test_guard_rails(client, options, message) -> None:
@@ -341,6 +341,47 @@ def test_guard_rails(client, options, message) -> None:
             extra_body={"probehook": options},
             **greedy(),
         )
+
+
+def test_malformed_options_storm(client, server, offline) -> None:
+    """Every malformed option object a JSON body can carry is a 400 on both routes with the
+    words of the one parser (the same as the offline LLM's and AsyncLLM's); the server then
+    answers a normal request with the offline reference's rows."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from malformed_options import malformed
+
+    from probehook.core.request_options import RequestOptions
+    from probehook.errors import CaptureConfigError
+    from probehook.testing import post_json
+
+    objects = malformed(json_only=True)
+    assert len(objects) >= 100
+    messages = []
+    for value in objects:
+        with pytest.raises(CaptureConfigError) as err:
+            RequestOptions.from_user(value)
+        messages.append(str(err.value))
+    chat = {"messages": [{"role": "user", "content": "1+1="}]}
+    bodies = [
+        ({"model": "tiny", "max_tokens": 2, "probehook": value, **route}, path)
+        for value in objects
+        for path, route in (("/v1/completions", {"prompt": "1+1="}), ("/v1/chat/completions", chat))
+    ]
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(lambda b: post_json(server.port, b[1], b[0]), bodies))
+    for i, (status, answer) in enumerate(answers):
+        assert status == 400, (bodies[i], answer)
+        assert answer["error"]["message"] == messages[i // 2], (bodies[i], answer)
+    prompt = prompts(8)[2]
+    want = offline[prompt]
+    response = client.completions.create(
+        prompt=prompt, extra_body=ignore_eos({"layers": [0, 3]}), **greedy()
+    )
+    assert response.choices[0].text == want.outputs[0].text
+    got = field(response.choices[0])["hidden_states"]
+    for layer in (0, 3):
+        assert close(decode_array(got[str(layer)]), want.outputs[0].hidden_states[layer])
 
 
 def test_size_cap_refuses_before_generation(client) -> None:

@@ -182,7 +182,7 @@ class AsyncLLM(VllmAsyncLLM):
         if self.capture is None:
             if hasattr(self, "_plan"):
                 raise CaptureConfigError("check_request: call await start_capture() first.")
-            asked = {k: v for k, v in options.items() if v not in (False, None, [], {})}
+            asked = options.asked()
             if asked:
                 raise CaptureConfigError(
                     f"This engine captures nothing (no layers, no probes), so the request's "

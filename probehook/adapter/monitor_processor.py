@@ -11,6 +11,7 @@ never through the global entry-point group.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,16 +20,15 @@ from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 from vllm.v1.sample.logits_processor.builtin import process_dict_updates
 
 from probehook.adapter import probe_registry
-from probehook.capture_config import EXTRA_ARGS_KEY
 from probehook.core.monitors import crosses
+from probehook.core.request_options import EXTRA_ARGS_KEY, RequestWire, WireMonitor
 
-STOP_TOKEN_KEY = "stop_token"
-"""Key under extra_args["probehook"]: the token id a stop monitor forces."""
+logger = logging.getLogger(__name__)
 
 
 @dataclass
 class _Watch:
-    stops: list[dict[str, Any]]  # wire monitors with action "stop" and a "column"
+    stops: list[WireMonitor]  # the request's monitors with action "stop"
     stop_token: int
     min_tokens: int
     output_ids: list[int]  # vLLM's live list of the request's generated tokens
@@ -59,14 +59,17 @@ class ProbeStopProcessor(LogitsProcessor):
         for index, watch in self.watches.items():
             if index >= len(step.last_row) or step.last_row[index] < 0:
                 continue
-            if len(watch.output_ids) < watch.min_tokens:
+            if len(watch.output_ids) < watch.min_tokens or watch.stop_token >= logits.shape[1]:
                 continue  # vLLM would not stop it yet; the forced token would be kept
             if scores is None:
                 scores = step.rows[0].cpu().numpy()
             row = scores[int(step.last_row[index])]
-            for monitor in watch.stops:
-                value = float(row[monitor["column"]])
-                if crosses(value, monitor["threshold"], monitor["direction"]):
+            for wired in watch.stops:
+                if wired.column >= len(row):
+                    continue  # a column this bank does not have (a wire that skipped checks)
+                value = float(row[wired.column])
+                monitor = wired.monitor
+                if crosses(value, monitor.threshold, monitor.direction):
                     logits[index] = float("-inf")
                     logits[index, watch.stop_token] = 0.0
                     break
@@ -74,8 +77,18 @@ class ProbeStopProcessor(LogitsProcessor):
 
 
 def _watch(params: Any, prompt_ids: list[int] | None, output_ids: list[int]) -> _Watch | None:
-    options = (getattr(params, "extra_args", None) or {}).get(EXTRA_ARGS_KEY) or {}
-    stops = [m for m in options.get("monitors") or () if m.get("action") == "stop"]
-    if not stops or STOP_TOKEN_KEY not in options:
+    # vLLM calls this while it builds the batch: an exception here would end the engine for
+    # every request. A request whose options cannot be read is not watched (its capture
+    # fails in the step hook, so its outputs say why).
+    try:
+        raw = (getattr(params, "extra_args", None) or {}).get(EXTRA_ARGS_KEY)
+        wire = RequestWire.from_wire(raw)
+        if wire is None or wire.stop_token is None:
+            return None
+        stops = [m for m in wire.monitors if m.monitor.action == "stop"]
+        if not stops:
+            return None
+        return _Watch(stops, wire.stop_token, int(params.min_tokens or 0), output_ids)
+    except Exception as e:  # noqa: BLE001
+        logger.warning("probehook: not watching a request with unreadable options: %s", e)
         return None
-    return _Watch(stops, int(options[STOP_TOKEN_KEY]), int(params.min_tokens or 0), output_ids)

@@ -22,7 +22,7 @@ from vllm.entrypoints.pooling.embed.serving import ServingEmbedding
 from vllm.entrypoints.pooling.pooling.serving import ServingPooling
 from vllm.entrypoints.pooling.scoring.serving import ServingScores
 
-from probehook.capture_config import EXTRA_ARGS_KEY
+from probehook.core.request_options import EXTRA_ARGS_KEY, RECORD_KEY
 from probehook.core.response_fields import (
     FIELD,
     PooledFields,
@@ -157,8 +157,11 @@ def _label_patches(ctx: Any) -> None:
     for index, item in enumerate(ctx.engine_inputs):
         params = item["params"].clone()
         record = {"user_request": ctx.request_id, "patch": index}
-        options = {**ctx.probehook_options, "record": record}
-        params.extra_kwargs = {**(params.extra_kwargs or {}), EXTRA_ARGS_KEY: options}
+        params.extra_kwargs = {
+            **(params.extra_kwargs or {}),
+            EXTRA_ARGS_KEY: ctx.probehook_options,
+            RECORD_KEY: record,
+        }
         item["params"] = params
 
 

@@ -9,16 +9,19 @@ refuses anything else with a clear error instead of an ``AttributeError`` mid-ge
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import logging
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from probehook.capture_config import EXTRA_ARGS_KEY, CaptureConfig, capture_options
+from probehook.capture_config import CaptureConfig
 from probehook.core.recorder import RequestPlan, StepRecorder
-from probehook.core.spans import keep_plan, score_config
+from probehook.core.request_options import EXTRA_ARGS_KEY, RequestWire, raw_tag
+from probehook.core.spans import KeepPlan, keep_plan, score_config
 from probehook.errors import CaptureConfigError
 
 REQUIRED = ("input_batch", "requests", "query_start_loc")
 PlanFor = Callable[[str], RequestPlan | None]
+logger = logging.getLogger(__name__)
 
 
 def check_runner(runner: Any) -> None:
@@ -47,35 +50,76 @@ def record_step(runner: Any, recorders: Sequence[tuple[StepRecorder, PlanFor]]) 
 
 def plan_factory(runner: Any, engine_config: CaptureConfig, scores: bool = False) -> PlanFor:
     """Builds the keep plan of a request the first time a recorder sees it: its hidden rows,
-    or with ``scores`` its probe scores."""
+    or with ``scores`` its probe scores. Never raises: it runs inside the step hook, where an
+    exception ends the engine for every request, so a request whose options cannot be read
+    gets a failed capture (its outputs carry the reason) and the others go on."""
 
     def plan_for(req_id: str) -> RequestPlan | None:
-        state = runner.requests.get(req_id)
-        params = request_params(state)
-        extra = extra_options(params).get(EXTRA_ARGS_KEY)
-        if not extra or "tag" not in extra:
-            return None  # not submitted through probehook: nobody will collect it
-        if scores and not extra.get("probes"):
-            return None  # the front end lists the probes a request gets; none here
-        config = engine_config.narrow(capture_options(extra))
-        if config is None or (not scores and not config.layers):
-            return None
-        prompt_len = state.num_prompt_tokens  # also counts prompts given as embeddings
-        # vLLM names the engine requests of n > 1 "<index>_<id>".
-        index = int(req_id.split("_", 1)[0]) if extra.get("n", 1) > 1 else 0
-        stream = bool(extra.get("stream"))
-        if scores:
-            keep = keep_plan(score_config(config), prompt_len, index, end_known_in_worker=True)
-        else:
-            # Stop strings are matched in the front end, possibly steps after the worker
-            # computed further positions; everything else that ends a request is decided in
-            # the engine. A stream sends each row as it is computed, before the end is known.
-            end_known = not getattr(params, "stop", None) and not stream
-            keep = keep_plan(config, prompt_len, index, end_known)
-        layers = None if scores else config.layers
-        return RequestPlan(f"{extra['tag']}/{index}", keep, stream, layers)
+        raw = None
+        try:
+            state = runner.requests.get(req_id)
+            params = request_params(state)
+            raw = extra_options(params).get(EXTRA_ARGS_KEY)
+            return _plan(req_id, state, params, raw, engine_config, scores)
+        except Exception as e:  # noqa: BLE001 - one bad request must not end the engine
+            return _failed_plan(req_id, raw, scores, f"{type(e).__name__}: {e}")
 
     return plan_for
+
+
+def _plan(
+    req_id: str,
+    state: Any,
+    params: Any,
+    raw: Any,
+    engine_config: CaptureConfig,
+    scores: bool,
+) -> RequestPlan | None:
+    wire = RequestWire.from_wire(raw)
+    if wire is None:
+        return None  # not submitted through probehook: nobody will collect it
+    if scores and not wire.probes:
+        return None  # the front end lists the probes a request gets; none here
+    # The front end narrowed the config; narrowing it again checks that it names only layers
+    # this engine taps (a wire that skipped the front end may not).
+    config = engine_config.narrow(wire.config.to_dict())
+    if config is None or (not scores and not config.layers):
+        return None
+    prompt_len = state.num_prompt_tokens  # also counts prompts given as embeddings
+    index = completion_index(req_id, wire.n)
+    if scores:
+        keep = keep_plan(score_config(config), prompt_len, index, end_known_in_worker=True)
+    else:
+        # Stop strings are matched in the front end, possibly steps after the worker
+        # computed further positions; everything else that ends a request is decided in
+        # the engine. A stream sends each row as it is computed, before the end is known.
+        end_known = not getattr(params, "stop", None) and not wire.stream
+        keep = keep_plan(config, prompt_len, index, end_known)
+    layers = None if scores else config.layers
+    return RequestPlan(f"{wire.tag}/{index}", keep, wire.stream, layers)
+
+
+def _failed_plan(req_id: str, raw: Any, scores: bool, error: str) -> RequestPlan | None:
+    """A plan that keeps nothing and fails the request's capture under its stream key (None
+    when the options carry no usable tag: then no front end can collect it anyway)."""
+    tag = raw_tag(raw)
+    if tag is None or (scores and not (isinstance(raw, Mapping) and raw.get("probes"))):
+        logger.warning("probehook: ignoring request %s with unreadable options: %s", req_id, error)
+        return None
+    reason = f"the worker could not read this request's probehook options ({error})"
+    logger.warning("probehook: capture of request %s failed: %s", req_id, reason)
+    n = raw.get("n") if isinstance(raw, Mapping) else None
+    index = completion_index(req_id, n if isinstance(n, int) and n > 0 else 2)
+    stream = isinstance(raw, Mapping) and raw.get("stream") is True
+    return RequestPlan(f"{tag}/{index}", KeepPlan(None, None), stream, error=reason)
+
+
+def completion_index(req_id: str, n: int) -> int:
+    """vLLM names the engine requests of n > 1 ``"<index>_<id>"``."""
+    if n <= 1 or "_" not in req_id:
+        return 0
+    head = req_id.split("_", 1)[0]
+    return int(head) if head.isdigit() else 0
 
 
 def request_params(state: Any) -> Any:

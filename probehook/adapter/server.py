@@ -138,7 +138,7 @@ def check_capture_default(engine: Any, default: dict[str, Any] | None, tasks: An
         return
     from vllm import SamplingParams
 
-    from probehook.capture_config import EXTRA_ARGS_KEY
+    from probehook.core.request_options import EXTRA_ARGS_KEY
     from probehook.core.response_fields import request_options
 
     if "generate" not in tasks:

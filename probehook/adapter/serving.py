@@ -21,7 +21,7 @@ from vllm import SamplingParams
 from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
 from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
 
-from probehook.capture_config import EXTRA_ARGS_KEY
+from probehook.core.request_options import EXTRA_ARGS_KEY
 from probehook.core.response_fields import (
     FIELD,
     ChoiceFields,

@@ -10,6 +10,7 @@ can name the probe that stopped a request without another message from the worke
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -59,7 +60,11 @@ class ProbeMonitor:
             )
         if isinstance(self.threshold, bool) or not isinstance(self.threshold, int | float):
             raise CaptureConfigError(f"ProbeMonitor threshold={self.threshold!r} must be a number.")
-        if not np.isfinite(self.threshold):
+        try:
+            finite = math.isfinite(self.threshold)
+        except OverflowError:  # an int too large for a float
+            finite = False
+        if not finite:
             raise CaptureConfigError(f"ProbeMonitor threshold={self.threshold!r} must be finite.")
 
     @property
@@ -76,7 +81,7 @@ class ProbeMonitor:
             return value
         if isinstance(value, Mapping):
             known = {"probe", "threshold", "action", "direction", "label"}
-            unknown = sorted(set(value) - known)
+            unknown = sorted(map(str, set(value) - known))
             if unknown:
                 raise CaptureConfigError(
                     f"Unknown ProbeMonitor field(s) {unknown}; valid fields are {sorted(known)}."

@@ -18,6 +18,7 @@ import torch
 
 from probehook.core.monitors import ProbeMonitor, crossings
 from probehook.core.probe_bank import ColumnRange, ProbeSpec, columns_of
+from probehook.core.request_options import RequestOptions, WireMonitor
 from probehook.errors import CaptureConfigError
 
 ACTIVATION_OF_KIND = {"binary": "sigmoid", "multiclass": "softmax", "regression": "identity"}
@@ -94,19 +95,16 @@ class ProbeSet:
             return cols.lo
         return cols.lo + list(self.probes[monitor.probe].label_names).index(monitor.label)
 
-    def for_request(self, options: Mapping[str, Any]) -> RequestProbes:
+    def for_request(self, options: RequestOptions | Mapping[str, Any]) -> RequestProbes:
         """Validate a request's ``probes`` (None: all; False or []: none; a list of names)
-        and ``monitors`` (None: the engine's, for the probes it gets; a list replaces them)."""
-        selected = options.get("probes")
+        and ``monitors`` (None: the engine's, for the probes it gets; a list replaces them)
+        against this engine's probes; types were checked by :meth:`RequestOptions.from_user`."""
+        options = RequestOptions.from_user(options)
+        selected = options.probes
         if selected is None or selected is True:
             names = tuple(self.probes)
         elif selected is False:
             names = ()
-        elif isinstance(selected, str) or not isinstance(selected, Sequence):
-            raise CaptureConfigError(
-                f"Per-request probes={selected!r} must be a list of probe names (from "
-                f"{sorted(self.probes)}), True for all or False for none."
-            )
         else:
             unknown = [n for n in selected if n not in self.probes]
             if unknown:
@@ -115,13 +113,10 @@ class ProbeSet:
                     f"{sorted(self.probes)}."
                 )
             names = tuple(dict.fromkeys(selected))
-        requested = options.get("monitors")
-        if requested is None:
+        if options.monitors is None:
             monitors = tuple(m for m in self.monitors if m.probe in names)
         else:
-            if isinstance(requested, Mapping | ProbeMonitor):
-                requested = [requested]
-            monitors = tuple(self.check_monitor(m) for m in requested)
+            monitors = tuple(self.check_monitor(m) for m in options.monitors)
             missing = sorted({m.probe for m in monitors} - set(names))
             if missing:
                 raise CaptureConfigError(
@@ -130,9 +125,9 @@ class ProbeSet:
                 )
         return RequestProbes(names, monitors)
 
-    def wire_monitors(self, request: RequestProbes) -> list[dict[str, Any]]:
-        """The monitors as the worker's stop processor reads them (plain dicts)."""
-        return [{**m.to_dict(), "column": self.column(m)} for m in request.monitors]
+    def wire_monitors(self, request: RequestProbes) -> tuple[WireMonitor, ...]:
+        """The monitors as the worker's stop processor reads them: with their score column."""
+        return tuple(WireMonitor(m, self.column(m)) for m in request.monitors)
 
     def split(self, scores: torch.Tensor, names: Sequence[str]) -> dict[str, torch.Tensor]:
         """``[rows, width]`` score rows -> one tensor per probe: ``[rows]`` (binary,

@@ -40,6 +40,8 @@ class RequestPlan:
     instead of holding them until an export."""
     layers: tuple[int, ...] | None = None
     """The layers a stream pushes (a subset of the recorder's); None: all of them."""
+    error: str | None = None
+    """Set when the worker could not read the request's options: its capture fails alone."""
 
 
 @dataclass
@@ -353,6 +355,10 @@ class StepRecorder:
             if plan.layers is not None and plan.layers != self.slots:
                 rows.stream_slots = [self.slots.index(layer) for layer in plan.layers]
             self.rows_by_key[plan.key] = rows
+            if plan.error is not None:
+                rows.fail(plan.error)
+                if rows.stream:
+                    self._touched[id(rows)] = rows  # take_streamed reports it at once
         if rows is not None and rows.stream:
             self.streams[req_id] = rows
         self.rows_by_req[req_id] = rows

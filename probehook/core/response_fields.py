@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from probehook.errors import CaptureConfigError
+from probehook.core.request_options import RequestOptions
 
 FIELD = "probehook"
 # Key, inside the field, naming output processors whose ``fill`` raised on this output.
@@ -45,11 +45,7 @@ def request_options(value: Any) -> dict[str, Any]:
     the body has none): opt-in, so every key defaults to off."""
     if value is None:
         return dict(OFF)
-    if not isinstance(value, Mapping):
-        raise CaptureConfigError(
-            f'\'{FIELD}\' must be an object such as {{"probes": ["truth"], "layers": [15]}}, '
-            f"not {json.dumps(value)[:80]}."
-        )
+    RequestOptions.from_user(value)  # the same checks and words as every front end
     return {**OFF, **value}
 
 

@@ -33,8 +33,15 @@ from typing import Any
 
 import torch
 
-from probehook.capture_config import EXTRA_ARGS_KEY, CaptureConfig, capture_options
+from probehook.capture_config import CaptureConfig
 from probehook.core.probe_set import ProbeSet, RequestProbes
+from probehook.core.request_options import (
+    EXTRA_ARGS_KEY,
+    RECORD_KEY,
+    RequestOptions,
+    RequestWire,
+    WireMonitor,
+)
 from probehook.core.spans import completion_spans, score_config
 from probehook.core.transport import Spool, read_tensors
 from probehook.errors import CaptureConfigError, CaptureError
@@ -137,16 +144,16 @@ class CaptureSession:
         for an export."""
         field = _extra_field(params)
         extra = dict(getattr(params, field, None) or {})
-        options = dict(extra.get(EXTRA_ARGS_KEY) or {})
-        if field == POOLING_EXTRA and options.get("monitors"):
+        options = RequestOptions.from_user(extra.get(EXTRA_ARGS_KEY))
+        if field == POOLING_EXTRA and options.monitors:
             raise CaptureConfigError(
                 "This request sets monitors, but it is a pooling request: nothing is generated, "
                 "so nothing can be stopped or flagged. Drop monitors; probe scores still come "
                 "back on output.probe_scores."
             )
-        config = self.config.narrow(capture_options(options))
+        config = self.config.narrow(options.capture())
         probes = self.probes.for_request(options) if self.probes is not None else None
-        asks_for_probes = options.get("probes") not in (None, False, []) or options.get("monitors")
+        asks_for_probes = options.probes not in (None, False, ()) or options.monitors
         if probes is None and asks_for_probes:
             raise CaptureConfigError(
                 "This request sets probes/monitors, but the engine has no probes; build the LLM "
@@ -163,19 +170,25 @@ class CaptureSession:
             )
         tagged = copy.copy(params)
         if config is not None:
-            options.update(tag=next(self._tags), n=getattr(params, "n", 1), stream=stream)
-            if probes is not None:
-                options.update(probes=list(probes.names), monitors=self._wire(probes, tagged))
-                if probes.stops:
-                    options["stop_token"] = self.stop_token
-            extra[EXTRA_ARGS_KEY] = options
+            record = extra.pop(RECORD_KEY, None)
+            wire = RequestWire(
+                tag=next(self._tags),
+                config=config,
+                n=getattr(params, "n", 1),
+                stream=stream,
+                probes=probes.names if probes is not None else (),
+                monitors=self._wire(probes, tagged) if probes is not None else (),
+                stop_token=self.stop_token if probes is not None and probes.stops else None,
+                record=record,
+            )
+            extra[EXTRA_ARGS_KEY] = wire.to_wire()
             setattr(tagged, field, extra)
             if config.include_prefill:
                 # Cached prompt blocks are never recomputed, so their rows would be missing.
                 tagged.skip_reading_prefix_cache = True
         return tagged
 
-    def _wire(self, probes: RequestProbes, params: Any) -> list[dict[str, Any]]:
+    def _wire(self, probes: RequestProbes, params: Any) -> tuple[WireMonitor, ...]:
         """The request's monitors for the worker; a stop monitor also makes the model's EOS
         one of the request's stop tokens, so that vLLM ends it when the worker forces it."""
         assert self.probes is not None
@@ -197,26 +210,23 @@ class CaptureSession:
     def describe(self, params: Any, engine_id: str = "") -> RequestTag | None:
         """What the front end needs to collect a request tagged by :meth:`tag` (None: it
         captures nothing)."""
-        options = options_of(params)
-        if "tag" not in options:
+        wire = wire_of(params)
+        if wire is None:
             return None
         names = POOLING_FIELDS if _extra_field(params) == POOLING_EXTRA else SAMPLING_FIELDS
         sampling = {f: _jsonable(getattr(params, f, None)) for f in names}
         probes = None
         if self.probes is not None:
-            monitors = tuple(
-                self.probes.check_monitor({k: v for k, v in m.items() if k != "column"})
-                for m in options.get("monitors", ())
-            )
-            probes = RequestProbes(tuple(options.get("probes", ())), monitors)
+            monitors = tuple(self.probes.check_monitor(m.monitor) for m in wire.monitors)
+            probes = RequestProbes(wire.probes, monitors)
         return RequestTag(
-            options["tag"],
+            wire.tag,
             engine_id,
-            self.config.narrow(capture_options(options)),
+            wire.config,
             sampling,
             probes,
             self.stop_token if probes is not None and probes.stops else None,
-            options.get("record"),
+            dict(wire.record) if wire.record is not None else None,
         )
 
     def attach(self, outputs: Sequence[Any]) -> None:
@@ -409,10 +419,19 @@ def _extra_field(params: Any) -> str:
     return "extra_args" if hasattr(params, "extra_args") else POOLING_EXTRA
 
 
-def options_of(params: Any) -> dict[str, Any]:
-    """The probehook options ``params`` carry (``extra_args`` of SamplingParams,
-    ``extra_kwargs`` of PoolingParams); empty when none."""
-    return dict((getattr(params, _extra_field(params), None) or {}).get(EXTRA_ARGS_KEY) or {})
+def options_of(params: Any) -> RequestOptions:
+    """The user's probehook options ``params`` carry (``extra_args`` of SamplingParams,
+    ``extra_kwargs`` of PoolingParams), checked; empty when none."""
+    return RequestOptions.from_user(
+        (getattr(params, _extra_field(params), None) or {}).get(EXTRA_ARGS_KEY)
+    )
+
+
+def wire_of(params: Any) -> RequestWire | None:
+    """The plan :meth:`CaptureSession.tag` wrote into ``params`` (None: untagged)."""
+    return RequestWire.from_wire(
+        (getattr(params, _extra_field(params), None) or {}).get(EXTRA_ARGS_KEY)
+    )
 
 
 def marked(params: Any) -> bool:

@@ -1,0 +1,310 @@
+"""The per-request wire format, defined once: what a user may put under
+``SamplingParams.extra_args["probehook"]`` (``PoolingParams.extra_kwargs`` for pooling), and
+the resolved plan the front end writes there for the worker.
+
+Two objects, two directions:
+
+- :class:`RequestOptions`: the user's options. :meth:`RequestOptions.from_user` is the one
+  parser every front end calls (offline ``LLM``, ``AsyncLLM``, the server's routes), so a bad
+  value gets the same :class:`~probehook.errors.CaptureConfigError` wherever it was sent.
+- :class:`RequestWire`: what the worker and the monitor processor read, already narrowed and
+  checked by the front end (tag, fan-out, the capture config, probe names, monitors with their
+  score columns). :meth:`RequestWire.from_wire` checks it again, because the worker must not
+  trust a dict that may have skipped the front end: the worker fails such a request alone.
+
+No vLLM imports.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+from probehook.capture_config import CaptureConfig
+from probehook.core.monitors import ProbeMonitor
+from probehook.errors import CaptureConfigError
+
+EXTRA_ARGS_KEY = "probehook"
+"""Key under ``SamplingParams.extra_args`` / ``PoolingParams.extra_kwargs``."""
+RECORD_KEY = "probehook_record"
+"""Key beside it where probehook's own pooling server puts extra store-record fields of a
+request (a one-pass input's user request and patch); never a user option."""
+
+CAPTURE_KEYS = (
+    "layers",
+    "include_prefill",
+    "include_decode",
+    "last_prefill_token",
+    "last_decode_token",
+)
+PROBE_KEYS = ("probes", "monitors")
+USER_KEYS = CAPTURE_KEYS + PROBE_KEYS
+"""Every key a user may set; anything else is refused."""
+FLAG_KEYS = CAPTURE_KEYS[1:]
+MONITOR_FIELDS = ("probe", "threshold", "action", "direction", "label")
+EXAMPLE = '{"layers": [3], "probes": ["truth"]}'
+
+
+def _show(value: Any) -> str:
+    """A bad value for an error message: its repr, cut short, and its type."""
+    text = repr(value)
+    if len(text) > 80:
+        text = text[:77] + "..."
+    return f"{text} ({type(value).__name__})"
+
+
+def _bad(key: str, value: Any, valid: str) -> CaptureConfigError:
+    return CaptureConfigError(f"probehook option {key}={_show(value)} is not valid: {valid}.")
+
+
+def _as_int(value: Any) -> int | None:
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)  # numpy integers too
+    except TypeError:
+        return None
+
+
+def _is_list(value: Any) -> bool:
+    return isinstance(value, Sequence) and not isinstance(value, str | bytes)
+
+
+@dataclass(frozen=True)
+class RequestOptions:
+    """A user's per-request options; None everywhere means "the engine's default"."""
+
+    layers: tuple[int, ...] | str | None = None
+    """Layer indices (a subset of the engine's), or ``"all"``: the engine's layers."""
+    include_prefill: bool | None = None
+    include_decode: bool | None = None
+    last_prefill_token: bool | None = None
+    last_decode_token: bool | None = None
+    probes: tuple[str, ...] | bool | None = None
+    """None or True: all engine probes; False: none; names: those."""
+    monitors: tuple[ProbeMonitor, ...] | None = None
+    """None: the engine's monitors of the probes the request gets; a tuple replaces them."""
+
+    @classmethod
+    def from_user(cls, value: Any) -> RequestOptions:
+        """Check the types of a user's options object (None: no options). Engine-dependent
+        checks (which layers and probes exist, narrowing) come after, with the engine."""
+        if value is None:
+            return cls()
+        if isinstance(value, RequestOptions):
+            return value
+        if not isinstance(value, Mapping):
+            raise CaptureConfigError(
+                f"probehook options must be a dict (a JSON object) such as {EXAMPLE}, not "
+                f"{_show(value)}; valid keys are {list(USER_KEYS)}."
+            )
+        unknown = [k for k in value if k not in USER_KEYS]
+        if unknown:
+            raise CaptureConfigError(
+                f"Unknown probehook option(s) {', '.join(sorted(map(repr, unknown)))}; valid "
+                f"options are "
+                f"{list(USER_KEYS)}."
+            )
+        parsed: dict[str, Any] = {}
+        if "layers" in value:
+            parsed["layers"] = _user_layers(value["layers"])
+        for key in FLAG_KEYS:
+            if key in value:
+                if not isinstance(value[key], bool):
+                    raise _bad(key, value[key], "pass True or False")
+                parsed[key] = value[key]
+        # None is their default, so it may be written out (layers=None is refused: it reads
+        # as "no layers", which [] says).
+        if value.get("probes") is not None:
+            parsed["probes"] = _user_probes(value["probes"])
+        if value.get("monitors") is not None:
+            parsed["monitors"] = _user_monitors(value["monitors"])
+        return cls(**parsed)
+
+    def capture(self) -> dict[str, Any]:
+        """The capture options set, as :meth:`CaptureConfig.narrow` takes them."""
+        out: dict[str, Any] = {}
+        for key in CAPTURE_KEYS:
+            value = getattr(self, key)
+            if value is not None:
+                out[key] = list(value) if key == "layers" and value != "all" else value
+        return out
+
+    def asked(self) -> list[str]:
+        """The keys that ask for something (not None, False or empty)."""
+        return [f.name for f in fields(self) if getattr(self, f.name) not in (None, False, ())]
+
+
+def _user_layers(value: Any) -> tuple[int, ...] | str:
+    valid = "pass a list of layer indices (ints) from the engine's layers, [] for none, or 'all'"
+    if hasattr(value, "tolist") and not isinstance(value, str):  # numpy arrays, tensors
+        value = value.tolist()
+    if isinstance(value, str) and value == "all" or (_is_list(value) and list(value) == ["all"]):
+        return "all"
+    if not _is_list(value):
+        raise _bad("layers", value, valid)
+    layers = []
+    for item in value:
+        layer = _as_int(item)
+        if layer is None:
+            raise _bad("layers", value, f"layer {_show(item)} is not an int; {valid}")
+        layers.append(layer)
+    return tuple(layers)
+
+
+def _user_probes(value: Any) -> tuple[str, ...] | bool:
+    valid = "pass a list of probe names, True for all or False for none"
+    if isinstance(value, bool):
+        return value
+    if not _is_list(value):
+        raise _bad("probes", value, valid)
+    for item in value:
+        if not isinstance(item, str) or not item:
+            raise _bad("probes", value, f"{_show(item)} is not a probe name; {valid}")
+    return tuple(value)
+
+
+def _user_monitors(value: Any) -> tuple[ProbeMonitor, ...]:
+    if isinstance(value, Mapping | ProbeMonitor):
+        value = [value]
+    if not _is_list(value):
+        raise _bad(
+            "monitors",
+            value,
+            "pass a list of probehook.ProbeMonitor or dicts with 'probe' and 'threshold'",
+        )
+    monitors = []
+    for i, item in enumerate(value):
+        if isinstance(item, Mapping):
+            missing = [f for f in ("probe", "threshold") if f not in item]
+            if missing:
+                raise CaptureConfigError(
+                    f"probehook option monitors[{i}]={_show(dict(item))} lacks {missing}; a "
+                    f"monitor has fields {list(MONITOR_FIELDS)} ('probe' and 'threshold' "
+                    "required)."
+                )
+        try:
+            monitors.append(ProbeMonitor.coerce(item))
+        except CaptureConfigError as e:
+            raise CaptureConfigError(f"probehook option monitors[{i}]: {e}") from None
+    return tuple(monitors)
+
+
+# -- what the worker receives -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class WireMonitor:
+    """A monitor as the worker's stop processor reads it: the score column it watches."""
+
+    monitor: ProbeMonitor
+    column: int
+
+
+@dataclass(frozen=True)
+class RequestWire:
+    """The resolved plan of one captured request, as the front end writes it for the worker."""
+
+    tag: str
+    """probehook's id of the request (stream keys are ``"<tag>/<completion index>"``)."""
+    config: CaptureConfig
+    """The request's capture config, already narrowed from the engine's."""
+    n: int = 1
+    stream: bool = False
+    """Rows are pushed as they are computed (``AsyncLLM``) instead of held for an export."""
+    probes: tuple[str, ...] = ()
+    monitors: tuple[WireMonitor, ...] = ()
+    stop_token: int | None = None
+    """The token a stop monitor forces (the model's EOS); set when a monitor stops."""
+    record: Mapping[str, Any] | None = None
+    """Extra fields of the request's store record."""
+
+    def to_wire(self) -> dict[str, Any]:
+        wire: dict[str, Any] = {
+            "tag": self.tag,
+            "n": self.n,
+            "stream": self.stream,
+            **self.config.to_dict(),
+            "probes": list(self.probes),
+            "monitors": [{**m.monitor.to_dict(), "column": m.column} for m in self.monitors],
+        }
+        if self.stop_token is not None:
+            wire["stop_token"] = self.stop_token
+        if self.record is not None:
+            wire["record"] = dict(self.record)
+        return wire
+
+    @classmethod
+    def from_wire(cls, value: Any) -> RequestWire | None:
+        """The plan in a request's ``extra_args["probehook"]``; None for a request the front
+        end did not tag (no ``tag``: nobody will collect it). :class:`CaptureConfigError`
+        for a malformed one."""
+        if not isinstance(value, Mapping) or "tag" not in value:
+            return None
+        known = {"tag", "n", "stream", "probes", "monitors", "stop_token", "record"}
+        unknown = [k for k in value if k not in known and k not in CAPTURE_KEYS]
+        if unknown:
+            raise CaptureConfigError(f"unknown key(s) {', '.join(sorted(map(repr, unknown)))}")
+        tag = value["tag"]
+        if not isinstance(tag, str) or not tag:
+            raise CaptureConfigError(f"tag={_show(tag)} is not a non-empty string")
+        n = _as_int(value.get("n", 1))
+        if n is None or n < 1:
+            raise CaptureConfigError(f"n={_show(value.get('n'))} is not a positive int")
+        stream = value.get("stream", False)
+        if not isinstance(stream, bool):
+            raise CaptureConfigError(f"stream={_show(stream)} is not a bool")
+        layers = value.get("layers")
+        if not _is_list(layers) or any(_as_int(x) is None or _as_int(x) < 0 for x in layers):  # type: ignore[operator]
+            raise CaptureConfigError(f"layers={_show(layers)} is not a list of layer indices")
+        flags = {}
+        for key in FLAG_KEYS:
+            if not isinstance(value.get(key), bool):
+                raise CaptureConfigError(f"{key}={_show(value.get(key))} is not a bool")
+            flags[key] = value[key]
+        config = CaptureConfig(layers=tuple(int(x) for x in layers), **flags)  # type: ignore[union-attr]
+        probes = value.get("probes", [])
+        if not _is_list(probes) or not all(isinstance(p, str) for p in probes):
+            raise CaptureConfigError(f"probes={_show(probes)} is not a list of names")
+        monitors = value.get("monitors", [])
+        if not _is_list(monitors):
+            raise CaptureConfigError(f"monitors={_show(monitors)} is not a list")
+        wired = []
+        for m in monitors:
+            if not isinstance(m, Mapping):
+                raise CaptureConfigError(f"monitor {_show(m)} is not a dict")
+            column = _as_int(m.get("column"))
+            if column is None or column < 0:
+                raise CaptureConfigError(f"monitor column={_show(m.get('column'))} is not valid")
+            rest = {k: v for k, v in m.items() if k != "column"}
+            if not isinstance(rest.get("threshold"), int | float) or not math.isfinite(
+                rest["threshold"]
+            ):
+                raise CaptureConfigError(f"monitor threshold={_show(rest.get('threshold'))}")
+            wired.append(WireMonitor(ProbeMonitor.coerce(rest), column))
+        stop_token = value.get("stop_token")
+        if stop_token is not None and (_as_int(stop_token) is None or stop_token < 0):
+            raise CaptureConfigError(f"stop_token={_show(stop_token)} is not a token id")
+        record = value.get("record")
+        if record is not None and not isinstance(record, Mapping):
+            raise CaptureConfigError(f"record={_show(record)} is not a dict")
+        return cls(
+            tag,
+            config,
+            n,
+            stream,
+            tuple(probes),
+            tuple(wired),
+            None if stop_token is None else int(stop_token),
+            record,
+        )
+
+
+def raw_tag(value: Any) -> str | None:
+    """The tag of a wire object that :meth:`RequestWire.from_wire` refused, if it has a
+    usable one (the worker then fails that request's capture under its stream keys)."""
+    tag = value.get("tag") if isinstance(value, Mapping) else None
+    return tag if isinstance(tag, str) and tag else None

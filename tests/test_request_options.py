@@ -1,0 +1,186 @@
+"""The per-request wire format (probehook.core.request_options) on its own: the user parser
+refuses every malformed object with a CaptureConfigError naming the key, and the worker's
+reader refuses hand-made wire objects (the worker then fails that request alone)."""
+
+from __future__ import annotations
+
+import copy
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from malformed_options import CORRUPTIONS, FLAGS, malformed
+
+from probehook.capture_config import CaptureConfig
+from probehook.core.monitors import ProbeMonitor
+from probehook.core.request_options import (
+    USER_KEYS,
+    RequestOptions,
+    RequestWire,
+    WireMonitor,
+)
+from probehook.errors import CaptureConfigError
+
+MALFORMED = malformed()
+
+
+def test_there_are_over_a_hundred_malformed_objects() -> None:
+    assert len(MALFORMED) >= 100
+    assert len(malformed(json_only=True)) >= 100
+
+
+@pytest.mark.parametrize("value", MALFORMED, ids=[f"m{i}" for i in range(len(MALFORMED))])
+def test_every_malformed_object_is_a_capture_config_error(value: Any) -> None:
+    with pytest.raises(CaptureConfigError) as err:
+        RequestOptions.from_user(value)
+    message = str(err.value)
+    assert message.startswith(("probehook option", "Unknown probehook option")), message
+    # The message names the offending key (or, for a non-dict, the valid keys).
+    if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+        unknown = [k for k in value if k not in USER_KEYS]
+        named = unknown or [k for k in value if k in message]
+        assert named and all(repr(k) in message or k in message for k in named[:1]), message
+    else:
+        assert "valid" in message, message
+    # The same object gives the same words every time (every front end calls this parser).
+    with pytest.raises(CaptureConfigError) as again:
+        RequestOptions.from_user(copy.deepcopy(value) if isinstance(value, dict) else value)
+    assert str(again.value) == message
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("notadict", r"probehook options must be a dict .* not 'notadict' \(str\); valid keys"),
+        (7, r"not 7 \(int\)"),
+        ({"layers": "bogus"}, r"layers='bogus' \(str\) is not valid: pass a list of layer"),
+        ({"layers": [0, "x"]}, r"layer 'x' \(str\) is not an int"),
+        ({"include_prefill": "yes"}, r"include_prefill='yes' \(str\) is not valid: pass True"),
+        ({"colour": 1, "tag": 2}, r"Unknown probehook option\(s\) 'colour', 'tag'; valid"),
+        ({"probes": "truth"}, r"probes='truth' \(str\) is not valid: pass a list of probe"),
+        ({"monitors": [{"probe": "t"}]}, r"monitors\[0\].* lacks \['threshold'\]"),
+        ({"monitors": [{**{"probe": "t", "threshold": float("nan")}}]}, r"must be finite"),
+        ({"monitors": [{"probe": "t", "threshold": 1, "x": 1}]}, r"monitors\[0\]: Unknown"),
+    ],
+)
+def test_messages_name_the_key_the_value_and_the_valid_values(value: Any, message: str) -> None:
+    with pytest.raises(CaptureConfigError, match=message):
+        RequestOptions.from_user(value)
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        None,
+        {},
+        {"layers": [0, 3]},
+        {"layers": "all"},
+        {"layers": ["all"]},
+        {"layers": []},
+        {"probes": None, "monitors": None},
+        {"probes": True},
+        {"probes": False},
+        {"probes": []},
+        {"probes": ["truth"], "monitors": {"probe": "truth", "threshold": 0.5}},
+        {"monitors": [ProbeMonitor("truth", 0.5, action="stop")]},
+        *({flag: b} for flag in FLAGS for b in (True, False)),
+    ],
+)
+def test_valid_options_parse(value: Any) -> None:
+    options = RequestOptions.from_user(value)
+    assert RequestOptions.from_user(options) is options
+
+
+def test_numpy_layer_indices_are_ints() -> None:
+    np = pytest.importorskip("numpy")
+    assert RequestOptions.from_user({"layers": np.arange(2)}).layers == (0, 1)
+
+
+def wire() -> RequestWire:
+    config = CaptureConfig(layers=(0, 3), include_prefill=True)
+    monitor = WireMonitor(ProbeMonitor("truth", 0.5, action="stop"), column=2)
+    return RequestWire("abc-1", config, 2, True, ("truth",), (monitor,), 7, {"patch": 1})
+
+
+def test_wire_round_trip() -> None:
+    assert RequestWire.from_wire(wire().to_wire()) == wire()
+    plain = RequestWire("t", CaptureConfig(layers=(1,)))
+    assert RequestWire.from_wire(plain.to_wire()) == plain
+
+
+@pytest.mark.parametrize("value", [None, "notadict", 7, [], {}, {"layers": [0]}])
+def test_an_untagged_wire_is_no_request(value: Any) -> None:
+    assert RequestWire.from_wire(value) is None
+
+
+@pytest.mark.parametrize(("key", "value"), CORRUPTIONS)
+def test_a_corrupt_wire_is_refused(key: str, value: Any) -> None:
+    with pytest.raises(CaptureConfigError):
+        got = RequestWire.from_wire({**wire().to_wire(), key: value})
+        # Well formed but naming layers the engine does not tap: the worker's narrowing.
+        assert got is not None
+        CaptureConfig(layers=(0, 3), include_prefill=True).narrow(got.config.to_dict())
+
+
+class State:
+    def __init__(self, options: Any) -> None:
+        self.sampling_params = SimpleNamespace(extra_args={"probehook": options}, stop=None)
+        self.num_prompt_tokens = 4
+
+
+def plan_for(options: Any, scores: bool = False, req_id: str = "0") -> Any:
+    """The worker's plan for a request carrying ``options`` (what the step hook calls)."""
+    from probehook.adapter.runner_v1 import plan_factory
+
+    runner = SimpleNamespace(requests={req_id: State(options)})
+    engine = CaptureConfig(layers=(0, 3), include_prefill=True)
+    return plan_factory(runner, engine, scores)(req_id)
+
+
+def test_the_worker_plans_a_good_wire() -> None:
+    plan = plan_for(wire().to_wire(), req_id="1_abc")
+    assert plan.key == "abc-1/1" and plan.error is None and plan.layers == (0, 3)
+    assert plan_for(wire().to_wire(), scores=True, req_id="1_abc").error is None
+
+
+@pytest.mark.parametrize(("key", "value"), CORRUPTIONS)
+@pytest.mark.parametrize("scores", [False, True])
+def test_the_worker_fails_a_corrupt_wire_alone(key: str, value: Any, scores: bool) -> None:
+    plan = plan_for({**wire().to_wire(), key: value}, scores, req_id="1_abc")
+    if key == "tag":
+        assert plan is None  # no stream key: no front end can collect it
+        return
+    assert plan.key == "abc-1/1" and "could not read" in plan.error, plan
+    assert plan.keep.dense is None and plan.keep.latest_from is None
+
+
+UNTAGGED = [v for v in MALFORMED if not (isinstance(v, dict) and "tag" in v)]
+
+
+@pytest.mark.parametrize("value", [*UNTAGGED[:40], {"tag": None}, {"tag": ["x"]}])
+def test_the_worker_ignores_untagged_garbage(value: Any) -> None:
+    assert plan_for(value) is None
+    assert plan_for(value, scores=True) is None
+
+
+def test_the_monitor_processor_skips_a_corrupt_wire() -> None:
+    from probehook.adapter.monitor_processor import _watch
+
+    good = wire().to_wire()
+    params = SimpleNamespace(extra_args={"probehook": good}, min_tokens=0)
+    watch = _watch(params, None, [])
+    assert watch is not None and watch.stop_token == 7 and watch.stops[0].column == 2
+    for key, value in CORRUPTIONS:
+        params = SimpleNamespace(extra_args={"probehook": {**good, key: value}}, min_tokens=0)
+        _watch(params, None, [])  # never raises
+    for value in MALFORMED[:40]:
+        assert _watch(SimpleNamespace(extra_args={"probehook": value}), None, []) is None
+    assert _watch(SimpleNamespace(extra_args="junk"), None, []) is None
+
+
+@pytest.mark.parametrize("key", ["layers", *FLAGS])
+def test_a_wire_missing_a_capture_key_is_refused(key: str) -> None:
+    broken = wire().to_wire()
+    del broken[key]
+    with pytest.raises(CaptureConfigError):
+        RequestWire.from_wire(broken)

@@ -35,7 +35,7 @@ def resolve_layers(layers: LayerSpec, num_layers: int) -> tuple[int, ...]:
         )
     resolved = set()
     for item in layers:
-        layer = _as_int(item)
+        layer = as_int(item)
         if layer is None:
             raise CaptureConfigError(
                 f"layer {item!r} is not an int; layers must be ints in "
@@ -50,7 +50,9 @@ def resolve_layers(layers: LayerSpec, num_layers: int) -> tuple[int, ...]:
     return tuple(sorted(resolved))
 
 
-def _as_int(value: Any) -> int | None:
+def as_int(value: Any) -> int | None:
+    """``value`` as an int if it is an integer of any type (numpy ones too), else None;
+    ``bool`` is not a layer index."""
     if isinstance(value, bool):
         return None
     try:

@@ -18,12 +18,11 @@ No vLLM imports.
 from __future__ import annotations
 
 import math
-import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
-from probehook.capture_config import CaptureConfig
+from probehook.capture_config import CaptureConfig, as_int
 from probehook.core.monitors import ProbeMonitor
 from probehook.errors import CaptureConfigError
 
@@ -58,15 +57,6 @@ def _show(value: Any) -> str:
 
 def _bad(key: str, value: Any, valid: str) -> CaptureConfigError:
     return CaptureConfigError(f"probehook option {key}={_show(value)} is not valid: {valid}.")
-
-
-def _as_int(value: Any) -> int | None:
-    if isinstance(value, bool):
-        return None
-    try:
-        return operator.index(value)  # numpy integers too
-    except TypeError:
-        return None
 
 
 def _is_list(value: Any) -> bool:
@@ -148,7 +138,7 @@ def _user_layers(value: Any) -> tuple[int, ...] | str:
         raise _bad("layers", value, valid)
     layers = []
     for item in value:
-        layer = _as_int(item)
+        layer = as_int(item)
         if layer is None:
             raise _bad("layers", value, f"layer {_show(item)} is not an int; {valid}")
         layers.append(layer)
@@ -251,14 +241,14 @@ class RequestWire:
         tag = value["tag"]
         if not isinstance(tag, str) or not tag:
             raise CaptureConfigError(f"tag={_show(tag)} is not a non-empty string")
-        n = _as_int(value.get("n", 1))
+        n = as_int(value.get("n", 1))
         if n is None or n < 1:
             raise CaptureConfigError(f"n={_show(value.get('n'))} is not a positive int")
         stream = value.get("stream", False)
         if not isinstance(stream, bool):
             raise CaptureConfigError(f"stream={_show(stream)} is not a bool")
         layers = value.get("layers")
-        if not _is_list(layers) or any(_as_int(x) is None or _as_int(x) < 0 for x in layers):  # type: ignore[operator]
+        if not _is_list(layers) or any(as_int(x) is None or as_int(x) < 0 for x in layers):  # type: ignore[operator]
             raise CaptureConfigError(f"layers={_show(layers)} is not a list of layer indices")
         flags = {}
         for key in FLAG_KEYS:
@@ -276,7 +266,7 @@ class RequestWire:
         for m in monitors:
             if not isinstance(m, Mapping):
                 raise CaptureConfigError(f"monitor {_show(m)} is not a dict")
-            column = _as_int(m.get("column"))
+            column = as_int(m.get("column"))
             if column is None or column < 0:
                 raise CaptureConfigError(f"monitor column={_show(m.get('column'))} is not valid")
             rest = {k: v for k, v in m.items() if k != "column"}
@@ -286,7 +276,7 @@ class RequestWire:
                 raise CaptureConfigError(f"monitor threshold={_show(rest.get('threshold'))}")
             wired.append(WireMonitor(ProbeMonitor.coerce(rest), column))
         stop_token = value.get("stop_token")
-        if stop_token is not None and (_as_int(stop_token) is None or stop_token < 0):
+        if stop_token is not None and (as_int(stop_token) is None or stop_token < 0):
             raise CaptureConfigError(f"stop_token={_show(stop_token)} is not a token id")
         record = value.get("record")
         if record is not None and not isinstance(record, Mapping):

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from probehook.core.response_fields import decode_array
     from probehook.core.session import FailedCapture
     from probehook.probes import LinearProbe
+    from probehook.steering import SteeringVector
     from probehook.store import ActivationStore, LayerMatrix, StoredRequest
 
 _LAZY = {
@@ -48,6 +49,7 @@ _LAZY = {
     "StoredRequest": ("probehook.store", "StoredRequest"),
     "LinearProbe": ("probehook.probes", "LinearProbe"),
     "ProbeMonitor": ("probehook.core.monitors", "ProbeMonitor"),
+    "SteeringVector": ("probehook.steering", "SteeringVector"),
     "decode_array": ("probehook.core.response_fields", "decode_array"),
 }
 
@@ -61,6 +63,7 @@ __all__ = [
     "StoredRequest",
     "LinearProbe",
     "ProbeMonitor",
+    "SteeringVector",
     "decode_array",
     "FailedCapture",
     "CaptureConfigError",

@@ -50,8 +50,16 @@ ATTRIBUTES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     (
         "vllm.v1.worker.gpu_model_runner",
         "GPUModelRunner",
-        ("input_batch", "requests", "query_start_loc", "execute_model", "get_model"),
+        (
+            "input_batch",
+            "requests",
+            "query_start_loc",
+            "execute_model",
+            "get_model",
+            "_model_forward",
+        ),
     ),
+    ("vllm.v1.core.sched.output", "SchedulerOutput", ("finished_req_ids",)),
     ("vllm.v1.worker.cpu_model_runner", "CPUModelRunner", ("input_batch", "requests")),
     (
         "vllm.v1.worker.gpu_input_batch",

@@ -13,6 +13,7 @@ PUBLIC = [
     "StoredRequest",
     "LinearProbe",
     "ProbeMonitor",
+    "SteeringVector",
     "FailedCapture",
     "CaptureConfigError",
     "CaptureError",

@@ -27,6 +27,7 @@ from vllm.v1.engine.async_llm import AsyncLLM as VllmAsyncLLM
 from vllm.v1.executor import Executor
 
 from probehook.adapter import cpu_memory, engine_config, outputs, setup
+from probehook.adapter.prompts import with_cache_salt
 from probehook.capture_config import CaptureConfig, LayerSpec
 from probehook.core.probe_set import ProbeSet
 from probehook.core.request_stream import Kind, RequestStream
@@ -35,6 +36,7 @@ from probehook.core.session import (
     RequestTag,
     clear_outputs,
     marked,
+    note_steering,
     options_of,
 )
 from probehook.core.stream_plane import Receiver
@@ -80,6 +82,9 @@ class AsyncLLM(VllmAsyncLLM):
         max_request_capture_bytes: int | None = None,
         probes: Any = None,
         monitors: Sequence[Any] | None = None,
+        steering: Any = None,
+        steering_layers: LayerSpec | None = None,
+        steering_capacity: int = 64,
         vllm_config: Any = None,
         **kwargs: Any,
     ) -> None:
@@ -117,6 +122,9 @@ class AsyncLLM(VllmAsyncLLM):
             max_request_capture_bytes=max_request_capture_bytes,
             probes=probes,
             monitors=monitors,
+            steering=steering,
+            steering_layers=steering_layers,
+            steering_capacity=steering_capacity,
         )
         engine_kwargs, start = _split_start_kwargs(kwargs)
         engine_kwargs = cpu_memory.size_for_cpu(model, engine_kwargs, _resolve)
@@ -267,8 +275,10 @@ class AsyncLLM(VllmAsyncLLM):
         assert self._receiver is not None
         tagged = self.capture.tag(params, stream=True)
         tag = self.capture.describe(tagged)
+        prompt = with_cache_salt(prompt, self.capture.cache_salt(tagged))
         kind = KINDS[params.output_kind]
-        stream = RequestStream(self.capture, self._receiver, tag, kind) if tag else None
+        captures = tag is not None and tag.config is not None
+        stream = RequestStream(self.capture, self._receiver, tag, kind) if captures else None
         if stream is not None:
             self._streams[request_id] = stream
             self._receiver.expect(stream.tag.tag)
@@ -278,12 +288,42 @@ class AsyncLLM(VllmAsyncLLM):
                     await stream.attach(output)
                 else:
                     clear_outputs(output)
+                    if tag is not None and tag.steering is not None:
+                        note_steering(output, tag.steering)
                 outputs.decorate(output)
                 yield output
         finally:
             self._streams.pop(request_id, None)
             if tag is not None:
                 self._receiver.drop(tag.tag)
+
+    # -- steering ---------------------------------------------------------------------------
+
+    @property
+    def steering(self) -> dict[str, Any]:
+        """The engine's steering vectors by name (a copy)."""
+        steering = self.capture.steering if self.capture is not None else None
+        if steering is None and hasattr(self, "_plan") and self._plan.steering is not None:
+            steering = self._plan.steering
+        return dict(steering.vectors) if steering is not None else {}
+
+    async def add_steering(self, name: str, vector: Any) -> None:
+        """Put ``vector`` in the engine's bank under ``name`` while it runs (no restart, no
+        recompilation); see :meth:`probehook.LLM.add_steering`."""
+        await self._ensure_attached()
+        steering = setup.steering_of(self.capture)
+        wire = steering.add(name, vector)
+        try:
+            await self.collective_rpc("probehook_steering_add", args=(name, wire))
+        except BaseException:
+            steering.remove(name)
+            raise
+
+    async def remove_steering(self, name: str) -> None:
+        """Take a vector out of the bank; requests that name it afterwards are refused."""
+        await self._ensure_attached()
+        setup.steering_of(self.capture).remove(name)
+        await self.collective_rpc("probehook_steering_remove", args=(name,))
 
     # -- life cycle -------------------------------------------------------------------------
 

@@ -288,9 +288,11 @@ def capture_engine_kwargs(
     capture: CaptureConfig,
     probe_layers: tuple[int, ...] = (),
     pooling: bool = False,
+    steer_layers: tuple[int, ...] = (),
 ) -> dict[str, Any]:
     """Return ``kwargs`` for ``vllm.LLM`` with probehook's loader, extension and config; with
-    probes, their layers are tapped too and the monitor logits processor is added."""
+    probes, their layers are tapped too and the monitor logits processor is added; with
+    ``steer_layers``, those layers get the steering op."""
     kwargs = dict(kwargs)
     if kwargs.get("worker_extension_cls") not in (None, "", WORKER_EXTENSION):
         raise CaptureConfigError(
@@ -325,6 +327,7 @@ def capture_engine_kwargs(
     additional[loader.ADDITIONAL_CONFIG_KEY] = {
         **capture.to_dict(),
         loader.TAP_LAYERS_KEY: tap_layers,
+        loader.STEER_LAYERS_KEY: sorted(steer_layers),
     }
     kwargs["additional_config"] = additional
     kwargs["worker_extension_cls"] = WORKER_EXTENSION

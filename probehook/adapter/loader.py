@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -20,6 +20,7 @@ from torch import nn
 
 from probehook.capture_config import CaptureConfig
 from probehook.core.recorder import StepRecorder
+from probehook.core.steer_op import steer
 from probehook.core.tap_op import tap
 from probehook.errors import UnsupportedModelError
 
@@ -33,6 +34,9 @@ ADDITIONAL_CONFIG_KEY = "probehook"
 """Key in ``additional_config`` holding the engine's CaptureConfig."""
 TAP_LAYERS_KEY = "tap_layers"
 """Key in the capture settings: every tapped layer (captured layers plus probes' layers)."""
+STEER_LAYERS_KEY = "steer_layers"
+"""Key in the capture settings: the layers that get a steering op (part of the compile-cache
+key; the vectors are not)."""
 RECORDER_ATTR = "probehook_step_hook"
 
 # Where decoder layers live, per model family. Paths are relative to the vLLM model.
@@ -101,14 +105,18 @@ def _make_loader_class() -> type:
                 )
             settings = dict(settings)
             config = CaptureConfig.from_dict(
-                {k: v for k, v in settings.items() if k != TAP_LAYERS_KEY}
+                {k: v for k, v in settings.items() if k not in (TAP_LAYERS_KEY, STEER_LAYERS_KEY)}
             )
+            scheduler = vllm_config.scheduler_config
             install_taps(
                 model,
                 config,
                 tuple(settings.get(TAP_LAYERS_KEY) or config.layers),
-                vllm_config.scheduler_config.max_num_batched_tokens,
+                scheduler.max_num_batched_tokens,
                 model_config.get_hidden_size(),
+                steer_layers=tuple(settings.get(STEER_LAYERS_KEY) or ()),
+                # One table row per request the batch can hold, plus row 0 (no steering).
+                steer_slots=scheduler.max_num_seqs + 1,
             )
             return model
 
@@ -197,20 +205,38 @@ def install_taps(
     tap_layers: tuple[int, ...],
     max_tokens: int,
     hidden_size: int | None = None,
+    steer_layers: tuple[int, ...] = (),
+    steer_slots: int = 0,
 ) -> StepHook:
-    """Add a tap after each layer in ``tap_layers`` and a per-step hook; return the hook.
+    """Add a tap after each layer in ``tap_layers``, a steering op after each layer in
+    ``steer_layers`` (before that layer's tap: taps read the steered stream), and a per-step
+    hook; return the hook.
 
     ``config.layers`` (possibly none) are captured as rows; the other tapped layers feed
     probes only.
     """
     _, layer_list = locate_layers(model)
-    if max(tap_layers) >= len(layer_list):
+    if max((*tap_layers, *steer_layers), default=-1) >= len(layer_list):
         raise UnsupportedModelError(
-            f"layers {list(tap_layers)} asked for, but the model has {len(layer_list)} "
-            "decoder layers in this worker (pipeline parallelism is not supported)."
+            f"layers {sorted({*tap_layers, *steer_layers})} asked for, but the model has "
+            f"{len(layer_list)} decoder layers in this worker (pipeline parallelism is not "
+            "supported)."
         )
     param = next(model.parameters())
     hidden_size = hidden_size or _hidden_size(model)
+    steering = None
+    if steer_layers:
+        index = torch.zeros(max_tokens, dtype=torch.int64, device=param.device)
+        tables = {}
+        for layer_index in steer_layers:
+            layer = layer_list[layer_index]
+            table = torch.zeros((steer_slots, hidden_size), dtype=param.dtype, device=param.device)
+            # Buffers of the module, like the tap's, so the compiled graph reads them as inputs.
+            layer.register_buffer("probehook_steer_index", index, persistent=False)
+            layer.register_buffer("probehook_steer_table", table, persistent=False)
+            layer.register_forward_hook(_steer_hook, prepend=True)
+            tables[layer_index] = layer.probehook_steer_table
+        steering = SteeringBuffers(index, tables)
     buffers = {}
     for layer_index in tap_layers:
         layer = layer_list[layer_index]
@@ -219,13 +245,36 @@ def install_taps(
         layer.register_buffer("probehook_tap_out", buf, persistent=False)
         layer.register_forward_hook(_tap_hook)
         buffers[layer_index] = layer.probehook_tap_out
-    hook = StepHook(buffers, config)
+    hook = StepHook(buffers, config, steering, hidden_size, param.dtype)
     setattr(model, RECORDER_ATTR, hook)
     _install_logits_hook(model)
     logger.info(
-        "probehook: tapped layers %s (hidden %d, %s)", list(tap_layers), hidden_size, param.dtype
+        "probehook: tapped layers %s, steered layers %s (hidden %d, %s)",
+        list(tap_layers),
+        list(steer_layers),
+        hidden_size,
+        param.dtype,
     )
     return hook
+
+
+def _steer_hook(module: nn.Module, args: Any, output: Any) -> None:
+    # In place, so the hook returns nothing and the layer's output objects stay as they are.
+    if getattr(module, TAP_KIND_ATTR, None) == "batched_stream":
+        stream = output[0] if isinstance(output, tuple) else output
+        steer(_tokens_first(stream), module.probehook_steer_index, module.probehook_steer_table)
+        return
+    hidden, _ = _split_layer_output(output)
+    steer(hidden, module.probehook_steer_index, module.probehook_steer_table)
+
+
+@dataclass
+class SteeringBuffers:
+    """The steering op's buffers in one worker: the per-token slot index (shared by every
+    steered layer) and each steered layer's table."""
+
+    index: torch.Tensor
+    tables: dict[int, torch.Tensor]
 
 
 def _tap_hook(module: nn.Module, args: Any, output: Any) -> None:
@@ -258,8 +307,19 @@ class StepHook:
     it. Nothing fires before :meth:`attach` (warm-up and profiling are not requests' rows).
     """
 
-    def __init__(self, buffers: dict[int, torch.Tensor], config: CaptureConfig) -> None:
+    def __init__(
+        self,
+        buffers: dict[int, torch.Tensor],
+        config: CaptureConfig,
+        steering: SteeringBuffers | None = None,
+        hidden_size: int = 0,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
         self.buffers = buffers
+        self.steering = steering
+        """The steering op's buffers (None: no layer is steered)."""
+        self.hidden_size = hidden_size
+        self.dtype = dtype
         """Tap buffer of each tapped layer: ``[max_num_batched_tokens, hidden]``."""
         self.config = config
         self.recorder: StepRecorder | None = (
@@ -271,20 +331,32 @@ class StepHook:
         self.scorer: StepRecorder | None = None
         """Probe scores, once the front end sent its probes (``probehook_attach``)."""
         self.on_step: Callable[[], None] | None = None
+        self.before_forward: Callable[[Any], None] | None = None
         self.armed = False
         self.steps = 0  # execute_model calls since attach (for the benchmark)
         self.step_ns = 0  # their wall time
         self.forwards = 0  # of those, the ones the scheduler gave tokens: forward passes
 
-    def attach(self, runner: Any, on_step: Callable[[], None]) -> None:
+    def attach(
+        self,
+        runner: Any,
+        on_step: Callable[[], None],
+        before_forward: Callable[[Any], None] | None = None,
+    ) -> None:
+        """Record with ``on_step`` once per forward pass; ``before_forward`` (steering) is
+        called with the step's scheduler output after the runner prepared the batch, right
+        before the model runs."""
+        self.before_forward = before_forward
         if self.on_step is not None:
             self.on_step = on_step
             return
         self.on_step = on_step
         original = runner.execute_model
+        scheduled_now: list[Any] = [None]
 
         def execute_model(*args: Any, **kwargs: Any) -> Any:
             scheduled = args[0] if args else kwargs.get("scheduler_output")
+            scheduled_now[0] = scheduled
             if getattr(scheduled, "total_num_scheduled_tokens", 0) > 0:
                 self.forwards += 1
             self.armed = True
@@ -293,10 +365,21 @@ class StepHook:
                 return original(*args, **kwargs)
             finally:
                 self.armed = False
+                scheduled_now[0] = None
                 self.steps += 1
                 self.step_ns += time.perf_counter_ns() - started
 
         runner.execute_model = execute_model
+        # The V1 runner's override point for the forward call (``_model_forward``): the batch
+        # order and query offsets of this step are final there, and warm-up does not pass it.
+        model_forward = runner._model_forward
+
+        def _model_forward(*args: Any, **kwargs: Any) -> Any:
+            if self.before_forward is not None and scheduled_now[0] is not None:
+                self.before_forward(scheduled_now[0])
+            return model_forward(*args, **kwargs)
+
+        runner._model_forward = _model_forward
 
     def fire(self) -> None:
         """Called by the model's ``compute_logits``, or by its pooler for pooling models."""

@@ -18,6 +18,7 @@ import vllm
 from vllm import PoolingParams, SamplingParams
 
 from probehook.adapter import cpu_memory, engine_config, outputs, setup
+from probehook.adapter.prompts import with_cache_salt
 from probehook.capture_config import CaptureConfig, LayerSpec
 from probehook.core.probe_set import ProbeSet
 from probehook.core.session import CaptureSession, clear_outputs, copy_captures
@@ -56,7 +57,15 @@ class LLM(vllm.LLM):
             leave the worker: ``CompletionOutput.probe_scores[name]`` (one per generated
             token) and, with ``include_prefill``, ``RequestOutput.prefill_probe_scores``.
         monitors: :class:`~probehook.ProbeMonitor` objects applied to every request (requests
-            may replace them through ``extra_args``): stop or flag generation on a score.
+            may replace them through ``extra_args``): stop, flag or steer generation on a
+            score.
+        steering: :class:`~probehook.SteeringVector` objects in the engine's steering bank: a
+            dict name -> vector (or path to a saved vector), or a list of named vectors.
+            Requests steer with ``extra_args={"probehook": {"steer": {name: scale}}}``.
+        steering_layers: more layers to give a steering op (the layers of ``steering``
+            always get one), for vectors added later with :meth:`add_steering`. Which layers
+            steer is fixed when the model is compiled; the vectors are not.
+        steering_capacity: the most vectors the bank holds at once (default 64).
         **kwargs: passed to ``vllm.LLM`` unchanged.
 
     Captured rows are CPU tensors in the model dtype, keyed by layer index. The row after
@@ -78,6 +87,9 @@ class LLM(vllm.LLM):
         max_request_capture_bytes: int | None = None,
         probes: Any = None,
         monitors: Sequence[Any] | None = None,
+        steering: Any = None,
+        steering_layers: LayerSpec | None = None,
+        steering_capacity: int = 64,
         **kwargs: Any,
     ) -> None:
         model = os.fspath(model)
@@ -98,6 +110,9 @@ class LLM(vllm.LLM):
             max_request_capture_bytes=max_request_capture_bytes,
             probes=probes,
             monitors=monitors,
+            steering=steering,
+            steering_layers=steering_layers,
+            steering_capacity=steering_capacity,
         )
         kwargs = cpu_memory.size_for_cpu(model, kwargs, engine_config.resolve_vllm_config)
         if not request.captures:  # plain vLLM, with the runner vLLM itself chooses
@@ -129,6 +144,7 @@ class LLM(vllm.LLM):
         if self.capture is None or not isinstance(params, SamplingParams | PoolingParams):
             return super()._add_request(prompt, params, *args, **kwargs)
         params = self.capture.tag(params)
+        prompt = with_cache_salt(prompt, self.capture.cache_salt(params))
         engine_id = super()._add_request(prompt, params, *args, **kwargs)
         self.capture.register(_request_id(engine_id), engine_id, params)
         return engine_id
@@ -255,6 +271,32 @@ class LLM(vllm.LLM):
         if self.llm_engine.has_unfinished_requests():
             engine_ids = list(self.llm_engine.output_processor.request_states)
             self.llm_engine.abort_request(engine_ids, internal=True)
+
+    # -- steering -----------------------------------------------------------------------------
+
+    @property
+    def steering(self) -> dict[str, Any]:
+        """The engine's steering vectors by name (a copy; change them with
+        :meth:`add_steering` and :meth:`remove_steering`)."""
+        steering = self.capture.steering if self.capture is not None else None
+        return dict(steering.vectors) if steering is not None else {}
+
+    def add_steering(self, name: str, vector: Any) -> None:
+        """Put ``vector`` (a :class:`~probehook.SteeringVector`) in the engine's bank under
+        ``name``, while the engine runs: no restart, no recompilation. Its layers must be
+        steered layers (``steering=`` or ``steering_layers=`` at construction)."""
+        steering = setup.steering_of(self.capture)
+        wire = steering.add(name, vector)
+        try:
+            self.collective_rpc("probehook_steering_add", args=(name, wire))
+        except BaseException:
+            steering.remove(name)
+            raise
+
+    def remove_steering(self, name: str) -> None:
+        """Take a vector out of the bank. Requests that name it afterwards are refused."""
+        setup.steering_of(self.capture).remove(name)
+        self.collective_rpc("probehook_steering_remove", args=(name,))
 
     def beam_search(self, *args: Any, **kwargs: Any) -> Any:
         if self.capture is not None:

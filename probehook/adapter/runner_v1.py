@@ -16,7 +16,8 @@ from typing import Any
 from probehook.capture_config import CaptureConfig
 from probehook.core.recorder import RequestPlan, StepRecorder
 from probehook.core.request_options import EXTRA_ARGS_KEY, RequestWire, raw_tag
-from probehook.core.spans import KeepPlan, keep_plan, score_config
+from probehook.core.spans import OPEN, KeepPlan, keep_plan, score_config
+from probehook.core.steering_bank import Gate, RequestSteering, StepSteering, phase_range
 from probehook.errors import CaptureConfigError
 
 REQUIRED = ("input_batch", "requests", "query_start_loc")
@@ -46,6 +47,59 @@ def record_step(runner: Any, recorders: Sequence[tuple[StepRecorder, PlanFor]]) 
     computed = batch.num_computed_tokens_cpu[:num_reqs]
     for recorder, plan_for in recorders:
         recorder.record(req_ids, query_start, computed, plan_for)
+
+
+def prepare_steering(
+    runner: Any, steering: StepSteering, plan_for: Callable[[str], RequestSteering | None]
+) -> None:
+    """Write this step's steering index (called right before the forward pass)."""
+    batch = runner.input_batch
+    num_reqs = batch.num_reqs
+    if num_reqs == 0:
+        return
+    steering.prepare(
+        batch.req_ids[:num_reqs],
+        runner.query_start_loc.np[: num_reqs + 1],
+        batch.num_computed_tokens_cpu[:num_reqs],
+        plan_for,
+        runner.requests,
+    )
+
+
+def steering_factory(
+    runner: Any, known: Callable[[str], bool]
+) -> Callable[[str], RequestSteering | None]:
+    """Reads a request's steering the first time the worker sees it. Never raises (it runs
+    in the step): a request whose steering cannot be read is not steered, with a warning (the
+    front end checked it, so only a wire that skipped the front end gets here)."""
+
+    def plan_for(req_id: str) -> RequestSteering | None:
+        try:
+            state = runner.requests.get(req_id)
+            wire = RequestWire.from_wire(extra_options(request_params(state)).get(EXTRA_ARGS_KEY))
+            if wire is None:
+                return None
+            gates = [m for m in wire.monitors if m.monitor.action == "steer"]
+            if not wire.steer and not gates:
+                return None
+            prompt_len = state.num_prompt_tokens
+            if gates:
+                monitor = gates[0].monitor
+                terms = monitor.steer
+                lo, hi = None, OPEN
+                gate = Gate(gates[0].column, monitor.threshold, monitor.direction)
+            else:
+                terms, gate = wire.steer, None
+                lo, hi = phase_range(wire.steer_phase, prompt_len)
+            unknown = [name for name, _ in terms if not known(name)]
+            if unknown:
+                raise CaptureConfigError(f"unknown steering vector(s) {unknown}")
+            return RequestSteering(tuple(terms), lo, hi, prompt_len, gate)
+        except Exception as e:  # noqa: BLE001 - one bad request must not end the engine
+            logger.warning("probehook: not steering request %s: %s", req_id, e)
+            return None
+
+    return plan_for
 
 
 def plan_factory(runner: Any, engine_config: CaptureConfig, scores: bool = False) -> PlanFor:

@@ -20,6 +20,8 @@ from probehook.adapter import engine_config, outputs
 from probehook.capture_config import CaptureConfig, LayerSpec, resolve_layers
 from probehook.core.probe_set import ProbeSet, load_probes
 from probehook.core.session import CaptureSession, Rpc
+from probehook.core.steering_bank import DEFAULT_CAPACITY
+from probehook.core.steering_set import SteeringSet, check_capacity, vector_wire
 from probehook.errors import CaptureConfigError, CaptureError
 from probehook.store import ActivationStore
 from probehook.store.fingerprint import legacy_fingerprint, model_fingerprint
@@ -40,11 +42,21 @@ class CaptureRequest:
     max_request_capture_bytes: int | None = None
     probes: Any = None
     monitors: Sequence[Any] | None = None
+    steering: Any = None
+    steering_layers: LayerSpec | None = None
+    steering_capacity: int = DEFAULT_CAPACITY
 
     def __post_init__(self) -> None:
         # Checked at once, so that a plain engine is built without probehook's runner choice.
         if self.probes is not None:
             self.probes = load_probes(self.probes) or None  # bad paths fail before start-up
+        self.steering = load_steering(self.steering)
+        self.steering_capacity = check_capacity(self.steering_capacity)
+        if len(self.steering) > self.steering_capacity:
+            raise CaptureConfigError(
+                f"steering= has {len(self.steering)} vectors, more than steering_capacity="
+                f"{self.steering_capacity}; raise steering_capacity."
+            )
         if self.monitors and self.probes is None:
             raise CaptureConfigError(
                 "monitors= watch probes, but no probes were given; pass probes={...}."
@@ -62,9 +74,13 @@ class CaptureRequest:
                 )
 
     @property
+    def steers(self) -> bool:
+        return bool(self.steering) or bool(self.steering_layers)
+
+    @property
     def captures(self) -> bool:
         """False: the front end is plain vLLM."""
-        return self.layers is not None or self.probes is not None
+        return self.layers is not None or self.probes is not None or self.steers
 
 
 @dataclass
@@ -79,11 +95,18 @@ class CaptureSetup:
     limit: int
     store: str | None
     store_options: dict[str, Any]
+    steering: SteeringSet | None = None
 
-    def attach_args(self) -> tuple[int, list[dict[str, Any]] | None]:
+    def attach_args(self) -> tuple[int, list[dict[str, Any]] | None, dict[str, Any] | None]:
         """Arguments of the workers' ``probehook_attach``."""
         wire = [spec.to_wire() for spec in self.probes.specs] if self.probes else None
-        return self.limit, wire
+        steering = None
+        if self.steering is not None:
+            steering = {
+                "capacity": self.steering.capacity,
+                "vectors": {n: vector_wire(v) for n, v in self.steering.vectors.items()},
+            }
+        return self.limit, wire, steering
 
 
 def prepare(
@@ -122,6 +145,30 @@ def prepare(
     pooling = engine_config.is_pooling(resolved)
     if pooling:
         _check_pooling(request, resolved.model_config.architectures)
+    steering = None
+    if request.steers:
+        steer_layers = {layer for v in request.steering.values() for layer in v.layers}
+        if request.steering_layers is not None:
+            steer_layers |= set(resolve_layers(request.steering_layers, num_layers))
+        steering = SteeringSet(
+            {},
+            layers=sorted(steer_layers),
+            capacity=request.steering_capacity,
+            num_layers=num_layers,
+            hidden_size=resolved.model_config.get_hidden_size(),
+            model_fingerprint=fingerprint["fingerprint"],
+        )
+        for name, vector in request.steering.items():
+            steering.add(name, vector)
+    for monitor in request.monitors or ():
+        if getattr(monitor, "action", None) != "steer":
+            continue
+        if steering is None:
+            raise CaptureConfigError(
+                f"ProbeMonitor({monitor.probe!r}, action='steer') steers, but the engine has no "
+                "steering vectors; pass steering={name: SteeringVector}."
+            )
+        steering.check_terms(monitor.steer, f"ProbeMonitor({monitor.probe!r})")
     config = CaptureConfig(
         layers=resolve_layers(request.layers, num_layers) if request.layers is not None else (),
         # A pooling model reads its input in one pass: every row is an input (prompt) row.
@@ -131,7 +178,11 @@ def prepare(
         last_decode_token=request.last_decode_token,
     )
     engine_kwargs = engine_config.capture_engine_kwargs(
-        kwargs, config, probe_set.layers if probe_set else (), pooling
+        kwargs,
+        config,
+        probe_set.layers if probe_set else (),
+        pooling,
+        steering.layers if steering is not None else (),
     )
     legacy = legacy_fingerprint(hf_config)  # only compared with pre-v2 stores
     store = os.fspath(request.store) if request.store is not None else None
@@ -149,6 +200,45 @@ def prepare(
         limit,
         store,
         dict(request.store_options or {}),
+        steering,
+    )
+
+
+def load_steering(steering: Any) -> dict[str, Any]:
+    """``steering=`` as given to an engine: a dict name -> vector (or path to a saved one), or
+    a list of vectors named by their ``name``."""
+    from probehook.steering import SteeringVector
+
+    def one(value: Any, where: str) -> Any:
+        if isinstance(value, str | os.PathLike):
+            return SteeringVector.load(value)
+        if not isinstance(value, SteeringVector):
+            raise CaptureConfigError(
+                f"{where} is a {type(value).__name__}; pass a probehook.SteeringVector or the "
+                "path of a saved one."
+            )
+        return value
+
+    if steering is None:
+        return {}
+    if isinstance(steering, dict):
+        return {name: one(v, f"steering[{name!r}]") for name, v in steering.items()}
+    if isinstance(steering, list | tuple):
+        out: dict[str, Any] = {}
+        for i, value in enumerate(steering):
+            vector = one(value, f"steering[{i}]")
+            if not vector.name:
+                raise CaptureConfigError(
+                    f"steering[{i}] has no name; give it one (SteeringVector(..., name=...)) or "
+                    "pass steering={name: vector}."
+                )
+            if vector.name in out:
+                raise CaptureConfigError(f"Two steering vectors are named {vector.name!r}.")
+            out[vector.name] = vector
+        return out
+    raise CaptureConfigError(
+        f"steering={steering!r} is not valid: pass {{name: SteeringVector}} or a list of named "
+        "SteeringVectors."
     )
 
 
@@ -172,6 +262,7 @@ def start(
         decorate=outputs.decorate,
         probes=setup.probes,
         stop_token=stop_token if setup.probes is not None else None,
+        steering=setup.steering,
     )
     session.row_format = (int(infos[0]["hidden_size"]), _torch_dtype(infos[0]["dtype"]))
     store = None
@@ -241,6 +332,11 @@ def _check_pooling(request: CaptureRequest, architectures: Any) -> None:
             f"last_decode_token=True, but {model} is a pooling model with no decode tokens; "
             "use last_prefill_token=True to keep only the last input token's row."
         )
+    if request.steers:
+        raise CaptureConfigError(
+            f"steering= is not supported on {model}, a pooling model: probehook steers "
+            "generative models only. Drop steering= and steering_layers=."
+        )
 
 
 def _check_limit(limit: int | None) -> int:
@@ -252,3 +348,13 @@ def _check_limit(limit: int | None) -> int:
             "for no limit."
         )
     return limit
+
+
+def steering_of(capture: CaptureSession | None) -> SteeringSet:
+    """The front end's steering set, or a clear error for an engine built without one."""
+    if capture is None or capture.steering is None:
+        raise CaptureConfigError(
+            "This engine was built without steering; pass steering={name: SteeringVector} or "
+            "steering_layers=[...] at construction."
+        )
+    return capture.steering

@@ -20,6 +20,8 @@ from probehook.core import stream_plane
 from probehook.core.probe_bank import ProbeBank, ProbeSpec
 from probehook.core.recorder import StepRecorder
 from probehook.core.spans import Span
+from probehook.core.steering_bank import DEFAULT_CAPACITY, SteeringBank, StepSteering
+from probehook.core.steering_set import vectors_from_wire
 from probehook.core.transport import write_tensors_with_fallback
 
 MAX_MISSING_REPORTED = 8
@@ -43,10 +45,14 @@ class ProbehookWorkerExtension:
     """Worker-side RPC surface of probehook."""
 
     def probehook_attach(
-        self, limit_bytes: int = 0, probes: list[dict[str, Any]] | None = None
+        self,
+        limit_bytes: int = 0,
+        probes: list[dict[str, Any]] | None = None,
+        steering: dict[str, Any] | None = None,
     ) -> dict[str, Any] | None:
-        """Start recording requests' rows (and probe scores); steps before this (warm-up) are
-        ignored. ``probes`` are :meth:`ProbeSpec.to_wire` dicts."""
+        """Start recording requests' rows (and probe scores) and steering them; steps before
+        this (warm-up) are ignored. ``probes`` are :meth:`ProbeSpec.to_wire` dicts;
+        ``steering`` is ``{"capacity": int, "vectors": {name: vector wire}}``."""
         hook = _hook(self)
         runner = self.model_runner  # type: ignore[attr-defined]
         runner_v1.check_runner(runner)
@@ -65,20 +71,34 @@ class ProbehookWorkerExtension:
         if getattr(self, "_probehook_publisher", None) is None:
             self._probehook_publisher = stream_plane.Publisher(None)  # until a stream connects
 
+        steer = _steering(hook, steering) if hook.steering is not None else None
+        self._probehook_steering = steer
+        before_forward = None
+        if steer is not None:
+            steer_plan = runner_v1.steering_factory(runner, steer.bank.rows.__contains__)
+
+            def before_forward(scheduled: Any) -> None:
+                steer.finish(getattr(scheduled, "finished_req_ids", None) or ())
+                runner_v1.prepare_steering(runner, steer, steer_plan)
+
+        scorer = hook.scorer
+
         def on_step() -> None:
             runner_v1.record_step(runner, recorders)
+            if steer is not None and scorer is not None and scorer.step_rows is not None:
+                steer.check_gates(scorer.step_rows.rows, scorer.step_rows.last_row)
             for recorder, _ in recorders:
                 _publish(recorder, self._probehook_publisher, runner.requests)
 
-        hook.attach(runner, on_step)
+        hook.attach(runner, on_step, before_forward)
         if not _reports(self):
             return None
-        buf = next(iter(hook.buffers.values()))
         return {
             "layers": list(hook.config.layers),
             "tapped_layers": sorted(hook.buffers),
-            "hidden_size": int(buf.shape[1]),
-            "dtype": str(buf.dtype),
+            "steered_layers": sorted(hook.steering.tables) if hook.steering else [],
+            "hidden_size": hook.hidden_size,
+            "dtype": str(hook.dtype),
             "runner": f"{type(runner).__module__}.{type(runner).__name__}",
             # What this worker process inherited (probehook sets 0 while the engine starts).
             "runner_env": os.environ.get("VLLM_USE_V2_MODEL_RUNNER"),
@@ -129,6 +149,18 @@ class ProbehookWorkerExtension:
         path, entries = write_tensors_with_fallback(paths, tensors) if tensors else (None, [])
         return {"path": path, "entries": entries, "spans": reports, "failures": failures}
 
+    def probehook_steering_add(self, name: str, wire: dict[str, Any]) -> bool:
+        """Put a vector into this worker's bank (every rank holds the whole stream, so every
+        rank steers)."""
+        steer = _steering_of(self)
+        steer.bank.add(name, vectors_from_wire(wire, steer.bank.hidden))
+        return True
+
+    def probehook_steering_remove(self, name: str) -> bool:
+        """Take a vector out of the bank. Requests already steered keep their sums."""
+        _steering_of(self).bank.remove(name)
+        return True
+
     def probehook_stream_connect(self, address: str) -> bool | None:
         """Push streaming requests' rows and scores to the front end's socket at ``address``
         (rank 0; the other ranks drop theirs)."""
@@ -147,6 +179,7 @@ class ProbehookWorkerExtension:
     def probehook_stats(self) -> dict[str, int] | None:
         """Counters for tests, debugging and the benchmark."""
         hook = _hook(self)
+        steer = getattr(self, "_probehook_steering", None)
         recorders = [r for r in (hook.recorder, hook.scorer) if r is not None]
         publisher = getattr(self, "_probehook_publisher", None)
         if publisher is not None:  # streams whose requests left since the last step
@@ -163,6 +196,7 @@ class ProbehookWorkerExtension:
             "record_ns": sum(r.record_ns for r in recorders),
             "export_ns": sum(r.export_ns for r in recorders),
             "steps": hook.steps,
+            "steps_steered": getattr(steer, "steps_steered", 0),
             "forwards": hook.forwards,
             "step_ns": hook.step_ns,
         }
@@ -173,6 +207,24 @@ def _publish(recorder: StepRecorder, publisher: stream_plane.Publisher, live: An
     chunks = recorder.take_streamed(live)
     if chunks:  # one message for every stream of the step
         publisher.send(stream_plane.encode(source, chunks, recorder.row_dtype))
+
+
+def _steering(hook: StepHook, steering: dict[str, Any] | None) -> StepSteering:
+    assert hook.steering is not None
+    steering = steering or {}
+    tables = hook.steering.tables
+    capacity = int(steering.get("capacity", DEFAULT_CAPACITY))
+    bank = SteeringBank(tuple(tables), hook.hidden_size, capacity, hook.steering.index.device)
+    for name, wire in (steering.get("vectors") or {}).items():
+        bank.add(name, vectors_from_wire(wire, hook.hidden_size))
+    return StepSteering(bank, tables, hook.steering.index)
+
+
+def _steering_of(worker: Any) -> StepSteering:
+    steer = getattr(worker, "_probehook_steering", None)
+    if steer is None:
+        raise ValueError("this engine was built without steering layers")
+    return steer
 
 
 def _device(hook: StepHook) -> Any:

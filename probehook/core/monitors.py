@@ -1,17 +1,20 @@
-"""Acting on probe scores: :class:`ProbeMonitor` stops or flags generation when a probe's
-score crosses a threshold.
+"""Acting on probe scores: :class:`ProbeMonitor` stops, flags or steers generation when a
+probe's score crosses a threshold.
 
 A monitor is checked against the score of each decode row, i.e. the state that produces the
-next token. ``stop`` is carried out in the worker (``probehook.adapter.monitor_processor``
-forces the request's stop token in the same step); ``flag`` is computed in the front end from
-the returned scores. Both use :func:`crossings` on the same float32 scores, so the front end
-can name the probe that stopped a request without another message from the worker.
+next token. ``stop`` and ``steer`` are carried out in the worker (``stop``: the processor in
+``probehook.adapter.monitor_processor`` forces the request's stop token in the same step;
+``steer``: the worker's steering starts at the next position); ``flag`` is computed in the
+front end from the returned scores. All use :func:`crossings` on the same float32 scores, so
+the front end can name the probe that stopped a request, and where steering started, without
+another message from the worker.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -19,7 +22,7 @@ import numpy as np
 
 from probehook.errors import CaptureConfigError
 
-ACTIONS = ("stop", "flag")
+ACTIONS = ("stop", "flag", "steer")
 DIRECTIONS = ("above", "below")
 STOP_REASON_PREFIX = "probe:"
 
@@ -35,9 +38,13 @@ class ProbeMonitor:
         action: ``"stop"`` ends the completion at the first decode row that crosses (its
             ``finish_reason`` is ``"stop"``, ``stop_reason`` is ``"probe:<name>"``);
             ``"flag"`` lists every crossing row in ``CompletionOutput.probe_flags[name]`` and
-            generation goes on.
+            generation goes on; ``"steer"`` adds the vectors of ``steer`` from the position
+            after the first crossing row to the end (``CompletionOutput.steering["start"]``
+            says where it started).
         direction: ``"above"`` (score > threshold) or ``"below"`` (score < threshold).
         label: for a multi-class probe, the class whose probability is watched.
+        steer: for ``action="steer"``: engine steering vector names and their scales,
+            ``{"name": scale}``.
     """
 
     probe: str
@@ -45,6 +52,8 @@ class ProbeMonitor:
     action: str = "flag"
     direction: str = "above"
     label: str | None = None
+    steer: Any = None
+    """``action="steer"``: ``{name: scale}`` (kept as sorted ``(name, scale)`` pairs)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.probe, str) or not self.probe:
@@ -66,13 +75,25 @@ class ProbeMonitor:
             finite = False
         if not finite:
             raise CaptureConfigError(f"ProbeMonitor threshold={self.threshold!r} must be finite.")
+        if self.action == "steer":
+            object.__setattr__(self, "steer", steer_terms(self.steer, "ProbeMonitor steer"))
+        elif self.steer is not None:
+            raise CaptureConfigError(
+                f"ProbeMonitor steer={self.steer!r} is only used with action='steer' (this "
+                f"monitor's action is {self.action!r})."
+            )
 
     @property
     def stop_reason(self) -> str:
         return STOP_REASON_PREFIX + self.probe
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        out = asdict(self)
+        if self.steer is None:
+            del out["steer"]  # the dict form of stop and flag monitors stays as it was
+        else:
+            out["steer"] = dict(self.steer)
+        return out
 
     @classmethod
     def coerce(cls, value: Any) -> ProbeMonitor:
@@ -80,7 +101,7 @@ class ProbeMonitor:
         if isinstance(value, ProbeMonitor):
             return value
         if isinstance(value, Mapping):
-            known = {"probe", "threshold", "action", "direction", "label"}
+            known = {"probe", "threshold", "action", "direction", "label", "steer"}
             unknown = sorted(map(str, set(value) - known))
             if unknown:
                 raise CaptureConfigError(
@@ -104,3 +125,39 @@ def crosses(values: np.ndarray, threshold: float, direction: str) -> np.ndarray:
 def crossings(values: np.ndarray, threshold: float, direction: str) -> list[int]:
     """Indices of the scores that cross the threshold."""
     return np.flatnonzero(crosses(np.asarray(values), threshold, direction)).tolist()
+
+
+def steer_terms(value: Any, what: str) -> tuple[tuple[str, float], ...]:
+    """``{name: scale}`` checked: vector names and finite numbers, at least one; returned as
+    sorted ``(name, scale)`` pairs (a hashable, canonical form)."""
+    example = '{"name": 4.0}'
+    if isinstance(value, Sequence) and not isinstance(value, str | bytes):
+        with contextlib.suppress(TypeError, ValueError):
+            value = dict(value)  # the pair form this function returns
+    if not isinstance(value, Mapping) or not value:
+        raise CaptureConfigError(
+            f"{what}={value!r} is not valid: pass a non-empty dict of steering vector names "
+            f"and scales, such as {example}."
+        )
+    terms = []
+    for name, scale in value.items():
+        if not isinstance(name, str) or not name:
+            raise CaptureConfigError(
+                f"{what}: {name!r} is not a steering vector name; pass {{name: scale}} such as "
+                f"{example}."
+            )
+        if isinstance(scale, bool) or not isinstance(scale, int | float | np.number):
+            raise CaptureConfigError(
+                f"{what}: the scale of {name!r} is {scale!r}, not a number; pass {{name: scale}} "
+                f"such as {example}."
+            )
+        try:
+            scale = float(scale)
+        except OverflowError:
+            scale = math.inf
+        if not math.isfinite(scale):
+            raise CaptureConfigError(
+                f"{what}: the scale of {name!r} is {scale!r}; scales must be finite numbers."
+            )
+        terms.append((name, scale))
+    return tuple(sorted(terms))

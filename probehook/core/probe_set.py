@@ -158,12 +158,21 @@ class ProbeSet:
                 found = crossings(values, monitor.threshold, monitor.direction)
                 flags[monitor.probe] = sorted(set(flags.get(monitor.probe, [])) | set(found))
             elif (
-                stopped_by_token
+                monitor.action == "stop"
+                and stopped_by_token
                 and stop_reason is None
                 and crossings(values[-1:], monitor.threshold, monitor.direction)
             ):
                 stop_reason = monitor.stop_reason
         return flags, stop_reason
+
+    def first_crossing(self, monitor: ProbeMonitor, scores: torch.Tensor) -> int | None:
+        """The first decode row whose score crosses (None: none does)."""
+        if len(scores) == 0:
+            return None
+        values = self._watched(monitor, scores).numpy()
+        found = crossings(values, monitor.threshold, monitor.direction)
+        return found[0] if found else None
 
     def _watched(self, monitor: ProbeMonitor, scores: torch.Tensor) -> torch.Tensor:
         if monitor.label is None:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from probehook.capture_config import CaptureConfig, as_int
-from probehook.core.monitors import ProbeMonitor
+from probehook.core.monitors import ProbeMonitor, steer_terms
 from probehook.errors import CaptureConfigError
 
 EXTRA_ARGS_KEY = "probehook"
@@ -40,7 +40,9 @@ CAPTURE_KEYS = (
     "last_decode_token",
 )
 PROBE_KEYS = ("probes", "monitors")
-USER_KEYS = CAPTURE_KEYS + PROBE_KEYS
+STEER_KEYS = ("steer", "steer_phase")
+STEER_PHASES = ("both", "prefill", "decode")
+USER_KEYS = CAPTURE_KEYS + PROBE_KEYS + STEER_KEYS
 """Every key a user may set; anything else is refused."""
 FLAG_KEYS = CAPTURE_KEYS[1:]
 MONITOR_FIELDS = ("probe", "threshold", "action", "direction", "label")
@@ -77,6 +79,10 @@ class RequestOptions:
     """None or True: all engine probes; False: none; names: those."""
     monitors: tuple[ProbeMonitor, ...] | None = None
     """None: the engine's monitors of the probes the request gets; a tuple replaces them."""
+    steer: tuple[tuple[str, float], ...] | None = None
+    """Steering vector names and scales, as sorted ``(name, scale)`` pairs."""
+    steer_phase: str | None = None
+    """``"both"`` (None), ``"prefill"`` or ``"decode"``."""
 
     @classmethod
     def from_user(cls, value: Any) -> RequestOptions:
@@ -112,7 +118,22 @@ class RequestOptions:
             parsed["probes"] = _user_probes(value["probes"])
         if value.get("monitors") is not None:
             parsed["monitors"] = _user_monitors(value["monitors"])
+        if value.get("steer") is not None:
+            parsed["steer"] = steer_terms(value["steer"], "probehook option steer")
+        if value.get("steer_phase") is not None:
+            if value["steer_phase"] not in STEER_PHASES:
+                raise _bad("steer_phase", value["steer_phase"], f"choose one of {STEER_PHASES}")
+            if "steer" not in parsed:
+                raise CaptureConfigError(
+                    f"probehook option steer_phase={value['steer_phase']!r} needs steer "
+                    '(such as {"steer": {"name": 4.0}, "steer_phase": "decode"}).'
+                )
+            parsed["steer_phase"] = value["steer_phase"]
         return cls(**parsed)
+
+    def steered(self) -> bool:
+        """Whether the request asks for steering (its own vectors, or a steer monitor)."""
+        return bool(self.steer) or any(m.action == "steer" for m in self.monitors or ())
 
     def capture(self) -> dict[str, Any]:
         """The capture options set, as :meth:`CaptureConfig.narrow` takes them."""
@@ -211,6 +232,9 @@ class RequestWire:
     """The token a stop monitor forces (the model's EOS); set when a monitor stops."""
     record: Mapping[str, Any] | None = None
     """Extra fields of the request's store record."""
+    steer: tuple[tuple[str, float], ...] = ()
+    """Steering vector names and scales applied from the start of the phase."""
+    steer_phase: str = "both"
 
     def to_wire(self) -> dict[str, Any]:
         wire: dict[str, Any] = {
@@ -225,6 +249,9 @@ class RequestWire:
             wire["stop_token"] = self.stop_token
         if self.record is not None:
             wire["record"] = dict(self.record)
+        if self.steer:
+            wire["steer"] = dict(self.steer)
+            wire["steer_phase"] = self.steer_phase
         return wire
 
     @classmethod
@@ -234,7 +261,7 @@ class RequestWire:
         for a malformed one."""
         if not isinstance(value, Mapping) or "tag" not in value:
             return None
-        known = {"tag", "n", "stream", "probes", "monitors", "stop_token", "record"}
+        known = {"tag", "n", "stream", "probes", "monitors", "stop_token", "record", *STEER_KEYS}
         unknown = [k for k in value if k not in known and k not in CAPTURE_KEYS]
         if unknown:
             raise CaptureConfigError(f"unknown key(s) {', '.join(sorted(map(repr, unknown)))}")
@@ -281,6 +308,10 @@ class RequestWire:
         record = value.get("record")
         if record is not None and not isinstance(record, Mapping):
             raise CaptureConfigError(f"record={_show(record)} is not a dict")
+        steer = steer_terms(value["steer"], "steer") if "steer" in value else ()
+        phase = value.get("steer_phase", "both")
+        if phase not in STEER_PHASES:
+            raise CaptureConfigError(f"steer_phase={_show(phase)} is not one of {STEER_PHASES}")
         return cls(
             tag,
             config,
@@ -290,6 +321,8 @@ class RequestWire:
             tuple(wired),
             None if stop_token is None else int(stop_token),
             record,
+            steer,
+            phase,
         )
 
 

@@ -29,6 +29,7 @@ from probehook.core.session import (
     ended_on_stop_token,
     is_pooled,
     mirror_first_completion,
+    note_steering,
 )
 from probehook.core.spans import Span, completion_spans, score_config
 from probehook.core.stream_plane import Receiver, StreamFailed
@@ -45,6 +46,7 @@ class RequestStream:
         self.tag = tag
         self.kind = kind
         self.seen: dict[int, int] = {}  # completion index -> tokens yielded so far
+        self.gate_started: dict[int, int] = {}  # completion index -> first steered position
         self.prefill_sent = False
         self.stored = False
         # Delta mode: every token and all text so far, per completion, for the store.
@@ -80,6 +82,8 @@ class RequestStream:
 
     async def _attach(self, output: Any, delta: bool) -> None:
         clear_outputs(output)
+        if self.tag.steering is not None:
+            note_steering(output, self.tag.steering)
         tag, config = self.tag, self.tag.config
         assert config is not None
         prompt_len = len(output.prompt_token_ids or [])
@@ -110,8 +114,25 @@ class RequestStream:
                 )
                 if take:
                     await self._act_on_scores(key, spans[1], before, delta, output, completion)
+                    self._gate_start(index, before, prompt_len, completion)
             self.prefill_sent = self.prefill_sent or (has_prefill and take)
         mirror_first_completion(output)
+
+    def _gate_start(self, index: int, before: int, prompt_len: int, completion: Any) -> None:
+        """Where probe-gated steering started: the position after the first decode row that
+        crossed, remembered across a delta stream's outputs."""
+        steer = self.tag.steering
+        if steer is None or not steer.gates or self.session.probes is None:
+            return
+        if index not in self.gate_started:
+            scores = completion.probe_scores
+            gate = steer.gates[0]
+            if not isinstance(scores, FailedCapture) and gate.probe in scores:
+                first = self.session.probes.first_crossing(gate, scores[gate.probe])
+                if first is not None:
+                    self.gate_started[index] = prompt_len + before + first
+        if completion.steering is not None:
+            completion.steering["start"] = self.gate_started.get(index)
 
     async def _attach_pooled(self, output: Any, prompt_len: int) -> None:
         """A pooling model's one output: every row is an input (prompt) row."""

@@ -43,6 +43,7 @@ from probehook.core.request_options import (
     WireMonitor,
 )
 from probehook.core.spans import completion_spans, score_config
+from probehook.core.steering_set import RequestSteer, SteeringSet
 from probehook.core.transport import Spool, read_tensors
 from probehook.errors import CaptureConfigError, CaptureError
 from probehook.outputs import OUTPUT_PROCESSORS
@@ -83,6 +84,8 @@ class RequestTag:
     stop_token: int | None = None
     record: dict[str, Any] | None = None
     """Extra fields of the request's store record (a one-pass input's request and patch)."""
+    steering: RequestSteer | None = None
+    """The request's steering (None: not steered)."""
 
 
 class FailedCapture(dict):
@@ -111,6 +114,7 @@ class CaptureSession:
         decorate: Callable[[Any], None] = lambda output: None,
         probes: ProbeSet | None = None,
         stop_token: int | None = None,
+        steering: SteeringSet | None = None,
     ) -> None:
         """
         Args:
@@ -120,9 +124,11 @@ class CaptureSession:
             decorate: gives a finished output probehook's output class (aliases, docs).
             probes: the engine's probes and monitors, if any.
             stop_token: the token a stop monitor forces (the model's EOS).
+            steering: the engine's steering vectors, if it steers.
         """
         self.config = config
         self.probes = probes
+        self.steering = steering
         self.stop_token = stop_token
         self._rpc = rpc
         self._abort = abort
@@ -145,6 +151,11 @@ class CaptureSession:
         field = _extra_field(params)
         extra = dict(getattr(params, field, None) or {})
         options = RequestOptions.from_user(extra.get(EXTRA_ARGS_KEY))
+        if field == POOLING_EXTRA and options.steered():
+            raise CaptureConfigError(
+                "This request sets steer, but it is a pooling request: probehook steers "
+                "generative models only. Drop steer."
+            )
         if field == POOLING_EXTRA and options.monitors:
             raise CaptureConfigError(
                 "This request sets monitors, but it is a pooling request: nothing is generated, "
@@ -168,25 +179,64 @@ class CaptureSession:
                 '(extra_args={"probehook": {"include_prefill": False, "include_decode": False}}), '
                 "or build an LLM with layers=None."
             )
+        steer = self._steer(options, probes, config)
+        if config is None and probes is not None and steer is not None and steer.gates:
+            raise CaptureConfigError(
+                "A monitor with action='steer' watches probe scores, but this request turns "
+                "capture off; keep include_decode=True."
+            )
         tagged = copy.copy(params)
-        if config is not None:
+        if config is not None or steer is not None:
             record = extra.pop(RECORD_KEY, None)
             wire = RequestWire(
                 tag=next(self._tags),
-                config=config,
+                # A request that is steered but captures nothing: an empty capture config.
+                config=config if config is not None else CaptureConfig(layers=()),
                 n=getattr(params, "n", 1),
                 stream=stream,
-                probes=probes.names if probes is not None else (),
-                monitors=self._wire(probes, tagged) if probes is not None else (),
+                probes=probes.names if probes is not None and config is not None else (),
+                monitors=self._wire(probes, tagged)
+                if probes is not None and config is not None
+                else (),
                 stop_token=self.stop_token if probes is not None and probes.stops else None,
                 record=record,
+                steer=steer.terms if steer is not None else (),
+                steer_phase=steer.phase if steer is not None else "both",
             )
             extra[EXTRA_ARGS_KEY] = wire.to_wire()
             setattr(tagged, field, extra)
-            if config.include_prefill:
+            if config is not None and config.include_prefill:
                 # Cached prompt blocks are never recomputed, so their rows would be missing.
                 tagged.skip_reading_prefix_cache = True
         return tagged
+
+    def _steer(
+        self, options: RequestOptions, probes: RequestProbes | None, config: CaptureConfig | None
+    ) -> RequestSteer | None:
+        monitors = probes.monitors if probes is not None else ()
+        if self.steering is None:
+            if options.steered():
+                raise CaptureConfigError(
+                    "This request sets steer, but the engine has no steering vectors; build it "
+                    "with steering={name: SteeringVector} (or steering_layers=[...] and "
+                    "add_steering)."
+                )
+            return None
+        decode_scores = config is not None and config.include_decode
+        return self.steering.for_request(options, monitors, decode_scores)
+
+    def cache_salt(self, params: Any) -> str | None:
+        """The prefix-cache salt of a request tagged by :meth:`tag` (None: not steered)."""
+        steer = self._steering_of(wire_of(params))
+        return steer.salt if steer is not None else None
+
+    def _steering_of(self, wire: RequestWire | None) -> RequestSteer | None:
+        if wire is None or self.steering is None:
+            return None
+        gates = tuple(m.monitor for m in wire.monitors if m.monitor.action == "steer")
+        if not wire.steer and not gates:
+            return None
+        return self.steering.request_steer(wire.steer, wire.steer_phase, gates)
 
     def _wire(self, probes: RequestProbes, params: Any) -> tuple[WireMonitor, ...]:
         """The request's monitors for the worker; a stop monitor also makes the model's EOS
@@ -219,14 +269,16 @@ class CaptureSession:
         if self.probes is not None:
             monitors = tuple(self.probes.check_monitor(m.monitor) for m in wire.monitors)
             probes = RequestProbes(wire.probes, monitors)
+        captures = bool(wire.config.layers) or bool(wire.probes)
         return RequestTag(
             wire.tag,
             engine_id,
-            wire.config,
+            wire.config if captures else None,
             sampling,
             probes,
             self.stop_token if probes is not None and probes.stops else None,
             dict(wire.record) if wire.record is not None else None,
+            self._steering_of(wire),
         )
 
     def attach(self, outputs: Sequence[Any]) -> None:
@@ -240,6 +292,8 @@ class CaptureSession:
                 continue
             clear_outputs(output)
             tag = self.pending.pop(output.request_id, None)
+            if tag is not None and tag.steering is not None:
+                note_steering(output, tag.steering)
             if tag is None or tag.config is None:
                 continue
             captured.append((output, tag))
@@ -268,6 +322,8 @@ class CaptureSession:
         for output, tag in captured:
             if tag.probes is not None and tag.probes.monitors:
                 self._act_on_scores(output, tag)
+            if tag.steering is not None and tag.steering.gates:
+                gate_starts(output, tag.steering, self.probes)
         for output in outputs:
             if hasattr(output, "outputs"):
                 mirror_first_completion(output)
@@ -491,6 +547,31 @@ def ended_on_stop_token(tag: RequestTag, completion: Any) -> bool:
     )
 
 
+def note_steering(output: Any, steer: RequestSteer) -> None:
+    """Each completion's ``steering``: the vectors, scales and phase, and ``start``, the first
+    steered position (None while a gate has not crossed; :func:`gate_starts` fills it in)."""
+    prompt_len = len(output.prompt_token_ids or [])
+    start = None if steer.gates else (prompt_len if steer.phase == "decode" else 0)
+    for completion in output.outputs:
+        completion.steering = {**steer.describe(), "start": start}
+
+
+def gate_starts(output: Any, steer: RequestSteer, probes: ProbeSet | None) -> None:
+    """Where probe-gated steering started in each completion, from the same float32 scores
+    the worker watched: the position after the first decode row that crossed."""
+    if probes is None:
+        return
+    gate = steer.gates[0]
+    prompt_len = len(output.prompt_token_ids or [])
+    for completion in output.outputs:
+        scores = completion.probe_scores
+        if isinstance(scores, FailedCapture) or gate.probe not in scores:
+            continue
+        start = probes.first_crossing(gate, scores[gate.probe])
+        if completion.steering is not None:
+            completion.steering["start"] = None if start is None else prompt_len + start
+
+
 def clear_outputs(output: Any) -> None:
     """Every probehook attribute exists on every output, empty until filled (also on the
     outputs of an engine without capture, so code works either way)."""
@@ -500,6 +581,8 @@ def clear_outputs(output: Any) -> None:
         for completion in completions(output):
             for attribute in processor.completion_attributes:
                 setattr(completion, attribute, processor.empty())
+    for completion in completions(output):
+        completion.steering = None
     mirror_first_completion(output)
     output.store_id = None
     output.processor_errors = {}

@@ -1,0 +1,230 @@
+"""The front end's view of an engine's steering: named vectors, the steered layers, the bank's
+capacity, and each request's checked steering.
+
+It checks everything that can be checked before a request reaches the engine (vector names,
+scales, phases, hidden size, layers), so the worker only ever receives steering it can apply.
+It also names each request's prefix-cache salt: the KV of a steered prompt must never be
+reused by a request with other steering (or none), so requests with different steering get
+different salts (vLLM hashes ``cache_salt`` into the first block's key, and every later block
+chains on it).
+
+No vLLM imports.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from probehook.core.monitors import ProbeMonitor
+from probehook.core.request_options import RequestOptions
+from probehook.core.steering_bank import DEFAULT_CAPACITY
+from probehook.errors import CaptureConfigError
+
+SALT_PREFIX = "probehook-steer:"
+
+
+@dataclass(frozen=True)
+class RequestSteer:
+    """One request's steering, checked: what goes on the wire and what the output records."""
+
+    terms: tuple[tuple[str, float], ...] = ()
+    phase: str = "both"
+    gates: tuple[ProbeMonitor, ...] = ()
+    """Its ``action="steer"`` monitors (at most one)."""
+    salt: str = ""
+    """Its prefix-cache salt: equal for equal steering (same vectors' contents)."""
+
+    def describe(self) -> dict[str, Any]:
+        """What a finished output and a stored record say about it (``start`` is filled in
+        when the output is)."""
+        out: dict[str, Any] = {"vectors": dict(self.terms), "phase": self.phase}
+        if self.gates:
+            gate = self.gates[0]
+            out["gate"] = {
+                "probe": gate.probe,
+                "threshold": gate.threshold,
+                "direction": gate.direction,
+                "label": gate.label,
+                "vectors": dict(gate.steer),
+            }
+        return out
+
+
+class SteeringSet:
+    """An engine's steering vectors by name (front end)."""
+
+    def __init__(
+        self,
+        vectors: Mapping[str, Any],
+        *,
+        layers: Sequence[int],
+        capacity: int,
+        num_layers: int,
+        hidden_size: int,
+        model_fingerprint: str | None,
+    ) -> None:
+        self.layers = tuple(sorted(layers))
+        self.capacity = capacity
+        self.num_layers = num_layers
+        self.hidden_size = hidden_size
+        self.model_fingerprint = model_fingerprint
+        self.vectors: dict[str, Any] = {}
+        for name, vector in vectors.items():
+            self.check(name, vector)
+            self.vectors[name] = vector
+
+    def check(self, name: str, vector: Any) -> None:
+        """Refuse a vector the engine cannot hold: bad name, wrong model, unsteered layer,
+        full bank, a name already taken."""
+        from probehook.steering import SteeringVector
+
+        if not isinstance(name, str) or not name:
+            raise CaptureConfigError(f"Steering vector name {name!r} must be a non-empty string.")
+        if not isinstance(vector, SteeringVector):
+            raise CaptureConfigError(
+                f"Steering vector {name!r} is a {type(vector).__name__}; pass a "
+                "probehook.SteeringVector (SteeringVector({layer: direction}) or "
+                "SteeringVector.load(path))."
+            )
+        if name in self.vectors:
+            raise CaptureConfigError(
+                f"A steering vector named {name!r} is already in the bank; remove_steering("
+                f"{name!r}) first, or pick another name."
+            )
+        vector.check_model(self.num_layers, self.hidden_size, self.model_fingerprint)
+        unsteered = sorted(set(vector.layers) - set(self.layers))
+        if unsteered:
+            raise CaptureConfigError(
+                f"Steering vector {name!r} writes to layer(s) {unsteered}, but this engine "
+                f"steers only layers {list(self.layers)} (they are fixed when the model is "
+                "compiled). Build the engine with steering_layers=[...] naming every layer "
+                "you will steer."
+            )
+        if len(self.vectors) >= self.capacity:
+            raise CaptureConfigError(
+                f"The steering bank is full: {self.capacity} vectors "
+                f"({', '.join(sorted(self.vectors))}). Remove one with remove_steering(name), "
+                "or build the engine with a larger steering_capacity=."
+            )
+
+    def add(self, name: str, vector: Any) -> dict[str, Any]:
+        """Check and add a vector; return its wire form for the workers' banks."""
+        self.check(name, vector)
+        self.vectors[name] = vector
+        return vector_wire(vector)
+
+    def remove(self, name: str) -> None:
+        if name not in self.vectors:
+            raise CaptureConfigError(
+                f"No steering vector named {name!r}; the engine has {sorted(self.vectors)}."
+            )
+        del self.vectors[name]
+
+    def check_terms(self, terms: Sequence[tuple[str, float]], where: str) -> None:
+        unknown = [name for name, _ in terms if name not in self.vectors]
+        if unknown:
+            raise CaptureConfigError(
+                f"{where} names steering vector(s) {unknown}, which this engine does not have; "
+                f"its vectors are {sorted(self.vectors)} (add one with add_steering(name, "
+                "vector))."
+            )
+
+    def for_request(
+        self, options: RequestOptions, monitors: Sequence[ProbeMonitor], decode_scores: bool
+    ) -> RequestSteer | None:
+        """A request's steering (None: not steered). ``monitors``: the request's monitors;
+        ``decode_scores``: whether its probe scores cover decode rows (a gate needs them)."""
+        gates = tuple(m for m in monitors if m.action == "steer")
+        if not options.steer and not gates:
+            return None
+        if options.steer:
+            self.check_terms(options.steer, "probehook option steer")
+        for gate in gates:
+            self.check_terms(gate.steer, f"ProbeMonitor({gate.probe!r}, action='steer')")
+        if len(gates) > 1:
+            raise CaptureConfigError(
+                f"This request has {len(gates)} monitors with action='steer'; one request may "
+                "have at most one (combine their vectors in its steer={...})."
+            )
+        if gates and options.steer:
+            raise CaptureConfigError(
+                "This request sets both steer (from its start) and a monitor with "
+                "action='steer' (from a crossing on); use one of them per request."
+            )
+        if gates and not decode_scores:
+            raise CaptureConfigError(
+                "A monitor with action='steer' watches decode rows, but this request's probe "
+                "scores cover none (include_decode is False); set include_decode=True."
+            )
+        return self.request_steer(options.steer or (), options.steer_phase or "both", gates)
+
+    def request_steer(
+        self, terms: Sequence[tuple[str, float]], phase: str, gates: Sequence[ProbeMonitor]
+    ) -> RequestSteer:
+        """A checked request's steering with its salt."""
+        return RequestSteer(tuple(terms), phase, tuple(gates), self._salt(terms, phase, gates))
+
+    def _salt(
+        self, terms: Sequence[tuple[str, float]], phase: str, gates: Sequence[ProbeMonitor]
+    ) -> str:
+        # The vectors' contents, not only their names: a name removed and added again with
+        # another direction must not hit the old prompt KV.
+        def content(pairs: Sequence[tuple[str, float]]) -> list[Any]:
+            return [[self.vectors[name].digest, repr(float(scale))] for name, scale in pairs]
+
+        parts = {
+            "terms": content(terms),
+            "phase": phase,
+            "gates": [
+                [g.probe, repr(float(g.threshold)), g.direction, g.label, content(g.steer)]
+                for g in gates
+            ],
+        }
+        digest = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+        return SALT_PREFIX + digest[:32]
+
+    def describe(self) -> dict[str, Any]:
+        """For ``GET /v1/probehook`` and logs."""
+        return {
+            "layers": list(self.layers),
+            "capacity": self.capacity,
+            "vectors": {
+                name: {"layers": list(v.layers), "digest": v.digest}
+                for name, v in sorted(self.vectors.items())
+            },
+        }
+
+
+def vector_wire(vector: Any) -> dict[str, Any]:
+    """A vector for the workers' RPC: ``{"layers": [...], "data": [raw float32 bytes per
+    layer]}`` (no pickle)."""
+    layers = list(vector.layers)
+    return {
+        "layers": layers,
+        "data": [
+            np.ascontiguousarray(vector.vector(layer).numpy(), dtype=np.float32).tobytes()
+            for layer in layers
+        ],
+    }
+
+
+def vectors_from_wire(wire: Mapping[str, Any], hidden: int) -> dict[int, np.ndarray]:
+    return {
+        int(layer): np.frombuffer(data, dtype=np.float32).reshape(hidden)
+        for layer, data in zip(wire["layers"], wire["data"], strict=True)
+    }
+
+
+def check_capacity(capacity: Any) -> int:
+    if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
+        raise CaptureConfigError(
+            f"steering_capacity={capacity!r} must be a positive int (the most vectors the "
+            f"engine's bank holds at once; default {DEFAULT_CAPACITY})."
+        )
+    return capacity

@@ -1,0 +1,136 @@
+"""The steering vector file: one safetensors file, one tensor per layer plus a JSON header in its
+metadata. No pickle.
+
+tensors   layer.<L> [hidden] float32, one per layer
+metadata  {"probehook_steering": JSON {"format_version": 1, "name", "layers", "hidden_size",
+          "model_fingerprint", "made_by", "probehook_version"}}
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from probehook.errors import CaptureConfigError
+from probehook.steering.vector import SteeringVector
+
+FORMAT_VERSION = 1
+METADATA_KEY = "probehook_steering"
+"""Key of the JSON header in the safetensors metadata of a steering vector file."""
+PROBE_METADATA_KEY = "probehook_probe"  # probehook.probes.file.METADATA_KEY
+
+
+def tensor_name(layer: int) -> str:
+    return f"layer.{layer}"
+
+
+def save_vector(vector: SteeringVector, path: str | os.PathLike[str]) -> Path:
+    """Write ``vector`` to ``path`` (atomically: a crash never leaves half a file)."""
+    from safetensors.torch import save_file
+
+    from probehook import __version__
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tensors = {tensor_name(layer): vec for layer, vec in vector.vectors.items()}
+    header = {
+        "format_version": FORMAT_VERSION,
+        "name": vector.name,
+        "layers": list(vector.layers),
+        "hidden_size": vector.hidden_size,
+        "model_fingerprint": vector.model_fingerprint,
+        "made_by": vector.made_by,
+        "probehook_version": __version__,
+    }
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        save_file(tensors, os.fspath(tmp), metadata={METADATA_KEY: json.dumps(header)})
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+def load_vector(path: str | os.PathLike[str]) -> SteeringVector:
+    """Read a steering vector file; anything damaged or foreign is a CaptureConfigError naming
+    the file."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"No steering vector file at {path}.")
+    try:
+        with safe_open(os.fspath(path), framework="pt") as f:
+            metadata = f.metadata() or {}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (not a dict)
+    except Exception as e:  # safetensors raises its own SafetensorError for any damage
+        raise CaptureConfigError(
+            f"{path} is not a readable steering vector file ({e}); it may be truncated or not "
+            "written by SteeringVector.save."
+        ) from e
+    header = _header(path, metadata)
+    layers = header.get("layers")
+    if not isinstance(layers, list) or not all(
+        isinstance(x, int) and not isinstance(x, bool) for x in layers
+    ):
+        raise CaptureConfigError(
+            f"{path}: its header's layers must be a list of integers, got {layers!r}."
+        )
+    expected = {tensor_name(layer) for layer in layers}
+    if set(tensors) != expected:
+        missing = sorted(expected - set(tensors))
+        extra = sorted(set(tensors) - expected)
+        raise CaptureConfigError(
+            f"{path}: its tensors do not match its header's layers {layers}: missing "
+            f"{missing}, unexpected {extra}."
+        )
+    for layer in layers:
+        t = tensors[tensor_name(layer)]
+        if t.dtype != torch.float32:
+            raise CaptureConfigError(
+                f"{path}: tensor {tensor_name(layer)!r} is {t.dtype}, not float32."
+            )
+        if t.ndim != 1 or len(t) != header.get("hidden_size"):
+            raise CaptureConfigError(
+                f"{path}: tensor {tensor_name(layer)!r} has shape {tuple(t.shape)} but the "
+                f"header says hidden size {header.get('hidden_size')!r}."
+            )
+    try:
+        return SteeringVector(
+            {layer: tensors[tensor_name(layer)] for layer in layers},
+            header.get("name"),
+            model_fingerprint=header.get("model_fingerprint"),
+            made_by=header.get("made_by"),
+        )
+    except CaptureConfigError as e:
+        raise CaptureConfigError(f"{path} holds an invalid steering vector: {e}") from e
+
+
+def _header(path: Path, metadata: dict[str, str]) -> dict[str, Any]:
+    if METADATA_KEY not in metadata:
+        if PROBE_METADATA_KEY in metadata:
+            raise CaptureConfigError(
+                f"{path} is a probe file (LinearProbe.save), not a steering vector; use "
+                "SteeringVector.from_probe(LinearProbe.load(path))."
+            )
+        raise CaptureConfigError(
+            f"{path} is a safetensors file without {METADATA_KEY!r} metadata: it was not "
+            "written by SteeringVector.save."
+        )
+    try:
+        header = json.loads(metadata[METADATA_KEY])
+    except ValueError as e:
+        raise CaptureConfigError(f"{path}: its {METADATA_KEY!r} metadata is not JSON: {e}") from e
+    if not isinstance(header, dict):
+        raise CaptureConfigError(f"{path}: its {METADATA_KEY!r} metadata is not a JSON object.")
+    version = header.get("format_version")
+    if version != FORMAT_VERSION:
+        raise CaptureConfigError(
+            f"{path} is steering vector format version {version!r}, but this probehook reads "
+            f"version {FORMAT_VERSION}; use the probehook release that wrote it."
+        )
+    return header

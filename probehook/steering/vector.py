@@ -1,0 +1,675 @@
+"""``SteeringVector``: one residual-stream direction per layer, made offline, saved as one file.
+
+A steering vector holds a float32 ``[hidden]`` direction for each of one or more decoder layers.
+The engine adds ``scale * vector(layer)`` to the layer's output residual stream; this module only
+builds, checks and stores the directions (no vLLM here). Ways to make one:
+
+* by hand: ``SteeringVector({12: tensor}, "name")``;
+* from an activation store, by contrast (:meth:`SteeringVector.from_store`): the mean of the
+  positive requests' rows minus the mean of the negative requests' rows at one layer;
+* from a binary :class:`~probehook.probes.LinearProbe` (:meth:`SteeringVector.from_probe`).
+
+:func:`mean_residual_norm` measures the typical norm of a layer's rows, to pick a scale.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import operator
+import os
+import warnings
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from probehook.errors import CaptureConfigError
+
+if TYPE_CHECKING:
+    from probehook.probes.linear import LinearProbe
+    from probehook.probes.rows import Labels
+    from probehook.store import ActivationStore
+
+logger = logging.getLogger(__name__)
+
+PHASES = ("prefill", "decode")
+TOKENS = ("all", "last")
+"""Rows ``from_store`` averages: every row of a request, or its last (one per completion)."""
+BLOCK_BYTES = 32 << 20
+"""Rows are read from a store this many bytes (as float32) at a time."""
+NORM_WINDOWS = 16
+"""``mean_residual_norm`` reads a large layer in this many evenly spaced contiguous windows."""
+MAX_IDS_SHOWN = 5
+
+ArrayLike = torch.Tensor | np.ndarray
+
+
+class SteeringVector:
+    """A ``[hidden]`` float32 direction for each of one or more layers.
+
+    ``vectors`` maps a layer index (an ``int``, numpy integers too) to a 1-D tensor or array;
+    every layer's vector must have the same length (the model's hidden size) and finite values.
+    ``name`` labels it in reprs, files and logs. ``model_fingerprint`` is the fingerprint of the
+    model it was made from (an activation store's ``meta["model_fingerprint"]``), checked by
+    :meth:`check_model`. ``made_by`` says how it was made (JSON-serialisable). Bad input raises
+    :class:`~probehook.errors.CaptureConfigError` naming the bad value.
+
+    The object is immutable: :meth:`vector` and :attr:`vectors` return copies, and
+    :meth:`scaled` / :meth:`with_name` return new vectors.
+    """
+
+    def __init__(
+        self,
+        vectors: Mapping[int, ArrayLike | Sequence[float]],
+        name: str | None = None,
+        *,
+        model_fingerprint: str | None = None,
+        made_by: dict[str, Any] | None = None,
+    ) -> None:
+        if not isinstance(vectors, Mapping):
+            raise CaptureConfigError(
+                f"vectors must be a dict from layer index to a [hidden] vector, got "
+                f"{type(vectors).__name__}."
+            )
+        if not vectors:
+            raise CaptureConfigError(
+                "vectors is empty: a steering vector needs a [hidden] vector for at least one "
+                "layer, e.g. SteeringVector({12: direction})."
+            )
+        if name is not None and not isinstance(name, str):
+            raise CaptureConfigError(f"name must be a string or None, got {name!r}.")
+        if name == "":
+            raise CaptureConfigError("name is the empty string; give a name or leave it None.")
+        if model_fingerprint is not None and not isinstance(model_fingerprint, str):
+            raise CaptureConfigError(
+                f"model_fingerprint must be a string or None, got {model_fingerprint!r}."
+            )
+        checked: dict[int, torch.Tensor] = {}
+        first: int | None = None
+        for key, value in vectors.items():
+            layer = _layer_index(key)
+            if layer in checked:
+                raise CaptureConfigError(f"layer {layer} is given twice (as {key!r}).")
+            vec = _vector(layer, value)
+            if first is not None and len(vec) != len(checked[first]):
+                raise CaptureConfigError(
+                    f"layer {layer}'s vector has {len(vec)} values but layer {first}'s has "
+                    f"{len(checked[first])}: every layer's vector has the model's hidden size."
+                )
+            first = layer if first is None else first
+            checked[layer] = vec
+        self._vectors = dict(sorted(checked.items()))
+        self._name = name
+        self._model_fingerprint = model_fingerprint
+        self._made_by = _json_copy("made_by", {} if made_by is None else made_by)
+        self._digest: str | None = None
+
+    # -- fields -------------------------------------------------------------------------------
+
+    @property
+    def name(self) -> str | None:
+        return self._name
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        """The layers it steers, ascending."""
+        return tuple(self._vectors)
+
+    @property
+    def hidden_size(self) -> int:
+        return len(next(iter(self._vectors.values())))
+
+    @property
+    def model_fingerprint(self) -> str | None:
+        return self._model_fingerprint
+
+    @property
+    def made_by(self) -> dict[str, Any]:
+        """How it was made (a copy): ``method`` (``"mean_difference"``, ``"probe"``; absent for a
+        hand-made vector) and that method's inputs; ``scale`` after :meth:`scaled`."""
+        return json.loads(json.dumps(self._made_by))
+
+    def vector(self, layer: int) -> torch.Tensor:
+        """The float32 ``[hidden]`` vector of ``layer`` (a copy)."""
+        key = _layer_index(layer)
+        if key not in self._vectors:
+            raise KeyError(
+                f"steering vector {self._label()} has no layer {layer!r}; its layers are "
+                f"{list(self.layers)}."
+            )
+        return self._vectors[key].clone()
+
+    @property
+    def vectors(self) -> dict[int, torch.Tensor]:
+        """``{layer: float32 [hidden]}`` (copies), layers ascending."""
+        return {layer: vec.clone() for layer, vec in self._vectors.items()}
+
+    @property
+    def digest(self) -> str:
+        """Hex SHA-256 of the content: each layer's index and hidden size, then its vector as
+        little-endian float32 bytes, layers ascending. The name, fingerprint and ``made_by`` are
+        not part of it; equal digests mean the engine adds the same values."""
+        if self._digest is None:
+            h = hashlib.sha256(b"probehook-steering-v1\n")
+            for layer, vec in self._vectors.items():
+                h.update(f"{layer}:{len(vec)}\n".encode())
+                h.update(vec.numpy().astype("<f4", copy=False).tobytes())
+            self._digest = h.hexdigest()
+        return self._digest
+
+    def norm(self, layer: int) -> float:
+        """The L2 norm of ``layer``'s vector."""
+        return float(torch.linalg.vector_norm(self.vector(layer).double()))
+
+    # -- new vectors --------------------------------------------------------------------------
+
+    def scaled(self, factor: float) -> SteeringVector:
+        """A copy with every layer's vector multiplied by ``factor`` (``made_by["scale"]``
+        records the product of all factors applied)."""
+        number = int | float | np.integer | np.floating
+        if isinstance(factor, bool) or not isinstance(factor, number):
+            raise CaptureConfigError(f"factor must be a number, got {factor!r}.")
+        factor = float(factor)
+        if not math.isfinite(factor):
+            raise CaptureConfigError(f"factor={factor}; it must be finite.")
+        made_by = dict(self._made_by)
+        made_by["scale"] = float(made_by.get("scale", 1.0)) * factor
+        vectors = {layer: (vec.double() * factor).float() for layer, vec in self._vectors.items()}
+        return SteeringVector(
+            vectors, self._name, model_fingerprint=self._model_fingerprint, made_by=made_by
+        )
+
+    def with_name(self, name: str | None) -> SteeringVector:
+        """A copy named ``name``."""
+        return SteeringVector(
+            self._vectors, name, model_fingerprint=self._model_fingerprint, made_by=self._made_by
+        )
+
+    # -- checks -------------------------------------------------------------------------------
+
+    def check_model(self, num_layers: int, hidden_size: int, model_fingerprint: str | None) -> None:
+        """Raise :class:`~probehook.errors.CaptureConfigError` if the model lacks one of the
+        layers or has another hidden size; warn (and log) if both fingerprints are known and
+        differ (same shapes, maybe another model)."""
+        beyond = [layer for layer in self._vectors if layer >= num_layers]
+        if beyond:
+            raise CaptureConfigError(
+                f"steering vector {self._label()} has layer {beyond[0]}, but the model has "
+                f"{num_layers} decoder layers (0..{num_layers - 1}): it was made for another "
+                "model."
+            )
+        if hidden_size != self.hidden_size:
+            raise CaptureConfigError(
+                f"steering vector {self._label()} has hidden size {self.hidden_size}, but the "
+                f"model's hidden size is {hidden_size}: it was made for another model."
+            )
+        if (
+            self._model_fingerprint is not None
+            and model_fingerprint is not None
+            and self._model_fingerprint != model_fingerprint
+        ):
+            message = (
+                f"steering vector {self._label()} was made from a model with fingerprint "
+                f"{self._model_fingerprint}, but this model's is {model_fingerprint}; its "
+                "direction may mean nothing here."
+            )
+            logger.warning(message)
+            warnings.warn(message, stacklevel=2)
+
+    # -- files --------------------------------------------------------------------------------
+
+    def save(self, path: str | os.PathLike[str]) -> Path:
+        """Write one safetensors file: a tensor ``layer.<L>`` per layer, the rest as JSON under
+        the metadata key ``probehook_steering``; atomic (a crash never leaves half a file).
+        Returns the path."""
+        from probehook.steering.file import save_vector
+
+        return save_vector(self, path)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> SteeringVector:
+        """Read a file written by :meth:`save`. A missing file is a ``FileNotFoundError``; a
+        damaged or foreign one a :class:`~probehook.errors.CaptureConfigError` naming it."""
+        from probehook.steering.file import load_vector
+
+        return load_vector(path)
+
+    # -- making -------------------------------------------------------------------------------
+
+    @classmethod
+    def from_store(
+        cls,
+        store: ActivationStore | str | os.PathLike[str],
+        layer: int,
+        positive: Sequence[str] | None = None,
+        negative: Sequence[str] | None = None,
+        *,
+        labels: Labels | None = None,
+        positive_label: Any = True,
+        negative_label: Any = False,
+        phase: str = "decode",
+        token: str = "all",
+        name: str | None = None,
+    ) -> SteeringVector:
+        """Contrastive activation addition: the mean of the positive requests' rows at ``layer``
+        minus the mean of the negative requests' rows (each mean over rows, float64).
+
+        Say which requests are which either by store ids, ``positive=[...]`` and
+        ``negative=[...]``, or by ``labels`` exactly as in ``LinearProbe.fit`` (a dict from store
+        id to label, or a callable taking a ``StoredRequest``): requests labelled
+        ``positive_label`` (default ``True``) are positive, ``negative_label`` (default
+        ``False``) negative, any other label (``None`` too) is left out. A labels dict must have
+        an entry for every request with rows there, as in ``LinearProbe.fit``.
+
+        ``phase``: ``"decode"`` (generated tokens' rows) or ``"prefill"`` (prompt rows, if
+        captured). ``token``: ``"all"`` (every row of a request) or ``"last"`` (its last row,
+        one per completion for decode). Rows stream from the store; memory stays bounded.
+        ``store`` is an ``ActivationStore`` or its path. ``made_by`` records the method, layer,
+        phase, token, request and row counts and the store path; the vector carries the store's
+        model fingerprint.
+        """
+        from probehook.store import ActivationStore
+
+        if phase not in PHASES:
+            raise CaptureConfigError(f"phase={phase!r}; valid phases are {PHASES}.")
+        if token not in TOKENS:
+            raise CaptureConfigError(
+                f"token={token!r}; from_store averages rows with token in {TOKENS}."
+            )
+        layer_index = _layer_index(layer)
+        classify = _classifier(positive, negative, labels, positive_label, negative_label)
+        if not isinstance(store, ActivationStore):
+            with ActivationStore.open(store) as opened:
+                return cls.from_store(
+                    opened,
+                    layer_index,
+                    positive,
+                    negative,
+                    labels=labels,
+                    positive_label=positive_label,
+                    negative_label=negative_label,
+                    phase=phase,
+                    token=token,
+                    name=name,
+                )
+        sums, counts, requests = _class_sums(store, layer_index, phase, token, classify)
+        pos_mean = sums[0] / counts[0]
+        neg_mean = sums[1] / counts[1]
+        made_by = {
+            "method": "mean_difference",
+            "layer": layer_index,
+            "phase": phase,
+            "token": token,
+            "n_positive_requests": requests[0],
+            "n_negative_requests": requests[1],
+            "n_positive_rows": counts[0],
+            "n_negative_rows": counts[1],
+            "store": str(store.root),
+        }
+        if labels is not None:
+            made_by["positive_label"] = _jsonable(positive_label)
+            made_by["negative_label"] = _jsonable(negative_label)
+        return cls(
+            {layer_index: (pos_mean - neg_mean).float()},
+            name,
+            model_fingerprint=store.meta.get("model_fingerprint"),
+            made_by=made_by,
+        )
+
+    @classmethod
+    def from_probe(
+        cls, probe: LinearProbe, name: str | None = None, unit: bool = True
+    ) -> SteeringVector:
+        """The direction of a binary probe in the raw residual space, at the probe's layer.
+
+        The probe's input normalisation is folded in: its logit is ``w·((x - mean)/std) + b``,
+        so the raw direction is ``w / std`` (``probe.linear()``'s weight), and ``vector·x`` equals
+        the logit minus a constant. It points toward the probe's positive label
+        (``label_names[1]``). ``unit=True`` (the default) divides it by its L2 norm, so the
+        vector has norm 1 and the engine's scale is the size of the step; ``unit=False`` keeps
+        the probe's own length. ``name`` defaults to the probe's name. Multiclass and regression
+        probes are refused.
+        """
+        from probehook.probes.linear import LinearProbe
+
+        if not isinstance(probe, LinearProbe):
+            raise CaptureConfigError(
+                f"probe must be a LinearProbe, got {type(probe).__name__}; load one with "
+                "LinearProbe.load(path)."
+            )
+        if probe.kind != "binary":
+            raise CaptureConfigError(
+                f"probe {probe.name or ''!s} is a {probe.kind} probe; only a binary probe has "
+                "one direction (a multiclass probe has one per class: build a vector by hand "
+                "from probe.linear()[0][k], or use from_store)."
+            )
+        weight = probe.linear()[0][0].double()
+        norm = float(torch.linalg.vector_norm(weight))
+        if unit:
+            if norm == 0.0:
+                raise CaptureConfigError(
+                    f"probe {probe.name!r}'s weight is all zeros: it has no direction to normalise."
+                )
+            weight = weight / norm
+        made_by = {
+            "method": "probe",
+            "probe_name": probe.name,
+            "layer": probe.layer,
+            "phase": probe.phase,
+            "token": probe.token,
+            "positive_label": None if probe.label_names is None else probe.label_names[1],
+            "unit": bool(unit),
+            "probe_norm": norm,
+        }
+        return cls(
+            {probe.layer: weight.float()},
+            probe.name if name is None else name,
+            model_fingerprint=probe.model_fingerprint,
+            made_by=made_by,
+        )
+
+    # -- display ------------------------------------------------------------------------------
+
+    def _label(self) -> str:
+        return repr(self._name) if self._name else f"(layers {list(self.layers)})"
+
+    def __repr__(self) -> str:
+        parts = [f"name={self._name!r}"] if self._name else []
+        parts += [f"layers={list(self.layers)}", f"hidden={self.hidden_size}"]
+        norms = ", ".join(f"{layer}: {self.norm(layer):.4g}" for layer in self.layers[:4])
+        parts.append(f"norm={{{norms}{', ...' if len(self.layers) > 4 else ''}}}")
+        if "method" in self._made_by:
+            parts.append(f"method={self._made_by['method']!r}")
+        if "scale" in self._made_by:
+            parts.append(f"scale={self._made_by['scale']:.4g}")
+        return f"SteeringVector({', '.join(parts)})"
+
+
+def mean_residual_norm(
+    store: ActivationStore | str | os.PathLike[str],
+    layer: int,
+    phase: str = "decode",
+    limit: int = 65536,
+) -> float:
+    """The mean L2 norm of ``layer``'s rows in ``store`` (float64), to choose a steering scale
+    as a multiple of the typical residual norm.
+
+    Reads at most ``limit`` rows: all of them if the layer has no more, else ``limit`` rows in
+    16 evenly spaced contiguous windows across the store. ``store`` is an ``ActivationStore``
+    or its path.
+    """
+    from probehook.store import ActivationStore
+
+    if phase not in PHASES:
+        raise CaptureConfigError(f"phase={phase!r}; valid phases are {PHASES}.")
+    if isinstance(limit, bool) or not isinstance(limit, int | np.integer) or limit < 1:
+        raise CaptureConfigError(f"limit must be a positive number of rows, got {limit!r}.")
+    layer_index = _layer_index(layer)
+    if not isinstance(store, ActivationStore):
+        with ActivationStore.open(store) as opened:
+            return mean_residual_norm(opened, layer_index, phase, limit)
+    matrix = _matrix(store, layer_index, phase, "all")
+    n = len(matrix)
+    limit = int(limit)
+    if n <= limit:
+        windows = [(0, n)]
+    else:
+        k = min(NORM_WINDOWS, limit)
+        size = limit // k
+        starts = np.linspace(0, n - size, k).astype(np.int64)
+        windows = [(int(s), int(s) + size) for s in starts]
+    block = max(1, BLOCK_BYTES // (4 * store.hidden_size))
+    total, count = 0.0, 0
+    for begin, end in windows:
+        for lo in range(begin, end, block):
+            rows = matrix[lo : min(lo + block, end)].double()
+            total += float(torch.linalg.vector_norm(rows, dim=1).sum())
+            count += len(rows)
+    return total / count
+
+
+# -- helpers ------------------------------------------------------------------------------------
+
+
+def _layer_index(key: Any) -> int:
+    """A layer index: a non-negative integer of any integer type; ``bool`` is not one."""
+    layer = None
+    if not isinstance(key, bool):
+        try:
+            layer = operator.index(key)
+        except TypeError:
+            layer = None
+    if layer is None:
+        raise CaptureConfigError(
+            f"layer {key!r} ({type(key).__name__}) is not an integer; layers are decoder layer "
+            "indices 0, 1, ..."
+        )
+    if layer < 0:
+        raise CaptureConfigError(
+            f"layer {layer} is negative; steering vectors take absolute decoder layer indices "
+            "(0 is the first layer)."
+        )
+    return int(layer)
+
+
+def _vector(layer: int, value: Any) -> torch.Tensor:
+    """A CPU float32 contiguous copy of one layer's vector: 1-D, non-empty, finite."""
+    try:
+        t = value if isinstance(value, torch.Tensor) else torch.as_tensor(np.asarray(value))
+    except (TypeError, ValueError) as e:
+        raise CaptureConfigError(
+            f"layer {layer}'s vector must be a tensor or array of numbers: {e}"
+        ) from e
+    if t.dtype == torch.bool or t.is_complex() or not (t.is_floating_point() or _is_int(t)):
+        raise CaptureConfigError(f"layer {layer}'s vector must be real numbers, got {t.dtype}.")
+    if t.ndim != 1:
+        raise CaptureConfigError(
+            f"layer {layer}'s vector has shape {tuple(t.shape)}; it must be 1-D [hidden] (one "
+            "direction per layer)."
+        )
+    if len(t) == 0:
+        raise CaptureConfigError(f"layer {layer}'s vector is empty; it must be [hidden].")
+    t = t.detach().to("cpu", torch.float32).contiguous().clone()
+    bad = ~torch.isfinite(t)
+    if bool(bad.any()):
+        raise CaptureConfigError(
+            f"layer {layer}'s vector has {int(bad.sum())} NaN or infinite value(s) (first at "
+            f"index {int(bad.nonzero()[0, 0])}, after conversion to float32)."
+        )
+    return t
+
+
+def _is_int(t: torch.Tensor) -> bool:
+    return t.dtype in (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+
+
+def _json_copy(what: str, value: Any) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise CaptureConfigError(f"{what} must be a dict, got {type(value).__name__}.")
+    try:
+        return json.loads(json.dumps(value, allow_nan=False))
+    except (TypeError, ValueError) as e:
+        raise CaptureConfigError(f"{what} must be JSON-serialisable (it is saved): {e}") from e
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, np.generic):
+        value = value.item()
+    try:
+        json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError):
+        return repr(value)
+    return value
+
+
+def _some(ids: Sequence[Any]) -> str:
+    shown = ", ".join(repr(i) for i in ids[:MAX_IDS_SHOWN])
+    return f"[{shown}{', ...' if len(ids) > MAX_IDS_SHOWN else ''}]"
+
+
+class _Classifier:
+    """Says which class (0 positive, 1 negative, None left out) each store id is in."""
+
+    def __init__(
+        self,
+        ids: dict[str, int] | None,
+        labels: Labels | None,
+        positive_label: Any,
+        negative_label: Any,
+    ) -> None:
+        self.ids, self.labels = ids, labels
+        self.positive_label, self.negative_label = positive_label, negative_label
+        self.seen: set[str] = set()
+        """repr of every label met (labels= only), for errors."""
+
+    def resolve(self, store: ActivationStore, present: list[str], where: str) -> dict[str, Any]:
+        if self.ids is not None:
+            unknown = [sid for sid in self.ids if sid not in store]
+            if unknown:
+                raise CaptureConfigError(
+                    f"{len(unknown)} of the given ids are not store ids of {store.root}: "
+                    f"{_some(unknown)}. Ids are StoredRequest.store_id (output.store_id), not "
+                    "vLLM request ids."
+                )
+            have = set(present)
+            absent = [sid for sid in self.ids if sid not in have]
+            if absent:
+                logger.warning(
+                    "%d of the given requests have no %s and are not used: %s",
+                    len(absent),
+                    where,
+                    _some(absent),
+                )
+            return {sid: self.ids.get(sid) for sid in present}
+        from probehook.probes.rows import LabelSource
+
+        source = LabelSource(self.labels)  # type: ignore[arg-type]
+        found = source.resolve(store, present, where)
+        self.seen = {repr(label) for label in found.values() if label is not None}
+        return {sid: self._class_of(label) for sid, label in found.items()}
+
+    def _class_of(self, label: Any) -> int | None:
+        if label is None:
+            return None
+        if _equal(label, self.positive_label):
+            return 0
+        if _equal(label, self.negative_label):
+            return 1
+        return None
+
+
+def _equal(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except (TypeError, ValueError):  # e.g. an array label: ambiguous truth value
+        return False
+
+
+def _classifier(
+    positive: Sequence[str] | None,
+    negative: Sequence[str] | None,
+    labels: Labels | None,
+    positive_label: Any,
+    negative_label: Any,
+) -> _Classifier:
+    """Check ``from_store``'s way of naming the two classes before any rows are read."""
+    if labels is not None:
+        if positive is not None or negative is not None:
+            raise CaptureConfigError(
+                "give either positive=/negative= store ids or labels=, not both."
+            )
+        if not isinstance(labels, Mapping) and not callable(labels):
+            raise CaptureConfigError(
+                "labels must be a dict from store id to label or a callable taking a "
+                f"StoredRequest; got {type(labels).__name__}."
+            )
+        if _equal(positive_label, negative_label):
+            raise CaptureConfigError(
+                f"positive_label and negative_label are equal ({positive_label!r}); the two "
+                "classes need different labels."
+            )
+        return _Classifier(None, labels, positive_label, negative_label)
+    if positive is None or negative is None:
+        raise CaptureConfigError(
+            "from_store needs the two classes: positive=[store ids] and negative=[store ids], "
+            "or labels= (with positive_label= / negative_label=)."
+        )
+    sides = {}
+    for what, ids in (("positive", positive), ("negative", negative)):
+        if isinstance(ids, str) or not isinstance(ids, Sequence | set | frozenset):
+            raise CaptureConfigError(f"{what} must be a list of store ids, got {ids!r}.")
+        ids = list(ids)
+        if not ids:
+            raise CaptureConfigError(f"{what} is empty: each class needs at least one request.")
+        bad = [i for i in ids if not isinstance(i, str)]
+        if bad:
+            raise CaptureConfigError(f"{what} has ids that are not strings: {_some(bad)}.")
+        sides[what] = ids
+    both = sorted(set(sides["positive"]) & set(sides["negative"]))
+    if both:
+        raise CaptureConfigError(
+            f"{len(both)} id(s) are both positive and negative: {_some(both)}."
+        )
+    ids = {sid: 0 for sid in sides["positive"]} | {sid: 1 for sid in sides["negative"]}
+    return _Classifier(ids, None, positive_label, negative_label)
+
+
+def _matrix(store: ActivationStore, layer: int, phase: str, token: str) -> Any:
+    if layer not in store.layers:
+        raise CaptureConfigError(
+            f"layer {layer} is not in {store.root}; its layers are {store.layers}."
+        )
+    matrix = store.layer(layer, phase, token)
+    if len(matrix) == 0:
+        hint = " (was it captured with include_prefill=True?)" if phase == "prefill" else ""
+        raise CaptureConfigError(f"{store.root} has no {phase} rows of layer {layer}{hint}.")
+    return matrix
+
+
+def _class_sums(
+    store: ActivationStore, layer: int, phase: str, token: str, classify: _Classifier
+) -> tuple[list[torch.Tensor], list[int], list[int]]:
+    """Per class (positive, negative): the float64 sum of its rows, its row count and its
+    request count, streamed a block of rows at a time."""
+    matrix = _matrix(store, layer, phase, token)
+    where = f"{phase} rows of layer {layer}"
+    sids = matrix.index["store_id"]
+    present = list(dict.fromkeys(sids.tolist()))
+    class_of = classify.resolve(store, present, where)
+    code = {sid: -1 if c is None else c for sid, c in class_of.items()}
+    row_class = np.fromiter((code[sid] for sid in sids), dtype=np.int64, count=len(sids))
+    counts = [int((row_class == c).sum()) for c in (0, 1)]
+    requests = [sum(1 for v in class_of.values() if v == c) for c in (0, 1)]
+    for c, what in ((0, "positive"), (1, "negative")):
+        if counts[c] > 0:
+            continue
+        if classify.ids is not None:
+            raise CaptureConfigError(
+                f"none of the {what} requests has {where} in {store.root}; each class needs "
+                "at least one request with rows."
+            )
+        wanted = classify.positive_label if c == 0 else classify.negative_label
+        raise CaptureConfigError(
+            f"no request with {where} in {store.root} is labelled {wanted!r} ({what}_label); "
+            f"the labels seen are {sorted(classify.seen)[:10]}. Set positive_label= and "
+            "negative_label= to two of them."
+        )
+    hidden = store.hidden_size
+    sums = [torch.zeros(hidden, dtype=torch.float64) for _ in (0, 1)]
+    block = max(1, BLOCK_BYTES // (4 * hidden))
+    for begin in range(0, len(matrix), block):
+        end = min(begin + block, len(matrix))
+        cls_rows = row_class[begin:end]
+        if not (cls_rows >= 0).any():
+            continue
+        rows = matrix[begin:end].double()
+        for c in (0, 1):
+            mask = torch.from_numpy(cls_rows == c)
+            if bool(mask.any()):
+                sums[c] += rows[mask].sum(dim=0)
+    return sums, counts, requests

@@ -227,6 +227,8 @@ class CaptureSession:
 
     def cache_salt(self, params: Any) -> str | None:
         """The prefix-cache salt of a request tagged by :meth:`tag` (None: not steered)."""
+        if self.steering is None:
+            return None
         steer = self._steering_of(wire_of(params))
         return steer.salt if steer is not None else None
 

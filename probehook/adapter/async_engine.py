@@ -307,6 +307,14 @@ class AsyncLLM(VllmAsyncLLM):
             steering = self._plan.steering
         return dict(steering.vectors) if steering is not None else {}
 
+    def steering_info(self) -> dict[str, Any]:
+        """The steered layers, the bank's capacity and its vectors (for ``GET
+        /v1/probehook``); empty layers and vectors when the engine does not steer."""
+        steering = self.capture.steering if self.capture is not None else None
+        if steering is None:
+            return {"layers": [], "capacity": 0, "vectors": {}}
+        return steering.describe()
+
     async def add_steering(self, name: str, vector: Any) -> None:
         """Put ``vector`` in the engine's bank under ``name`` while it runs (no restart, no
         recompilation); see :meth:`probehook.LLM.add_steering`."""

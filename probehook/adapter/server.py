@@ -47,6 +47,25 @@ def add_capture_args(parser: Any) -> None:
         "acts on requests that ask for its probe; repeatable",
     )
     group.add_argument(
+        "--steer",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="a steering vector file (safetensors, SteeringVector.save) requests may steer with "
+        '("probehook": {"steer": {"NAME": scale}}); repeatable',
+    )
+    group.add_argument(
+        "--steering-layers",
+        default=None,
+        help="more layers to give a steering op than the --steer vectors' own ('1,5' or 'all')",
+    )
+    group.add_argument(
+        "--steering-capacity",
+        type=int,
+        default=64,
+        help="the most steering vectors the engine's bank holds (default 64)",
+    )
+    group.add_argument(
         "--include-prefill",
         action="store_true",
         help="let requests ask for prompt rows and scores too",
@@ -82,14 +101,10 @@ def capture_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """``AsyncLLM`` capture arguments from the parsed flags; bad flags exit with a message."""
     from probehook.cli import parse_layers
 
-    probes = {}
-    for item in args.probe:
-        name, sep, path = item.partition("=")
-        if not sep or not name or not path:
-            raise SystemExit(f"error: --probe {item!r} must be NAME=PATH (e.g. truth=probe.st)")
-        if name in probes:
-            raise SystemExit(f"error: --probe {name} is given twice")
-        probes[name] = path
+    probes = _named_paths("--probe", args.probe, "truth=probe.st")
+    steering = _named_paths("--steer", args.steer, "calm=calm.st")
+    if args.steering_capacity < 1:
+        raise SystemExit("error: --steering-capacity must be a positive number of vectors")
     try:
         monitors = [parse_monitor(spec) for spec in args.monitor]
     except CaptureConfigError as e:
@@ -99,13 +114,32 @@ def capture_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     if args.store_flush_interval < 0:
         raise SystemExit("error: --store-flush-interval must be 0 (off) or positive seconds")
     layers = parse_layers(args.layers) if args.layers is not None else None
+    steering_layers = (
+        parse_layers(args.steering_layers) if args.steering_layers is not None else None
+    )
     return dict(
         layers=layers,
         probes=probes or None,
         monitors=monitors or None,
         include_prefill=args.include_prefill,
         store=args.store,
+        steering=steering or None,
+        steering_layers=steering_layers,
+        steering_capacity=args.steering_capacity,
     )
+
+
+def _named_paths(flag: str, items: list[str], example: str) -> dict[str, str]:
+    """``NAME=PATH`` flags as a dict; a malformed or repeated name exits with a message."""
+    out: dict[str, str] = {}
+    for item in items:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise SystemExit(f"error: {flag} {item!r} must be NAME=PATH (e.g. {example})")
+        if name in out:
+            raise SystemExit(f"error: {flag} {name} is given twice")
+        out[name] = path
+    return out
 
 
 def parse_capture_default(text: str | None) -> dict[str, Any] | None:
@@ -317,6 +351,7 @@ def _describe(engine: Any, limit: int, default: dict[str, Any] | None = None) ->
         "dtype": str(info.get("dtype", "")).removeprefix("torch.") or None,
         "max_capture_response_bytes": limit,
         "capture_default": default,
+        "steering": engine.steering_info(),
     }
 
     async def describe() -> dict[str, Any]:

@@ -197,6 +197,7 @@ class ProbehookWorkerExtension:
             "export_ns": sum(r.export_ns for r in recorders),
             "steps": hook.steps,
             "steps_steered": getattr(steer, "steps_steered", 0),
+            **_compilations(),
             "forwards": hook.forwards,
             "step_ns": hook.step_ns,
         }
@@ -207,6 +208,18 @@ def _publish(recorder: StepRecorder, publisher: stream_plane.Publisher, live: An
     chunks = recorder.take_streamed(live)
     if chunks:  # one message for every stream of the step
         publisher.send(stream_plane.encode(source, chunks, recorder.row_dtype))
+
+
+def _compilations() -> dict[str, int]:
+    """How many graphs this worker process compiled (a recompile after start-up shows here)."""
+    from torch._dynamo.utils import counters
+    from vllm.compilation.counter import compilation_counter
+
+    return {
+        "graphs_seen": compilation_counter.num_graphs_seen,
+        "backend_compilations": compilation_counter.num_backend_compilations,
+        "dynamo_graphs": int(counters["stats"]["unique_graphs"]),
+    }
 
 
 def _steering(hook: StepHook, steering: dict[str, Any] | None) -> StepSteering:

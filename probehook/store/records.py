@@ -32,6 +32,7 @@ def pending_request(
                 "text": c.text,
                 "finish_reason": c.finish_reason,
                 **_probe_fields(c),
+                **_steering_field(c),
             }
             for c in completions(output)
         ],
@@ -68,6 +69,13 @@ def _probe_fields(completion: Any) -> dict[str, Any]:
         fields["probe_flags"] = dict(getattr(completion, "probe_flags", None) or {})
         fields["stop_reason"] = _jsonable_reason(completion.stop_reason)
     return fields
+
+
+def _steering_field(completion: Any) -> dict[str, Any]:
+    """Which steering applied to a completion: vectors and scales, phase, gate, and ``start``
+    (the first steered position; None if a gate never crossed)."""
+    steering = getattr(completion, "steering", None)
+    return {"steering": steering} if steering is not None else {}
 
 
 def _scores(scores: dict[str, Any]) -> dict[str, list]:

@@ -145,6 +145,13 @@ class StoredRequest:
         return done[0]["finish_reason"] if done else None
 
     @property
+    def steering(self) -> dict[str, Any] | None:
+        """The first completion's steering (vectors and scales, phase, gate, ``start``: the
+        first steered position), None if it was not steered."""
+        done = self.record["completions"]
+        return done[0].get("steering") if done else None
+
+    @property
     def prefill_hidden_states(self) -> dict[int, torch.Tensor]:
         return self._rows("prefill", None)
 

@@ -218,3 +218,77 @@ def test_monitors_without_probes(llm_cls, llama_dir: Path) -> None:
 def test_probe_that_is_not_a_probe(llm_cls, llama_dir: Path) -> None:
     with pytest.raises(CaptureConfigError, match=r"probes\['p'\] is a dict, not a probe"):
         llm_cls(str(llama_dir), probes={"p": {"weight": [0.0]}})
+
+
+# -- steering: every bad vector or option fails before vLLM starts ----------------------------
+
+
+def _vec(layer: int = 1, hidden: int = 128, name: str | None = None):  # noqa: ANN202
+    import torch
+
+    from probehook import SteeringVector
+
+    return SteeringVector({layer: torch.ones(hidden)}, name=name)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (lambda: {"steering": {"up": _vec(hidden=64)}}, r"64.*128|128.*64"),
+        (lambda: {"steering": {"up": _vec(layer=4)}}, r"layer 4.*4"),
+        (lambda: {"steering": {"up": "missing.safetensors"}}, r"missing\.safetensors"),
+        (lambda: {"steering": {"up": [1.0, 2.0]}}, r"probehook\.SteeringVector"),
+        (lambda: {"steering": [_vec()]}, r"steering\[0\] has no name"),
+        (lambda: {"steering": [_vec(name="a"), _vec(name="a")]}, r"Two steering vectors.*'a'"),
+        (lambda: {"steering": "up"}, r"steering='up' is not valid"),
+        (lambda: {"steering": {"up": _vec()}, "steering_capacity": 0}, r"steering_capacity=0"),
+        (
+            lambda: {"steering": {"a": _vec(), "b": _vec()}, "steering_capacity": 1},
+            r"2 vectors, more than steering_capacity=1",
+        ),
+        (lambda: {"steering_layers": [9]}, r"layer 9 is out of range"),
+    ],
+)
+def test_bad_steering_fails_before_engine_start(llm_cls, llama_dir: Path, kwargs, match) -> None:
+    with pytest.raises((CaptureConfigError, FileNotFoundError), match=match):
+        llm_cls(str(llama_dir), **kwargs())
+
+
+def test_steer_monitor_needs_steering_and_known_vectors(llm_cls, llama_dir: Path) -> None:
+    from probehook import ProbeMonitor
+    from probehook.testing import random_probes
+
+    probes = {"truth": random_probes(128)["truth"]}
+    gate = ProbeMonitor("truth", 0.5, action="steer", steer={"up": 1.0})
+    with pytest.raises(CaptureConfigError, match=r"action='steer'.*no steering vectors"):
+        llm_cls(str(llama_dir), probes=probes, monitors=[gate])
+    with pytest.raises(CaptureConfigError, match=r"\['up'\].*its vectors are \['down'\]"):
+        llm_cls(str(llama_dir), probes=probes, monitors=[gate], steering={"down": _vec()})
+    with pytest.raises(CaptureConfigError, match=r"only used with action='steer'"):
+        ProbeMonitor("truth", 0.5, action="stop", steer={"up": 1.0})
+    with pytest.raises(CaptureConfigError, match=r"non-empty dict"):
+        ProbeMonitor("truth", 0.5, action="steer")
+
+
+def test_pooling_models_refuse_steering(llm_cls) -> None:
+    from probehook.testing import minilm_path
+
+    with pytest.raises(CaptureConfigError, match=r"pooling model: probehook steers generative"):
+        llm_cls(str(minilm_path()), steering={"up": _vec(layer=0, hidden=384)})
+
+
+def test_compile_cache_key_depends_on_steered_layers_not_vectors(llama_dir: Path) -> None:
+    from vllm.engine.arg_utils import EngineArgs
+
+    from probehook.adapter.engine_config import capture_engine_kwargs
+    from probehook.capture_config import CaptureConfig
+
+    def config_hash(steer_layers: tuple[int, ...]) -> str:
+        kwargs = capture_engine_kwargs({}, CaptureConfig(layers=(1,)), steer_layers=steer_layers)
+        args = EngineArgs(model=str(llama_dir), dtype="float32", max_model_len=128, **kwargs)
+        return args.create_engine_config().compute_hash()
+
+    assert len({config_hash(()), config_hash((1,)), config_hash((1, 2))}) == 3
+    # The vectors travel by RPC after start-up: nothing of theirs is in the engine arguments.
+    kwargs = capture_engine_kwargs({}, CaptureConfig(layers=(1,)), steer_layers=(1,))
+    assert "steer" not in json.dumps(kwargs["additional_config"]).replace("steer_layers", "")

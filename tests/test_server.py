@@ -11,6 +11,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,6 +31,7 @@ MAX_TOKENS = 12
 CAP_MB = 0.4  # two prompts of one layer with prefill rows fit; see test_size_cap
 # --capture-default: what a request without a probehook object captures on this server
 DEFAULT = {"probes": ["truth"], "layers": [3]}
+STEER = {"up": 1.5}
 # The template adds the BOS the offline prompt gets, so chat and offline see the same ids.
 CHAT_TEMPLATE = "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
 
@@ -47,8 +49,18 @@ def probe_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="module")
-def offline(llama_dir: Path, probe_files: dict[str, Path]) -> dict[str, Any]:
-    """Solo offline runs of every prompt, by prompt."""
+def steer_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A steering vector on layer 2 (between the two captured layers)."""
+    from probehook import SteeringVector
+
+    direction = torch.randn(128, generator=torch.Generator().manual_seed(5))
+    vector = SteeringVector({2: direction / direction.norm() * 6.0}, name="up")
+    return vector.save(tmp_path_factory.mktemp("steer") / "up.safetensors")
+
+
+@pytest.fixture(scope="module")
+def offline(llama_dir: Path, probe_files: dict[str, Path], steer_file: Path) -> dict[str, Any]:
+    """Solo offline runs of every prompt, by prompt; steered runs by ("steered", prompt)."""
     from probehook import LLM, SamplingParams
 
     llm = LLM(
@@ -56,20 +68,32 @@ def offline(llama_dir: Path, probe_files: dict[str, Path]) -> dict[str, Any]:
         layers=[0, 3],
         include_prefill=True,
         probes={name: str(path) for name, path in probe_files.items()},
+        steering={"up": str(steer_file)},
         gpu_memory_utilization=0.1,
         **ENGINE,
     )
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    steered = SamplingParams(
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        ignore_eos=True,
+        extra_args={"probehook": {"steer": STEER}},
+    )
     try:
         outs = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts(8)]
+        steers = [llm.generate([p], steered, use_tqdm=False)[0] for p in prompts(2)]
     finally:
         llm.shutdown()
-    return {out.prompt: out for out in outs}
+    return {out.prompt: out for out in outs} | {("steered", o.prompt): o for o in steers}
 
 
 @pytest.fixture(scope="module")
 def server(
-    llama_dir: Path, probe_files: dict[str, Path], offline: dict, tmp_path_factory: Any
+    llama_dir: Path,
+    probe_files: dict[str, Path],
+    steer_file: Path,
+    offline: dict,
+    tmp_path_factory: Any,
 ) -> Iterator[ServerProcess]:
     work = tmp_path_factory.mktemp("server")
     (work / "chat.jinja").write_text(CHAT_TEMPLATE)
@@ -77,6 +101,7 @@ def server(
     for name, path in probe_files.items():
         argv += ["--probe", f"{name}={path}"]
     argv += ["--monitor", "other:flag:0.5", "--max-capture-response-mb", str(CAP_MB)]
+    argv += ["--steer", f"up={steer_file}"]
     argv += ["--store", str(work / "store"), "--store-flush-interval", "0.5"]
     argv += ["--capture-default", json.dumps(DEFAULT)]
     argv += ["--chat-template", str(work / "chat.jinja"), "--served-model-name", "tiny"]
@@ -416,8 +441,64 @@ def test_reserved_xargs_key_and_info_route(client, server) -> None:
     assert info["probes"]["topic"]["labels"] == ["a", "b", "c"]
     assert info["max_capture_response_bytes"] == int(CAP_MB * (1 << 20))
     assert info["capture_default"] == DEFAULT
+    assert info["steering"]["layers"] == [2] and list(info["steering"]["vectors"]) == ["up"]
     # The server is still serving after every refusal above.
     assert client.completions.create(prompt="1+1=", **greedy()).choices[0].text is not None
+
+
+def test_steered_completions_and_chat_equal_offline(client, offline) -> None:
+    """``"steer": {"up": 1.5}`` in the probehook object: tokens and the rows after layer 3
+    (past the steered layer 2) equal the offline engine's steered run; the chat route too,
+    and a stream."""
+    for prompt in prompts(2):
+        want = offline[("steered", prompt)]
+        plain = offline[prompt]
+        assert want.outputs[0].token_ids != plain.outputs[0].token_ids  # steering shows
+        body = ignore_eos({"steer": STEER, "layers": [3]})
+        choice = client.completions.create(prompt=prompt, extra_body=body, **greedy()).choices[0]
+        assert choice.text == want.outputs[0].text
+        rows = decode_array(field(choice)["hidden_states"]["3"])
+        assert close(rows, want.outputs[0].hidden_states[3])
+        chat = client.chat.completions.create(
+            messages=[{"role": "user", "content": prompt}], extra_body=body, **greedy()
+        )
+        assert chat.choices[0].message.content == want.outputs[0].text
+        stream = client.completions.create(
+            prompt=prompt, extra_body=ignore_eos({"steer": STEER}), stream=True, **greedy()
+        )
+        assert "".join(c.choices[0].text for c in stream) == want.outputs[0].text
+
+
+@pytest.mark.parametrize(
+    ("steer", "message"),
+    [
+        ({"down": 1.0}, r"'down'.*its vectors are \['up'\]"),
+        ({"up": "big"}, r"scale of 'up' is 'big', not a number"),
+        ({"up": 1.0, "x": 2}, r"\['x'\].*\['up'\]"),
+        ([1, 2], r"steer=\[1, 2\] is not valid"),
+        ({}, r"non-empty dict"),
+    ],
+)
+def test_bad_steering_is_a_400_naming_the_vectors(client, steer, message) -> None:
+    import openai
+
+    with pytest.raises(openai.BadRequestError, match=message):
+        client.completions.create(
+            prompt="1+1=", extra_body={"probehook": {"steer": steer}}, **greedy()
+        )
+
+
+def test_non_finite_scale_is_a_400(server) -> None:
+    """JSON has no NaN, but Python's parser (and so vLLM's) reads 1e999 as infinity."""
+    raw = b'{"model": "tiny", "prompt": "1+1=", "max_tokens": 2, '
+    raw += b'"probehook": {"steer": {"up": 1e999}}}'
+    request = urllib.request.Request(
+        f"{server.base_url}/completions", data=raw, headers={"Content-Type": "application/json"}
+    )
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(request)
+    assert err.value.code == 400
+    assert "finite" in err.value.read().decode()
 
 
 def test_openai_client_example_against_this_server(server) -> None:
@@ -450,19 +531,22 @@ def test_served_captures_are_committed_while_serving_and_survive_kill_9(server, 
 
     def mine() -> list:
         ids = list(want.prompt_token_ids)
-        return [r for r in ActivationStore.open(root).requests if r.prompt_token_ids == ids]
+        records = ActivationStore.open(root).requests
+        return [r for r in records if r.prompt_token_ids == ids and r.steering is None]
 
     deadline = time.monotonic() + 60
     while len(mine()) < 2 and time.monotonic() < deadline:  # the periodic flush, server up
         time.sleep(0.5)
     server.kill()
     stored = mine()
-    # prompt 0 was captured twice: layer 3 with prompt rows, and layers 0 and 3 in the
-    # concurrent test; the ordinary request for it was not stored.
+    # prompt 0 was captured twice unsteered: layer 3 with prompt rows, and layers 0 and 3 in
+    # the concurrent test; the ordinary request for it was not stored.
     assert sorted(sorted(r.hidden_states) for r in stored) == [[0, 3], [3]]
     for record in stored:
         assert record.output_token_ids == list(want.outputs[0].token_ids)
         for layer, rows in record.hidden_states.items():
             assert close(rows.numpy(), want.outputs[0].hidden_states[layer])
     with_prefill = next(r for r in stored if r.prefill_hidden_states)
+    steered = [r for r in ActivationStore.open(root).requests if r.steering is not None]
+    assert steered and all(r.steering["vectors"] == STEER for r in steered)
     assert close(with_prefill.prefill_hidden_states[3].numpy(), want.prefill_hidden_states[3])

@@ -104,8 +104,7 @@ def test_64_combinations_in_one_batch_each_get_their_own_sum(steer_llm, vectors)
     plain = {p: o for p, o in zip(PROMPTS, steer_llm.generate(PROMPTS, _params()), strict=True)}
     before = steer_llm.collective_rpc("probehook_stats")[0]
     params = [
-        _params(c, n=2, temperature=1.0) if i % 8 == 0 else _params(c)
-        for i, c in enumerate(combos)
+        _params(c, n=2, temperature=1.0) if i % 8 == 0 else _params(c) for i, c in enumerate(combos)
     ]
     outs = steer_llm.generate(prompts, params)
     after = steer_llm.collective_rpc("probehook_stats")[0]

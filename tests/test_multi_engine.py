@@ -35,11 +35,13 @@ def test_two_llms_in_one_process_capture_their_own_rows(
 def test_tensor_parallel_2_matches_tp_1(
     eager_llm, llama_dir: Path, engine_defaults: dict, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from probehook import LLM, SamplingParams
+    from probehook import LLM, SamplingParams, SteeringVector
     from probehook.testing import assert_scores_match_rows, random_probes
 
     # vLLM's CPU backend needs one core per TP worker named explicitly.
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    direction = torch.randn(128, generator=torch.Generator().manual_seed(3))
+    up = SteeringVector({2: direction / direction.norm() * 5.0})
     tp2 = LLM(
         str(llama_dir),
         layers=[0, 2],
@@ -47,6 +49,7 @@ def test_tensor_parallel_2_matches_tp_1(
         enforce_eager=True,
         tensor_parallel_size=2,
         probes=random_probes(128),
+        steering={"up": up},
         **engine_defaults,
     )
     try:
@@ -84,5 +87,36 @@ def test_tensor_parallel_2_matches_tp_1(
         eos = tp2.get_tokenizer().eos_token_id
         assert list(stopped.token_ids) == list(got[1].outputs[0].token_ids[:k]) + [eos]
         assert stopped.stop_reason == "probe:size"
+        _check_tp2_steering(tp2, want, up, llama_dir)
     finally:
         tp2.shutdown()
+
+
+def _check_tp2_steering(tp2, unsteered, up, llama_dir: Path) -> None:  # noqa: ANN001
+    """Both ranks steer alike: the prompt rows after layer 2 are TP=1's plus the vector, and
+    the steered tokens' logprobs equal Hugging Face steered the same way."""
+    from probehook import SamplingParams
+    from probehook.testing_steering import hf_steered_logprobs, steering_terms
+
+    params = SamplingParams(
+        max_tokens=6,
+        temperature=0,
+        ignore_eos=True,
+        logprobs=0,
+        extra_args={"probehook": {"steer": {"up": 1.5}}},
+    )
+    steered = tp2.generate(PROMPTS, params, use_tqdm=False)
+    for got, plain in zip(steered, unsteered, strict=True):
+        torch.testing.assert_close(
+            got.prefill_hidden_states[2],
+            plain.prefill_hidden_states[2] + 1.5 * up.vector(2),
+            atol=1e-4,
+            rtol=0,
+        )
+        completion = got.outputs[0]
+        assert list(completion.token_ids) != list(plain.outputs[0].token_ids)
+        terms = steering_terms({"up": up.vectors}, {"up": 1.5}, start=0)
+        want = hf_steered_logprobs(llama_dir, got.prompt_token_ids, completion.token_ids, terms)
+        pairs = zip(completion.logprobs, completion.token_ids, strict=True)
+        logprobs = [lp[t].logprob for lp, t in pairs]
+        assert max(abs(a - b) for a, b in zip(logprobs, want, strict=True)) < 1e-3

@@ -68,7 +68,12 @@ def engine(
     from probehook import AsyncLLM
 
     engine = AsyncLLM(
-        str(llama_dir), probes=random_probes(128), store=store_dir, **CAPTURE, **ENGINE
+        str(llama_dir),
+        probes=random_probes(128),
+        store=store_dir,
+        steering_layers=[0],  # vectors come later (add_steering)
+        **CAPTURE,
+        **ENGINE,
     )
     yield engine
     engine.shutdown()
@@ -243,6 +248,50 @@ def test_a_stream_may_ask_for_a_subset_of_layers_and_probes(engine, offline, loo
     assert close(final.prefill_hidden_states[3], reference.prefill_hidden_states[3])
     assert list(got.probe_scores) == ["topic"]
     assert close(got.probe_scores["topic"], reference.outputs[0].probe_scores["topic"])
+
+
+def test_steered_streams_and_the_bank_while_serving(engine, offline, loop) -> None:
+    """add_steering on a running AsyncLLM, then a steered delta stream: its prompt rows after
+    layer 0 are the unsteered ones plus the vector; a request that captures nothing is
+    steered alike; after remove_steering the name is refused."""
+    from vllm.sampling_params import RequestOutputKind as Kind
+
+    from probehook import CaptureConfigError, SteeringVector
+
+    prompt = prompts(8)[4]
+    reference = offline[prompt]
+    direction = torch.randn(128, generator=torch.Generator().manual_seed(11))
+    up = SteeringVector({0: direction / direction.norm() * 5.0})
+    steer = {"probehook": {"steer": {"up": 2.0}}}
+    quiet = {"probehook": {"steer": {"up": 2.0}, "layers": [], "probes": False}}
+
+    async def main() -> tuple[list, list]:
+        await engine.add_steering("up", up)
+        return await asyncio.gather(
+            collect(engine, prompt, greedy(output_kind=Kind.DELTA, extra_args=steer)),
+            collect(engine, prompt, greedy(extra_args=quiet)),
+        )
+
+    delta, uncaptured = loop.run_until_complete(main())
+    assert engine.steering_info()["vectors"]["up"]["layers"] == [0]
+    v = 2.0 * up.vector(0)
+    first = delta[0]
+    assert close(first.prefill_hidden_states[0], reference.prefill_hidden_states[0] + v)
+    assert close(first.outputs[0].hidden_states[0][0], reference.outputs[0].hidden_states[0][0] + v)
+    for out in delta:
+        assert out.outputs[0].steering == {"vectors": {"up": 2.0}, "phase": "both", "start": 0}
+    tokens = [t for out in delta for t in out.outputs[0].token_ids]
+    assert tokens != list(reference.outputs[0].token_ids)
+    final = uncaptured[-1].outputs[0]
+    assert list(final.token_ids) == tokens and final.hidden_states == {}
+    assert final.steering["vectors"] == {"up": 2.0}
+
+    async def removed() -> None:
+        await engine.remove_steering("up")
+        await collect(engine, prompt, greedy(extra_args=steer))
+
+    with pytest.raises(CaptureConfigError, match=r"\['up'\].*its vectors are \[\]"):
+        loop.run_until_complete(removed())
 
 
 def test_request_id_is_optional(engine, loop) -> None:

@@ -331,3 +331,12 @@ def test_a_stored_record_says_which_steering_applied(llama_dir: Path, tmp_path: 
         "start": 0,
     }
     assert store[plain.store_id].steering is None
+
+
+def test_steer_on_an_engine_without_steering_is_refused(eager_llm) -> None:
+    from probehook import CaptureConfigError
+
+    with pytest.raises(CaptureConfigError, match=r"engine has no steering vectors.*steering="):
+        eager_llm.generate(["1+2="], _params({"up": 1.0}))
+    with pytest.raises(CaptureConfigError, match=r"built without steering"):
+        eager_llm.add_steering("up", _vector(1, seed=1))

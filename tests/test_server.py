@@ -101,7 +101,7 @@ def server(
     for name, path in probe_files.items():
         argv += ["--probe", f"{name}={path}"]
     argv += ["--monitor", "other:flag:0.5", "--max-capture-response-mb", str(CAP_MB)]
-    argv += ["--steer", f"up={steer_file}"]
+    argv += ["--steer", f"up={steer_file}", "--allow-inline-steering"]
     argv += ["--store", str(work / "store"), "--store-flush-interval", "0.5"]
     argv += ["--capture-default", json.dumps(DEFAULT)]
     argv += ["--chat-template", str(work / "chat.jinja"), "--served-model-name", "tiny"]
@@ -442,6 +442,7 @@ def test_reserved_xargs_key_and_info_route(client, server) -> None:
     assert info["max_capture_response_bytes"] == int(CAP_MB * (1 << 20))
     assert info["capture_default"] == DEFAULT
     assert info["steering"]["layers"] == [2] and list(info["steering"]["vectors"]) == ["up"]
+    assert info["steering"]["capacity"] == 64
     # The server is still serving after every refusal above.
     assert client.completions.create(prompt="1+1=", **greedy()).choices[0].text is not None
 
@@ -499,6 +500,68 @@ def test_non_finite_scale_is_a_400(server) -> None:
         urllib.request.urlopen(request)
     assert err.value.code == 400
     assert "finite" in err.value.read().decode()
+
+
+def test_inline_vectors_steer_like_the_servers_own(client, offline, server, steer_file) -> None:
+    """--allow-inline-steering: a request sends the up vector's values under its own name and
+    gets the offline steered run; the bank holds it only while requests use it."""
+    from probehook import SteeringVector
+
+    values = SteeringVector.load(steer_file).vector(2).tolist()
+    prompt = prompts(2)[1]
+    want = offline[("steered", prompt)].outputs[0].text
+    body = ignore_eos({"steer": {"mine": STEER["up"]}, "steer_vectors": {"mine": {"2": values}}})
+
+    def one(stream: bool) -> str:
+        if not stream:
+            return (
+                client.completions.create(prompt=prompt, extra_body=body, **greedy())
+                .choices[0]
+                .text
+            )
+        chunks = client.completions.create(prompt=prompt, extra_body=body, stream=True, **greedy())
+        return "".join(c.choices[0].text for c in chunks)
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        texts = list(pool.map(one, [False, True, False, True]))
+    assert texts == [want] * 4
+    with urllib.request.urlopen(f"{server.base_url}/probehook") as reply:
+        steering = json.load(reply)["steering"]
+    assert steering["inline_in_use"] == 0 and list(steering["vectors"]) == ["up"]
+
+
+@pytest.mark.parametrize(
+    ("vectors", "message"),
+    [
+        ({"mine": {"2": [1.0] * 64}}, r"64.*128|128.*64"),
+        ({"mine": {"1": [1.0] * 128}}, r"layer\(s\) \[1\].*steers only layers \[2\]"),
+        ({"up": {"2": [1.0] * 128}}, r"names 'up', a vector of this server"),
+        ({f"v{i}": {"2": [1.0] * 128} for i in range(5)}, r"at most 4"),
+        ({"mine": {"2": "x"}}, r"lists of numbers"),
+        ({"mine": {"two": [1.0] * 128}}, r"layers must be integers"),
+        ([1.0], r"object of named vectors"),
+    ],
+)
+def test_bad_inline_vectors_are_400s(client, server, vectors, message) -> None:
+    import openai
+
+    body = {"probehook": {"steer": {"mine": 1.0}, "steer_vectors": vectors}}
+    with pytest.raises(openai.BadRequestError, match=message):
+        client.completions.create(prompt="1+1=", extra_body=body, **greedy())
+    with urllib.request.urlopen(f"{server.base_url}/probehook") as reply:
+        assert json.load(reply)["steering"]["inline_in_use"] == 0
+
+
+def test_inline_infinity_is_a_400(server) -> None:
+    raw = b'{"model": "tiny", "prompt": "1+1=", "max_tokens": 2, "probehook": {"steer": '
+    raw += b'{"mine": 1.0}, "steer_vectors": {"mine": {"2": [1e999' + b", 0.0" * 127 + b"]}}}}"
+    request = urllib.request.Request(
+        f"{server.base_url}/completions", data=raw, headers={"Content-Type": "application/json"}
+    )
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(request)
+    assert err.value.code == 400
+    assert "infinite" in err.value.read().decode()
 
 
 def test_openai_client_example_against_this_server(server) -> None:

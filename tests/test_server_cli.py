@@ -20,6 +20,9 @@ def flags(**overrides: object) -> argparse.Namespace:
         store=None,
         max_capture_response_mb=64.0,
         store_flush_interval=5.0,
+        steer=[],
+        steering_layers=None,
+        steering_capacity=64,
     )
     return argparse.Namespace(**{**values, **overrides})
 
@@ -30,6 +33,9 @@ def test_flags_become_async_llm_arguments() -> None:
     assert kwargs["probes"] == {"truth": "probes/truth.safetensors"}
     assert kwargs["monitors"] == [ProbeMonitor("truth", 0.9, "stop")]
     assert capture_kwargs(flags(layers=None, probe=[]))["probes"] is None
+    steering = capture_kwargs(flags(steer=["up=up.st"], steering_layers="2", steering_capacity=8))
+    assert steering["steering"] == {"up": "up.st"} and steering["steering_layers"] == [2]
+    assert steering["steering_capacity"] == 8
 
 
 def test_monitor_specs() -> None:
@@ -54,6 +60,10 @@ def test_monitor_specs() -> None:
         ({"max_capture_response_mb": 0.0}, "must be positive"),
         ({"layers": "1,x"}, "comma-separated ints"),
         ({"store_flush_interval": -1.0}, "store-flush-interval"),
+        ({"steer": ["up"]}, r"--steer 'up' must be NAME=PATH"),
+        ({"steer": ["a=x", "a=y"]}, "--steer a is given twice"),
+        ({"steering_capacity": 0}, "--steering-capacity must be a positive"),
+        ({"steering_layers": "x"}, "comma-separated ints"),
     ],
 )
 def test_bad_flags_exit_with_a_message(overrides: dict, message: str) -> None:
@@ -107,3 +117,18 @@ def test_token_embed_handler_refuses_the_opt_in() -> None:
         asyncio.run(handler._init_ctx(None, asked, None))
     plain = asyncio.run(handler._init_ctx(None, SimpleNamespace(model_extra={}), None))
     assert plain.probehook_wanted is False
+
+
+def test_inline_vectors_are_refused_unless_the_server_allows_them() -> None:
+    import asyncio
+    from types import SimpleNamespace
+
+    from probehook.adapter.serving import CaptureServing
+
+    handler = CaptureServing()
+    handler.engine_client = SimpleNamespace(steering={"up": object(), "inline:abc": object()})
+    body = {"probehook": {"steer": {"mine": 1.0}, "steer_vectors": {"mine": {"2": [1.0]}}}}
+    request = SimpleNamespace(model_extra=body)
+    with pytest.raises(CaptureConfigError, match=r"--allow-inline-steering.*\['up'\]"):
+        asyncio.run(handler._acquire_inline(request))
+    assert asyncio.run(handler._acquire_inline(SimpleNamespace(model_extra={}))) == []

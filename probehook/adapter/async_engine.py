@@ -95,6 +95,7 @@ class AsyncLLM(VllmAsyncLLM):
         self._receiver: Receiver | None = None
         self._attached: asyncio.Future | None = None
         self._streams: dict[str, RequestStream] = {}  # by request id, while generating
+        self._inline_ready: dict[str, asyncio.Future] = {}  # inline vectors being added
         self.capture_unmarked = True
         """Capture requests that carry no probehook options with the engine's defaults. The
         server sets False: only requests that opt in capture (its pooling routes: none)."""
@@ -326,6 +327,35 @@ class AsyncLLM(VllmAsyncLLM):
         except BaseException:
             steering.remove(name)
             raise
+
+    async def acquire_inline_steering(self, vector: Any) -> str:
+        """Put a vector sent in a request body into the bank (or count one more user of the
+        same one); returns its bank name. Release it with :meth:`release_inline_steering`."""
+        await self._ensure_attached()
+        steering = setup.steering_of(self.capture)
+        name, wire = steering.acquire_inline(vector)
+        ready = self._inline_ready
+        if wire is None:
+            try:
+                await asyncio.shield(ready[name])  # another request is adding the same one
+            except BaseException:
+                steering.release_inline(name)
+                raise
+            return name
+        ready[name] = asyncio.get_running_loop().create_future()
+        try:
+            await self.collective_rpc("probehook_steering_add", args=(name, wire))
+        except BaseException as e:
+            steering.release_inline(name)
+            ready.pop(name).set_exception(e)
+            raise
+        ready[name].set_result(None)
+        return name
+
+    async def release_inline_steering(self, name: str) -> None:
+        if setup.steering_of(self.capture).release_inline(name):
+            self._inline_ready.pop(name, None)
+            await self.collective_rpc("probehook_steering_remove", args=(name,))
 
     async def remove_steering(self, name: str) -> None:
         """Take a vector out of the bank; requests that name it afterwards are refused."""

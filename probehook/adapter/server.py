@@ -66,6 +66,12 @@ def add_capture_args(parser: Any) -> None:
         help="the most steering vectors the engine's bank holds (default 64)",
     )
     group.add_argument(
+        "--allow-inline-steering",
+        action="store_true",
+        help='let requests send their own steering vectors ("steer_vectors": {"NAME": {"LAYER": '
+        "[floats]}}), checked like --steer's; off by default",
+    )
+    group.add_argument(
         "--include-prefill",
         action="store_true",
         help="let requests ask for prompt rows and scores too",
@@ -285,7 +291,7 @@ async def serve(args: argparse.Namespace, capture: dict[str, Any]) -> None:
         app = build_app(args, tasks, engine.model_config)
         await init_app_state(engine, app.state, args, tasks)
         limit = int(args.max_capture_response_mb * MiB)
-        install(app.state, limit, default)
+        install(app.state, limit, default, args.allow_inline_steering)
         app.add_api_route("/v1/probehook", _describe(engine, limit, default), methods=["GET"])
         uvicorn_kwargs: dict[str, Any] = {}
         log_config = get_uvicorn_log_config(args)
@@ -351,10 +357,10 @@ def _describe(engine: Any, limit: int, default: dict[str, Any] | None = None) ->
         "dtype": str(info.get("dtype", "")).removeprefix("torch.") or None,
         "max_capture_response_bytes": limit,
         "capture_default": default,
-        "steering": engine.steering_info(),
     }
 
     async def describe() -> dict[str, Any]:
-        return body
+        # The steering bank changes while the server runs (inline vectors come and go).
+        return {**body, "steering": engine.steering_info()}
 
     return describe

@@ -14,7 +14,8 @@ constructor arguments are not repeated here) for subclasses that:
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+import inspect
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from vllm import SamplingParams
@@ -28,6 +29,7 @@ from probehook.core.response_fields import (
     request_options,
     response_bytes_bound,
 )
+from probehook.core.steering_set import INLINE_PREFIX
 from probehook.core.transport import DTYPES
 from probehook.errors import CaptureConfigError
 
@@ -42,6 +44,71 @@ class CaptureServing:
     """The server's ``--capture-default``: the options of a request whose body has no
     ``probehook`` object (None: such a request captures nothing). A request's own object
     wins; ``{}`` opts out."""
+
+    allow_inline_steering: bool = False
+    """``--allow-inline-steering``: requests may send their own vectors (``steer_vectors``)."""
+
+    async def _run(self, request: Any, prompts: int, run: Callable[[], Awaitable[Any]]) -> Any:
+        """Check the request (400 when bad), put its inline vectors in the bank, run it, and
+        take them out when it is done (a stream: when its generator ends)."""
+        try:
+            names = await self._acquire_inline(request)
+        except CaptureConfigError as e:
+            return self._refuse(str(e))
+        engine: Any = self.engine_client  # type: ignore[attr-defined]
+        released = False
+
+        async def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                for name in names:
+                    await engine.release_inline_steering(name)
+
+        request.probehook_release = release
+        error = self._prepare(request, prompts)
+        if error is not None:
+            await release()
+            return error
+        try:
+            result = await run()
+        except BaseException:
+            await release()
+            raise
+        if not inspect.isasyncgen(result):  # a stream releases when its generator ends
+            await release()
+        return result
+
+    async def _acquire_inline(self, request: Any) -> list[str]:
+        """A body's ``steer_vectors`` ``{name: {layer: [floats]}}`` as bank vectors, its
+        ``steer`` renamed to their bank names; refused unless the server allows them."""
+        asked = (request.model_extra or {}).get(FIELD)
+        if not isinstance(asked, dict) or "steer_vectors" not in asked:
+            return []
+        engine: Any = self.engine_client  # type: ignore[attr-defined]
+        own = [name for name in sorted(engine.steering) if not name.startswith(INLINE_PREFIX)]
+        if not self.allow_inline_steering:
+            raise CaptureConfigError(
+                "probehook option steer_vectors (vectors sent in the request) is off on this "
+                "server; start it with --allow-inline-steering, or steer with its vectors "
+                f"{own}."
+            )
+        inline = inline_vectors(asked["steer_vectors"], own)
+        names: list[str] = []
+        renamed: dict[str, str] = {}
+        try:
+            for name, vector in inline.items():
+                renamed[name] = await engine.acquire_inline_steering(vector)
+                names.append(renamed[name])
+        except BaseException:
+            for name in names:
+                await engine.release_inline_steering(name)
+            raise
+        options = {k: v for k, v in asked.items() if k != "steer_vectors"}
+        if isinstance(options.get("steer"), dict):
+            options["steer"] = {renamed.get(k, k): v for k, v in options["steer"].items()}
+        request.model_extra[FIELD] = options
+        return names
 
     def _prepare(self, request: Any, prompts: int) -> Any:
         """Put the request's probehook options into its ``vllm_xargs``; an error response
@@ -102,8 +169,11 @@ class CaptureCompletionServing(CaptureServing, OpenAIServingCompletion):
     async def create_completion(self, request: Any, raw_request: Any = None) -> Any:
         prompt = request.prompt
         prompts = len(prompt) if isinstance(prompt, list) and prompt and not _is_ids(prompt) else 1
-        error = self._prepare(request, prompts)
-        return error if error is not None else await super().create_completion(request, raw_request)
+        return await self._run(
+            request,
+            prompts,
+            lambda: super(CaptureServing, self).create_completion(request, raw_request),
+        )
 
     async def completion_stream_generator(  # type: ignore[override]
         self,
@@ -117,8 +187,11 @@ class CaptureCompletionServing(CaptureServing, OpenAIServingCompletion):
         n = request.n or 1
         source = _recorded(request, result_generator, fields, lambda item: (item[1], item[0] * n))
         stream = super().completion_stream_generator(request, engine_inputs, source, *args, **kw)
-        async for line in stream:
-            yield fields.annotate_sse(line)
+        try:
+            async for line in stream:
+                yield fields.annotate_sse(line)
+        finally:
+            await _release(request)
 
     def request_output_to_completion_response(  # type: ignore[override]
         self, final_res_batch: list[Any], *args: Any, **kwargs: Any
@@ -134,10 +207,11 @@ class CaptureCompletionServing(CaptureServing, OpenAIServingCompletion):
 
 class CaptureChatServing(CaptureServing, OpenAIServingChat):
     async def create_chat_completion(self, request: Any, raw_request: Any = None) -> Any:
-        error = self._prepare(request, 1)
-        if error is not None:
-            return error
-        return await super().create_chat_completion(request, raw_request)
+        return await self._run(
+            request,
+            1,
+            lambda: super(CaptureServing, self).create_chat_completion(request, raw_request),
+        )
 
     async def chat_completion_stream_generator(  # type: ignore[override]
         self, request: Any, result_generator: AsyncIterator, *args: Any, **kwargs: Any
@@ -145,8 +219,11 @@ class CaptureChatServing(CaptureServing, OpenAIServingChat):
         fields = ChoiceFields()
         source = _recorded(request, result_generator, fields, _single)
         stream = super().chat_completion_stream_generator(request, source, *args, **kwargs)
-        async for line in stream:
-            yield fields.annotate_sse(line)
+        try:
+            async for line in stream:
+                yield fields.annotate_sse(line)
+        finally:
+            await _release(request)
 
     async def chat_completion_full_generator(  # type: ignore[override]
         self, request: Any, result_generator: AsyncIterator, *args: Any, **kwargs: Any
@@ -156,6 +233,62 @@ class CaptureChatServing(CaptureServing, OpenAIServingChat):
         response = await super().chat_completion_full_generator(request, source, *args, **kwargs)
         _annotate(response, fields)
         return response
+
+
+async def _release(request: Any) -> None:
+    release = getattr(request, "probehook_release", None)
+    if release is not None:
+        await release()
+
+
+MAX_INLINE_VECTORS = 4
+"""The most vectors one request body may send."""
+
+
+def inline_vectors(value: Any, own: list[str]) -> dict[str, Any]:
+    """``steer_vectors`` of a request body as :class:`~probehook.SteeringVector` objects
+    (shape, finite values and the count checked here; the engine checks layers and size)."""
+    from probehook import SteeringVector
+
+    example = '{"mine": {"12": [0.1, ...]}}'
+    if not isinstance(value, dict) or not value:
+        raise CaptureConfigError(
+            f"probehook option steer_vectors must be an object of named vectors such as "
+            f"{example}, not {value!r:.80}."
+        )
+    if len(value) > MAX_INLINE_VECTORS:
+        raise CaptureConfigError(
+            f"probehook option steer_vectors sends {len(value)} vectors; a request may send "
+            f"at most {MAX_INLINE_VECTORS}."
+        )
+    out = {}
+    for name, layers in value.items():
+        if name in own:
+            raise CaptureConfigError(
+                f"probehook option steer_vectors names {name!r}, a vector of this server; give "
+                "yours another name."
+            )
+        if not isinstance(layers, dict) or not all(
+            isinstance(v, list)
+            and all(isinstance(x, int | float) and not isinstance(x, bool) for x in v)
+            for v in layers.values()
+        ):
+            raise CaptureConfigError(
+                f"probehook option steer_vectors[{name!r}] must map layers to lists of numbers, "
+                f"such as {example}."
+            )
+        try:
+            vectors = {int(layer): v for layer, v in layers.items()}
+        except ValueError:
+            raise CaptureConfigError(
+                f"probehook option steer_vectors[{name!r}]: layers must be integers, got "
+                f"{sorted(layers)}."
+            ) from None
+        try:
+            out[name] = SteeringVector(vectors, name=name)
+        except CaptureConfigError as e:
+            raise CaptureConfigError(f"probehook option steer_vectors[{name!r}]: {e}") from None
+    return out
 
 
 def _recorded(
@@ -204,7 +337,10 @@ HANDLERS = {
 
 
 def install(
-    state: Any, max_response_bytes: int, capture_default: dict[str, Any] | None = None
+    state: Any,
+    max_response_bytes: int,
+    capture_default: dict[str, Any] | None = None,
+    allow_inline_steering: bool = False,
 ) -> list[str]:
     """Give the app's completion, chat and pooling handlers probehook's classes; the names of
     the handlers changed (a generative model has no pooling handlers, a model without a chat
@@ -223,5 +359,6 @@ def install(
         handler.max_response_bytes = max_response_bytes
         if name in HANDLERS:
             handler.capture_default = capture_default
+            handler.allow_inline_steering = allow_inline_steering
         changed.append(name)
     return changed

@@ -197,6 +197,7 @@ class ProbehookWorkerExtension:
             "export_ns": sum(r.export_ns for r in recorders),
             "steps": hook.steps,
             "steps_steered": getattr(steer, "steps_steered", 0),
+            "steer_prepare_ns": getattr(steer, "prepare_ns", 0),
             **_compilations(),
             "forwards": hook.forwards,
             "step_ns": hook.step_ns,

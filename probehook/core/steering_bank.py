@@ -20,6 +20,7 @@ No vLLM imports: ``probehook.adapter`` feeds plain arrays.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Container, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -148,6 +149,7 @@ class StepSteering:
     _free: list[int] = field(init=False)
     _step: tuple[Sequence[str], np.ndarray, np.ndarray] | None = None
     steps_steered: int = 0
+    prepare_ns: int = 0  # host time spent writing indexes and tables (for the benchmark)
 
     def __post_init__(self) -> None:
         slots = next(iter(self.tables.values())).shape[0]
@@ -167,6 +169,20 @@ class StepSteering:
         live: Container[str],
     ) -> None:
         """Write this step's index (before the forward pass)."""
+        started = time.perf_counter_ns()
+        try:
+            self._prepare(req_ids, query_start, num_computed, plan_for, live)
+        finally:
+            self.prepare_ns += time.perf_counter_ns() - started
+
+    def _prepare(
+        self,
+        req_ids: Sequence[str],
+        query_start: np.ndarray,
+        num_computed: np.ndarray,
+        plan_for: Callable[[str], RequestSteering | None],
+        live: Container[str],
+    ) -> None:
         n = len(req_ids)
         total = int(query_start[n])
         host = self._host

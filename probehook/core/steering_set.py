@@ -27,6 +27,9 @@ from probehook.core.steering_bank import DEFAULT_CAPACITY
 from probehook.errors import CaptureConfigError
 
 SALT_PREFIX = "probehook-steer:"
+INLINE_PREFIX = "inline:"
+"""Bank names of vectors sent inside a request body (``probehook serve
+--allow-inline-steering``): named by content, shared by the requests that send the same one."""
 
 
 @dataclass(frozen=True)
@@ -75,6 +78,8 @@ class SteeringSet:
         self.hidden_size = hidden_size
         self.model_fingerprint = model_fingerprint
         self.vectors: dict[str, Any] = {}
+        self.inline_users: dict[str, int] = {}
+        """Inline vectors in the bank, and how many running requests use each."""
         for name, vector in vectors.items():
             self.check(name, vector)
             self.vectors[name] = vector
@@ -126,13 +131,36 @@ class SteeringSet:
             )
         del self.vectors[name]
 
+    def acquire_inline(self, vector: Any) -> tuple[str, dict[str, Any] | None]:
+        """The bank name of an inline vector for one more request, and its wire form when it
+        is new (the caller puts it in the workers' banks); refused like :meth:`add`."""
+        name = INLINE_PREFIX + vector.digest[:24]
+        if name in self.inline_users:
+            self.inline_users[name] += 1
+            return name, None
+        wire = self.add(name, vector)
+        self.inline_users[name] = 1
+        return name, wire
+
+    def release_inline(self, name: str) -> bool:
+        """One request less uses inline vector ``name``; True when it left the bank (the
+        caller removes it from the workers' banks)."""
+        users = self.inline_users.get(name, 0) - 1
+        if users > 0:
+            self.inline_users[name] = users
+            return False
+        self.inline_users.pop(name, None)
+        if name in self.vectors:
+            del self.vectors[name]
+        return True
+
     def check_terms(self, terms: Sequence[tuple[str, float]], where: str) -> None:
         unknown = [name for name, _ in terms if name not in self.vectors]
         if unknown:
+            own = sorted(n for n in self.vectors if n not in self.inline_users)
             raise CaptureConfigError(
                 f"{where} names steering vector(s) {unknown}, which this engine does not have; "
-                f"its vectors are {sorted(self.vectors)} (add one with add_steering(name, "
-                "vector))."
+                f"its vectors are {own} (add one with add_steering(name, vector))."
             )
 
     def for_request(
@@ -194,9 +222,11 @@ class SteeringSet:
         return {
             "layers": list(self.layers),
             "capacity": self.capacity,
+            "inline_in_use": len(self.inline_users),
             "vectors": {
                 name: {"layers": list(v.layers), "digest": v.digest}
                 for name, v in sorted(self.vectors.items())
+                if name not in self.inline_users
             },
         }
 

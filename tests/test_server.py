@@ -458,16 +458,20 @@ def test_steered_completions_and_chat_equal_offline(client, offline) -> None:
         body = ignore_eos({"steer": STEER, "layers": [3]})
         choice = client.completions.create(prompt=prompt, extra_body=body, **greedy()).choices[0]
         assert choice.text == want.outputs[0].text
+        assert field(choice)["steering"] == {"vectors": STEER, "phase": "both", "start": 0}
         rows = decode_array(field(choice)["hidden_states"]["3"])
         assert close(rows, want.outputs[0].hidden_states[3])
         chat = client.chat.completions.create(
             messages=[{"role": "user", "content": prompt}], extra_body=body, **greedy()
         )
         assert chat.choices[0].message.content == want.outputs[0].text
-        stream = client.completions.create(
-            prompt=prompt, extra_body=ignore_eos({"steer": STEER}), stream=True, **greedy()
+        stream = list(
+            client.completions.create(
+                prompt=prompt, extra_body=ignore_eos({"steer": STEER}), stream=True, **greedy()
+            )
         )
         assert "".join(c.choices[0].text for c in stream) == want.outputs[0].text
+        assert field(stream[0].choices[0])["steering"]["vectors"] == STEER
 
 
 @pytest.mark.parametrize(

@@ -583,8 +583,6 @@ def clear_outputs(output: Any) -> None:
         for completion in completions(output):
             for attribute in processor.completion_attributes:
                 setattr(completion, attribute, processor.empty())
-    for completion in completions(output):
-        completion.steering = None
     mirror_first_completion(output)
     output.store_id = None
     output.processor_errors = {}

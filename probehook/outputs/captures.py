@@ -1,5 +1,5 @@
-"""probehook's own output processors: the residual-stream rows and probe results that capture
-attaches to outputs. Registered in ``OUTPUT_PROCESSORS`` like any other processor.
+"""probehook's own output processors: the residual-stream rows, probe results and steering that
+probehook attaches to outputs. Registered in ``OUTPUT_PROCESSORS`` like any other processor.
 
 This module knows nothing about vLLM.
 """
@@ -68,4 +68,19 @@ class ProbeFlags(OutputProcessor):
         return out
 
 
-BUILTIN = (HiddenStates, ProbeScores, ProbeFlags)
+class Steering(OutputProcessor):
+    """Which steering applied to a completion: ``{"vectors": {name: scale}, "phase", "start"}``
+    (plus ``"gate"`` for probe-gated steering); None when it was not steered. Online the same
+    dict, in each streamed chunk's field (a gate's ``start`` appears once it crossed)."""
+
+    name: ClassVar[str] = "steering"
+    completion_attributes = ("steering",)
+
+    def empty(self) -> Any:
+        return None
+
+    def merge(self, pieces: list[dict[str, Any]]) -> dict[str, Any]:
+        return pieces[-1]  # every piece describes the whole completion; the last is newest
+
+
+BUILTIN = (HiddenStates, ProbeScores, ProbeFlags, Steering)

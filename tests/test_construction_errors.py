@@ -240,7 +240,7 @@ def _vec(layer: int = 1, hidden: int = 128, name: str | None = None):  # noqa: A
         (lambda: {"steering": {"up": [1.0, 2.0]}}, r"probehook\.SteeringVector"),
         (lambda: {"steering": [_vec()]}, r"steering\[0\] has no name"),
         (lambda: {"steering": [_vec(name="a"), _vec(name="a")]}, r"Two steering vectors.*'a'"),
-        (lambda: {"steering": "up"}, r"steering='up' is not valid"),
+        (lambda: {"steering": "up"}, r"steering='up' must be a dict name -> steering vector"),
         (lambda: {"steering": {"up": _vec()}, "steering_capacity": 0}, r"steering_capacity=0"),
         (
             lambda: {"steering": {"a": _vec(), "b": _vec()}, "steering_capacity": 1},

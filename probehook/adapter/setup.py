@@ -18,6 +18,7 @@ import torch
 from probehook import __version__ as probehook_version
 from probehook.adapter import engine_config, outputs
 from probehook.capture_config import CaptureConfig, LayerSpec, resolve_layers
+from probehook.core.named import load_named
 from probehook.core.probe_set import ProbeSet, load_probes
 from probehook.core.session import CaptureSession, Rpc
 from probehook.core.steering_bank import DEFAULT_CAPACITY
@@ -209,37 +210,9 @@ def load_steering(steering: Any) -> dict[str, Any]:
     a list of vectors named by their ``name``."""
     from probehook.steering import SteeringVector
 
-    def one(value: Any, where: str) -> Any:
-        if isinstance(value, str | os.PathLike):
-            return SteeringVector.load(value)
-        if not isinstance(value, SteeringVector):
-            raise CaptureConfigError(
-                f"{where} is a {type(value).__name__}; pass a probehook.SteeringVector or the "
-                "path of a saved one."
-            )
-        return value
-
     if steering is None:
         return {}
-    if isinstance(steering, dict):
-        return {name: one(v, f"steering[{name!r}]") for name, v in steering.items()}
-    if isinstance(steering, list | tuple):
-        out: dict[str, Any] = {}
-        for i, value in enumerate(steering):
-            vector = one(value, f"steering[{i}]")
-            if not vector.name:
-                raise CaptureConfigError(
-                    f"steering[{i}] has no name; give it one (SteeringVector(..., name=...)) or "
-                    "pass steering={name: vector}."
-                )
-            if vector.name in out:
-                raise CaptureConfigError(f"Two steering vectors are named {vector.name!r}.")
-            out[vector.name] = vector
-        return out
-    raise CaptureConfigError(
-        f"steering={steering!r} is not valid: pass {{name: SteeringVector}} or a list of named "
-        "SteeringVectors."
-    )
+    return load_named(steering, "steering", SteeringVector, SteeringVector.load, "steering vector")
 
 
 def start(

@@ -9,7 +9,6 @@ No vLLM imports.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -17,6 +16,7 @@ from typing import Any
 import torch
 
 from probehook.core.monitors import ProbeMonitor, crossings
+from probehook.core.named import load_named
 from probehook.core.probe_bank import ColumnRange, ProbeSpec, columns_of
 from probehook.core.request_options import RequestOptions, WireMonitor
 from probehook.errors import CaptureConfigError
@@ -185,38 +185,7 @@ def load_probes(probes: Any) -> dict[str, Any]:
     a list of probes named by their ``name``."""
     from probehook.probes import LinearProbe
 
-    def one(value: Any, where: str) -> Any:
-        if isinstance(value, str | os.PathLike):
-            return LinearProbe.load(value)
-        if not isinstance(value, LinearProbe):
-            raise CaptureConfigError(
-                f"{where} is a {type(value).__name__}, not a probe: pass probehook.LinearProbe "
-                "objects or paths to saved probes."
-            )
-        return value
-
-    if isinstance(probes, Mapping):
-        loaded = {}
-        for name, value in probes.items():
-            if not isinstance(name, str) or not name:
-                raise CaptureConfigError(f"Probe names must be non-empty strings; got {name!r}.")
-            loaded[name] = one(value, f"probes[{name!r}]")
-        return loaded
-    if isinstance(probes, str | os.PathLike) or not isinstance(probes, Sequence):
-        raise CaptureConfigError(
-            f"probes={probes!r} must be a dict name -> probe, or a list of probes with names."
-        )
-    loaded = {}
-    for i, value in enumerate(probes):
-        probe = one(value, f"probes[{i}]")
-        if not probe.name:
-            raise CaptureConfigError(
-                f"probes[{i}] has no name; pass a dict {{'name': probe}} or set probe.name."
-            )
-        if probe.name in loaded:
-            raise CaptureConfigError(f"Two probes are named {probe.name!r}; names must differ.")
-        loaded[probe.name] = probe
-    return loaded
+    return load_named(probes, "probes", LinearProbe, LinearProbe.load, "probe")
 
 
 def _spec(name: str, probe: Any) -> ProbeSpec:

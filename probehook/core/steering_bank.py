@@ -170,19 +170,6 @@ class StepSteering:
     ) -> None:
         """Write this step's index (before the forward pass)."""
         started = time.perf_counter_ns()
-        try:
-            self._prepare(req_ids, query_start, num_computed, plan_for, live)
-        finally:
-            self.prepare_ns += time.perf_counter_ns() - started
-
-    def _prepare(
-        self,
-        req_ids: Sequence[str],
-        query_start: np.ndarray,
-        num_computed: np.ndarray,
-        plan_for: Callable[[str], RequestSteering | None],
-        live: Container[str],
-    ) -> None:
         n = len(req_ids)
         total = int(query_start[n])
         host = self._host
@@ -213,10 +200,11 @@ class StepSteering:
                 host[: self._written] = 0
                 self._copy(self._written)
                 self._written = 0
-            return
-        self.steps_steered += 1
-        self._copy(upto)
-        self._written = total
+        else:
+            self.steps_steered += 1
+            self._copy(upto)
+            self._written = total
+        self.prepare_ns += time.perf_counter_ns() - started
 
     def _copy(self, count: int) -> None:
         if self.index.device.type != "cpu":

@@ -110,21 +110,37 @@ def load_probe(path: str | os.PathLike[str]) -> LinearProbe:
 
 
 def _header(path: Path, metadata: dict[str, str]) -> dict[str, Any]:
-    if METADATA_KEY not in metadata:
-        raise ProbeError(
-            f"{path} is a safetensors file without {METADATA_KEY!r} metadata: it was not "
-            "written by LinearProbe.save."
+    return json_header(
+        path, metadata, METADATA_KEY, FORMAT_VERSION, ProbeError, "LinearProbe.save", "probe"
+    )
+
+
+def json_header(
+    path: Path,
+    metadata: dict[str, str],
+    key: str,
+    version: int,
+    error: type[Exception],
+    writer: str,
+    kind: str,
+) -> dict[str, Any]:
+    """The JSON object under ``key`` in a safetensors file's metadata, of format ``version``;
+    ``error`` naming the file otherwise. Shared by probe and steering-vector files."""
+    if key not in metadata:
+        raise error(
+            f"{path} is a safetensors file without {key!r} metadata: it was not written by "
+            f"{writer}."
         )
     try:
-        header = json.loads(metadata[METADATA_KEY])
+        header = json.loads(metadata[key])
     except ValueError as e:
-        raise ProbeError(f"{path}: its {METADATA_KEY!r} metadata is not JSON: {e}") from e
+        raise error(f"{path}: its {key!r} metadata is not JSON: {e}") from e
     if not isinstance(header, dict):
-        raise ProbeError(f"{path}: its {METADATA_KEY!r} metadata is not a JSON object.")
-    version = header.get("format_version")
-    if version != FORMAT_VERSION:
-        raise ProbeError(
-            f"{path} is probe format version {version!r}, but this probehook reads version "
-            f"{FORMAT_VERSION}; use the probehook release that wrote it."
+        raise error(f"{path}: its {key!r} metadata is not a JSON object.")
+    found = header.get("format_version")
+    if found != version:
+        raise error(
+            f"{path} is {kind} format version {found!r}, but this probehook reads version "
+            f"{version}; use the probehook release that wrote it."
         )
     return header

@@ -16,12 +16,13 @@ from typing import Any
 import torch
 
 from probehook.errors import CaptureConfigError
+from probehook.probes.file import METADATA_KEY as PROBE_METADATA_KEY
+from probehook.probes.file import json_header
 from probehook.steering.vector import SteeringVector
 
 FORMAT_VERSION = 1
 METADATA_KEY = "probehook_steering"
 """Key of the JSON header in the safetensors metadata of a steering vector file."""
-PROBE_METADATA_KEY = "probehook_probe"  # probehook.probes.file.METADATA_KEY
 
 
 def tensor_name(layer: int) -> str:
@@ -111,26 +112,17 @@ def load_vector(path: str | os.PathLike[str]) -> SteeringVector:
 
 
 def _header(path: Path, metadata: dict[str, str]) -> dict[str, Any]:
-    if METADATA_KEY not in metadata:
-        if PROBE_METADATA_KEY in metadata:
-            raise CaptureConfigError(
-                f"{path} is a probe file (LinearProbe.save), not a steering vector; use "
-                "SteeringVector.from_probe(LinearProbe.load(path))."
-            )
+    if METADATA_KEY not in metadata and PROBE_METADATA_KEY in metadata:
         raise CaptureConfigError(
-            f"{path} is a safetensors file without {METADATA_KEY!r} metadata: it was not "
-            "written by SteeringVector.save."
+            f"{path} is a probe file (LinearProbe.save), not a steering vector; use "
+            "SteeringVector.from_probe(LinearProbe.load(path))."
         )
-    try:
-        header = json.loads(metadata[METADATA_KEY])
-    except ValueError as e:
-        raise CaptureConfigError(f"{path}: its {METADATA_KEY!r} metadata is not JSON: {e}") from e
-    if not isinstance(header, dict):
-        raise CaptureConfigError(f"{path}: its {METADATA_KEY!r} metadata is not a JSON object.")
-    version = header.get("format_version")
-    if version != FORMAT_VERSION:
-        raise CaptureConfigError(
-            f"{path} is steering vector format version {version!r}, but this probehook reads "
-            f"version {FORMAT_VERSION}; use the probehook release that wrote it."
-        )
-    return header
+    return json_header(
+        path,
+        metadata,
+        METADATA_KEY,
+        FORMAT_VERSION,
+        CaptureConfigError,
+        "SteeringVector.save",
+        "steering vector",
+    )

@@ -147,7 +147,7 @@ def test_pooling_only_options_refused_before_start_up(engine_defaults: dict) -> 
         LLM(str(minilm_path()), layers=[0], last_decode_token=True, **engine_defaults)
 
 
-def test_per_request_monitors_refused(minilm: Any) -> None:
+def test_per_request_monitors_and_steering_refused(minilm: Any) -> None:
     from vllm import PoolingParams
 
     params = PoolingParams(
@@ -155,6 +155,9 @@ def test_per_request_monitors_refused(minilm: Any) -> None:
     )
     with pytest.raises(CaptureConfigError, match="pooling request"):
         minilm.embed(TEXTS[:1], pooling_params=params, use_tqdm=False)
+    steered = PoolingParams(extra_kwargs={"probehook": {"steer": {"up": 1.0}}})
+    with pytest.raises(CaptureConfigError, match="pooling request: probehook steers generative"):
+        minilm.embed(TEXTS[:1], pooling_params=steered, use_tqdm=False)
 
 
 def test_malformed_options_storm(minilm: Any) -> None:

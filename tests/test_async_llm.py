@@ -286,6 +286,16 @@ def test_steered_streams_and_the_bank_while_serving(engine, offline, loop) -> No
     assert list(final.token_ids) == tokens and final.hidden_states == {}
     assert final.steering["vectors"] == {"up": 2.0}
 
+    async def in_flight() -> None:
+        stream = engine.generate(prompt, greedy(extra_args=steer))
+        await stream.__anext__()
+        with pytest.raises(CaptureConfigError, match=r"'up' is named by 1 request\(s\) in"):
+            await engine.remove_steering("up")
+        async for _ in stream:
+            pass
+
+    loop.run_until_complete(in_flight())
+
     async def removed() -> None:
         await engine.remove_steering("up")
         await collect(engine, prompt, greedy(extra_args=steer))

@@ -147,3 +147,21 @@ def test_salts_follow_contents_scales_and_phase() -> None:
     assert steering.describe()["inline_in_use"] == 1 and name not in steering.describe()["vectors"]
     assert not steering.release_inline(name) and steering.release_inline(name)
     assert name not in steering.vectors
+
+
+def test_vectors_named_by_requests_in_flight_cannot_be_removed() -> None:
+    from probehook import CaptureConfigError, ProbeMonitor, SteeringVector
+    from probehook.core.steering_set import SteeringSet
+
+    vec = SteeringVector({1: torch.ones(HIDDEN)})
+    steering = SteeringSet(
+        {"a": vec, "b": vec}, layers=[1], capacity=4, num_layers=2, hidden_size=HIDDEN,
+        model_fingerprint=None,
+    )  # fmt: skip
+    gate = ProbeMonitor("p", 0.5, action="steer", steer={"b": 1.0})
+    held = steering.hold(steering.request_steer([("a", 1.0)], "both", (gate,)))
+    assert held == ["a", "b"]
+    with pytest.raises(CaptureConfigError, match=r"'a' is named by 1 request"):
+        steering.remove("a")
+    steering.release(held)
+    steering.remove("a")

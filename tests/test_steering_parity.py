@@ -217,3 +217,21 @@ def test_probe_gated_steering_starts_after_the_crossing(steer_llm, llama_dir: Pa
     assert quiet.outputs[0].steering is None or quiet.outputs[0].steering["start"] is None
     _check(llama_dir, quiet, [], "gate never crossed")
     assert list(quiet.outputs[0].token_ids) == list(base.outputs[0].token_ids)
+
+
+def test_add_and_remove_in_compiled_mode_never_recompile(steer_llm, llama_dir: Path, vectors):
+    """A vector added while the compiled engine runs steers equal to HF; adding, using and
+    removing it leaves vLLM's and dynamo's compile counters where they were."""
+    prompt = PROMPTS[4]
+    before = steer_llm.collective_rpc("probehook_stats")[0]
+    assert before["graphs_seen"] > 0  # the counters live where the engine compiled
+    late = {1: -vectors["a"][1]}
+    steer_llm.add_steering("late", _steering_vector_class()(late))
+    (out,) = steer_llm.generate([prompt], _params({"late": 1.0}, "both"), use_tqdm=False)
+    terms = steering_terms({"late": late}, {"late": 1.0}, 0)
+    _, effect = _check(llama_dir, out, terms, "added while running")
+    assert effect > EFFECT
+    steer_llm.remove_steering("late")
+    after = steer_llm.collective_rpc("probehook_stats")[0]
+    for counter in ("graphs_seen", "backend_compilations", "dynamo_graphs"):
+        assert after[counter] == before[counter], (counter, before, after)

@@ -283,6 +283,8 @@ class AsyncLLM(VllmAsyncLLM):
         if stream is not None:
             self._streams[request_id] = stream
             self._receiver.expect(stream.tag.tag)
+        steering = self.capture.steering
+        held = steering.hold(tag.steering) if steering and tag and tag.steering else []
         try:
             async for output in run(prompt, tagged, request_id, **kwargs):
                 if stream is not None:
@@ -295,6 +297,8 @@ class AsyncLLM(VllmAsyncLLM):
                 yield output
         finally:
             self._streams.pop(request_id, None)
+            if held:
+                steering.release(held)  # type: ignore[union-attr]
             if tag is not None:
                 self._receiver.drop(tag.tag)
 

@@ -80,6 +80,8 @@ class SteeringSet:
         self.vectors: dict[str, Any] = {}
         self.inline_users: dict[str, int] = {}
         """Inline vectors in the bank, and how many running requests use each."""
+        self.held: dict[str, int] = {}
+        """Vectors that streaming requests in flight name (``hold``): not removable."""
         for name, vector in vectors.items():
             self.check(name, vector)
             self.vectors[name] = vector
@@ -129,7 +131,28 @@ class SteeringSet:
             raise CaptureConfigError(
                 f"No steering vector named {name!r}; the engine has {sorted(self.vectors)}."
             )
+        if self.held.get(name):
+            raise CaptureConfigError(
+                f"Steering vector {name!r} is named by {self.held[name]} request(s) in flight; "
+                "remove it once they finish (a queued request would otherwise run unsteered)."
+            )
         del self.vectors[name]
+
+    def hold(self, steer: RequestSteer) -> list[str]:
+        """Mark the vectors of a request in flight as in use; returns their names for
+        :meth:`release`."""
+        names = sorted({n for n, _ in steer.terms} | {n for g in steer.gates for n, _ in g.steer})
+        for name in names:
+            self.held[name] = self.held.get(name, 0) + 1
+        return names
+
+    def release(self, names: Sequence[str]) -> None:
+        for name in names:
+            left = self.held.get(name, 0) - 1
+            if left > 0:
+                self.held[name] = left
+            else:
+                self.held.pop(name, None)
 
     def acquire_inline(self, vector: Any) -> tuple[str, dict[str, Any] | None]:
         """The bank name of an inline vector for one more request, and its wire form when it

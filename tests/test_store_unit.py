@@ -134,6 +134,29 @@ def test_layer_of_a_writing_store_sees_each_flush(tmp_path: Path) -> None:
     store.close()
 
 
+def test_an_add_during_a_flush_stays_counted_for_the_next_one(tmp_path: Path) -> None:
+    """``probehook serve`` flushes from a thread while its event loop adds: a request added
+    while a flush runs must still count as unflushed afterwards, so the next periodic flush
+    commits it (it used to be wiped and wait for close, found by a CI run of the segmenter's
+    server test)."""
+    store = ActivationStore.for_writing(tmp_path / "s", META)
+    store.add(fake_request(0))
+    writer = store._require_writer()
+    flush = writer.flush
+
+    def flush_while_another_add_arrives() -> None:
+        flush()
+        store.add(fake_request(1))  # between the writer's flush and the store's bookkeeping
+
+    writer.flush = flush_while_another_add_arrives
+    store.flush()
+    writer.flush = flush
+    assert store.unflushed == 1
+    store.flush()
+    assert store.unflushed == 0 and {"r0", "r1"} <= {r.request_id for r in store.requests}
+    store.close()
+
+
 def test_append_run_and_refuse_other_model(tmp_path: Path) -> None:
     write(tmp_path / "s", [fake_request(0)])
     write(tmp_path / "s", [fake_request(1)])

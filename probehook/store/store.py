@@ -653,8 +653,14 @@ class ActivationStore:
         flush that were not committed are not in the store (the error names them); every
         earlier one is, and later adds work again once the cause is fixed."""
         writer = self._require_writer()
+        # A server flushes from a thread while its event loop goes on adding: only what was
+        # added before this flush began is known to be in it. Later adds stay counted, so the
+        # next flush commits them (they used to be wiped here and waited for close()).
+        began, adding = self.unflushed, set(self._adding)
+        failed = True
         try:
             writer.flush()
+            failed = False
         finally:
             # Shards committed before an error are durable: take them either way.
             for record in writer.take_committed():
@@ -663,7 +669,11 @@ class ActivationStore:
                 else:
                     self._index = None  # a replaced record: rebuild on next use
                 self._records[record["id"]] = record
-            self._forget_unflushed()
+            if failed:  # what was not committed is gone (the error names it)
+                self._forget_unflushed()
+            else:
+                self.unflushed = max(self.unflushed - began, 0)
+                self._adding -= adding
 
     def _forget_unflushed(self) -> None:
         self.unflushed = 0

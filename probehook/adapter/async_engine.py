@@ -307,18 +307,21 @@ class AsyncLLM(VllmAsyncLLM):
     @property
     def steering(self) -> dict[str, Any]:
         """The engine's steering vectors by name (a copy)."""
-        steering = self.capture.steering if self.capture is not None else None
-        if steering is None and hasattr(self, "_plan") and self._plan.steering is not None:
-            steering = self._plan.steering
+        steering = self._steering_set()
         return dict(steering.vectors) if steering is not None else {}
 
     def steering_info(self) -> dict[str, Any]:
         """The steered layers, the bank's capacity and its vectors (for ``GET
         /v1/probehook``); empty layers and vectors when the engine does not steer."""
-        steering = self.capture.steering if self.capture is not None else None
+        steering = self._steering_set()
         if steering is None:
             return {"layers": [], "capacity": 0, "vectors": {}}
         return steering.describe()
+
+    def _steering_set(self) -> Any:
+        # Built with the plan, before the workers attach; the session holds the same object.
+        plan = getattr(self, "_plan", None)
+        return plan.steering if plan is not None else None
 
     async def add_steering(self, name: str, vector: Any) -> None:
         """Put ``vector`` in the engine's bank under ``name`` while it runs (no restart, no

@@ -179,12 +179,7 @@ class CaptureSession:
                 '(extra_args={"probehook": {"include_prefill": False, "include_decode": False}}), '
                 "or build an LLM with layers=None."
             )
-        steer = self._steer(options, probes, config)
-        if config is None and probes is not None and steer is not None and steer.gates:
-            raise CaptureConfigError(
-                "A monitor with action='steer' watches probe scores, but this request turns "
-                "capture off; keep include_decode=True."
-            )
+        steer = self._steer(options, probes, config)  # a gate without decode scores: refused
         tagged = copy.copy(params)
         if config is not None or steer is not None:
             record = extra.pop(RECORD_KEY, None)

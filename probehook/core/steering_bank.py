@@ -194,7 +194,8 @@ class StepSteering:
             if state.slot == 0:  # type: ignore[union-attr]
                 self._assign(state, live)  # type: ignore[arg-type]
             host[start + a : start + b] = state.slot  # type: ignore[union-attr]
-        self._step = (req_ids, query_start[: n + 1].copy(), num_computed[:n].copy())
+        # Views of the runner's arrays: check_gates reads them in this same step.
+        self._step = (req_ids, query_start[: n + 1], num_computed[:n])
         if not steered:
             if self._written:
                 host[: self._written] = 0

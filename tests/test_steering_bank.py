@@ -165,3 +165,22 @@ def test_vectors_named_by_requests_in_flight_cannot_be_removed() -> None:
         steering.remove("a")
     steering.release(held)
     steering.remove("a")
+
+
+def test_a_gate_needs_decode_scores_and_one_gate_per_request() -> None:
+    from probehook import CaptureConfigError, ProbeMonitor, SteeringVector
+    from probehook.core.request_options import RequestOptions
+    from probehook.core.steering_set import SteeringSet
+
+    steering = SteeringSet(
+        {"a": SteeringVector({1: torch.ones(HIDDEN)})}, layers=[1], capacity=4, num_layers=2,
+        hidden_size=HIDDEN, model_fingerprint=None,
+    )  # fmt: skip
+    gate = ProbeMonitor("p", 0.5, action="steer", steer={"a": 1.0})
+    with pytest.raises(CaptureConfigError, match=r"include_decode is False"):
+        steering.for_request(RequestOptions(), (gate,), decode_scores=False)
+    with pytest.raises(CaptureConfigError, match=r"at most one"):
+        steering.for_request(RequestOptions(), (gate, gate), decode_scores=True)
+    with pytest.raises(CaptureConfigError, match=r"both steer"):
+        steering.for_request(RequestOptions(steer=(("a", 1.0),)), (gate,), decode_scores=True)
+    assert steering.for_request(RequestOptions(), (gate,), decode_scores=True).gates == (gate,)

@@ -1,9 +1,13 @@
-"""One writer at a time: an OS file lock on ``STORE/writer.lock``.
+"""One writer per lane: an OS file lock on ``STORE/writer.lock`` (the root lane) or
+``STORE/lanes/LANE/writer.lock``.
 
-Appending to a store repairs it first (cuts a torn manifest tail, deletes ``.tmp`` shards). With
-two writers, that repair would destroy the other writer's shard in progress, so every writer
-holds an exclusive ``flock`` on ``writer.lock`` from before the repair until ``close()``.
-Readers never take it.
+Appending to a lane repairs it first (cuts a torn manifest tail, deletes ``.tmp`` shards). With
+two writers in one lane, that repair would destroy the other writer's shard in progress, so
+every writer holds an exclusive ``flock`` on its lane's ``writer.lock`` from before the repair
+until ``close()``. Writers of different lanes never touch each other's files. Readers never
+take a lock. Creating a store (writing ``meta.json``) or checking a run against it happens
+under a short blocking ``flock`` on ``STORE/create.lock`` (:func:`create_lock`), so two
+writers that start at the same moment create it once.
 """
 
 from __future__ import annotations
@@ -15,12 +19,14 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from probehook.errors import StoreError, StoreLockedError
-from probehook.store.format import WRITER_LOCK
+from probehook.store.format import CREATE_LOCK, ROOT_LANE, WRITER_LOCK, lane_dir, lane_label
 
 logger = logging.getLogger(__name__)
 
@@ -47,19 +53,21 @@ class WriterLock:
     On such filesystems keep each store's writers on one host (or write to local disk).
     """
 
-    def __init__(self, root: Path, fd: int) -> None:
+    def __init__(self, root: Path, fd: int, lane: str = ROOT_LANE) -> None:
         self.root = root
-        self.path = root / WRITER_LOCK
+        self.lane = lane
+        self.path = lane_dir(root, lane) / WRITER_LOCK
         self._fd: int | None = fd
 
     @staticmethod
-    def check_free(root: str | os.PathLike[str]) -> None:
-        """Raise :class:`StoreLockedError` if a writer holds the lock now; change nothing.
+    def check_free(root: str | os.PathLike[str], lane: str = ROOT_LANE) -> None:
+        """Raise :class:`StoreLockedError` if a writer holds the lane's lock now; change
+        nothing.
 
         For failing early (before a minute of engine start-up): the lock itself is taken
         later by :meth:`acquire`, which checks again.
         """
-        path = Path(root) / WRITER_LOCK
+        path = lane_dir(Path(root), lane) / WRITER_LOCK
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
@@ -67,18 +75,21 @@ class WriterLock:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise StoreLockedError(_locked_message(Path(root), _read_info(fd, wait=True))) from None
+            raise StoreLockedError(
+                _locked_message(Path(root), _read_info(fd, wait=True), lane)
+            ) from None
         except OSError:
             return  # no lock support: acquire() says so with the full explanation
         finally:
             os.close(fd)  # drops the probe's flock, if it got one
 
     @classmethod
-    def acquire(cls, root: str | os.PathLike[str]) -> WriterLock:
-        """Take the lock of the store directory ``root`` (which must exist) or raise
-        :class:`StoreLockedError` naming the holder."""
+    def acquire(cls, root: str | os.PathLike[str], lane: str = ROOT_LANE) -> WriterLock:
+        """Take the lock of ``lane`` (default: the root lane) of the store directory ``root``
+        (the lane's directory must exist) or raise :class:`StoreLockedError` naming the
+        holder."""
         root = Path(root)
-        path = root / WRITER_LOCK
+        path = lane_dir(root, lane) / WRITER_LOCK
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         except OSError as e:
@@ -88,7 +99,7 @@ class WriterLock:
         except BlockingIOError:
             holder = _read_info(fd, wait=True)
             os.close(fd)
-            raise StoreLockedError(_locked_message(root, holder)) from None
+            raise StoreLockedError(_locked_message(root, holder, lane)) from None
         except OSError as e:
             os.close(fd)
             if e.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
@@ -103,9 +114,10 @@ class WriterLock:
             if previous and (previous.get("pid"), previous.get("host")) != me:
                 # A clean release empties the file: info left there is from a writer that died.
                 logger.warning(
-                    "probehook store %s: taking over the writer lock of pid %s on host %s "
+                    "probehook store %s (%s): taking over the writer lock of pid %s on host %s "
                     "(since %s); that writer ended without closing the store",
                     root,
+                    lane_label(lane),
                     previous.get("pid"),
                     previous.get("host"),
                     previous.get("since"),
@@ -121,7 +133,7 @@ class WriterLock:
         except BaseException:
             os.close(fd)  # closing drops the flock too
             raise
-        return cls(root, fd)
+        return cls(root, fd, lane)
 
     @property
     def held(self) -> bool:
@@ -161,7 +173,7 @@ def _read_info(fd: int, *, wait: bool) -> dict[str, Any] | None:
     return None
 
 
-def _locked_message(root: Path, holder: dict[str, Any] | None) -> str:
+def _locked_message(root: Path, holder: dict[str, Any] | None, lane: str = ROOT_LANE) -> str:
     if holder is None:
         who = "another writer (it has not recorded its pid yet)"
     else:
@@ -169,9 +181,40 @@ def _locked_message(root: Path, holder: dict[str, Any] | None) -> str:
         who = f"pid {pid} on host {host} (since {since})"
         if (pid, host) == (os.getpid(), socket.gethostname()):
             who += ", that is this process: another ActivationStore or LLM(store=...) here"
+    if lane == ROOT_LANE:
+        return (
+            f"The activation store at {root} is being written by {who}. One writer at a time "
+            "may append to a store (to one lane of it). Close that writer (LLM.shutdown() or "
+            "ActivationStore.close()) or wait for it to finish, write to another lane "
+            "(for_writing(..., lane=NAME)) or to another store path. Reading with "
+            "ActivationStore.open works meanwhile."
+        )
     return (
-        f"The activation store at {root} is being written by {who}. One writer at a time may "
-        "append to a store. Close that writer (LLM.shutdown() or ActivationStore.close()) or "
-        "wait for it to finish, or write to another store path. Reading with "
-        "ActivationStore.open works meanwhile."
+        f"Lane {lane!r} of the activation store at {root} is being written by {who}. One "
+        "writer at a time may append to a lane. Close that writer or wait for it to finish, "
+        "or write to another lane. Reading with ActivationStore.open works meanwhile."
     )
+
+
+@contextmanager
+def create_lock(root: Path) -> Iterator[None]:
+    """Hold ``STORE/create.lock`` (blocking ``flock``) while creating ``meta.json`` or checking
+    a run against it. Held for milliseconds, never while waiting for anything else."""
+    path = root / CREATE_LOCK
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError as e:
+        raise StoreError(f"Cannot open {path}: {e}") from e
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError as e:
+            if e.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+                raise StoreError(
+                    f"The filesystem of {root} does not support file locks ({e}), so probehook "
+                    "cannot make sure writers do not collide. Write the store to a local disk."
+                ) from e
+            raise StoreError(f"Cannot lock {path}: {e}") from e
+        yield
+    finally:
+        os.close(fd)  # drops the flock

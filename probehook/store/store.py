@@ -32,19 +32,28 @@ from probehook.errors import (
     StoreFormatError,
 )
 from probehook.store.format import (
+    CREATE_LOCK,
     DEFAULT_SHARD_BYTES,
     FORMAT_NAME,
     FORMAT_VERSION,
+    LANES_DIR,
     MANIFEST_FILE,
     META_FILE,
     PHASES,
+    ROOT_LANE,
     SHARD_DIR,
     WRITER_LOCK,
+    check_lane_name,
     dataset_name,
     fsync_dir,
+    lane_dir,
+    list_lanes,
+    shard_key,
+    shard_path,
+    split_shard_key,
     write_json_atomic,
 )
-from probehook.store.lock import WriterLock
+from probehook.store.lock import WriterLock, create_lock
 from probehook.store.manifest import (
     cut_torn_tail,
     remove_replaced_shards,
@@ -122,6 +131,17 @@ class StoredRequest:
     def run(self) -> str | None:
         """The run it was captured in (see ``ActivationStore.runs``)."""
         return self.record.get("run")
+
+    @property
+    def item_id(self) -> str | None:
+        """The caller's id of the work item this request came from (the record's
+        ``"item_id"``, set by a collector through ``extra``); None when absent."""
+        return self.record.get("item_id")
+
+    @property
+    def lane(self) -> str:
+        """The lane it is stored in (``""``: the root lane; see ``ActivationStore.lanes``)."""
+        return split_shard_key(self.record["shard"])[0]
 
     @property
     def prompt(self) -> str | None:
@@ -323,10 +343,17 @@ class ActivationStore:
         records: dict[str, dict],
         runs: dict[str, dict],
         dropped: list[str],
+        lanes: list[str] | None = None,
     ) -> None:
         self.root = root
         self.meta = meta
+        self.lanes = list(lanes) if lanes is not None else [ROOT_LANE]
+        """The store's lanes in store order: ``""`` (the root lane: the store directory's own
+        manifest and shards) first, then the lanes under ``lanes/`` by name."""
         self._records = records
+        self._lane: str | None = None  # the lane this store writes (None: read-only)
+        self._appends_at_end = True  # the written lane's records belong at the end of order
+        self._order_dirty = False
         self.runs = runs
         """Runs by run id: what each appended run captured (``capture``) and when."""
         self.dropped = dropped
@@ -372,6 +399,15 @@ class ActivationStore:
     def open(cls, path: str | Path) -> ActivationStore:
         """Open an existing store for reading. Interrupted shards are left out with a warning."""
         root = Path(path)
+        meta = cls._read_meta(root)
+        records, runs, dropped, lanes = cls._read_manifest(root)
+        store = cls(root, meta, records, runs, dropped, lanes)
+        store._segment_index().arrays()  # with the manifest parse, not in the first layer()
+        return store
+
+    @staticmethod
+    def _read_meta(root: Path) -> dict[str, Any]:
+        """The store's ``meta.json``, checked to be this format and version."""
         meta_path = root / META_FILE
         if not meta_path.is_file():
             raise StoreFormatError(
@@ -390,58 +426,75 @@ class ActivationStore:
                 f"this probehook reads version {FORMAT_VERSION}. Use a probehook release that "
                 "writes that version, or re-capture."
             )
-        records, runs, dropped = cls._read_manifest(root)
-        store = cls(root, meta, records, runs, dropped)
-        store._segment_index().arrays()  # with the manifest parse, not in the first layer()
-        return store
+        return meta
 
     @staticmethod
     def _read_manifest(
         root: Path,
-    ) -> tuple[dict[str, dict], dict[str, dict], list[str]]:
-        """Requests (by store id) and runs (by run id) of the manifest, and what was left out.
+    ) -> tuple[dict[str, dict], dict[str, dict], list[str], list[str]]:
+        """Requests (by store id) and runs (by run id) of every lane's manifest, what was left
+        out, and the lanes, in store order (the root lane, then the other lanes by name).
 
         A damaged line is skipped with a warning and the records after it are kept; a torn
         tail (an interrupted append, never acknowledged) is left out quietly, since a reader
-        may see one while a writer is appending.
+        may see one while a writer is appending. Each lane is read on its own: a record
+        never refers to a shard of another lane. A record's ``shard`` is its shard key
+        (``lanes/LANE/NAME`` outside the root lane). Two records with one store id: the later
+        one in store order is kept, the other is named in ``dropped``.
         """
-        scan = scan_manifest(root)
         dropped: list[str] = []
-        shards: set[str] = set()
         records: dict[str, dict] = {}
         runs: dict[str, dict] = {}
-        for record in scan.records:
-            kind = record.get("kind")
-            if kind == "shard":
-                if (root / SHARD_DIR / record["name"]).is_file():
-                    shards.add(record["name"])
-                else:
-                    dropped.append(f"{record['name']} (listed but missing)")
-            elif kind == "request":
-                if record["shard"] in shards:
-                    if record["id"] in records:  # written before ids were checked at add()
-                        earlier = records.pop(record["id"])
-                        dropped.append(
-                            f"request {record['id']} in {earlier['shard']} (shadowed by a "
-                            f"later record with the same id in {record['shard']})"
-                        )
-                        logger.warning("probehook store %s: %s", root, dropped[-1])
-                    records[record["id"]] = record
-            elif kind == "run":
-                runs[record["run_id"]] = record
-        if scan.bad_lines:
+        lanes, odd = list_lanes(root)
+        for entry in odd:
             dropped.append(
-                f"{MANIFEST_FILE} line(s) {scan.bad_lines} (corrupt; run `probehook store fsck "
-                f"{root} --repair`)"
+                f"{LANES_DIR}/{entry} (not a lane: a lane is a directory named by "
+                "the lane name rule)"
             )
-            logger.warning("probehook store %s: skipped %s", root, dropped[-1])
-        if scan.torn_tail:
-            dropped.append(f"{MANIFEST_FILE} tail ({scan.torn_tail} bytes, torn or being written)")
-        for tmp in sorted((root / SHARD_DIR).glob("*.tmp")) if (root / SHARD_DIR).exists() else []:
-            dropped.append(f"{tmp.name} ({tmp.stat().st_size} bytes, not committed)")
+        for lane in lanes:
+            directory = lane_dir(root, lane)
+            prefix = "" if lane == ROOT_LANE else f"{LANES_DIR}/{lane}/"
+            scan = scan_manifest(directory)
+            shards: set[str] = set()
+            for record in scan.records:
+                kind = record.get("kind")
+                if kind == "shard":
+                    if (directory / SHARD_DIR / record["name"]).is_file():
+                        shards.add(record["name"])
+                    else:
+                        dropped.append(f"{prefix}{record['name']} (listed but missing)")
+                elif kind == "request":
+                    if record["shard"] in shards:
+                        if prefix:
+                            record = {**record, "shard": prefix + record["shard"]}
+                        if record["id"] in records:  # written before ids were checked at add()
+                            earlier = records.pop(record["id"])
+                            dropped.append(
+                                f"request {record['id']} in {earlier['shard']} (shadowed by a "
+                                f"later record with the same id in {record['shard']})"
+                            )
+                            logger.warning("probehook store %s: %s", root, dropped[-1])
+                        records[record["id"]] = record
+                elif kind == "run":
+                    runs[record["run_id"]] = record
+            if scan.bad_lines:
+                dropped.append(
+                    f"{prefix}{MANIFEST_FILE} line(s) {scan.bad_lines} (corrupt; run `probehook "
+                    f"store fsck {root} --repair`)"
+                )
+                logger.warning("probehook store %s: skipped %s", root, dropped[-1])
+            if scan.torn_tail:
+                dropped.append(
+                    f"{prefix}{MANIFEST_FILE} tail ({scan.torn_tail} bytes, torn or being written)"
+                )
+            shard_dir = directory / SHARD_DIR
+            for tmp in sorted(shard_dir.glob("*.tmp")) if shard_dir.exists() else []:
+                with contextlib.suppress(FileNotFoundError):  # committed or removed meanwhile
+                    size = tmp.stat().st_size
+                    dropped.append(f"{prefix}{tmp.name} ({size} bytes, not committed)")
         if dropped:
             logger.info("probehook store %s: left out %s", root, "; ".join(dropped))
-        return records, runs, dropped
+        return records, runs, dropped, lanes
 
     @classmethod
     def for_writing(
@@ -453,41 +506,64 @@ class ActivationStore:
         compression: str | None = None,
         max_queue_bytes: int = 256 << 20,
         legacy_fingerprint: str | None = None,
+        lane: str | None = None,
     ) -> ActivationStore:
         """Create a store, or open one to append a run of the same model and hidden size.
 
-        Takes the store's writer lock (released by :meth:`close`) before touching anything, so
-        the crash repair never runs under another live writer; raises
-        :class:`~probehook.errors.StoreLockedError` if another writer holds it.
+        ``lane``: None writes the root lane (the store directory's own manifest and shards,
+        as a store with one writer always did); a name (1-64 characters of ``A-Za-z0-9_.-``,
+        not starting with ".") writes ``STORE/lanes/NAME/``, so several processes can write
+        one store at once, one per lane. The store this returns reads every lane.
+
+        Takes the lane's writer lock (released by :meth:`close`) before touching the lane, so
+        the crash repair never runs under another live writer of it; raises
+        :class:`~probehook.errors.StoreLockedError` if another writer holds it. Writers of
+        other lanes are not affected. Creating ``meta.json`` (or checking this run against
+        it) happens under a short lock on ``STORE/create.lock``, so writers that start at the
+        same moment create the store once.
 
         ``legacy_fingerprint``: this run's fingerprint v1, checked only against a store written
         before fingerprint v2 (see :meth:`check_appendable`).
         """
         root = Path(path)
+        lane = ROOT_LANE if lane is None else check_lane_name(lane)
         full_meta = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, **meta}
         if not (root / META_FILE).exists():
-            # No writer.lock dropped into a foreign directory.
+            # No lock file dropped into a foreign directory.
             cls.check_appendable(root, meta, legacy_fingerprint=legacy_fingerprint)
         _make_dirs_durably(root)
-        lock = WriterLock.acquire(root)
+        # The root lane's lock is taken first, as always: its holder owns the root's files.
+        lock = WriterLock.acquire(root) if lane == ROOT_LANE else None
         try:
-            # Again: another writer may have created it since.
-            cls.check_appendable(root, meta, legacy_fingerprint=legacy_fingerprint)
-            if (root / META_FILE).exists():
-                cls._repair_for_append(root)
-                store = cls.open(root)
+            with create_lock(root):
+                # Again, under the lock: another writer may have created it since.
+                cls.check_appendable(root, meta, legacy_fingerprint=legacy_fingerprint)
+                if not (root / META_FILE).exists():
+                    write_json_atomic(root / META_FILE, full_meta)
+                    (root / SHARD_DIR).mkdir(exist_ok=True)
+                    fsync_dir(root)
+            directory = lane_dir(root, lane)
+            if lane != ROOT_LANE:
+                _make_dirs_durably(directory / SHARD_DIR)
+                lock = WriterLock.acquire(root, lane)
             else:
-                (root / SHARD_DIR).mkdir(parents=True, exist_ok=True)
-                write_json_atomic(root / META_FILE, full_meta)
-                store = cls.open(root)
+                (root / SHARD_DIR).mkdir(exist_ok=True)
+            cls._repair_for_append(directory, store_root=root)
+            store = cls.open(root)
+            store._lane = lane
+            later = set(store.lanes[store.lanes.index(lane) + 1 :])
+            store._appends_at_end = not later or not any(
+                split_shard_key(r["shard"])[0] in later for r in store._records.values()
+            )
             store._writer = ShardWriter(
-                root,
+                directory,
                 shard_bytes=shard_bytes,
                 compression=compression,
                 max_queue_bytes=max_queue_bytes,
             )
         except BaseException:
-            lock.release()
+            if lock is not None:
+                lock.release()
             raise
         store._lock = lock
         # Added but never closed: flushed when the store is collected or the interpreter
@@ -510,7 +586,7 @@ class ActivationStore:
         """
         root = Path(path)
         if (root / META_FILE).exists():
-            existing = cls.open(root).meta
+            existing = cls._read_meta(root)
             if "model_fingerprint" in meta:
                 cls._check_fingerprint(root, existing, meta, legacy_fingerprint)
             for key in ("hidden_size", "dtype"):
@@ -520,7 +596,11 @@ class ActivationStore:
                         f"run's is {meta[key]!r}. Use a new store path for another model."
                     )
         elif root.exists() and (
-            not root.is_dir() or any(p.name != WRITER_LOCK for p in root.iterdir())
+            not root.is_dir()
+            # Lock files, and meta.json being written by a writer creating the store now.
+            or any(
+                p.name not in (WRITER_LOCK, CREATE_LOCK, META_FILE + ".tmp") for p in root.iterdir()
+            )
         ):
             raise StoreFormatError(
                 f"{root} exists, is not empty and is not an activation store; pick a new path."
@@ -576,17 +656,20 @@ class ActivationStore:
         )
 
     @classmethod
-    def _repair_for_append(cls, root: Path) -> None:
-        """Before appending after a crash (holding the writer lock): cut a torn manifest tail
-        (never acknowledged) and delete interrupted ``.tmp`` shards and the old shards of a
-        finished compaction. A damaged line before good ones is refused, never cut."""
+    def _repair_for_append(cls, root: Path, store_root: Path | None = None) -> None:
+        """Before appending after a crash (holding the lane's writer lock): cut a torn
+        manifest tail (never acknowledged) and delete interrupted ``.tmp`` shards and the old
+        shards of a finished compaction, in the lane directory ``root`` only (of the store
+        ``store_root``, default ``root``). A damaged line before good ones is refused, never
+        cut."""
+        store_root = root if store_root is None else store_root
         scan = scan_manifest(root)
         if scan.bad_lines:
             raise StoreCorruptError(
                 f"{root / MANIFEST_FILE} has damaged line(s) {scan.bad_lines} before good ones; "
                 "appending is refused so that no acknowledged record is lost. Run `probehook "
-                f"store fsck {root}` to see the damage and `probehook store fsck {root} "
-                "--repair` to keep every verifiable record, then append again."
+                f"store fsck {store_root}` to see the damage and `probehook store fsck "
+                f"{store_root} --repair` to keep every verifiable record, then append again."
             )
         if scan.torn_tail:
             logger.warning(
@@ -595,7 +678,7 @@ class ActivationStore:
                 scan.torn_tail,
             )
             cut_torn_tail(root, scan)
-        for tmp in (root / SHARD_DIR).glob("*.tmp"):
+        for tmp in (root / SHARD_DIR).glob("*.tmp") if (root / SHARD_DIR).is_dir() else []:
             logger.warning("probehook store %s: removing interrupted shard %s", root, tmp.name)
             tmp.unlink()
         remove_replaced_shards(root, scan.records)
@@ -664,7 +747,13 @@ class ActivationStore:
         finally:
             # Shards committed before an error are durable: take them either way.
             for record in writer.take_committed():
-                if self._index is not None and record["id"] not in self._records:
+                if self._lane:  # the manifest names the shard within its lane
+                    record = {**record, "shard": shard_key(self._lane, record["shard"])}
+                if not self._appends_at_end:
+                    # Records of a later lane come after this lane's: reorder on next read.
+                    self._order_dirty = True
+                    self._index = None
+                elif self._index is not None and record["id"] not in self._records:
                     self._index.add(record)
                 else:
                     self._index = None  # a replaced record: rebuild on next use
@@ -730,7 +819,32 @@ class ActivationStore:
 
     @property
     def requests(self) -> Iterator[StoredRequest]:
+        """Every request, in store order: the root lane's first, then each lane's by name,
+        each lane in the order its manifest committed them."""
+        self._ensure_order()
         return (StoredRequest(self, r) for r in self._records.values())
+
+    def item_ids(self) -> set[str]:
+        """Every item id (a record's ``"item_id"``, see :attr:`StoredRequest.item_id`) of the
+        requests in the store, across all lanes. From the manifests only: no shard is read.
+        A collector skips the items it finds here when it resumes."""
+        return {
+            item
+            for r in self._records.values()
+            if (item := r.get("item_id")) is not None and isinstance(item, str)
+        }
+
+    def _ensure_order(self) -> None:
+        """Put the records back in store order after this writer committed records of a lane
+        that comes before another lane with records (its own land at the end of the dict)."""
+        if not self._order_dirty:
+            return
+        rank = {lane: i for i, lane in enumerate(self.lanes)}
+        self._records = dict(
+            sorted(self._records.items(), key=lambda kv: rank[split_shard_key(kv[1]["shard"])[0]])
+        )
+        self._order_dirty = False
+        self._index = None
 
     @property
     def layers(self) -> list[int]:
@@ -837,6 +951,7 @@ class ActivationStore:
         }
         if labels is not None:
             columns["label"] = _label_feature(datasets, labels)
+        self._ensure_order()
         key = {
             "records": [(r["id"], r["shard"]) for r in self._records.values()],
             "selection": [layer, phase, token, self.meta.get("dtype"), self.hidden_size],
@@ -855,6 +970,10 @@ class ActivationStore:
     def info(self) -> dict[str, Any]:
         shards = {r["shard"] for r in self._records.values()}
         rows = sum(s["count"] for r in self._records.values() for s in r["segments"])
+        per_lane = dict.fromkeys(self.lanes, 0)
+        for r in self._records.values():
+            lane = split_shard_key(r["shard"])[0]
+            per_lane[lane] = per_lane.get(lane, 0) + 1
         return {
             "path": str(self.root),
             "requests": len(self),
@@ -864,12 +983,13 @@ class ActivationStore:
                 len(r["prompt_token_ids"]) + sum(len(c["token_ids"]) for c in r["completions"])
                 for r in self._records.values()
             ),
-            "bytes": sum((self.root / SHARD_DIR / s).stat().st_size for s in shards),
+            "bytes": sum(shard_path(self.root, s).stat().st_size for s in shards),
             "layers": self.layers,
             "runs": len(self.runs),
             "hidden_size": self.meta.get("hidden_size"),
             "dtype": self.meta.get("dtype"),
             "model": self.meta.get("model"),
+            "lanes": per_lane,  # requests per lane; "" is the root lane
             "dropped": list(self.dropped),
         }
 
@@ -882,6 +1002,7 @@ class ActivationStore:
         )
 
     def _segment_index(self) -> SegmentIndex:
+        self._ensure_order()
         if self._index is None:
             self._index = SegmentIndex(self._records.values())
         return self._index
@@ -900,7 +1021,7 @@ class ActivationStore:
         limit = self.max_open_files
         while len(self._files) >= limit:
             self._files.popitem(last=False)[1].close()
-        path = self.root / SHARD_DIR / shard
+        path = shard_path(self.root, shard)
         while True:
             try:
                 # No chunk cache: whole-chunk reads then go straight into the caller's array.

@@ -368,7 +368,7 @@ def test_from_engine_args_without_capture_is_plain_vllm(llama_dir, engine, loop)
         args = AsyncEngineArgs(model=str(llama_dir), enforce_eager=True, **ENGINE)
         plain = AsyncLLM.from_engine_args(args)
         try:
-            assert plain.capture is None
+            assert plain.session is None
             return await collect(plain, prompts(1)[0], greedy(3))
         finally:
             plain.shutdown()

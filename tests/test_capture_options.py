@@ -127,7 +127,7 @@ def test_malformed_options_storm(eager_llm) -> None:
     ]:
         with pytest.raises(CaptureConfigError, match=words):
             eager_llm.generate([prompt], _params(value), use_tqdm=False)
-    assert not eager_llm.capture.pending
+    assert not eager_llm.session.pending
     after = eager_llm.generate([prompt], _params(...), use_tqdm=False)[0]
     assert list(after.outputs[0].token_ids) == list(before.outputs[0].token_ids)
     for layer in (0, 2):
@@ -148,7 +148,7 @@ def test_a_corrupt_wire_past_the_front_end_fails_its_request_alone(eager_llm, mo
     corruptions = [(k, v) for k, v in CORRUPTIONS if k != "tag"]  # tag: nobody collects
     prompts = [f"{i}+{2 * i}=" for i in range(2 * len(corruptions) + 1)]
     reference = eager_llm.generate(prompts[::2], _params(...), use_tqdm=False)
-    session = eager_llm.capture
+    session = eager_llm.session
     real_tag, real_register = session.tag, session.register
     registered: dict[int, object] = {}
 

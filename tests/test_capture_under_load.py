@@ -106,4 +106,4 @@ def test_aborted_request_is_gone_and_its_rows_freed(compiled_llm, llama_dir: Pat
     assert_matches_hf(llama_dir, outs[0], [0, 1, 2, 3])
     stats = worker_stats(compiled_llm)
     assert stats["pending_requests"] == 0 and stats["retained_bytes"] == 0
-    assert compiled_llm.capture.pending == {}
+    assert compiled_llm.session.pending == {}

@@ -179,7 +179,7 @@ def test_without_capture_it_is_plain_vllm() -> None:
     from probehook import LLM
 
     with LLM(str(segmenter_path()), gpu_memory_utilization=0.1, **ENGINE_KWARGS) as llm:
-        assert llm.capture is None
+        assert llm.session is None
         image = _image(8, 16, seed=6)
         result = _segment(llm, {"image": image})
         np.testing.assert_array_equal(result.mask, _expected(image))

@@ -31,7 +31,7 @@ def assert_clean(llm) -> None:
     assert stats["pending_requests"] == 0
     assert stats["retained_bytes"] == 0
     assert not llm.llm_engine.has_unfinished_requests()
-    assert llm.capture.pending == {}
+    assert llm.session.pending == {}
 
 
 def test_prompt_logprobs_record_once_per_forward(eager_llm, llama_dir: Path) -> None:
@@ -202,7 +202,7 @@ def test_v2_only_request_option_is_refused_before_generation(eager_llm) -> None:
 def test_rows_travel_through_disk_when_shm_is_full(eager_llm, llama_dir: Path) -> None:
     """The worker gets ENOSPC from the first export path (a link to /dev/full, as a full
     /dev/shm answers) and writes the same rows to the disk path; they still equal HF."""
-    spool = eager_llm.capture.spool
+    spool = eager_llm.session.spool
     real_new_paths = spool.new_paths
     used: list[str] = []
 

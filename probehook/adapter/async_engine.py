@@ -89,7 +89,7 @@ class AsyncLLM(VllmAsyncLLM):
         **kwargs: Any,
     ) -> None:
         self.capture_config: CaptureConfig | None = None
-        self.capture: CaptureSession | None = None
+        self.session: CaptureSession | None = None
         self.store: ActivationStore | None = None
         self.probes: ProbeSet | None = None
         self._receiver: Receiver | None = None
@@ -188,7 +188,7 @@ class AsyncLLM(VllmAsyncLLM):
         bad per-request options; nothing reaches the engine. Call :meth:`start_capture`
         first."""
         options = options_of(params)
-        if self.capture is None:
+        if self.session is None:
             if hasattr(self, "_plan"):
                 raise CaptureConfigError("check_request: call await start_capture() first.")
             asked = options.asked()
@@ -199,10 +199,10 @@ class AsyncLLM(VllmAsyncLLM):
                     "layers=... or probes=...."
                 )
             return None
-        return self.capture.describe(self.capture.tag(params, stream=True))
+        return self.session.describe(self.session.tag(params, stream=True))
 
     async def _ensure_attached(self) -> None:
-        if self.capture is not None or not hasattr(self, "_plan"):
+        if self.session is not None or not hasattr(self, "_plan"):
             return
         if self._attached is None:
             self._attached = asyncio.ensure_future(self._attach())
@@ -223,7 +223,7 @@ class AsyncLLM(VllmAsyncLLM):
         await self.collective_rpc("probehook_stream_connect", args=(receiver.address,))
         self.capture_info: dict[str, Any] = info
         """Layers, hidden size, dtype and model runner class of the tapped worker."""
-        self.capture, self.store, self._receiver = capture, store, receiver
+        self.session, self.store, self._receiver = capture, store, receiver
         # Finalizers, not __del__: they also run at interpreter exit, before modules go.
         closers = [receiver.close, capture.close] + ([store.close] if store is not None else [])
         self._closers = [weakref.finalize(self, close) for close in closers]
@@ -267,23 +267,23 @@ class AsyncLLM(VllmAsyncLLM):
         output it yields gets its rows and scores."""
         await self._ensure_attached()
         plain = not self.capture_unmarked and not marked(params)
-        if plain or self.capture is None or not isinstance(params, SamplingParams | PoolingParams):
+        if plain or self.session is None or not isinstance(params, SamplingParams | PoolingParams):
             async for output in run(prompt, params, request_id, **kwargs):
                 clear_outputs(output)
                 outputs.decorate(output)
                 yield output
             return
         assert self._receiver is not None
-        tagged = self.capture.tag(params, stream=True)
-        tag = self.capture.describe(tagged)
-        prompt = with_cache_salt(prompt, self.capture.cache_salt(tagged))
+        tagged = self.session.tag(params, stream=True)
+        tag = self.session.describe(tagged)
+        prompt = with_cache_salt(prompt, self.session.cache_salt(tagged))
         kind = KINDS[params.output_kind]
         captures = tag is not None and tag.config is not None
-        stream = RequestStream(self.capture, self._receiver, tag, kind) if captures else None
+        stream = RequestStream(self.session, self._receiver, tag, kind) if captures else None
         if stream is not None:
             self._streams[request_id] = stream
             self._receiver.expect(stream.tag.tag)
-        steering = self.capture.steering
+        steering = self.session.steering
         held = steering.hold(tag.steering) if steering and tag and tag.steering else []
         try:
             async for output in run(prompt, tagged, request_id, **kwargs):
@@ -327,7 +327,7 @@ class AsyncLLM(VllmAsyncLLM):
         """Put ``vector`` in the engine's bank under ``name`` while it runs (no restart, no
         recompilation); see :meth:`probehook.LLM.add_steering`."""
         await self._ensure_attached()
-        steering = setup.steering_of(self.capture)
+        steering = setup.steering_of(self.session)
         wire = steering.add(name, vector)
         try:
             await self.collective_rpc("probehook_steering_add", args=(name, wire))
@@ -339,7 +339,7 @@ class AsyncLLM(VllmAsyncLLM):
         """Put a vector sent in a request body into the bank (or count one more user of the
         same one); returns its bank name. Release it with :meth:`release_inline_steering`."""
         await self._ensure_attached()
-        steering = setup.steering_of(self.capture)
+        steering = setup.steering_of(self.session)
         name, wire = steering.acquire_inline(vector)
         ready = self._inline_ready
         if wire is None:
@@ -360,14 +360,14 @@ class AsyncLLM(VllmAsyncLLM):
         return name
 
     async def release_inline_steering(self, name: str) -> None:
-        if setup.steering_of(self.capture).release_inline(name):
+        if setup.steering_of(self.session).release_inline(name):
             self._inline_ready.pop(name, None)
             await self.collective_rpc("probehook_steering_remove", args=(name,))
 
     async def remove_steering(self, name: str) -> None:
         """Take a vector out of the bank; requests that name it afterwards are refused."""
         await self._ensure_attached()
-        setup.steering_of(self.capture).remove(name)
+        setup.steering_of(self.session).remove(name)
         await self.collective_rpc("probehook_steering_remove", args=(name,))
 
     # -- life cycle -------------------------------------------------------------------------

@@ -289,10 +289,12 @@ def capture_engine_kwargs(
     probe_layers: tuple[int, ...] = (),
     pooling: bool = False,
     steer_layers: tuple[int, ...] = (),
+    exit_after: int | None = None,
 ) -> dict[str, Any]:
     """Return ``kwargs`` for ``vllm.LLM`` with probehook's loader, extension and config; with
     probes, their layers are tapped too and the monitor logits processor is added; with
-    ``steer_layers``, those layers get the steering op."""
+    ``steer_layers``, those layers get the steering op; with ``exit_after`` (a capture-only
+    engine), the model stops after that layer."""
     kwargs = dict(kwargs)
     if kwargs.get("worker_extension_cls") not in (None, "", WORKER_EXTENSION):
         raise CaptureConfigError(
@@ -328,6 +330,7 @@ def capture_engine_kwargs(
         **capture.to_dict(),
         loader.TAP_LAYERS_KEY: tap_layers,
         loader.STEER_LAYERS_KEY: sorted(steer_layers),
+        loader.EXIT_AFTER_KEY: exit_after,
     }
     kwargs["additional_config"] = additional
     kwargs["worker_extension_cls"] = WORKER_EXTENSION

@@ -37,6 +37,9 @@ TAP_LAYERS_KEY = "tap_layers"
 STEER_LAYERS_KEY = "steer_layers"
 """Key in the capture settings: the layers that get a steering op (part of the compile-cache
 key; the vectors are not)."""
+EXIT_AFTER_KEY = "exit_after"
+"""Key in the capture settings: a capture-only engine's deepest tapped layer, after which the
+model stops (part of the compile-cache key; None: every layer runs)."""
 RECORDER_ATTR = "probehook_step_hook"
 
 # Where decoder layers live, per model family. Paths are relative to the vLLM model.
@@ -105,10 +108,10 @@ def _make_loader_class() -> type:
                 )
             settings = dict(settings)
             config = CaptureConfig.from_dict(
-                {k: v for k, v in settings.items() if k not in (TAP_LAYERS_KEY, STEER_LAYERS_KEY)}
+                {k: v for k, v in settings.items() if k not in _NOT_CAPTURE_CONFIG}
             )
             scheduler = vllm_config.scheduler_config
-            install_taps(
+            hook = install_taps(
                 model,
                 config,
                 tuple(settings.get(TAP_LAYERS_KEY) or config.layers),
@@ -118,9 +121,57 @@ def _make_loader_class() -> type:
                 # One table row per request the batch can hold, plus row 0 (no steering).
                 steer_slots=scheduler.max_num_seqs + 1,
             )
+            exit_after = settings.get(EXIT_AFTER_KEY)
+            if exit_after is not None:
+                hook.cut = exit_early(model, int(exit_after))
+            hook.layers_run = len(locate_layers(model)[1])
             return model
 
     return ProbehookModelLoader
+
+
+_NOT_CAPTURE_CONFIG = (TAP_LAYERS_KEY, STEER_LAYERS_KEY, EXIT_AFTER_KEY)
+
+# The final norm of each family (vLLM's attribute names): a capture-only engine skips it.
+FINAL_NORM_NAMES: tuple[str, ...] = ("norm", "final_layernorm", "final_layer_norm", "ln_f")
+
+
+class _PassThrough(nn.Module):
+    """Stands in for a final norm the capture-only engine does not compute: returns its input
+    in the shape the norm would (``(hidden, residual)`` when called with a residual)."""
+
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None = None) -> Any:
+        return hidden if residual is None else (hidden, residual)
+
+
+def exit_early(model: nn.Module, last_layer: int) -> list[str]:
+    """Make ``model`` stop after decoder layer ``last_layer``: the layers after it are dropped
+    from the layer list and its final norm is replaced by a pass-through; return what was cut.
+
+    vLLM's decoder models run ``islice(self.layers, self.start_layer, self.end_layer)`` (its
+    pipeline-parallel split; HF layer loops run over the list), so a shorter list and
+    ``end_layer`` set to its length stop the loop there. Weights are loaded already, so the
+    dropped layers' memory is freed. The rows of the layers kept, and everything before them,
+    are unchanged; what reaches the pooler (and its embedding) is not the model's output, so a
+    capture-only engine gives none.
+    """
+    path, layers = locate_layers(model)
+    parent: Any = model
+    for part in path.split(".")[:-1]:
+        parent = getattr(parent, part)
+    if is_transformers_backend(model):
+        parent = parent.get_decoder() if hasattr(parent, "get_decoder") else parent
+    cut = [f"{path}[{last_layer + 1}:{len(layers)}]"] if last_layer + 1 < len(layers) else []
+    del layers[last_layer + 1 :]
+    if isinstance(getattr(parent, "end_layer", None), int):
+        parent.end_layer = min(parent.end_layer, last_layer + 1)
+    for name in FINAL_NORM_NAMES:
+        if isinstance(getattr(parent, name, None), nn.Module):
+            setattr(parent, name, _PassThrough())
+            cut.append(f"{path.rpartition('.')[0] or '(model)'}.{name}")
+            break
+    logger.info("probehook: capture-only engine stops after layer %d (cut %s)", last_layer, cut)
+    return cut
 
 
 def is_transformers_backend(model: nn.Module) -> bool:
@@ -336,6 +387,9 @@ class StepHook:
         self.steps = 0  # execute_model calls since attach (for the benchmark)
         self.step_ns = 0  # their wall time
         self.forwards = 0  # of those, the ones the scheduler gave tokens: forward passes
+        self.layers_run = 0  # decoder layers the model runs (set at load)
+        self.cut: list[str] = []
+        """What a capture-only engine does not compute (modules dropped at load)."""
 
     def attach(
         self,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import os
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import vllm
@@ -20,6 +20,7 @@ from vllm import PoolingParams, SamplingParams
 from probehook.adapter import cpu_memory, engine_config, outputs, setup
 from probehook.adapter.prompts import with_cache_salt
 from probehook.capture_config import CaptureConfig, LayerSpec
+from probehook.collect.items import check_item_ids
 from probehook.core.probe_set import ProbeSet
 from probehook.core.session import CaptureSession, clear_outputs, copy_captures
 from probehook.errors import CaptureConfigError
@@ -66,6 +67,11 @@ class LLM(vllm.LLM):
             always get one), for vectors added later with :meth:`add_steering`. Which layers
             steer is fixed when the model is compiled; the vectors are not.
         steering_capacity: the most vectors the bank holds at once (default 64).
+        capture_only: build a collection engine: :meth:`capture` reads each prompt in one
+            forward pass (vLLM's pooling runner; nothing is sampled) and the model stops after
+            the deepest layer captured or probed (no later layers, final norm or LM head).
+            ``include_prefill`` then defaults to True and ``include_decode`` to False;
+            :meth:`generate` is refused. See docs/collect.md.
         **kwargs: passed to ``vllm.LLM`` unchanged.
 
     Captured rows are CPU tensors in the model dtype, keyed by layer index. The row after
@@ -78,8 +84,8 @@ class LLM(vllm.LLM):
         model: str | os.PathLike[str],
         *,
         layers: LayerSpec | None = None,
-        include_prefill: bool = False,
-        include_decode: bool = True,
+        include_prefill: bool | None = None,
+        include_decode: bool | None = None,
         last_prefill_token: bool = False,
         last_decode_token: bool = False,
         store: str | os.PathLike[str] | None = None,
@@ -90,11 +96,14 @@ class LLM(vllm.LLM):
         steering: Any = None,
         steering_layers: LayerSpec | None = None,
         steering_capacity: int = 64,
+        capture_only: bool = False,
         **kwargs: Any,
     ) -> None:
         model = os.fspath(model)
+        self.capture_only = capture_only
+        self._item_ids: Iterator[str] | None = None  # capture(ids=...): one per request, in order
         self.capture_config: CaptureConfig | None = None
-        self.capture: CaptureSession | None = None
+        self.session: CaptureSession | None = None
         self.store: ActivationStore | None = None
         self.probes: ProbeSet | None = None
         self._inputs = itertools.count()  # user inputs split by an IO Processor plugin
@@ -113,6 +122,7 @@ class LLM(vllm.LLM):
             steering=steering,
             steering_layers=steering_layers,
             steering_capacity=steering_capacity,
+            capture_only=capture_only,
         )
         kwargs = cpu_memory.size_for_cpu(model, kwargs, engine_config.resolve_vllm_config)
         if not request.captures:  # plain vLLM, with the runner vLLM itself chooses
@@ -125,7 +135,7 @@ class LLM(vllm.LLM):
         engine_config.pin_v1_runner(self.llm_engine.vllm_config)  # its workers run V1
         self.capture_config, self.probes = plan.config, plan.probes
         infos = self.collective_rpc("probehook_attach", args=plan.attach_args())
-        self.capture, self.capture_info, self.store = setup.start(
+        self.session, self.capture_info, self.store = setup.start(
             plan,
             model,
             infos,
@@ -134,29 +144,32 @@ class LLM(vllm.LLM):
             stop_token=setup.eos_token(self.get_tokenizer),
         )
         """Layers, hidden size, dtype and model runner class of the tapped worker."""
-        weakref.finalize(self, self.capture.close)
+        weakref.finalize(self, self.session.close)
         if self.store is not None:
             weakref.finalize(self, self.store.close)
 
     # -- vLLM's offline request path ------------------------------------------------------
 
     def _add_request(self, prompt: Any, params: Any, *args: Any, **kwargs: Any) -> str:
-        if self.capture is None or not isinstance(params, SamplingParams | PoolingParams):
+        if self.session is None or not isinstance(params, SamplingParams | PoolingParams):
             return super()._add_request(prompt, params, *args, **kwargs)
-        params = self.capture.tag(params)
-        prompt = with_cache_salt(prompt, self.capture.cache_salt(params))
+        params = self.session.tag(params)
+        prompt = with_cache_salt(prompt, self.session.cache_salt(params))
         engine_id = super()._add_request(prompt, params, *args, **kwargs)
-        self.capture.register(_request_id(engine_id), engine_id, params)
+        request_id = _request_id(engine_id)
+        self.session.register(request_id, engine_id, params)
+        if self._item_ids is not None:  # capture(ids=...): requests are added in prompt order
+            self.session.label(request_id, {"item_id": next(self._item_ids)})
         return engine_id
 
     def _render_and_add_requests(self, *args: Any, **kwargs: Any) -> list[str]:
-        before = set(self.capture.pending) if self.capture is not None else set()
+        before = set(self.session.pending) if self.session is not None else set()
         try:
             return super()._render_and_add_requests(*args, **kwargs)
         except BaseException:
             # vLLM aborted the requests this call added; forget their rows too.
-            if self.capture is not None:
-                self.capture.abandon([r for r in self.capture.pending if r not in before])
+            if self.session is not None:
+                self.session.abandon([r for r in self.session.pending if r not in before])
             raise
 
     def _run_engine(self, output_type: Any, *, use_tqdm: Any = True) -> list[Any]:
@@ -182,16 +195,16 @@ class LLM(vllm.LLM):
                     if not isinstance(output, output_type):
                         raise TypeError(f"Expected {output_type}, got {type(output).__name__}")
                 finished.extend((int(o.request_id), o) for o in done)
-                if self.capture is not None:
-                    self.capture.attach(done)
+                if self.session is not None:
+                    self.session.attach(done)
                 else:
                     for output in done:
                         _empty_rows(output)
                 if pbar is not None:
                     pbar.update(sum(len(getattr(o, "outputs", [None])) for o in done))
-            if self.capture is not None:
+            if self.session is not None:
                 # The loop has drained: requests still pending were aborted by the user.
-                self.capture.abandon(abort=False)
+                self.session.abandon(abort=False)
                 if self.store is not None:
                     self.store.flush()
         except BaseException:
@@ -211,7 +224,7 @@ class LLM(vllm.LLM):
         except BaseException:
             self._abort_unfinished()
             raise
-        if self.capture is None:
+        if self.session is None:
             for output in pooled:
                 _empty_rows(output)
             return pooled
@@ -220,17 +233,81 @@ class LLM(vllm.LLM):
             # the store keeps each one's rows keyed to the input and its index.
             user_request = f"input-{next(self._inputs)}"
             for index, output in enumerate(pooled):
-                self.capture.label(
+                self.session.label(
                     output.request_id, {"user_request": user_request, "patch": index}
                 )
         try:
-            self.capture.attach(pooled)
+            self.session.attach(pooled)
         finally:
-            self.capture.abandon(abort=False)
+            self.session.abandon(abort=False)
         if self.store is not None:
             self.store.flush()
         self._pooled = {output.request_id: output for output in pooled}
         return pooled
+
+    # -- capture-only engines ------------------------------------------------------------------
+
+    def capture(
+        self,
+        prompts: Any,
+        ids: Sequence[Any] | None = None,
+        *,
+        use_tqdm: Any = True,
+        lora_request: Any = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
+    ) -> list[Any]:
+        """Read each prompt in one forward pass and return its prompt rows; nothing is sampled.
+
+        Needs an engine built with ``capture_only=True``. Each output (one per prompt, in
+        order) carries ``prefill_hidden_states[layer]`` (one row per prompt token),
+        ``prefill_probe_scores[name]`` (with probes), ``prompt_token_ids``, ``store_id`` (with
+        ``store=``) and ``item_id``. ``ids``: one id per prompt (str or int; unique), kept in
+        the store record (``StoredRequest.item_id``) so that a collection can be resumed;
+        None: no item ids.
+        """
+        if not self.capture_only or self.session is None:
+            raise CaptureConfigError(
+                "capture() needs an engine built with capture_only=True (and layers=[...] or "
+                "probes={...}); use generate() on this one."
+            )
+        single = isinstance(prompts, str | dict) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        )
+        batch = [prompts] if single else list(prompts)
+        item_ids = check_item_ids(ids, len(batch))
+        self._item_ids = iter(item_ids) if item_ids is not None else None
+        try:
+            outputs = self.encode(
+                batch,
+                use_tqdm=use_tqdm,
+                lora_request=lora_request,
+                pooling_task=self.pooling_task,
+                tokenization_kwargs=tokenization_kwargs,
+            )
+        finally:
+            self._item_ids = None
+        for index, output in enumerate(outputs):
+            # The stream stopped early: what the pooler got is not the model's output.
+            output.outputs = None
+            output.item_id = item_ids[index] if item_ids is not None else None
+        return outputs
+
+    def generate(self, *args: Any, **kwargs: Any) -> list[Any]:
+        if self.capture_only:
+            raise CaptureConfigError(
+                "generate() on a capture-only engine: it stops after the deepest captured "
+                "layer, so it has no logits to sample from. Use capture(prompts), or build an "
+                "LLM without capture_only=True to generate."
+            )
+        return super().generate(*args, **kwargs)
+
+    def chat(self, *args: Any, **kwargs: Any) -> list[Any]:
+        if self.capture_only:
+            raise CaptureConfigError(
+                "chat() on a capture-only engine: it generates nothing. Use capture() with the "
+                "rendered prompts, or build an LLM without capture_only=True to chat."
+            )
+        return super().chat(*args, **kwargs)
 
     # vLLM wraps pooled outputs in new objects (EmbeddingRequestOutput.from_base, ...): carry
     # the captures over by request id.
@@ -266,8 +343,8 @@ class LLM(vllm.LLM):
 
     def _abort_unfinished(self) -> None:
         """After an error or Ctrl-C: nothing of this call may come back in a later call."""
-        if self.capture is not None:
-            self.capture.abandon()
+        if self.session is not None:
+            self.session.abandon()
         if self.llm_engine.has_unfinished_requests():
             engine_ids = list(self.llm_engine.output_processor.request_states)
             self.llm_engine.abort_request(engine_ids, internal=True)
@@ -278,14 +355,14 @@ class LLM(vllm.LLM):
     def steering(self) -> dict[str, Any]:
         """The engine's steering vectors by name (a copy; change them with
         :meth:`add_steering` and :meth:`remove_steering`)."""
-        steering = self.capture.steering if self.capture is not None else None
+        steering = self.session.steering if self.session is not None else None
         return dict(steering.vectors) if steering is not None else {}
 
     def add_steering(self, name: str, vector: Any) -> None:
         """Put ``vector`` (a :class:`~probehook.SteeringVector`) in the engine's bank under
         ``name``, while the engine runs: no restart, no recompilation. Its layers must be
         steered layers (``steering=`` or ``steering_layers=`` at construction)."""
-        steering = setup.steering_of(self.capture)
+        steering = setup.steering_of(self.session)
         wire = steering.add(name, vector)
         try:
             self.collective_rpc("probehook_steering_add", args=(name, wire))
@@ -295,11 +372,11 @@ class LLM(vllm.LLM):
 
     def remove_steering(self, name: str) -> None:
         """Take a vector out of the bank. Requests that name it afterwards are refused."""
-        setup.steering_of(self.capture).remove(name)
+        setup.steering_of(self.session).remove(name)
         self.collective_rpc("probehook_steering_remove", args=(name,))
 
     def beam_search(self, *args: Any, **kwargs: Any) -> Any:
-        if self.capture is not None:
+        if self.session is not None:
             raise CaptureConfigError(
                 "beam_search is not supported with capture: vLLM runs it as one-token "
                 "generate() calls that recompute the prefix each step, so rows would not "
@@ -311,8 +388,8 @@ class LLM(vllm.LLM):
         """Stop the engine's processes now (instead of at garbage collection)."""
         if self.store is not None:
             self.store.close()
-        if self.capture is not None:
-            self.capture.close()
+        if self.session is not None:
+            self.session.close()
         self.llm_engine.engine_core.shutdown()
 
     def __enter__(self) -> LLM:

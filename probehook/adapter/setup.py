@@ -34,8 +34,10 @@ class CaptureRequest:
     """What the user asked a front end to capture (the keyword arguments of ``LLM``)."""
 
     layers: LayerSpec | None = None
-    include_prefill: bool = False
-    include_decode: bool = True
+    include_prefill: bool | None = None
+    """None: True for a capture-only engine, False otherwise."""
+    include_decode: bool | None = None
+    """None: False for a capture-only engine, True otherwise."""
     last_prefill_token: bool = False
     last_decode_token: bool = False
     store: str | os.PathLike[str] | None = None
@@ -46,9 +48,17 @@ class CaptureRequest:
     steering: Any = None
     steering_layers: LayerSpec | None = None
     steering_capacity: int = DEFAULT_CAPACITY
+    capture_only: bool = False
+    """One forward pass per prompt, prompt rows only, stopping after the deepest tapped layer."""
 
     def __post_init__(self) -> None:
         # Checked at once, so that a plain engine is built without probehook's runner choice.
+        if self.capture_only:
+            _check_capture_only(self)
+        if self.include_prefill is None:
+            self.include_prefill = self.capture_only
+        if self.include_decode is None:
+            self.include_decode = not self.capture_only
         if self.probes is not None:
             self.probes = load_probes(self.probes) or None  # bad paths fail before start-up
         self.steering = load_steering(self.steering)
@@ -130,6 +140,8 @@ def prepare(
     limit = _check_limit(request.max_request_capture_bytes)
     # The user's load format: capture_engine_kwargs swaps in probehook's wrapper.
     load_format = kwargs.get("load_format") or "auto"
+    if request.capture_only:
+        kwargs = capture_only_kwargs(kwargs)
     resolved = resolve(model, kwargs)
     num_layers = engine_config.check_engine(resolved)
     hf_config = resolved.model_config.hf_config
@@ -178,12 +190,15 @@ def prepare(
         last_prefill_token=request.last_prefill_token,
         last_decode_token=request.last_decode_token,
     )
+    probe_layers = probe_set.layers if probe_set else ()
     engine_kwargs = engine_config.capture_engine_kwargs(
         kwargs,
         config,
-        probe_set.layers if probe_set else (),
+        probe_layers,
         pooling,
         steering.layers if steering is not None else (),
+        # Capture-only: nothing after the deepest tapped layer is computed.
+        exit_after=max((*config.layers, *probe_layers)) if request.capture_only else None,
     )
     legacy = legacy_fingerprint(hf_config)  # only compared with pre-v2 stores
     store = os.fspath(request.store) if request.store is not None else None
@@ -203,6 +218,41 @@ def prepare(
         dict(request.store_options or {}),
         steering,
     )
+
+
+def _check_capture_only(request: CaptureRequest) -> None:
+    """``capture_only=True`` reads prompts in one pass: refuse what needs generated tokens."""
+    if request.layers is None and request.probes is None:
+        raise CaptureConfigError(
+            "capture_only=True needs something to capture: pass layers=[...] or probes={...}."
+        )
+    refused = [
+        (request.include_decode is True, "include_decode=True"),
+        (request.last_decode_token, "last_decode_token=True"),
+        (request.include_prefill is False, "include_prefill=False"),
+        (bool(request.monitors), "monitors="),
+        (request.steers, "steering= / steering_layers="),
+    ]
+    for bad, name in refused:
+        if bad:
+            raise CaptureConfigError(
+                f"capture_only=True with {name}: a capture-only engine reads each prompt in "
+                "one forward pass and generates nothing, so it keeps prompt rows (and prompt "
+                f"probe scores) only. Drop {name}, or build an engine without capture_only to "
+                "generate."
+            )
+
+
+def capture_only_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Engine arguments of a capture-only engine: vLLM's pooling runner (one pass per request,
+    nothing sampled); a generative model is served through vLLM's own ``convert="embed"``."""
+    runner = kwargs.get("runner", "auto")
+    if runner not in ("auto", "pooling"):
+        raise CaptureConfigError(
+            f"capture_only=True with runner={runner!r}: a capture-only engine runs vLLM's "
+            "pooling runner (one pass per prompt). Drop runner=."
+        )
+    return {**kwargs, "runner": "pooling"}
 
 
 def load_steering(steering: Any) -> dict[str, Any]:

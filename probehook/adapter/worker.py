@@ -97,6 +97,9 @@ class ProbehookWorkerExtension:
             "layers": list(hook.config.layers),
             "tapped_layers": sorted(hook.buffers),
             "steered_layers": sorted(hook.steering.tables) if hook.steering else [],
+            # Capture-only engines stop early: the decoder layers run, and what was cut.
+            "layers_run": hook.layers_run,
+            "cut": list(hook.cut),
             "hidden_size": hook.hidden_size,
             "dtype": str(hook.dtype),
             "runner": f"{type(runner).__module__}.{type(runner).__name__}",

@@ -90,6 +90,8 @@ def cmd_store_info(args: argparse.Namespace) -> None:
     except StoreFormatError as e:
         raise SystemExit(f"error: {e}") from e
     for key, value in info.items():
+        if key == "lanes":  # requests per lane; "" is the root lane
+            value = ", ".join(f"{lane or '(root)'}: {n}" for lane, n in value.items())
         print(f"{key:>12}: {value}")
 
 
@@ -110,17 +112,30 @@ def cmd_store_fsck(args: argparse.Namespace) -> None:
 
 def cmd_store_compact(args: argparse.Namespace) -> None:
     from probehook.errors import StoreError, StoreFormatError
+    from probehook.store.format import lane_label
     from probehook.store.maintenance import compact
 
     try:
         report = compact(args.path, shard_bytes=args.shard_bytes)
     except (StoreError, StoreFormatError) as e:
         raise SystemExit(f"error: {e}") from e
+    several = len(report.lanes) + len(report.skipped) > 1
+    if several:
+        for lane, done in report.lanes.items():
+            print(
+                f"{lane_label(lane)}: {done.shards_before} shards -> {done.shards_after} "
+                f"({done.merged} merged)"
+                + (f"; previous manifest kept as {done.backup}" if done.backup else "")
+            )
+    for lane, why in report.skipped.items():
+        print(f"{lane_label(lane)}: skipped: {why}")
     print(
         f"{report.shards_before} shards -> {report.shards_after} ({report.merged} merged, "
         f"{report.bytes_after:,} bytes)"
-        + (f"; previous manifest kept as {report.backup}" if report.backup else "")
+        + (f"; previous manifest kept as {report.backup}" if report.backup and not several else "")
     )
+    if any("damaged" in why for why in report.skipped.values()):
+        raise SystemExit(1)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -167,7 +182,8 @@ def main(argv: list[str] | None = None) -> None:
         "--repair",
         action="store_true",
         help="rewrite a damaged manifest keeping every verifiable record (the old one is kept) "
-        "and remove interrupted writes; takes the writer lock",
+        "and remove interrupted writes; takes each lane's writer lock in turn (a lane being "
+        "written is reported and skipped)",
     )
     check.set_defaults(func=cmd_store_fsck)
     merge = store_sub.add_parser("compact", help="merge small shards into large ones")

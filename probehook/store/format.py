@@ -96,7 +96,10 @@ def is_lane_name(name: str) -> bool:
 def check_lane_name(name: str) -> str:
     """``name`` if it is a valid lane name, else ValueError naming it and the rule."""
     if not is_lane_name(name):
-        raise ValueError(f"Invalid store lane name {name!r}: a lane name is {LANE_RULE}.")
+        raise ValueError(
+            f"Invalid store lane name {name!r}: a lane name is {LANE_RULE} (lane=None writes "
+            "the root lane)."
+        )
     return name
 
 

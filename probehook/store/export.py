@@ -17,6 +17,7 @@ place at the end: a crash leaves no half export under the target's name.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -70,23 +71,28 @@ class _Piece:
 class _Sequence:
     """One exported token sequence: a request's prompt, or one completion of it."""
 
-    store_id: str
+    record: dict[str, Any] = field(repr=False)  # the store's own record, not a copy
     completion: int | None
-    tokens: list[int]  # prompt token ids (+ that completion's output token ids)
     pieces: list[_Piece] = field(default_factory=list)
+
+    @property
+    def store_id(self) -> str:
+        return self.record["id"]
 
     @property
     def length(self) -> int:
         return sum(p.count - p.skip for p in self.pieces)
 
     def token_ids(self) -> np.ndarray:
-        """The input token at each exported row's position (``tokens[position]``)."""
+        """The input token at each exported row's position: the prompt's token ids, then the
+        completion's, indexed by position (read from the record only when written, so a plan
+        of a big store holds no token lists)."""
+        tokens = list(self.record["prompt_token_ids"])
+        if self.completion is not None:
+            done = {c["index"]: c for c in self.record["completions"]}
+            tokens += done[self.completion]["token_ids"]
         return np.asarray(
-            [
-                self.tokens[p.first_position + k]
-                for p in self.pieces
-                for k in range(p.skip, p.count)
-            ],
+            [tokens[p.first_position + k] for p in self.pieces for k in range(p.skip, p.count)],
             dtype=np.int64,
         )
 
@@ -97,6 +103,8 @@ class _Plan:
     skipped: list[str]
     """Requests with rows of some but not all exported layers (runs that captured other
     layers); they are left out and named in the summary."""
+    matrices: dict[tuple[int, str], LayerMatrix]
+    """``store.layer(layer, phase)`` of each exported layer and stored phase read."""
 
 
 def _segments(record: dict[str, Any], layer: int, phase: str) -> list[dict[str, Any]]:
@@ -154,13 +162,12 @@ def _plan(store: ActivationStore, layers: list[int], phase: str) -> _Plan:
             rows = {layer: starts[id(per_layer[layer][p][i])] for layer in layers}
             return _Piece(p, s["first_position"], s["count"], skip, rows)
 
-        prompt = list(record["prompt_token_ids"])
         prefill = per_layer[layers[0]].get("prefill", [])
         prefill_end = max((s["first_position"] + s["count"] for s in prefill), default=0)
         request_seqs: list[_Sequence] = []
         if prefill:
             request_seqs.append(
-                _Sequence(rid, None, prompt, [piece("prefill", i, 0) for i in range(len(prefill))])
+                _Sequence(record, None, [piece("prefill", i, 0) for i in range(len(prefill))])
             )
         if "decode" in phases:
             decode = per_layer[layers[0]]["decode"]
@@ -178,24 +185,23 @@ def _plan(store: ActivationStore, layers: list[int], phase: str) -> _Plan:
                         pieces.append(piece("decode", i, skip))
                 if not pieces:
                     continue
-                tokens = prompt + list(completion["token_ids"])
                 if request_seqs and request_seqs[0].completion is None and index == 0:
                     # the prompt's rows and the first completion's rows are one sequence
                     request_seqs[0].completion = 0
-                    request_seqs[0].tokens = tokens
                     request_seqs[0].pieces += pieces
                 else:
-                    request_seqs.append(_Sequence(rid, index, tokens, pieces))
+                    request_seqs.append(_Sequence(record, index, pieces))
         sequences += request_seqs
+    matrices = {key: store.layer(*key) for key in cursor}
     for (layer, p), total in cursor.items():
-        matrix_rows = len(store.layer(layer, p))
+        matrix_rows = len(matrices[(layer, p)])
         if total != matrix_rows:
             raise RuntimeError(
                 f"probehook export: the manifest gives {total} {p} rows of layer {layer} but "
                 f"store.layer() has {matrix_rows}; the store's row order is not the documented "
                 "one, so rows could not be matched with their tokens."
             )
-    return _Plan(sequences, skipped)
+    return _Plan(sequences, skipped, matrices)
 
 
 # -- reading --------------------------------------------------------------------------------
@@ -204,11 +210,8 @@ def _plan(store: ActivationStore, layers: list[int], phase: str) -> _Plan:
 class _Reader:
     """Rows of the planned sequences, ``[length, n_layers, hidden]`` in the store's dtype."""
 
-    def __init__(self, store: ActivationStore, layers: list[int], phase: str) -> None:
-        self.layers = layers
-        self.matrices: dict[tuple[int, str], LayerMatrix] = {
-            (layer, p): store.layer(layer, p) for layer in layers for p in _phases(phase)
-        }
+    def __init__(self, plan: _Plan, layers: list[int]) -> None:
+        self.layers, self.matrices = layers, plan.matrices
 
     def rows(self, seq: _Sequence) -> torch.Tensor:
         per_layer = []
@@ -256,7 +259,12 @@ def _checked_plan(store: ActivationStore, layers: list[int], phase: str) -> _Pla
         raise ValueError(f"phase={phase!r}; valid phases are {EXPORT_PHASES}.")
     plan = _plan(store, layers, phase)
     if not plan.sequences:
-        held = {p: len(store.layer(layers[0], p)) for p in ("prefill", "decode")}
+        held = {
+            p: len(plan.matrices[(layers[0], p)])
+            if (layers[0], p) in plan.matrices
+            else len(store.layer(layers[0], p))
+            for p in ("prefill", "decode")
+        }
         raise ValueError(
             f"The store at {store.root} has no {phase} rows of layer(s) {layers} to export: it "
             f"holds {held['prefill']} prefill and {held['decode']} decode rows of layer "
@@ -415,7 +423,7 @@ def export_saelens(
 
     def contexts() -> Iterator[tuple[np.ndarray, np.ndarray]]:
         """``(rows [k, context_size, hidden] float32, token_ids [k, context_size])`` blocks."""
-        reader = _Reader(store, [layer], phase)
+        reader = _Reader(plan, [layer])
         rows_buf = np.empty((batch_contexts * context_size, hidden), dtype=np.float32)
         ids_buf = np.empty(batch_contexts * context_size, dtype=np.int64)
         filled = 0
@@ -515,7 +523,7 @@ def export_saelens(
         }
         (tmp / "state.json").write_text(json.dumps(state, indent=2, sort_keys=True))
         info = datasets.DatasetInfo(features=features)
-        info_dict = _asdict(info)
+        info_dict = dataclasses.asdict(info)
         (tmp / "dataset_info.json").write_text(
             json.dumps({k: info_dict[k] for k in sorted(info_dict)}, indent=2)
         )
@@ -554,12 +562,6 @@ def export_saelens(
         _log_left_out("SAELens", target, summary)
         atomic.commit()
     return target
-
-
-def _asdict(info: Any) -> dict[str, Any]:
-    import dataclasses
-
-    return dataclasses.asdict(info)
 
 
 def _log_left_out(kind: str, target: Path, summary: dict[str, Any]) -> None:
@@ -635,7 +637,7 @@ def export_safetensors(
         tokens_in += seq.length
     n = len(groups)
     total = sum(s.length for s in plan.sequences)
-    reader = _Reader(store, layers, phase)
+    reader = _Reader(plan, layers)
     shards_meta = []
     atomic = _AtomicDir(target)
     with atomic as tmp, _progress(total, "safetensors export", progress) as bar:

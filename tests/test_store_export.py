@@ -35,7 +35,9 @@ META = {
 SHAPES = [(5, [3]), (2, [4]), (7, [1]), (3, [2, 3]), (6, [5])]
 
 
-def fake_request(i: int, prompt_len: int, outs: list[int], dtype=torch.float32, layers=LAYERS):
+def fake_request(
+    i: int, prompt_len: int, outs: list[int], dtype=torch.float32, layers=LAYERS, extremes=True
+):
     """Rows whose values encode (request, layer, phase, completion, position) so that any
     misalignment shows; token ids are unique per request and position."""
     prompt = [1000 * i + k for k in range(prompt_len)]
@@ -59,7 +61,8 @@ def fake_request(i: int, prompt_len: int, outs: list[int], dtype=torch.float32, 
     blocks = []
     for layer in layers:
         prefill = torch.randn(prompt_len, HIDDEN, generator=g)
-        prefill[0, :2] *= torch.tensor([1e30, 1e-30])  # outside float16's range: bf16 -> f32 only
+        if extremes:  # outside float16's range: bf16 -> f32 only
+            prefill[0, :2] *= torch.tensor([1e30, 1e-30])
         blocks.append(RowBlock("prefill", None, layer, 0, prefill.to(dtype)))
         for c, n in enumerate(outs):
             decode = torch.randn(n, HIDDEN, generator=g)
@@ -68,11 +71,13 @@ def fake_request(i: int, prompt_len: int, outs: list[int], dtype=torch.float32, 
     return PendingRequest(record, blocks)
 
 
-def make_store(path: Path, dtype=torch.float32, shapes=SHAPES, layers=LAYERS) -> ActivationStore:
+def make_store(
+    path: Path, dtype=torch.float32, shapes=SHAPES, layers=LAYERS, extremes=True
+) -> ActivationStore:
     meta = {**META, "dtype": str(dtype).removeprefix("torch."), "layers": list(layers)}
     store = ActivationStore.for_writing(path, meta, shard_bytes=700)  # several shards
     for i, (prompt_len, outs) in enumerate(shapes):
-        store.add(fake_request(i, prompt_len, outs, dtype, layers))
+        store.add(fake_request(i, prompt_len, outs, dtype, layers, extremes))
     store.flush()
     store.close()
     return ActivationStore.open(path)
@@ -392,3 +397,46 @@ def test_a_failed_export_leaves_nothing_behind(f32_store, tmp_path: Path, monkey
         with pytest.raises(OSError, match="disk on fire"):
             export()
         assert list(tmp_path.iterdir()) == []  # neither the target nor a temporary folder
+
+
+def test_saelens_trainer_fits_on_the_export(tmp_path: Path) -> None:
+    """SAELens 6.x trains from the folder with no conversion: its ActivationsStore feeds its
+    SAETrainer (the docs/exports.md snippet, without a language model)."""
+    from sae_lens import (
+        ActivationsStore,
+        SAETrainer,
+        StandardTrainingSAE,
+        StandardTrainingSAEConfig,
+    )
+    from sae_lens.config import SAETrainerConfig
+
+    store = make_store(tmp_path / "s", shapes=[(40, [10])] * 8, extremes=False)
+    out = export_saelens(store, tmp_path / "sae", layer=3, context_size=16, progress=False)
+    act_store = ActivationsStore(
+        model=None,
+        dataset=None,
+        streaming=False,
+        hook_name="blocks.3.hook_resid_post",
+        hook_head_index=None,
+        context_size=16,
+        d_in=store.hidden_size,
+        n_batches_in_buffer=4,
+        total_training_tokens=512,
+        store_batch_size_prompts=4,
+        train_batch_size_tokens=64,
+        prepend_bos=False,
+        normalize_activations="none",
+        device=torch.device("cpu"),
+        dtype="float32",
+        cached_activations_path=str(out),
+    )
+    sae = StandardTrainingSAE(StandardTrainingSAEConfig(d_in=store.hidden_size, d_sae=16))
+    cfg = SAETrainerConfig(
+        total_training_samples=512,
+        train_batch_size_samples=64,
+        lr_end=3e-5,
+        n_batches_for_norm_estimate=2,
+    )
+    trainer = SAETrainer(cfg=cfg, sae=sae, data_provider=act_store)
+    trained = trainer.fit()
+    assert trainer.n_training_steps == 8 and torch.isfinite(trained.W_dec).all()

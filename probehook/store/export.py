@@ -268,8 +268,20 @@ def _checked_plan(store: ActivationStore, layers: list[int], phase: str) -> _Pla
         raise ValueError(
             f"The store at {store.root} has no {phase} rows of layer(s) {layers} to export: it "
             f"holds {held['prefill']} prefill and {held['decode']} decode rows of layer "
-            f"{layers[0]} ({len(store)} requests). Capture with include_prefill=True for "
-            "prompt rows, or pick phase='decode'."
+            f"{layers[0]} ({len(store)} requests"
+            + (
+                f"; {len(plan.skipped)} of them lack some of layers {layers}"
+                if plan.skipped
+                else ""
+            )
+            + "). "
+            + (
+                "Capture with include_prefill=True for prompt rows, or pick phase='decode'."
+                if phase == "prefill"
+                else "Capture with include_decode=True for decode rows, or pick phase='prefill'."
+                if phase == "decode"
+                else "Capture rows first."
+            )
         )
     return plan
 

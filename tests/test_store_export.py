@@ -440,3 +440,16 @@ def test_saelens_trainer_fits_on_the_export(tmp_path: Path) -> None:
     trainer = SAETrainer(cfg=cfg, sae=sae, data_provider=act_store)
     trained = trainer.fit()
     assert trainer.n_training_steps == 8 and torch.isfinite(trained.W_dec).all()
+
+
+def test_safetensors_dtype_option_converts_bf16_exactly(bf16_store, tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    (path,) = export_safetensors(
+        bf16_store, tmp_path / "st", layers=[1], dtype=torch.float32, progress=False
+    )
+    hs = load_file(path)["hidden_states"]
+    expected = torch.cat([r.prefill_hidden_states[1] for r in bf16_store.requests])
+    assert hs.dtype == torch.float32 and torch.equal(hs[:, 0], expected.float())
+    manifest = json.loads((tmp_path / "st" / "manifest.json").read_text())
+    assert manifest["dtype"] == "float32" and manifest["source"]["store_dtype"] == "bfloat16"

@@ -371,9 +371,9 @@ def export_saelens(
     completions follow as their own sequences). ``token_ids`` holds each row's input token
     (the token at that position), as SAELens does.
 
-    ``packing="concat"`` (SAELens's default for its own datasets): every sequence's rows, in
-    store order, are concatenated and cut into contexts of ``context_size`` rows; the last
-    ``< context_size`` rows are left out. ``packing="request"`` (SAELens's
+    ``packing="concat"`` (SAELens's default for a text dataset it tokenizes): every sequence's
+    rows, in store order, are concatenated and cut into contexts of ``context_size`` rows;
+    the last ``< context_size`` rows are left out. ``packing="request"`` (SAELens's
     ``disable_concat_sequences=True``): one context per sequence, its first ``context_size``
     rows; shorter sequences are left out. What is left out is logged and counted in
     ``probehook_export.json`` (in the folder). bfloat16/float16 rows are converted to

@@ -14,6 +14,7 @@ probehook: vLLM generation with residual-stream capture, activation stores and p
 
   probehook serve MODEL --layers 3 [--probe NAME=PATH] [vllm serve flags]
   probehook capture --model MODEL --layers 1,3 --prompts FILE --store DIR
+  probehook capture --model MODEL --layers 6 --prompts FILE --store DIR --replicas 2
   probehook store info | fsck | compact DIR
 """
 
@@ -55,6 +56,13 @@ def parse_layers(text: str) -> list[int] | str:
 
 
 def cmd_capture(args: argparse.Namespace) -> None:
+    if args.replicas is not None or args.capture_only:
+        cmd_collect(args)
+        return
+    if args.probe or args.ray_address:
+        raise SystemExit("error: --probe and --ray-address are for collections (--replicas N)")
+    if args.layers is None:
+        raise SystemExit("error: --layers is required")
     prompts = read_prompts(Path(args.prompts))
     from tqdm.auto import tqdm
 
@@ -79,6 +87,55 @@ def cmd_capture(args: argparse.Namespace) -> None:
             bar.update(len(batch))
     assert llm.store is not None
     print(json.dumps(llm.store.info(), indent=2))
+
+
+def cmd_collect(args: argparse.Namespace) -> None:
+    """A capture-only collection: prompt rows only, resumable (a rerun skips stored items)."""
+    from probehook.collect.collector import collect
+    from probehook.errors import ProbehookError
+
+    if args.no_decode is False and args.max_tokens != 16:
+        raise SystemExit("error: a capture-only collection generates nothing: drop --max-tokens")
+    probes = {}
+    for spec in args.probe or []:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise SystemExit(f"error: --probe {spec!r} must be NAME=PATH")
+        probes[name] = path
+    engine: dict[str, Any] = {"enforce_eager": args.eager}
+    if args.max_model_len is not None:
+        engine["max_model_len"] = args.max_model_len
+    if not Path(args.prompts).is_file():
+        raise SystemExit(f"error: prompts file {args.prompts} does not exist")
+    try:
+        result = collect(
+            args.model,
+            Path(args.prompts),
+            store=args.store,
+            layers=parse_layers(args.layers) if args.layers else None,
+            probes=probes or None,
+            replicas=args.replicas or 1,
+            batch_size=args.batch_size,
+            ray_address=args.ray_address,
+            **engine,
+        )
+    except ProbehookError as e:
+        raise SystemExit(f"error: {e}") from e
+    print(
+        json.dumps(
+            {
+                "store": str(result.store),
+                "items": result.items,
+                "skipped (already stored)": result.skipped,
+                "captured": result.captured,
+                "tokens": result.tokens,
+                "seconds": round(result.seconds, 3),
+                "tokens_per_second": round(result.tokens_per_second, 1),
+                "replicas": result.per_replica,
+            },
+            indent=2,
+        )
+    )
 
 
 def cmd_store_info(args: argparse.Namespace) -> None:
@@ -156,9 +213,15 @@ def main(argv: list[str] | None = None) -> None:
         help="vLLM's OpenAI-compatible server with capture and probes "
         "(probehook serve MODEL --layers ... --probe NAME=PATH; --help for every flag)",
     )
-    cap = sub.add_parser("capture", help="generate and stream captures into a store")
+    cap = sub.add_parser(
+        "capture",
+        help="generate and stream captures into a store; with --replicas N (or "
+        "--capture-only): a resumable capture-only collection (docs/collect.md)",
+    )
     cap.add_argument("--model", required=True, help="model directory or name")
-    cap.add_argument("--layers", required=True, help="comma-separated layers, or 'all'")
+    cap.add_argument(
+        "--layers", default=None, help="comma-separated layers, or 'all' (required unless --probe)"
+    )
     cap.add_argument("--prompts", required=True, help="prompts file: .jsonl or plain text")
     cap.add_argument("--store", required=True, help="store directory (created or appended)")
     cap.add_argument("--prefill", action="store_true", help="also capture prompt rows")
@@ -166,6 +229,22 @@ def main(argv: list[str] | None = None) -> None:
     cap.add_argument("--max-tokens", type=int, default=16)
     cap.add_argument("--temperature", type=float, default=0.0)
     cap.add_argument("--batch-size", type=int, default=64, help="prompts per durable batch")
+    cap.add_argument(
+        "--replicas",
+        type=int,
+        default=None,
+        help="a capture-only collection on N engines (N > 1: Ray actors, "
+        "pip install 'probehook[ray]'); a rerun skips the items already stored",
+    )
+    cap.add_argument(
+        "--capture-only",
+        action="store_true",
+        help="a capture-only collection in this process (--replicas 1)",
+    )
+    cap.add_argument(
+        "--probe", action="append", metavar="NAME=PATH", help="a probe to score (collections)"
+    )
+    cap.add_argument("--ray-address", default=None, help="a Ray cluster to run replicas on")
     cap.add_argument("--max-model-len", type=int, default=None)
     cap.add_argument("--eager", action="store_true", help="enforce_eager (faster start-up)")
     cap.set_defaults(func=cmd_capture)

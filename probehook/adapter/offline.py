@@ -47,8 +47,10 @@ class LLM(vllm.LLM):
             into an :class:`~probehook.store.ActivationStore` there while generation runs, and
             is durable once ``generate()`` returns. Each stored output gets ``store_id``, its
             key in the store (vLLM's ``request_id`` is left as it is).
-        store_options: ``shard_bytes``, ``compression`` ("gzip", "lzf" or None) and
-            ``max_queue_bytes`` (the write queue bound that applies backpressure).
+        store_options: ``shard_bytes``, ``compression`` ("gzip", "lzf" or None),
+            ``max_queue_bytes`` (the write queue bound that applies backpressure) and
+            ``lane`` (write a lane of the store, so that several engines write one store at
+            once: docs/store.md).
         max_request_capture_bytes: the most bytes of rows the worker keeps for one request
             (0 or None: no limit). A request over it fails alone: its rows raise
             ``CaptureError`` on access and the other requests are unaffected.

@@ -26,6 +26,7 @@ from probehook.core.steering_set import SteeringSet, check_capacity, vector_wire
 from probehook.errors import CaptureConfigError, CaptureError
 from probehook.store import ActivationStore
 from probehook.store.fingerprint import legacy_fingerprint, model_fingerprint
+from probehook.store.format import ROOT_LANE, check_lane_name
 from probehook.store.lock import WriterLock
 
 
@@ -203,7 +204,8 @@ def prepare(
     legacy = legacy_fingerprint(hf_config)  # only compared with pre-v2 stores
     store = os.fspath(request.store) if request.store is not None else None
     if store is not None:  # fail before a minute of engine start-up, not after
-        WriterLock.check_free(store)
+        lane = (request.store_options or {}).get("lane")
+        WriterLock.check_free(store, check_lane_name(lane) if lane is not None else ROOT_LANE)
         ActivationStore.check_appendable(
             store, fingerprint_meta(fingerprint), legacy_fingerprint=legacy
         )

@@ -246,6 +246,7 @@ def test_saelens_training_iterator_serves_exported_rows(f32_store, tmp_path: Pat
 
 def test_saelens_shards_and_multiple_arrow_files(f32_store, tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setattr(export_module, "WRITE_BATCH_BYTES", 1)  # one context per batch
+    monkeypatch.setattr(export_module, "READ_BLOCK_BYTES", 3 * HIDDEN * 4)  # 3-row reads
     out = export_saelens(f32_store, tmp_path / "sae", layer=1, context_size=2, shard_bytes=100)
     files = sorted(p.name for p in out.glob("*.arrow"))
     assert len(files) > 1 and files[0] == f"data-00000-of-{len(files):05d}.arrow"
@@ -256,9 +257,15 @@ def test_saelens_shards_and_multiple_arrow_files(f32_store, tmp_path: Path, monk
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("phase", ["prefill", "decode", "all"])
-def test_safetensors_shards_hold_the_rows(tmp_path: Path, dtype, phase: str) -> None:
+@pytest.mark.parametrize("read_rows", [None, 3])
+def test_safetensors_shards_hold_the_rows(
+    tmp_path: Path, dtype, phase: str, read_rows, monkeypatch
+) -> None:
     from safetensors import safe_open
     from safetensors.torch import load_file
+
+    if read_rows:  # reads of a few rows: the row window moves often
+        monkeypatch.setattr(export_module, "READ_BLOCK_BYTES", read_rows * HIDDEN * 4)
 
     store = make_store(tmp_path / "s", dtype=dtype)
     paths = export_safetensors(store, tmp_path / "st", layers=[3, 1], phase=phase, shard_tokens=9)
@@ -380,15 +387,15 @@ def test_errors_before_anything_is_written(f32_store, tmp_path: Path, monkeypatc
 
 def test_a_failed_export_leaves_nothing_behind(f32_store, tmp_path: Path, monkeypatch) -> None:
     calls = {"n": 0}
-    real = export_module._Reader.rows
+    real = export_module._Reader.fill
 
-    def failing(self, seq):
+    def failing(self, seq, out):
         calls["n"] += 1
         if calls["n"] == 3:
             raise OSError("disk on fire")
-        return real(self, seq)
+        return real(self, seq, out)
 
-    monkeypatch.setattr(export_module._Reader, "rows", failing)
+    monkeypatch.setattr(export_module._Reader, "fill", failing)
     for export in (
         lambda: export_saelens(f32_store, tmp_path / "out", layer=1, context_size=2),
         lambda: export_safetensors(f32_store, tmp_path / "out", layers=[1], shard_tokens=4),

@@ -460,3 +460,21 @@ def test_safetensors_dtype_option_converts_bf16_exactly(bf16_store, tmp_path: Pa
     assert hs.dtype == torch.float32 and torch.equal(hs[:, 0], expected.float())
     manifest = json.loads((tmp_path / "st" / "manifest.json").read_text())
     assert manifest["dtype"] == "float32" and manifest["source"]["store_dtype"] == "bfloat16"
+
+
+def test_segments_stored_out_of_completion_order(tmp_path: Path, monkeypatch) -> None:
+    """A request whose completion 1 rows were stored before completion 0's: sequences follow
+    the completions' order, so reads go back in the layer's rows (the row window re-reads)."""
+    monkeypatch.setattr(export_module, "READ_BLOCK_BYTES", 2 * HIDDEN * 4)
+    request = fake_request(0, 3, [4, 5], extremes=False)
+    request.blocks.sort(key=lambda b: (b.layer, b.phase, -(b.completion or 0)))
+    store = ActivationStore.for_writing(tmp_path / "s", META)
+    store.add(request)
+    store.close()
+    store = ActivationStore.open(tmp_path / "s")
+    export_safetensors(store, tmp_path / "st", layers=[3], phase="decode", progress=False)
+    got = list(read_safetensors_export(tmp_path / "st"))
+    assert [s["completion"] for s in got] == [0, 1]
+    for seq, (rows, tokens) in zip(got, reference(store, 3, "decode"), strict=True):
+        assert torch.equal(seq["hidden_states"][:, 0], rows)
+        assert seq["token_ids"].tolist() == tokens.tolist()

@@ -391,6 +391,7 @@ def test_item_ids(tmp_path: Path) -> None:
     plain.add(with_item)
     assert plain.item_ids() == {"item-0", "item-1"}  # not committed yet
     plain.flush()
+    assert plain.item_ids() == {"item-0", "item-1", "item-6"}  # kept up to date by flush
     plain.close()
     store = ActivationStore.open(root)
     assert store.item_ids() == {"item-0", "item-1", "item-6"}

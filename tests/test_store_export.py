@@ -478,3 +478,23 @@ def test_segments_stored_out_of_completion_order(tmp_path: Path, monkeypatch) ->
     for seq, (rows, tokens) in zip(got, reference(store, 3, "decode"), strict=True):
         assert torch.equal(seq["hidden_states"][:, 0], rows)
         assert seq["token_ids"].tolist() == tokens.tolist()
+
+
+def test_a_store_written_by_several_lanes(tmp_path: Path) -> None:
+    """Several writers (lanes) into one store: rows still line up with their tokens."""
+    path = tmp_path / "s"
+    writers = {lane: ActivationStore.for_writing(path, META, lane=lane) for lane in ("b", "a")}
+    for i, (prompt_len, outs) in enumerate(SHAPES):
+        writers["ab"[i % 2]].add(fake_request(i, prompt_len, outs))
+    for writer in writers.values():
+        writer.close()
+    root = ActivationStore.for_writing(path, META)  # and the root lane
+    root.add(fake_request(9, 4, [2]))
+    root.close()
+    store = ActivationStore.open(path)
+    assert len(store) == len(SHAPES) + 1
+    out = export_saelens(store, tmp_path / "sae", layer=1, context_size=1, phase="all")
+    rows, ids = drain(saelens_store(out, "blocks.1.hook_resid_post", 1, batch=1))
+    seqs = reference(store, 1, "all")
+    assert torch.equal(rows, torch.cat([r for r, _ in seqs]))
+    assert ids.tolist() == torch.cat([t for _, t in seqs]).tolist()

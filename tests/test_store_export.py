@@ -328,6 +328,9 @@ def test_requests_missing_a_layer_are_left_out_and_named(tmp_path: Path, caplog)
     (skipped,) = manifest["left_out"]["requests_missing_layers"]
     assert skipped.endswith("r7") and manifest["tokens"] == 7
     assert "left out" in caplog.text
+    out = export_saelens(store, tmp_path / "sae", layer=3, context_size=1, progress=False)
+    summary = json.loads((out / "probehook_export.json").read_text())
+    assert summary["left_out"]["requests_missing_layers"] == [skipped]
     # layer 1 alone exports all three requests
     export_safetensors(store, tmp_path / "st1", layers=[1], progress=False)
     assert json.loads((tmp_path / "st1" / "manifest.json").read_text())["tokens"] == 12

@@ -157,7 +157,8 @@ def _plan(store: ActivationStore, layers: list[int], phase: str) -> _Plan:
 
         first = shape(layers[0])
         if not first or any(shape(layer) != first for layer in layers[1:]):
-            if any(shape(layer) for layer in layers):
+            # rows of this phase in some layer, but not the same rows in every exported one
+            if any(s["phase"] in phases and s["count"] > 0 for s in record["segments"]):
                 skipped.append(rid)
             continue
 

@@ -12,19 +12,24 @@ free their scores when rank 0 exports them.
 from __future__ import annotations
 
 import os
+import time
+from collections.abc import Callable
 from typing import Any
 
 from probehook.adapter import probe_registry, runner_v1
 from probehook.adapter.loader import StepHook, step_hook
 from probehook.core import stream_plane
 from probehook.core.probe_bank import ProbeBank, ProbeSpec
-from probehook.core.recorder import StepRecorder
+from probehook.core.recorder import RequestPlan, StepRecorder
+from probehook.core.request_options import EXTRA_ARGS_KEY
 from probehook.core.spans import Span
 from probehook.core.steering_bank import DEFAULT_CAPACITY, SteeringBank, StepSteering
 from probehook.core.steering_set import vectors_from_wire
 from probehook.core.transport import write_tensors_with_fallback
 
 MAX_MISSING_REPORTED = 8
+MAX_CACHED_PLANS = 4096
+PlanFor = Callable[[str], RequestPlan | None]
 SOURCES = ("hidden", "scores")
 
 
@@ -59,14 +64,16 @@ class ProbehookWorkerExtension:
         recorders = []
         if hook.recorder is not None and _reports(self):
             hook.recorder.limit_bytes = int(limit_bytes)
-            recorders.append((hook.recorder, runner_v1.plan_factory(runner, hook.config)))
+            plans = runner_v1.plan_factory(runner, hook.config)
+            recorders.append((hook.recorder, _reuse_plans(runner, plans)))
         if probes:
             bank = ProbeBank([ProbeSpec.from_wire(p) for p in probes], _device(hook))
             hook.scorer = StepRecorder(
                 [hook.buffers[layer] for layer in bank.layers], bank.layers, transform=bank
             )
             hook.scorer.keep_step_rows = True  # monitors read this step's scores
-            recorders.append((hook.scorer, runner_v1.plan_factory(runner, hook.config, True)))
+            plans = runner_v1.plan_factory(runner, hook.config, True)
+            recorders.append((hook.scorer, _reuse_plans(runner, plans)))
             probe_registry.register(self.vllm_config, hook, bank)  # type: ignore[attr-defined]
         if getattr(self, "_probehook_publisher", None) is None:
             self._probehook_publisher = stream_plane.Publisher(None)  # until a stream connects
@@ -113,6 +120,7 @@ class ProbehookWorkerExtension:
         Each request is ``{"key", "source": "hidden"|"scores", "spans": [[lo, hi], ...],
         "layers": [...], "final": bool}``; score requests name the slot ``"scores"``.
         """
+        started = time.perf_counter_ns()
         hook = _hook(self)
         tensors = []
         reports = []
@@ -149,7 +157,14 @@ class ProbehookWorkerExtension:
                 recorder.forget_departed(live)
         if not _reports(self):
             return None
+        written = time.perf_counter_ns()
         path, entries = write_tensors_with_fallback(paths, tensors) if tensors else (None, [])
+        self._probehook_write_ns = getattr(self, "_probehook_write_ns", 0) + (
+            time.perf_counter_ns() - written
+        )
+        self._probehook_export_rpc_ns = getattr(self, "_probehook_export_rpc_ns", 0) + (
+            time.perf_counter_ns() - started
+        )
         return {"path": path, "entries": entries, "spans": reports, "failures": failures}
 
     def probehook_steering_add(self, name: str, wire: dict[str, Any]) -> bool:
@@ -198,6 +213,10 @@ class ProbehookWorkerExtension:
             "retained_bytes": sum(r.retained_bytes() for r in recorders),
             "record_ns": sum(r.record_ns for r in recorders),
             "export_ns": sum(r.export_ns for r in recorders),
+            # probehook_export calls, whole (export_ns is the recorders' part of them), and
+            # their transport writes.
+            "export_rpc_ns": getattr(self, "_probehook_export_rpc_ns", 0),
+            "write_ns": getattr(self, "_probehook_write_ns", 0),
             "steps": hook.steps,
             "steps_steered": getattr(steer, "steps_steered", 0),
             "steer_prepare_ns": getattr(steer, "prepare_ns", 0),
@@ -205,6 +224,68 @@ class ProbehookWorkerExtension:
             "forwards": hook.forwards,
             "step_ns": hook.step_ns,
         }
+
+
+def _reuse_plans(runner: Any, plan_for: PlanFor) -> PlanFor:
+    """``plan_for`` that reads each distinct request plan once: requests whose wires differ
+    only in their tag (a batch of requests with the same options and prompt length, such as
+    the patches of an image) get the plan of the first, under their own stream key. Reading
+    a wire and building its keep plan costs tens of microseconds per request and recorder,
+    which a one-pass request has no decode steps to spread over."""
+    cache: dict[tuple, RequestPlan | None] = {}
+
+    def cached(req_id: str) -> RequestPlan | None:
+        try:
+            state = runner.requests.get(req_id)
+            params = runner_v1.request_params(state)
+            raw = runner_v1.extra_options(params).get(EXTRA_ARGS_KEY)
+            signature = _plan_signature(raw, req_id, state, params)
+        except Exception:  # noqa: BLE001 - plan_for reports what it cannot read
+            signature = None
+        if signature is None:
+            return plan_for(req_id)
+        if signature in cache:
+            plan = cache[signature]
+            if plan is None:
+                return None
+            index = plan.key.rsplit("/", 1)[1]
+            return RequestPlan(f"{raw['tag']}/{index}", plan.keep, plan.stream, plan.layers)
+        plan = plan_for(req_id)
+        if plan is None or plan.error is None:
+            if len(cache) >= MAX_CACHED_PLANS:
+                cache.clear()
+            cache[signature] = plan
+        return plan
+
+    return cached
+
+
+_SCALARS = (bool, int, float, str, type(None))
+
+
+def _plan_signature(raw: Any, req_id: str, state: Any, params: Any) -> tuple | None:
+    """Everything a request's plan depends on except its tag (None: do not reuse plans for
+    it): the wire's other values with their types (a wire with nested values, such as
+    monitors or a store record, is read afresh), the prompt length, whether the request has
+    stop strings, and the completion-index prefix of its engine id."""
+    tag = raw.get("tag") if type(raw) is dict else None
+    if type(tag) is not str or not tag:
+        return None
+    items: list[tuple] = []
+    for key, value in raw.items():
+        if key == "tag":
+            continue
+        kind = type(value)
+        if kind is list or kind is tuple:
+            if not all(type(v) in _SCALARS for v in value):
+                return None
+            value = (kind, *((type(v), v) for v in value))
+        elif kind not in _SCALARS:
+            return None
+        items.append((key, kind, value))
+    head = req_id.split("_", 1)[0] if "_" in req_id else ""
+    stop = bool(getattr(params, "stop", None))
+    return (tuple(items), state.num_prompt_tokens, stop, head)
 
 
 def _publish(recorder: StepRecorder, publisher: stream_plane.Publisher, live: Any) -> None:

@@ -276,6 +276,7 @@ class StepRecorder:
         # GPU: host copies of earlier steps still in flight, settled at the next step.
         self._in_flight: list[tuple[torch.Tensor, object, list[tuple[RequestRows, int, int, int]]]]
         self._in_flight = []
+        self._slot_cache: dict[tuple[Any, ...], list[int] | slice] = {}
 
     def record(
         self,
@@ -448,11 +449,10 @@ class StepRecorder:
         request's failure reason, if it failed (its rows are gone).
         """
         started = time.perf_counter_ns()
-        self._settle()
+        if self._in_flight:
+            self._settle()
         rows = self.rows_by_key.get(key)
-        slots: list[int] | slice = [self.slots.index(layer) for layer in layers]
-        if slots == list(range(len(self.slots))):
-            slots = slice(None)  # all layers: a view instead of a gather
+        slots = self._slots_of(layers)
         tensors: list[torch.Tensor] = []
         results: list[ExportedSpan] = []
         error = rows.error if rows is not None else None
@@ -473,6 +473,17 @@ class StepRecorder:
                 rows.advance(max(span.hi for span in spans))
         self.export_ns += time.perf_counter_ns() - started
         return tensors, results, error
+
+    def _slots_of(self, layers: Sequence[Any]) -> list[int] | slice:
+        """The slots of ``layers``; all of them: a slice (a view instead of a gather). Worked
+        out once per distinct list: an export asks it for every request."""
+        named = tuple(layers)
+        slots = self._slot_cache.get(named)
+        if slots is None:
+            listed = [self.slots.index(layer) for layer in named]
+            slots = slice(None) if listed == list(range(len(self.slots))) else listed
+            self._slot_cache[named] = slots
+        return slots if isinstance(slots, slice) else list(slots)
 
     def forget(self, key_prefixes: Iterable[str]) -> int:
         """Drop the rows of requests whose stream key starts with any prefix; return how many."""

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import itertools
 import logging
 import time
@@ -88,6 +89,19 @@ class RequestTag:
     """The request's steering (None: not steered)."""
 
 
+@dataclass(frozen=True)
+class _TagTemplate:
+    """What :meth:`CaptureSession.tag` worked out for a request without options."""
+
+    config: CaptureConfig | None
+    wire: dict[str, Any] | None
+    """Its ``extra_args["probehook"]`` (None: nothing is written, nothing is captured)."""
+    described: RequestTag | None
+    """:meth:`CaptureSession.describe` of it."""
+    stops: bool
+    """A stop monitor applies: the model's EOS joins the request's stop tokens."""
+
+
 class FailedCapture(dict):
     """Stands in for the rows of a request whose capture failed: empty, and any lookup raises
     :class:`~probehook.errors.CaptureError` with the reason, so the failure is never silent."""
@@ -135,6 +149,9 @@ class CaptureSession:
         self._decorate = decorate
         self._tags = (f"{uuid.uuid4().hex[:8]}-{i}" for i in itertools.count())
         self.pending: dict[str, RequestTag] = {}  # by request id
+        self._templates: dict[tuple[str, int, bool], _TagTemplate] = {}
+        """The plan of requests without per-request options, by (field, n, stream): worked
+        out for the first such request, reused for the rest (only the tag differs)."""
         self.spool = Spool()
         self.store: Any = None  # the ActivationStore being written, if any
         self.attach_ns = 0  # front-end time spent attaching rows (for the benchmark)
@@ -150,6 +167,16 @@ class CaptureSession:
         for an export."""
         field = _extra_field(params)
         extra = dict(getattr(params, field, None) or {})
+        memo = None
+        if self.steering is None and extra.get(EXTRA_ARGS_KEY) is None and RECORD_KEY not in extra:
+            # No per-request options: every such request gets the same plan but its tag.
+            memo = (field, getattr(params, "n", 1), stream)
+            template = self._templates.get(memo)
+            if template is not None and (
+                template.config is None
+                or getattr(params, "prompt_logprob_token_ids", None) is None
+            ):
+                return self._tag_from(template, params, field, extra)
         options = RequestOptions.from_user(extra.get(EXTRA_ARGS_KEY))
         if field == POOLING_EXTRA and options.steered():
             raise CaptureConfigError(
@@ -203,6 +230,28 @@ class CaptureSession:
             if config is not None and config.include_prefill:
                 # Cached prompt blocks are never recomputed, so their rows would be missing.
                 tagged.skip_reading_prefix_cache = True
+        if memo is not None and steer is None:
+            wired = extra.get(EXTRA_ARGS_KEY) if config is not None else None
+            self._templates[memo] = _TagTemplate(
+                config,
+                wired,
+                self.describe(tagged) if wired is not None else None,
+                stops=config is not None and probes is not None and probes.stops,
+            )
+        return tagged
+
+    def _tag_from(self, template: _TagTemplate, params: Any, field: str, extra: dict) -> Any:
+        """:meth:`tag` for a request without options, from the plan of the first one: the
+        same wire values (shared, never modified) under a new tag."""
+        tagged = copy.copy(params)
+        if template.wire is None:
+            return tagged
+        if template.stops:
+            tagged.stop_token_ids = sorted({*(params.stop_token_ids or []), self.stop_token})
+        extra[EXTRA_ARGS_KEY] = {**template.wire, "tag": next(self._tags)}
+        setattr(tagged, field, extra)
+        if template.config is not None and template.config.include_prefill:
+            tagged.skip_reading_prefix_cache = True
         return tagged
 
     def _steer(
@@ -257,10 +306,24 @@ class CaptureSession:
     def describe(self, params: Any, engine_id: str = "") -> RequestTag | None:
         """What the front end needs to collect a request tagged by :meth:`tag` (None: it
         captures nothing)."""
-        wire = wire_of(params)
+        field = _extra_field(params)
+        raw = (getattr(params, field, None) or {}).get(EXTRA_ARGS_KEY)
+        names = POOLING_FIELDS if field == POOLING_EXTRA else SAMPLING_FIELDS
+        known = self._template_of(raw)
+        if known is not None:  # tagged from a template: only the tag and sampling differ
+            return RequestTag(
+                raw["tag"],
+                engine_id,
+                known.config,
+                {f: _jsonable(getattr(params, f, None)) for f in names},
+                known.probes,
+                known.stop_token,
+                None,
+                known.steering,
+            )
+        wire = RequestWire.from_wire(raw)
         if wire is None:
             return None
-        names = POOLING_FIELDS if _extra_field(params) == POOLING_EXTRA else SAMPLING_FIELDS
         sampling = {f: _jsonable(getattr(params, f, None)) for f in names}
         probes = None
         if self.probes is not None:
@@ -278,16 +341,34 @@ class CaptureSession:
             self._steering_of(wire),
         )
 
+    def _template_of(self, raw: Any) -> RequestTag | None:
+        """The described plan of the template ``raw`` was tagged from by :meth:`_tag_from`
+        (its values are the template's own objects), if any."""
+        if type(raw) is not dict or not self._templates:
+            return None
+        for template in self._templates.values():
+            wire = template.wire
+            if (
+                wire is not None
+                and template.described is not None
+                and len(raw) == len(wire)
+                and type(raw.get("tag")) is str
+                and all(k == "tag" or raw.get(k, wire) is v for k, v in wire.items())
+            ):
+                return template.described
+        return None
+
     def attach(self, outputs: Sequence[Any]) -> None:
         """Fetch the rows and scores of finished outputs in one export and hang them on the
         outputs; name the probe that stopped a request; send captured requests to the store."""
         requests: list[dict[str, Any]] = []
         targets: list[list[tuple[Any, str]]] = []  # per export request: (object, attribute)
         captured: list[tuple[Any, RequestTag]] = []
+        processors = list(OUTPUT_PROCESSORS)  # once per call, not per output
         for output in outputs:
             if not hasattr(output, "outputs") or not getattr(output, "finished", True):
                 continue
-            clear_outputs(output)
+            clear_outputs(output, processors)
             tag = self.pending.pop(output.request_id, None)
             if tag is not None and tag.steering is not None:
                 note_steering(output, tag.steering)
@@ -308,7 +389,7 @@ class CaptureSession:
                     targets.append(_slots(spans, output, completion, "hidden"))
                 if tag.probes is not None and tag.probes.names:
                     spans = completion_spans(
-                        score_config(tag.config), prompt_len, n_out, completion.index
+                        _score_config(tag.config), prompt_len, n_out, completion.index
                     )
                     requests.append(_export(key, "scores", spans, ["scores"]))
                     targets.append(_slots(spans, output, completion, "scores"))
@@ -337,14 +418,15 @@ class CaptureSession:
         requests: list[dict[str, Any]],
         targets: list[list[tuple[Any, str]]],
     ) -> None:
-        assert tag.config is not None
+        config = tag.config
+        assert config is not None
         key = f"{tag.tag}/0"
-        if tag.config.layers:
-            spans = completion_spans(tag.config, prompt_len, 0)
-            requests.append(_export(key, "hidden", spans[:1], list(tag.config.layers)))
+        if config.layers:
+            spans = completion_spans(config, prompt_len, 0)
+            requests.append(_export(key, "hidden", spans[:1], list(config.layers)))
             targets.append([(output, attributes_of("hidden")[0])])
         if tag.probes is not None and tag.probes.names:
-            spans = completion_spans(score_config(tag.config), prompt_len, 0)
+            spans = completion_spans(_score_config(config), prompt_len, 0)
             requests.append(_export(key, "scores", spans[:1], ["scores"]))
             targets.append([(output, attributes_of("scores")[0])])
 
@@ -523,6 +605,12 @@ def attributes_of(source: str) -> tuple[str, str]:
     return processor.request_attributes[0], processor.completion_attributes[0]
 
 
+@functools.lru_cache(maxsize=256)
+def _score_config(config: CaptureConfig) -> CaptureConfig:
+    """:func:`score_config`, once per distinct config (it builds and checks a new one)."""
+    return score_config(config)
+
+
 def _slots(spans: tuple[Any, Any], output: Any, completion: Any, source: str) -> list:
     """Where each asked span goes: prefill on the request, decode on the completion."""
     prefill, decode = spans
@@ -569,10 +657,11 @@ def gate_starts(output: Any, steer: RequestSteer, probes: ProbeSet | None) -> No
             completion.steering["start"] = None if start is None else prompt_len + start
 
 
-def clear_outputs(output: Any) -> None:
+def clear_outputs(output: Any, processors: Sequence[Any] | None = None) -> None:
     """Every probehook attribute exists on every output, empty until filled (also on the
-    outputs of an engine without capture, so code works either way)."""
-    for processor in OUTPUT_PROCESSORS:  # each output processor's attributes, empty
+    outputs of an engine without capture, so code works either way). ``processors``: the
+    registry's processors, when the caller listed them already."""
+    for processor in OUTPUT_PROCESSORS if processors is None else processors:
         for attribute in processor.request_attributes:
             setattr(output, attribute, processor.empty())
         for completion in completions(output):

@@ -146,15 +146,27 @@ def write_tensors(path: str, tensors: Sequence[torch.Tensor]) -> list[dict]:
     """Write tensors back to back; return ``[{"offset", "shape", "dtype"}]`` per tensor."""
     entries = []
     offset = 0
-    with open(path, "wb") as f:
+    with open(path, "wb", buffering=WRITE_BUFFER) as f:
         for tensor in tensors:
-            data = tensor.detach().to("cpu").contiguous()
-            nbytes = data.numel() * data.element_size()
+            data = tensor
+            if data.device.type != "cpu" or data.requires_grad or not data.is_contiguous():
+                data = data.detach().to("cpu").contiguous()
+            nbytes = data.nbytes
             if nbytes:
-                f.write(memoryview(data.view(torch.uint8).numpy()))
+                f.write(_bytes_of(data))
             entries.append({"offset": offset, "shape": list(data.shape), "dtype": str(data.dtype)})
             offset += nbytes
     return entries
+
+
+WRITE_BUFFER = 1 << 20
+"""Small tensors (one pooled request's rows) are gathered into writes of this size."""
+
+
+def _bytes_of(data: torch.Tensor) -> memoryview:
+    if data.dtype == torch.bfloat16:  # numpy has no bfloat16: write its bits
+        return memoryview(data.view(torch.int16).numpy()).cast("B")
+    return memoryview(data.numpy()).cast("B")
 
 
 def read_tensors(path: str, entries: Sequence[dict]) -> list[torch.Tensor]:

@@ -114,11 +114,21 @@ class ProbehookWorkerExtension:
             "runner_env": os.environ.get("VLLM_USE_V2_MODEL_RUNNER"),
         }
 
-    def probehook_export(self, paths: list[str], requests: list[dict[str, Any]]) -> dict | None:
+    def probehook_export(
+        self,
+        paths: list[str],
+        requests: list[dict[str, Any]],
+        batches: list[dict[str, Any]] | None = None,
+    ) -> dict | None:
         """Hand over the asked spans of each stream; free them (and forget final streams).
 
         Each request is ``{"key", "source": "hidden"|"scores", "spans": [[lo, hi], ...],
         "layers": [...], "final": bool}``; score requests name the slot ``"scores"``.
+
+        Each batch asks one final span of many streams at once (finished pooling requests):
+        ``{"source", "layers", "keys": [...], "spans": [lo, hi, lo, hi, ...]}``; its spans
+        come back back to back in one tensor, ``{"tensor_index", "incomplete": [[item,
+        number missing, first missing positions], ...]}`` in the reply's ``batches``.
         """
         started = time.perf_counter_ns()
         hook = _hook(self)
@@ -151,6 +161,31 @@ class ProbehookWorkerExtension:
                     }
                 )
             tensors.extend(got)
+        batch_reports = []
+        for batch in batches or ():
+            source = batch["source"]
+            if source == "hidden" and not _reports(self):
+                continue
+            recorder = _recorder(hook, source)
+            if recorder is None:
+                raise ValueError(f"export from {source!r}, which this engine does not record")
+            flat = batch["spans"]
+            spans = [Span(int(flat[i]), int(flat[i + 1])) for i in range(0, len(flat), 2)]
+            tensor, incomplete, failed = recorder.export_final(
+                batch["keys"], spans, batch["layers"]
+            )
+            for key, error in failed.items():
+                failures[f"{source}:{key}"] = error
+            batch_reports.append(
+                {
+                    "tensor_index": len(tensors),
+                    "incomplete": [
+                        [index, len(missing), missing[:MAX_MISSING_REPORTED]]
+                        for index, missing in incomplete
+                    ],
+                }
+            )
+            tensors.append(tensor)
         live = runner_v1.live_request_ids(self.model_runner)  # type: ignore[attr-defined]
         for recorder in (hook.recorder, hook.scorer):
             if recorder is not None:
@@ -165,7 +200,13 @@ class ProbehookWorkerExtension:
         self._probehook_export_rpc_ns = getattr(self, "_probehook_export_rpc_ns", 0) + (
             time.perf_counter_ns() - started
         )
-        return {"path": path, "entries": entries, "spans": reports, "failures": failures}
+        return {
+            "path": path,
+            "entries": entries,
+            "spans": reports,
+            "failures": failures,
+            "batches": batch_reports,
+        }
 
     def probehook_steering_add(self, name: str, wire: dict[str, Any]) -> bool:
         """Put a vector into this worker's bank (every rank holds the whole stream, so every

@@ -163,24 +163,33 @@ class RequestRows:
     def read(self, span: Span, slots: list[int] | slice) -> tuple[torch.Tensor, list[int]]:
         """Rows of ``span`` for the given layer slots, and the positions that are missing."""
         out = torch.empty((self._count(slots), len(span), self.hidden), dtype=self.dtype)
-        filled = np.zeros(len(span), dtype=bool)
+        return out, self.read_into(host_view(out), span, slots)
+
+    def read_into(self, out: np.ndarray, span: Span, slots: list[int] | slice) -> list[int]:
+        """Copy the rows of ``span`` into ``out`` (``[slots, len(span), hidden]``, host);
+        return the positions that are missing (their rows in ``out`` are left as they are)."""
         if (
             len(span) == 1
             and self.latest is not None
             and span.lo == self.latest_position
             and span.lo >= self.cursor
         ):
-            host_view(out)[:, 0] = self.latest[slots]
-            filled[0] = True
-        elif self.data is not None:
+            out[:, 0] = self.latest[slots]
+            return []
+        if self.data is not None:
             lo = max(span.lo, self.base, self.cursor)
             hi = min(span.hi, self.base + self.data.shape[1])
             if lo < hi:
-                host_view(out)[:, lo - span.lo : hi - span.lo] = self.data[
+                out[:, lo - span.lo : hi - span.lo] = self.data[
                     slots, lo - self.base : hi - self.base
                 ]
-                filled[lo - span.lo : hi - span.lo] = self.filled[lo - self.base : hi - self.base]
-        return out, (np.flatnonzero(~filled) + span.lo).tolist()
+                filled = self.filled[lo - self.base : hi - self.base]
+                if lo == span.lo and hi == span.hi and filled.all():
+                    return []
+                missing = np.ones(len(span), dtype=bool)
+                missing[lo - span.lo : hi - span.lo] = ~filled
+                return (np.flatnonzero(missing) + span.lo).tolist()
+        return list(range(span.lo, span.hi))
 
     def ready(self) -> int:
         """How many positions from the cursor on are filled without a gap."""
@@ -484,6 +493,44 @@ class StepRecorder:
             slots = slice(None) if listed == list(range(len(self.slots))) else listed
             self._slot_cache[named] = slots
         return slots if isinstance(slots, slice) else list(slots)
+
+    def export_final(
+        self, keys: Sequence[str], spans: Sequence[Span], layers: Sequence[Any]
+    ) -> tuple[torch.Tensor, list[tuple[int, list[int]]], dict[str, str]]:
+        """:meth:`export` of one span per stream, final, for many streams at once (the
+        finished requests of a pooling batch): the spans back to back in one
+        ``[len(layers), total positions, width]`` tensor, in order.
+
+        Returns the tensor, ``(item index, missing positions)`` for each item with missing
+        positions, and the failure reason of each failed stream by key.
+        """
+        started = time.perf_counter_ns()
+        if self._in_flight:
+            self._settle()
+        slots = self._slots_of(layers)
+        count = len(slots) if isinstance(slots, list) else len(self.slots)
+        total = sum(len(span) for span in spans)
+        out = torch.empty((count, total, self.row_width), dtype=self.row_dtype)
+        host = host_view(out)
+        incomplete: list[tuple[int, list[int]]] = []
+        failures: dict[str, str] = {}
+        offset = 0
+        for index, (key, span) in enumerate(zip(keys, spans, strict=True)):
+            n = len(span)
+            rows = self.rows_by_key.pop(key, None)
+            if rows is None or rows.error is not None:
+                if rows is not None:
+                    failures[key] = rows.error  # type: ignore[assignment]
+                missing = list(range(span.lo, span.hi))
+            else:
+                missing = rows.read_into(host[:, offset : offset + n], span, slots)
+            if rows is not None:
+                rows.close()
+            if missing:
+                incomplete.append((index, missing))
+            offset += n
+        self.export_ns += time.perf_counter_ns() - started
+        return out, incomplete, failures
 
     def forget(self, key_prefixes: Iterable[str]) -> int:
         """Drop the rows of requests whose stream key starts with any prefix; return how many."""

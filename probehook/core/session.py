@@ -102,6 +102,27 @@ class _TagTemplate:
     """A stop monitor applies: the model's EOS joins the request's stop tokens."""
 
 
+@dataclass
+class _Batch:
+    """The final spans of many pooled outputs, asked from one source in one export."""
+
+    source: str
+    layers: list[Any]
+    keys: list[str] = dataclasses.field(default_factory=list)
+    spans: list[int] = dataclasses.field(default_factory=list)
+    """lo, hi, lo, hi, ...: one span per key."""
+    items: list[tuple[Any, RequestTag]] = dataclasses.field(default_factory=list)
+
+    def add(self, key: str, lo: int, hi: int, output: Any, tag: RequestTag) -> None:
+        self.keys.append(key)
+        self.spans += (lo, hi)
+        self.items.append((output, tag))
+
+    def wire(self) -> dict[str, Any]:
+        return {"source": self.source, "layers": self.layers, "keys": self.keys,
+                "spans": self.spans}
+
+
 class FailedCapture(dict):
     """Stands in for the rows of a request whose capture failed: empty, and any lookup raises
     :class:`~probehook.errors.CaptureError` with the reason, so the failure is never silent."""
@@ -365,6 +386,7 @@ class CaptureSession:
         targets: list[list[tuple[Any, str]]] = []  # per export request: (object, attribute)
         captured: list[tuple[Any, RequestTag]] = []
         processors = list(OUTPUT_PROCESSORS)  # once per call, not per output
+        batches: dict[tuple[str, tuple[Any, ...]], _Batch] = {}  # pooled outputs
         for output in outputs:
             if not hasattr(output, "outputs") or not getattr(output, "finished", True):
                 continue
@@ -378,7 +400,7 @@ class CaptureSession:
             prompt_len = len(output.prompt_token_ids or [])
             if is_pooled(output):
                 # One pass over the input: its rows and scores are prompt rows.
-                self._ask_pooled(output, tag, prompt_len, requests, targets)
+                self._ask_pooled(output, tag, prompt_len, requests, targets, batches)
                 continue
             for completion in output.outputs:
                 key = f"{tag.tag}/{completion.index}"
@@ -393,9 +415,9 @@ class CaptureSession:
                     )
                     requests.append(_export(key, "scores", spans, ["scores"]))
                     targets.append(_slots(spans, output, completion, "scores"))
-        if requests:
+        if requests or batches:
             started = time.perf_counter_ns()
-            self._fetch(requests, targets, dict(_tags_by_name(captured)))
+            self._fetch(requests, targets, dict(_tags_by_name(captured)), list(batches.values()))
             self.attach_ns += time.perf_counter_ns() - started
         for output, tag in captured:
             if tag.probes is not None and tag.probes.monitors:
@@ -417,18 +439,29 @@ class CaptureSession:
         prompt_len: int,
         requests: list[dict[str, Any]],
         targets: list[list[tuple[Any, str]]],
+        batches: dict[tuple[str, tuple[Any, ...]], _Batch],
     ) -> None:
+        """A pooled output's rows and scores: its prompt span, asked in one batch per source
+        and layer set with the other pooled outputs of the call."""
         config = tag.config
         assert config is not None
         key = f"{tag.tag}/0"
+        asks = []
         if config.layers:
-            spans = completion_spans(config, prompt_len, 0)
-            requests.append(_export(key, "hidden", spans[:1], list(config.layers)))
-            targets.append([(output, attributes_of("hidden")[0])])
+            asks.append(("hidden", config.layers, completion_spans(config, prompt_len, 0)))
         if tag.probes is not None and tag.probes.names:
             spans = completion_spans(_score_config(config), prompt_len, 0)
-            requests.append(_export(key, "scores", spans[:1], ["scores"]))
-            targets.append([(output, attributes_of("scores")[0])])
+            asks.append(("scores", ("scores",), spans))
+        for source, layers, spans in asks:
+            span = spans[0]
+            if span is None:  # nothing to ask (never for a pooling request): as generation
+                requests.append(_export(key, source, spans[:1], list(layers)))
+                targets.append([(output, attributes_of(source)[0])])
+                continue
+            batch = batches.get((source, layers))
+            if batch is None:
+                batch = batches[(source, layers)] = _Batch(source, list(layers))
+            batch.add(key, span.lo, span.hi, output, tag)
 
     def label(self, request_id: str, record: dict[str, Any]) -> None:
         """Extra fields for a pending request's store record (before :meth:`attach`)."""
@@ -467,12 +500,12 @@ class CaptureSession:
         requests: list[dict[str, Any]],
         targets: list[list[tuple[Any, str]]],
         tags: dict[str, RequestTag],
+        batches: Sequence[_Batch] = (),
     ) -> None:
-        reply = next(
-            r
-            for r in self._rpc("probehook_export", (self.spool.new_paths(), requests))
-            if r is not None
-        )
+        args: tuple = (self.spool.new_paths(), requests)
+        if batches:
+            args = (*args, [b.wire() for b in batches])
+        reply = next(r for r in self._rpc("probehook_export", args) if r is not None)
         tensors: list[torch.Tensor] = []
         if reply["entries"]:
             if not self.spool.owns(reply["path"]):
@@ -489,6 +522,22 @@ class CaptureSession:
             for s in spans
             if s["num_missing"]
         ]
+        batch_reports = reply.get("batches") or []
+        for batch, report in zip(batches, batch_reports, strict=True):
+            for index, num_missing, missing in report["incomplete"]:
+                key = batch.keys[index]
+                if f"{batch.source}:{key}" not in failures:
+                    lo, hi = batch.spans[2 * index], batch.spans[2 * index + 1]
+                    broken.append(
+                        {
+                            "key": key,
+                            "source": batch.source,
+                            "num_missing": num_missing,
+                            "missing": missing,
+                            "lo": lo,
+                            "hi": hi,
+                        }
+                    )
         if broken:
             s = broken[0]
             raise CaptureError(
@@ -512,6 +561,39 @@ class CaptureSession:
                 else:
                     value = dict(zip(request["layers"], tensor, strict=True))
                 setattr(target, attribute, value)
+
+        for batch, report in zip(batches, batch_reports, strict=True):
+            self._hand_out(batch, tensors[report["tensor_index"]], failures)
+
+    def _hand_out(self, batch: _Batch, tensor: torch.Tensor, failures: dict[str, str]) -> None:
+        """Give each output of a batch its rows (or scores): views of the batch's tensor,
+        ``[len(layers), total, width]``, the outputs' spans back to back."""
+        attribute = attributes_of(batch.source)[0]
+        if batch.source == "hidden":
+            per_layer = list(zip(batch.layers, tensor, strict=True))
+        else:
+            assert self.probes is not None
+            scores = tensor[0]
+            split: dict[tuple[str, ...], dict[str, torch.Tensor]] = {}
+        offset = 0
+        for index, (output, tag) in enumerate(batch.items):
+            n = batch.spans[2 * index + 1] - batch.spans[2 * index]
+            lo, offset = offset, offset + n
+            key = batch.keys[index]
+            failure = failures.get(f"{batch.source}:{key}")
+            if failure is not None:
+                self._fail([(output, attribute)], f"Capture of stream {key} failed: {failure}")
+                continue
+            if batch.source == "hidden":
+                value = {layer: rows[lo:offset] for layer, rows in per_layer}
+            else:
+                assert tag.probes is not None
+                names = tag.probes.names
+                columns = split.get(names)
+                if columns is None:
+                    columns = split[names] = self.probes.split(scores, names)  # type: ignore[union-attr]
+                value = {name: column[lo:offset] for name, column in columns.items()}
+            setattr(output, attribute, value)
 
     def no_rows(self, source: str, tag: RequestTag) -> dict[Any, torch.Tensor]:
         """The value of ``source`` for positions an output does not hold: every layer (or

@@ -76,6 +76,7 @@ def cmd_capture(args: argparse.Namespace) -> None:
         store=args.store,
         max_model_len=args.max_model_len,
         enforce_eager=args.eager,
+        dtype=args.dtype,
     )
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
     done = 0
@@ -94,15 +95,18 @@ def cmd_collect(args: argparse.Namespace) -> None:
     from probehook.collect.collector import collect
     from probehook.errors import ProbehookError
 
-    if args.no_decode is False and args.max_tokens != 16:
-        raise SystemExit("error: a capture-only collection generates nothing: drop --max-tokens")
+    if args.max_tokens != 16 or args.no_decode or args.prefill:
+        raise SystemExit(
+            "error: a capture-only collection keeps prompt rows and generates nothing: drop "
+            "--max-tokens, --prefill and --no-decode"
+        )
     probes = {}
     for spec in args.probe or []:
         name, sep, path = spec.partition("=")
         if not sep or not name or not path:
             raise SystemExit(f"error: --probe {spec!r} must be NAME=PATH")
         probes[name] = path
-    engine: dict[str, Any] = {"enforce_eager": args.eager}
+    engine: dict[str, Any] = {"enforce_eager": args.eager, "dtype": args.dtype}
     if args.max_model_len is not None:
         engine["max_model_len"] = args.max_model_len
     if not Path(args.prompts).is_file():
@@ -246,6 +250,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     cap.add_argument("--ray-address", default=None, help="a Ray cluster to run replicas on")
     cap.add_argument("--max-model-len", type=int, default=None)
+    cap.add_argument("--dtype", default="auto", help="model dtype, as vLLM's --dtype")
     cap.add_argument("--eager", action="store_true", help="enforce_eager (faster start-up)")
     cap.set_defaults(func=cmd_capture)
     store = sub.add_parser("store", help="inspect, check and compact a store")

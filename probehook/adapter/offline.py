@@ -18,6 +18,7 @@ import vllm
 from vllm import PoolingParams, SamplingParams
 
 from probehook.adapter import cpu_memory, engine_config, outputs, setup
+from probehook.adapter.engine_death import raise_on_engine_death
 from probehook.adapter.prompts import with_cache_salt
 from probehook.capture_config import CaptureConfig, LayerSpec
 from probehook.collect.items import check_item_ids
@@ -103,7 +104,8 @@ class LLM(vllm.LLM):
     ) -> None:
         model = os.fspath(model)
         self.capture_only = capture_only
-        self._item_ids: Iterator[str] | None = None  # capture(ids=...): one per request, in order
+        # capture(): the store record fields of each request it adds, in order
+        self._labels: Iterator[dict[str, Any]] | None = None
         self.capture_config: CaptureConfig | None = None
         self.session: CaptureSession | None = None
         self.store: ActivationStore | None = None
@@ -135,6 +137,7 @@ class LLM(vllm.LLM):
             assert plan is not None
             super().__init__(model=model, **plan.engine_kwargs)
         engine_config.pin_v1_runner(self.llm_engine.vllm_config)  # its workers run V1
+        raise_on_engine_death(self.llm_engine.engine_core)
         self.capture_config, self.probes = plan.config, plan.probes
         infos = self.collective_rpc("probehook_attach", args=plan.attach_args())
         self.session, self.capture_info, self.store = setup.start(
@@ -160,8 +163,8 @@ class LLM(vllm.LLM):
         engine_id = super()._add_request(prompt, params, *args, **kwargs)
         request_id = _request_id(engine_id)
         self.session.register(request_id, engine_id, params)
-        if self._item_ids is not None:  # capture(ids=...): requests are added in prompt order
-            self.session.label(request_id, {"item_id": next(self._item_ids)})
+        if self._labels is not None:  # capture(): requests are added in prompt order
+            self.session.label(request_id, next(self._labels))
         return engine_id
 
     def _render_and_add_requests(self, *args: Any, **kwargs: Any) -> list[str]:
@@ -277,7 +280,10 @@ class LLM(vllm.LLM):
         )
         batch = [prompts] if single else list(prompts)
         item_ids = check_item_ids(ids, len(batch))
-        self._item_ids = iter(item_ids) if item_ids is not None else None
+        labels = [{"prompt": p} if isinstance(p, str) else {} for p in batch]
+        for label, item_id in zip(labels, item_ids or (), strict=False):
+            label["item_id"] = item_id
+        self._labels = iter(labels)
         try:
             outputs = self.encode(
                 batch,
@@ -287,7 +293,7 @@ class LLM(vllm.LLM):
                 tokenization_kwargs=tokenization_kwargs,
             )
         finally:
-            self._item_ids = None
+            self._labels = None
         for index, output in enumerate(outputs):
             # The stream stopped early: what the pooler got is not the model's output.
             output.outputs = None

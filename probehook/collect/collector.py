@@ -35,6 +35,15 @@ class CollectionError(ProbehookError, RuntimeError):
     Everything committed stays in the store; rerunning the same collection finishes the rest."""
 
 
+def replica_failed(replica: int, lane: str, error: BaseException) -> CollectionError:
+    """The error a collection stops with when a replica (or its engine) fails."""
+    return CollectionError(
+        f"Replica {replica} ({lane}) failed: {type(error).__name__}: {error}\nEvery batch a "
+        "replica returned is in the store; rerun the same collection to capture the rest "
+        "(items already stored are skipped)."
+    )
+
+
 @dataclass
 class CollectResult:
     """What a collection did."""

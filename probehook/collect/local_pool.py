@@ -30,8 +30,14 @@ class LocalPool:
         return bool(self._queue)
 
     def next_done(self) -> tuple[int, dict[str, int]]:
+        from probehook.collect.collector import replica_failed
+
         batch = self._queue.popleft()
-        return 0, self.replica.capture([i.id for i in batch], [i.prompt for i in batch])
+        try:
+            return 0, self.replica.capture([i.id for i in batch], [i.prompt for i in batch])
+        except Exception as e:  # the engine died or failed: stop, keep what is committed
+            self._queue.clear()
+            raise replica_failed(0, self.replica.lane, e) from e
 
     def close(self) -> None:
         self.replica.close()

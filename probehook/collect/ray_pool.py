@@ -113,16 +113,12 @@ class RayPool:
         return replica, self._get(ready[0], replica)
 
     def _get(self, ref: Any, replica: int) -> Any:
-        from probehook.collect.collector import CollectionError
+        from probehook.collect.collector import replica_failed
 
         try:
             return self.ray.get(ref)
         except self.ray.exceptions.RayError as e:
-            raise CollectionError(
-                f"Replica {replica} ({lane_of(replica)}) failed: {e}\nEvery batch a replica "
-                "returned is in the store; rerun the same collection to capture the rest "
-                "(items already stored are skipped)."
-            ) from e
+            raise replica_failed(replica, lane_of(replica), e) from e
 
     def close(self) -> None:
         closing = [actor.close.remote() for actor in self.actors]  # in parallel

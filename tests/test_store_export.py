@@ -501,3 +501,19 @@ def test_a_store_written_by_several_lanes(tmp_path: Path) -> None:
     seqs = reference(store, 1, "all")
     assert torch.equal(rows, torch.cat([r for r, _ in seqs]))
     assert ids.tolist() == torch.cat([t for _, t in seqs]).tolist()
+
+
+def test_store_export_method_picks_the_format(f32_store, tmp_path: Path) -> None:
+    from probehook.store import export_safetensors
+
+    via_method = f32_store.export(tmp_path / "a", "safetensors", layers=[f32_store.layers[0]])
+    direct = export_safetensors(f32_store, tmp_path / "b", layers=[f32_store.layers[0]])
+    assert [p.name for p in via_method] == [p.name for p in direct]
+    from safetensors.torch import load_file
+
+    for a, b in zip(via_method, direct, strict=True):
+        left, right = load_file(a), load_file(b)
+        assert left.keys() == right.keys()
+        assert all(torch.equal(left[k], right[k]) for k in left)
+    with pytest.raises(ValueError, match=r"format='hdf5'.*\['saelens', 'safetensors'\]"):
+        f32_store.export(tmp_path / "c", "hdf5")

@@ -1,6 +1,7 @@
 """Sharded, crash-safe on-disk store of captured activations."""
 
 from probehook.errors import StoreCorruptError, StoreLockedError
+from probehook.store.export import export_saelens, export_safetensors, read_safetensors_export
 from probehook.store.store import (
     ActivationStore,
     DuplicateStoreIdError,
@@ -15,4 +16,7 @@ __all__ = [
     "StoreCorruptError",
     "StoreLockedError",
     "StoredRequest",
+    "export_saelens",
+    "export_safetensors",
+    "read_safetensors_export",
 ]

@@ -915,6 +915,21 @@ class ActivationStore:
         """A map-style Dataset of rows (and labels aligned with ``layer(...).index``)."""
         return _LayerDataset(self.layer(layer, phase, token), labels)
 
+    def export(self, path: str | Path, format: str, **options: Any) -> Any:
+        """Write this store in a format that activation-training tools read directly:
+        ``"saelens"`` (SAELens's cached-activations folder: ``layer=``, ``context_size=``;
+        returns the folder) or ``"safetensors"`` (shards of ``token_ids`` and
+        ``hidden_states [tokens, layers, hidden]`` in the layout of vLLM's hidden-state
+        extraction: ``layers=``; returns the shard paths). See docs/exports.md."""
+        from probehook.store import export
+
+        writers = {"saelens": export.export_saelens, "safetensors": export.export_safetensors}
+        if format not in writers:
+            raise ValueError(
+                f"format={format!r} is not an export format; choose one of {sorted(writers)}."
+            )
+        return writers[format](self, path, **options)
+
     def to_hf_dataset(
         self,
         layer: int,

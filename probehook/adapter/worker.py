@@ -62,10 +62,13 @@ class ProbehookWorkerExtension:
         runner = self.model_runner  # type: ignore[attr-defined]
         runner_v1.check_runner(runner)
         recorders = []
+        # Plan signatures by engine request id, shared when two recorders read each request.
+        two = hook.recorder is not None and _reports(self) and bool(probes)
+        signatures: dict[str, tuple] | None = {} if two else None
         if hook.recorder is not None and _reports(self):
             hook.recorder.limit_bytes = int(limit_bytes)
             plans = runner_v1.plan_factory(runner, hook.config)
-            recorders.append((hook.recorder, _reuse_plans(runner, plans)))
+            recorders.append((hook.recorder, _reuse_plans(runner, plans, signatures)))
         if probes:
             bank = ProbeBank([ProbeSpec.from_wire(p) for p in probes], _device(hook))
             hook.scorer = StepRecorder(
@@ -73,7 +76,7 @@ class ProbehookWorkerExtension:
             )
             hook.scorer.keep_step_rows = True  # monitors read this step's scores
             plans = runner_v1.plan_factory(runner, hook.config, True)
-            recorders.append((hook.scorer, _reuse_plans(runner, plans)))
+            recorders.append((hook.scorer, _reuse_plans(runner, plans, signatures)))
             probe_registry.register(self.vllm_config, hook, bank)  # type: ignore[attr-defined]
         if getattr(self, "_probehook_publisher", None) is None:
             self._probehook_publisher = stream_plane.Publisher(None)  # until a stream connects
@@ -267,30 +270,45 @@ class ProbehookWorkerExtension:
         }
 
 
-def _reuse_plans(runner: Any, plan_for: PlanFor) -> PlanFor:
+def _reuse_plans(
+    runner: Any, plan_for: PlanFor, signatures: dict[str, tuple] | None = None
+) -> PlanFor:
     """``plan_for`` that reads each distinct request plan once: requests whose wires differ
     only in their tag (a batch of requests with the same options and prompt length, such as
     the patches of an image) get the plan of the first, under their own stream key. Reading
     a wire and building its keep plan costs tens of microseconds per request and recorder,
     which a one-pass request has no decode steps to spread over."""
     cache: dict[tuple, RequestPlan | None] = {}
+    shared = signatures if signatures is not None else {}
 
     def cached(req_id: str) -> RequestPlan | None:
+        # Both recorders meet a new request in the same step: the second one reuses the
+        # signature the first worked out (``signatures``, shared).
         try:
             state = runner.requests.get(req_id)
             params = runner_v1.request_params(state)
             raw = runner_v1.extra_options(params).get(EXTRA_ARGS_KEY)
-            signature = _plan_signature(raw, req_id, state, params)
+            seen = shared.pop(req_id, None)
+            if seen is not None and seen[0] is raw:  # the same wire object: same request
+                known = seen[1]
+            else:
+                signature = _plan_signature(raw, req_id, state, params)
+                known = None if signature is None else (raw["tag"], signature)
+                if signatures is not None:
+                    if len(shared) >= MAX_CACHED_PLANS:
+                        shared.clear()
+                    shared[req_id] = (raw, known)
         except Exception:  # noqa: BLE001 - plan_for reports what it cannot read
-            signature = None
-        if signature is None:
+            known = None
+        if known is None:
             return plan_for(req_id)
-        if signature in cache:
-            plan = cache[signature]
+        tag, signature = known  # type: ignore[misc]
+        plan = cache.get(signature, _MISS)
+        if plan is not _MISS:
             if plan is None:
                 return None
-            index = plan.key.rsplit("/", 1)[1]
-            return RequestPlan(f"{raw['tag']}/{index}", plan.keep, plan.stream, plan.layers)
+            index = plan.key.rsplit("/", 1)[1]  # type: ignore[union-attr]
+            return RequestPlan(f"{tag}/{index}", plan.keep, plan.stream, plan.layers)  # type: ignore[union-attr]
         plan = plan_for(req_id)
         if plan is None or plan.error is None:
             if len(cache) >= MAX_CACHED_PLANS:
@@ -302,6 +320,7 @@ def _reuse_plans(runner: Any, plan_for: PlanFor) -> PlanFor:
 
 
 _SCALARS = (bool, int, float, str, type(None))
+_MISS = object()
 
 
 def _plan_signature(raw: Any, req_id: str, state: Any, params: Any) -> tuple | None:

@@ -119,8 +119,12 @@ class _Batch:
         self.items.append((output, tag))
 
     def wire(self) -> dict[str, Any]:
-        return {"source": self.source, "layers": self.layers, "keys": self.keys,
-                "spans": self.spans}
+        return {
+            "source": self.source,
+            "layers": self.layers,
+            "keys": self.keys,
+            "spans": self.spans,
+        }
 
 
 class FailedCapture(dict):
@@ -168,7 +172,8 @@ class CaptureSession:
         self._rpc = rpc
         self._abort = abort
         self._decorate = decorate
-        self._tags = (f"{uuid.uuid4().hex[:8]}-{i}" for i in itertools.count())
+        prefix = uuid.uuid4().hex[:8]  # one random draw per session, not per request
+        self._tags = (f"{prefix}-{i}" for i in itertools.count())
         self.pending: dict[str, RequestTag] = {}  # by request id
         self._templates: dict[tuple[str, int, bool], _TagTemplate] = {}
         """The plan of requests without per-request options, by (field, n, stream): worked
@@ -194,8 +199,7 @@ class CaptureSession:
             memo = (field, getattr(params, "n", 1), stream)
             template = self._templates.get(memo)
             if template is not None and (
-                template.config is None
-                or getattr(params, "prompt_logprob_token_ids", None) is None
+                template.config is None or getattr(params, "prompt_logprob_token_ids", None) is None
             ):
                 return self._tag_from(template, params, field, extra)
         options = RequestOptions.from_user(extra.get(EXTRA_ARGS_KEY))

@@ -45,6 +45,8 @@ bench: $(STAMP)
 	VLLM_CPU_KVCACHE_SPACE=1 $(PY) benchmarks/serve_load.py
 	VLLM_CPU_KVCACHE_SPACE=1 $(PY) benchmarks/pooling.py
 	VLLM_CPU_KVCACHE_SPACE=1 $(PY) benchmarks/steering.py
+	VLLM_CPU_KVCACHE_SPACE=1 $(PY) benchmarks/collect.py
+	$(PY) benchmarks/store_lanes.py
 
 # Static check that vLLM $(VLLM) (e.g. 0.33.0; empty: the installed one) has every module, name
 # and attribute the adapter uses; downloads its wheel's sources to ~/.cache/probehook. Not part

@@ -121,6 +121,7 @@ def cmd_collect(args: argparse.Namespace) -> None:
             replicas=args.replicas or 1,
             batch_size=args.batch_size,
             ray_address=args.ray_address,
+            replica_logs=args.replica_logs,
             **engine,
         )
     except ProbehookError as e:
@@ -249,6 +250,9 @@ def main(argv: list[str] | None = None) -> None:
         "--probe", action="append", metavar="NAME=PATH", help="a probe to score (collections)"
     )
     cap.add_argument("--ray-address", default=None, help="a Ray cluster to run replicas on")
+    cap.add_argument(
+        "--replica-logs", action="store_true", help="show the Ray replicas' engine logs here"
+    )
     cap.add_argument("--max-model-len", type=int, default=None)
     cap.add_argument("--dtype", default="auto", help="model dtype, as vLLM's --dtype")
     cap.add_argument("--eager", action="store_true", help="enforce_eager (faster start-up)")

@@ -78,6 +78,7 @@ def collect(
     batch_size: int = DEFAULT_BATCH,
     progress: bool = True,
     ray_address: str | None = None,
+    replica_logs: bool = False,
     store_options: dict[str, Any] | None = None,
     **engine_kwargs: Any,
 ) -> CollectResult:
@@ -95,6 +96,11 @@ def collect(
         replicas: engines. 1 runs in this process; more run as Ray actors (``pip install
             'probehook[ray]'``), on the local machine or on the cluster at ``ray_address``.
         batch_size: prompts per batch; a batch a replica returns is durable.
+        ray_address: a Ray cluster to run the replicas on (None: a local Ray, started and
+            stopped here, unless this process already started one).
+        replica_logs: show the Ray replicas' engine logs here (default: they stay in Ray's
+            session logs, ``/tmp/ray/session_latest/logs``; errors come back either way).
+        store_options: as for ``LLM`` (``shard_bytes``, ``compression``, ...).
         progress: one progress bar for the whole collection (items/s, tokens/s).
         **engine_kwargs: passed to every replica's ``LLM`` (vLLM engine arguments).
     """
@@ -142,7 +148,7 @@ def collect(
     else:
         from probehook.collect.ray_pool import RayPool
 
-        pool = RayPool(spec, replicas, ray_address)
+        pool = RayPool(spec, replicas, ray_address, replica_logs)
     started = time.perf_counter()
     try:
         described = pool.describe()["capture"]

@@ -50,7 +50,9 @@ def cpu_groups(replicas: int, cores: list[int]) -> list[list[int]]:
 
 
 class RayPool:
-    def __init__(self, spec: dict[str, Any], replicas: int, address: str | None) -> None:
+    def __init__(
+        self, spec: dict[str, Any], replicas: int, address: str | None, logs: bool = False
+    ) -> None:
         import torch
 
         ray = self.ray = import_ray()
@@ -63,7 +65,9 @@ class RayPool:
                 num_cpus=len(os.sched_getaffinity(0)) if local else None,
                 object_store_memory=OBJECT_STORE_BYTES if local else None,
                 configure_logging=False,
-                log_to_driver=True,
+                # The replicas' engine logs stay in Ray's session logs (/tmp/ray/session_*/logs)
+                # unless asked for: the driver shows one progress bar. Errors still come back.
+                log_to_driver=logs,
             )
         self.local = address is None
         self.size = replicas

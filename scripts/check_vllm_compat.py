@@ -60,6 +60,15 @@ ATTRIBUTES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
         ),
     ),
     ("vllm.v1.core.sched.output", "SchedulerOutput", ("finished_req_ids",)),
+    # engine_death.py: what the sync client leaves behind when its engine core dies
+    (
+        "vllm.v1.engine.core_client",
+        "SyncMPClient",
+        ("outputs_queue", "utility_results", "resources"),
+    ),
+    ("vllm.v1.engine.core_client", "BackgroundResources", ("engine_dead",)),
+    # offline.py: capture() on the pooling runner
+    ("vllm.entrypoints.pooling.offline", "PoolingOfflineMixin", ("pooling_task", "encode")),
     ("vllm.v1.worker.cpu_model_runner", "CPUModelRunner", ("input_batch", "requests")),
     (
         "vllm.v1.worker.gpu_input_batch",

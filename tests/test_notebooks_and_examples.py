@@ -35,6 +35,7 @@ EXAMPLES = [
     "stream_rows.py",
     "segment_image.py",
     "quickstart.py",
+    "collect_and_probe.py",
 ]
 BUSY_MACHINE_GIB = 6
 """quickstart.py (the README's first example) runs while another process holds this much."""
@@ -303,6 +304,12 @@ def test_example_runs(script: str, runs: dict[str, Run]) -> None:
         # The README's numbers, with no memory setting and 6 GiB held elsewhere.
         assert "text '46.'" in result.stdout and "layer 3: prefill rows (7, 128)" in output
         assert "probehook: on CPU, reserving" in result.stderr, result.stderr[-3000:]
+    if script == "collect_and_probe.py":
+        # 3,000 statements on two Ray replicas into one store, then a probe trained from it.
+        assert "3000 statements captured (0 already stored)" in result.stdout, result.stdout
+        assert re.search(r"replica-0: \d+ statements\n  replica-1: \d+", result.stdout)
+        accuracy = re.search(r"held-out accuracy (\d\.\d+)", result.stdout)
+        assert accuracy is not None and float(accuracy.group(1)) >= 0.9, result.stdout[-3000:]
     if script == "demo.py":
         # The main job: the best layer's probe is right on >= 90% of held-out statements,
         # the engine flagged some statements, and the figure exists.

@@ -19,29 +19,21 @@ probehook: vLLM generation with residual-stream capture, activation stores and p
 """
 
 
-def read_prompts(path: Path) -> list[str]:
-    """Prompts from JSONL (a string, or an object with "prompt") or plain text, one per line."""
+def read_prompts(path: Path) -> list[Any]:
+    """Prompts of a prompts file (the format of ``probehook.collect.read_items``; ids unused
+    here): text, or ``{"prompt_token_ids": [...]}`` for a list of token ids."""
+    from probehook.collect.items import read_items
+    from probehook.errors import CaptureConfigError
+
     if not path.is_file():
         raise SystemExit(f"error: prompts file {path} does not exist")
-    prompts = []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        if path.suffix == ".jsonl":
-            try:
-                item = json.loads(line)
-            except ValueError as e:
-                raise SystemExit(f"error: {path}:{number} is not valid JSON: {e}") from e
-            if isinstance(item, dict) and isinstance(item.get("prompt"), str):
-                item = item["prompt"]
-            if not isinstance(item, str):
-                raise SystemExit(f'error: {path}:{number} must be a string or {{"prompt": ...}}')
-            prompts.append(item)
-        else:
-            prompts.append(line)
-    if not prompts:
-        raise SystemExit(f"error: {path} holds no prompts")
-    return prompts
+    try:
+        items = read_items(path)
+    except CaptureConfigError as e:
+        raise SystemExit(f"error: {e}") from e
+    return [
+        i.prompt if isinstance(i.prompt, str) else {"prompt_token_ids": i.prompt} for i in items
+    ]
 
 
 def parse_layers(text: str) -> list[int] | str:

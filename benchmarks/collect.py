@@ -5,7 +5,8 @@ a collection on 1 and 2 replicas, measured in one run.
    weights, compiled), capturing layer L/4 = 2: plain vLLM ``generate(max_tokens=1)`` (the
    baseline: the cheapest way plain vLLM reads a prompt), probehook's capture-only engine
    (``capture()``, rows returned; it stops after layer 2), and a full probehook engine asked
-   for the same rows with ``generate(max_tokens=1)``. Every configuration's round is bracketed
+   for the same rows with ``generate(max_tokens=1)``. Every call reads new prompts (plain vLLM
+   would read repeated ones from its prefix cache). Every configuration's round is bracketed
    by two baseline rounds (``pooling.bracketed``); the report quotes medians of the ratios.
 2. A collection into a store on tmpfs (``probehook.collect.collect``, layer 2, capture-only,
    compiled) on 1 replica (this process, both cores) and on 2 replicas (Ray actors, one core
@@ -18,6 +19,7 @@ Writes benchmarks/results/collect.json and collect.md.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import shutil
@@ -51,8 +53,14 @@ def capture_only_ratio(model: str, args: argparse.Namespace) -> dict[str, object
     from probehook import LLM, SamplingParams
 
     common = dict(load_format="dummy", max_model_len=args.prompt_len + 16, seed=0)
-    prompts = token_prompts(args.prompts, args.prompt_len, 32000, seed=1)
+    seeds = itertools.count(1)
     tokens = args.prompts * args.prompt_len
+
+    def prompts() -> list[dict]:
+        # New prompts every call: plain vLLM would read repeated ones from its prefix cache
+        # (capture requests skip reading it, to recompute every row).
+        return token_prompts(args.prompts, args.prompt_len, 32000, seed=next(seeds))
+
     one = SamplingParams(max_tokens=1, ignore_eos=True)
     engines = {
         BASELINE: vllm.LLM(model, **common),
@@ -60,12 +68,11 @@ def capture_only_ratio(model: str, args: argparse.Namespace) -> dict[str, object
         FULL: LLM(model, layers=[args.layer], include_prefill=True, include_decode=False, **common),
     }
     run = {
-        BASELINE: lambda: len(engines[BASELINE].generate(prompts, one, use_tqdm=False)) and tokens,
-        CAPTURE_ONLY: lambda: (
-            len(engines[CAPTURE_ONLY].capture(prompts, use_tqdm=False)) and tokens
-        ),
-        FULL: lambda: len(engines[FULL].generate(prompts, one, use_tqdm=False)) and tokens,
+        BASELINE: lambda: len(engines[BASELINE].generate(prompts(), one, use_tqdm=False)),
+        CAPTURE_ONLY: lambda: len(engines[CAPTURE_ONLY].capture(prompts(), use_tqdm=False)),
+        FULL: lambda: len(engines[FULL].generate(prompts(), one, use_tqdm=False)),
     }
+    run = {name: (lambda fn=fn: fn() and tokens) for name, fn in run.items()}  # prompt tokens
     try:
         return bracketed(run, args.rounds)
     finally:

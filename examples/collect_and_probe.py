@@ -30,7 +30,7 @@ def main() -> None:
         texts,
         ids=ids,
         store=work / "store",
-        layers=[2],
+        layers=[3],  # the last of 4: the truth signal forms there (docs/tiny-model.md)
         replicas=2,
         batch_size=128,
         **ENGINE,
@@ -46,9 +46,9 @@ def main() -> None:
     store = ActivationStore.open(work / "store")
     truth = dict(zip(ids, labels, strict=True))
     labels_by_record = {r.store_id: truth[r.item_id] for r in store.requests}
-    probe = LinearProbe.fit(store, layer=2, labels=labels_by_record, phase="prefill", token="last")
+    probe = LinearProbe.fit(store, layer=3, labels=labels_by_record, phase="prefill", token="last")
     print(f"store: {len(store)} statements, lanes {store.lanes[1:]}")
-    print(f"probe on layer 2, held-out accuracy {probe.metrics['accuracy']:.3f}")
+    print(f"probe on layer 3, held-out accuracy {probe.metrics['accuracy']:.3f}")
 
 
 if __name__ == "__main__":

@@ -41,6 +41,7 @@ from probehook.core.request_options import (
     RECORD_KEY,
     RequestOptions,
     RequestWire,
+    WireDict,
     WireMonitor,
 )
 from probehook.core.spans import completion_spans, score_config
@@ -94,7 +95,7 @@ class _TagTemplate:
     """What :meth:`CaptureSession.tag` worked out for a request without options."""
 
     config: CaptureConfig | None
-    wire: dict[str, Any] | None
+    wire: WireDict | None
     """Its ``extra_args["probehook"]`` (None: nothing is written, nothing is captured)."""
     described: RequestTag | None
     """:meth:`CaptureSession.describe` of it."""
@@ -273,7 +274,10 @@ class CaptureSession:
             return tagged
         if template.stops:
             tagged.stop_token_ids = sorted({*(params.stop_token_ids or []), self.stop_token})
-        extra[EXTRA_ARGS_KEY] = {**template.wire, "tag": next(self._tags)}
+        wire = WireDict(template.wire)
+        wire["tag"] = next(self._tags)
+        wire.described = template.described
+        extra[EXTRA_ARGS_KEY] = wire
         setattr(tagged, field, extra)
         if template.config is not None and template.config.include_prefill:
             tagged.skip_reading_prefix_cache = True
@@ -334,7 +338,7 @@ class CaptureSession:
         field = _extra_field(params)
         raw = (getattr(params, field, None) or {}).get(EXTRA_ARGS_KEY)
         names = POOLING_FIELDS if field == POOLING_EXTRA else SAMPLING_FIELDS
-        known = self._template_of(raw)
+        known = getattr(raw, "described", None) if type(raw) is WireDict else None
         if known is not None:  # tagged from a template: only the tag and sampling differ
             return RequestTag(
                 raw["tag"],
@@ -365,23 +369,6 @@ class CaptureSession:
             dict(wire.record) if wire.record is not None else None,
             self._steering_of(wire),
         )
-
-    def _template_of(self, raw: Any) -> RequestTag | None:
-        """The described plan of the template ``raw`` was tagged from by :meth:`_tag_from`
-        (its values are the template's own objects), if any."""
-        if type(raw) is not dict or not self._templates:
-            return None
-        for template in self._templates.values():
-            wire = template.wire
-            if (
-                wire is not None
-                and template.described is not None
-                and len(raw) == len(wire)
-                and type(raw.get("tag")) is str
-                and all(k == "tag" or raw.get(k, wire) is v for k, v in wire.items())
-            ):
-                return template.described
-        return None
 
     def attach(self, outputs: Sequence[Any]) -> None:
         """Fetch the rows and scores of finished outputs in one export and hang them on the

@@ -28,29 +28,29 @@ __version__ = "0.1.0"
 if TYPE_CHECKING:
     from vllm import SamplingParams
 
-    from probehook.adapter.async_engine import AsyncLLM
-    from probehook.adapter.offline import LLM
+    from probehook.adapter.frontend.async_engine import AsyncLLM
+    from probehook.adapter.frontend.offline import LLM
     from probehook.capture_config import CaptureConfig
     from probehook.core.monitors import ProbeMonitor
-    from probehook.core.response_fields import decode_array
-    from probehook.core.session import FailedCapture
+    from probehook.frontend.response_fields import decode_array
+    from probehook.frontend.session import FailedCapture
     from probehook.probes import LinearProbe
     from probehook.steering import SteeringVector
     from probehook.store import ActivationStore, LayerMatrix, StoredRequest
 
 _LAZY = {
-    "LLM": ("probehook.adapter.offline", "LLM"),
-    "AsyncLLM": ("probehook.adapter.async_engine", "AsyncLLM"),
+    "LLM": ("probehook.adapter.frontend.offline", "LLM"),
+    "AsyncLLM": ("probehook.adapter.frontend.async_engine", "AsyncLLM"),
     "SamplingParams": ("vllm", "SamplingParams"),
     "CaptureConfig": ("probehook.capture_config", "CaptureConfig"),
-    "FailedCapture": ("probehook.core.session", "FailedCapture"),
+    "FailedCapture": ("probehook.frontend.session", "FailedCapture"),
     "ActivationStore": ("probehook.store", "ActivationStore"),
     "LayerMatrix": ("probehook.store", "LayerMatrix"),
     "StoredRequest": ("probehook.store", "StoredRequest"),
     "LinearProbe": ("probehook.probes", "LinearProbe"),
     "ProbeMonitor": ("probehook.core.monitors", "ProbeMonitor"),
     "SteeringVector": ("probehook.steering", "SteeringVector"),
-    "decode_array": ("probehook.core.response_fields", "decode_array"),
+    "decode_array": ("probehook.frontend.response_fields", "decode_array"),
 }
 
 __all__ = [

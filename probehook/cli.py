@@ -195,7 +195,7 @@ def cmd_store_compact(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["serve"]:  # vLLM's own parser takes every `vllm serve` flag
-        from probehook.adapter.server import main as serve
+        from probehook.adapter.server.serve import main as serve
 
         serve(argv[1:])
         return

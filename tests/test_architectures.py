@@ -215,13 +215,13 @@ def _docs_table() -> dict[str, str]:
 
 
 def test_docs_table_is_the_supported_list() -> None:
-    from probehook.adapter.engine_config import SUPPORTED_ARCHITECTURES
+    from probehook.adapter.frontend.engine_config import SUPPORTED_ARCHITECTURES
 
     assert _docs_table() == SUPPORTED_ARCHITECTURES
 
 
 def test_every_listed_test_exists() -> None:
-    from probehook.adapter.engine_config import SUPPORTED_ARCHITECTURES
+    from probehook.adapter.frontend.engine_config import SUPPORTED_ARCHITECTURES
 
     ids = {c[0] for c in CASES}
     for arch, test in SUPPORTED_ARCHITECTURES.items():
@@ -243,7 +243,7 @@ def _model_config(architectures: list[str], backend_cls: str | None = None) -> S
 
 
 def test_refusal_names_the_list() -> None:
-    from probehook.adapter.engine_config import SUPPORTED_ARCHITECTURES, check_architecture
+    from probehook.adapter.frontend.engine_config import SUPPORTED_ARCHITECTURES, check_architecture
     from probehook.errors import UnsupportedModelError
 
     with pytest.raises(UnsupportedModelError) as err:

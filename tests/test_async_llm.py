@@ -385,7 +385,7 @@ def test_front_end_believes_v1_and_beam_search_is_refused(engine, loop, monkeypa
 
     from vllm.sampling_params import BeamSearchParams
 
-    from probehook.adapter.engine_config import RUNNER_ENV
+    from probehook.adapter.frontend.engine_config import RUNNER_ENV
     from probehook.errors import CaptureConfigError
 
     assert RUNNER_ENV not in os.environ  # the process's setting, restored after construction

@@ -87,7 +87,7 @@ def test_runner_setting_is_restored_when_construction_fails(llm_cls, llama_dir: 
 
 
 def test_unreadable_runner_is_a_clear_error() -> None:
-    from probehook.adapter.runner_v1 import check_runner
+    from probehook.adapter.worker.runner_v1 import check_runner
 
     class RunnerV2Like:
         req_states = None
@@ -111,7 +111,7 @@ def test_compile_cache_key_depends_on_taps(llama_dir: Path) -> None:
     """vLLM hashes additional_config into its compile-cache key, and the taps live there."""
     from vllm.engine.arg_utils import EngineArgs
 
-    from probehook.adapter.engine_config import capture_engine_kwargs
+    from probehook.adapter.frontend.engine_config import capture_engine_kwargs
     from probehook.capture_config import CaptureConfig
 
     def config_hash(kwargs: dict) -> str:
@@ -280,7 +280,7 @@ def test_pooling_models_refuse_steering(llm_cls) -> None:
 def test_compile_cache_key_depends_on_steered_layers_not_vectors(llama_dir: Path) -> None:
     from vllm.engine.arg_utils import EngineArgs
 
-    from probehook.adapter.engine_config import capture_engine_kwargs
+    from probehook.adapter.frontend.engine_config import capture_engine_kwargs
     from probehook.capture_config import CaptureConfig
 
     def config_hash(steer_layers: tuple[int, ...]) -> str:

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from probehook.adapter import cpu_memory
+from probehook.adapter.frontend import cpu_memory
 
 GIB = 1 << 30
 

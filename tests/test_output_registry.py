@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 import torch
 
-from probehook.core.response_fields import ChoiceFields, decode_array
-from probehook.core.session import clear_outputs
+from probehook.frontend.response_fields import ChoiceFields, decode_array
+from probehook.frontend.session import clear_outputs
 from probehook.outputs import (
     OUTPUT_PROCESSORS,
     OutputProcessor,
@@ -144,7 +144,7 @@ def test_a_registered_processor_reaches_server_responses_and_streams_join() -> N
 
 
 def test_a_failed_fill_is_named_in_server_fields() -> None:
-    from probehook.core.response_fields import PooledFields
+    from probehook.frontend.response_fields import PooledFields
 
     registry = fresh(*BUILTIN, TokenNorms)
     output, c = outputs(token_norms=[1.0])
@@ -168,7 +168,7 @@ def test_every_output_gets_every_processors_attributes_empty() -> None:
 
 
 def test_capture_sources_map_to_their_processors() -> None:
-    from probehook.core.session import attributes_of
+    from probehook.frontend.session import attributes_of
     from probehook.outputs import OUTPUT_PROCESSORS, OutputProcessorError
 
     # The capture paths (offline attach, streams, pooling) name no attribute themselves.

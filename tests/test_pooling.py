@@ -243,7 +243,7 @@ def test_decoder_converted_to_an_embedding_model(llama_dir: Path, engine_default
 def test_server_embeddings_carry_rows_and_scores(minilm: Any, tmp_path: Path) -> None:
     """The server runs probehook.AsyncLLM: this is also the test of ``AsyncLLM.encode`` (rows
     through the streaming data plane equal the offline LLM's)."""
-    from probehook.core.response_fields import decode_array
+    from probehook.frontend.response_fields import decode_array
     from probehook.testing import ServerProcess, post_json
 
     offline = minilm.embed(TEXTS, use_tqdm=False)

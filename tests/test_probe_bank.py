@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from probehook.core.monitors import ProbeMonitor, crossings
-from probehook.core.probe_bank import ProbeBank, ProbeSpec, columns_of
-from probehook.core.recorder import RequestPlan, StepRecorder
 from probehook.core.spans import OPEN, KeepPlan, Span
 from probehook.errors import CaptureConfigError
+from probehook.worker.probe_bank import ProbeBank, ProbeSpec, columns_of
+from probehook.worker.recorder import RequestPlan, StepRecorder
 
 HIDDEN = 8
 
@@ -115,7 +115,7 @@ def _probe(name: str | None, layer: int = 1, kind: str = "binary"):
 
 
 def test_probes_given_as_a_list_are_named_by_their_names(tmp_path) -> None:
-    from probehook.core.probe_set import load_probes
+    from probehook.frontend.probe_set import load_probes
 
     truth, topic = _probe("truth"), _probe("topic", kind="multiclass")
     assert list(load_probes([truth, topic])) == ["truth", "topic"]
@@ -129,7 +129,7 @@ def test_probes_given_as_a_list_are_named_by_their_names(tmp_path) -> None:
 
 
 def test_probe_set_requests_split_and_monitor_columns() -> None:
-    from probehook.core.probe_set import ProbeSet
+    from probehook.frontend.probe_set import ProbeSet
 
     probes = {"truth": _probe("truth", 2), "topic": _probe("topic", 0, "multiclass")}
     monitors = [ProbeMonitor("topic", 0.5, label="c"), ProbeMonitor("truth", 0.9, "stop")]

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from probehook.core.recorder import RequestPlan, StepRecorder
 from probehook.core.spans import OPEN, KeepPlan, Span
+from probehook.worker.recorder import RequestPlan, StepRecorder
 
 HIDDEN = 3
 

@@ -130,7 +130,7 @@ class State:
 
 def plan_for(options: Any, scores: bool = False, req_id: str = "0") -> Any:
     """The worker's plan for a request carrying ``options`` (what the step hook calls)."""
-    from probehook.adapter.runner_v1 import plan_factory
+    from probehook.adapter.worker.runner_v1 import plan_factory
 
     runner = SimpleNamespace(requests={req_id: State(options)})
     engine = CaptureConfig(layers=(0, 3), include_prefill=True)
@@ -164,7 +164,7 @@ def test_the_worker_ignores_untagged_garbage(value: Any) -> None:
 
 
 def test_the_monitor_processor_skips_a_corrupt_wire() -> None:
-    from probehook.adapter.monitor_processor import _watch
+    from probehook.adapter.worker.monitor_processor import _watch
 
     good = wire().to_wire()
     params = SimpleNamespace(extra_args={"probehook": good}, min_tokens=0)

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-from probehook.core.response_fields import decode_array
+from probehook.frontend.response_fields import decode_array
 from probehook.testing import ServerProcess, first_record, random_probes
 
 pytestmark = pytest.mark.slow

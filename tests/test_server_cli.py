@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from probehook.adapter.server import capture_kwargs, parse_monitor
+from probehook.adapter.server.serve import capture_kwargs, parse_monitor
 from probehook.core.monitors import ProbeMonitor
 from probehook.errors import CaptureConfigError
 
@@ -72,7 +72,7 @@ def test_bad_flags_exit_with_a_message(overrides: dict, message: str) -> None:
 
 
 def test_capture_default_is_a_json_object_checked_before_start() -> None:
-    from probehook.adapter.server import parse_capture_default
+    from probehook.adapter.server.serve import parse_capture_default
 
     assert parse_capture_default(None) is None
     assert parse_capture_default('{"probes": true, "layers": [3]}') == {
@@ -87,7 +87,7 @@ def test_capture_default_is_a_json_object_checked_before_start() -> None:
 
 def test_serve_flags_parse_with_the_installed_vllms_parser() -> None:
     """The parser comes from wherever the installed vLLM keeps it (vllm_names)."""
-    from probehook.adapter.server import parse_args
+    from probehook.adapter.server.serve import parse_args
 
     args = parse_args(["MODEL", "--layers", "3", "--capture-default", "{}", "--port", "8123"])
     assert args.model == "MODEL" and args.layers == "3" and args.port == 8123
@@ -103,7 +103,7 @@ def test_token_embed_handler_refuses_the_opt_in() -> None:
     import asyncio
     from types import SimpleNamespace
 
-    from probehook.adapter import pooling_serving
+    from probehook.adapter.server import pooling_serving
 
     class TokenEmbedding:  # the one method the capture class calls before refusing
         async def _init_ctx(self, io_processor: object, request: object, raw: object) -> object:
@@ -123,7 +123,7 @@ def test_inline_vectors_are_refused_unless_the_server_allows_them() -> None:
     import asyncio
     from types import SimpleNamespace
 
-    from probehook.adapter.serving import CaptureServing
+    from probehook.adapter.server.serving import CaptureServing
 
     handler = CaptureServing()
     handler.engine_client = SimpleNamespace(steering={"up": object(), "inline:abc": object()})

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from probehook.capture_config import CaptureConfig
-from probehook.core.session import CaptureSession
 from probehook.errors import CaptureConfigError
+from probehook.frontend.session import CaptureSession
 
 
 class Params:

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from probehook.core.spans import OPEN
-from probehook.core.steer_op import steer
-from probehook.core.steering_bank import (
+from probehook.worker.steer_op import steer
+from probehook.worker.steering_bank import (
     Gate,
     RequestSteering,
     SteeringBank,
@@ -115,7 +115,7 @@ def test_bank_errors() -> None:
 
 def test_salts_follow_contents_scales_and_phase() -> None:
     from probehook import SteeringVector
-    from probehook.core.steering_set import SteeringSet
+    from probehook.frontend.steering_set import SteeringSet
 
     def vec(value: float) -> SteeringVector:
         return SteeringVector({1: torch.full((HIDDEN,), value)})
@@ -151,7 +151,7 @@ def test_salts_follow_contents_scales_and_phase() -> None:
 
 def test_vectors_named_by_requests_in_flight_cannot_be_removed() -> None:
     from probehook import CaptureConfigError, ProbeMonitor, SteeringVector
-    from probehook.core.steering_set import SteeringSet
+    from probehook.frontend.steering_set import SteeringSet
 
     vec = SteeringVector({1: torch.ones(HIDDEN)})
     steering = SteeringSet(
@@ -170,7 +170,7 @@ def test_vectors_named_by_requests_in_flight_cannot_be_removed() -> None:
 def test_a_gate_needs_decode_scores_and_one_gate_per_request() -> None:
     from probehook import CaptureConfigError, ProbeMonitor, SteeringVector
     from probehook.core.request_options import RequestOptions
-    from probehook.core.steering_set import SteeringSet
+    from probehook.frontend.steering_set import SteeringSet
 
     steering = SteeringSet(
         {"a": SteeringVector({1: torch.ones(HIDDEN)})}, layers=[1], capacity=4, num_layers=2,

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from probehook.core import stream_plane
-from probehook.core.recorder import RequestPlan, StepRecorder
 from probehook.core.spans import OPEN, KeepPlan, Span
 from probehook.errors import CaptureError
+from probehook.worker.recorder import RequestPlan, StepRecorder
 
 HIDDEN = 3
 

@@ -112,7 +112,8 @@ def test_untested_vllm_version_warns_once_at_construction(
 ) -> None:
     import vllm
 
-    from probehook.adapter import engine_config, vllm_names
+    from probehook.adapter import vllm_names
+    from probehook.adapter.frontend import engine_config
 
     monkeypatch.setattr(vllm_names, "_warned_version", None)
     monkeypatch.delenv(engine_config.RUNNER_ENV, raising=False)
@@ -137,7 +138,7 @@ def test_pinned_config_keeps_the_v1_answer_and_pickles(monkeypatch: pytest.Monke
     a pinned config answers V1 whatever the process's variable says later."""
     from vllm.config import VllmConfig
 
-    from probehook.adapter import engine_config
+    from probehook.adapter.frontend import engine_config
 
     config, plain = VllmConfig(), VllmConfig()
     engine_config.pin_v1_runner(config)
@@ -156,7 +157,7 @@ def test_capturing_llm_front_end_believes_v1_for_its_life(
 ) -> None:
     """The offline engine's front end: V1, like its workers, while the process's variable is
     back to what the user had (unset) for other engines."""
-    from probehook.adapter.engine_config import RUNNER_ENV
+    from probehook.adapter.frontend.engine_config import RUNNER_ENV
 
     config = eager_llm.llm_engine.vllm_config
     assert RUNNER_ENV not in os.environ  # restored after construction

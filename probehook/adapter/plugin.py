@@ -11,7 +11,7 @@ SEGMENTER = "probehook.segmentation.model:TinySegmenter"
 def register() -> None:
     from vllm import ModelRegistry
 
-    from probehook.adapter.loader import register_loader
+    from probehook.adapter.worker.loader import register_loader
 
     register_loader()
     if "ProbehookTinySegmenter" not in ModelRegistry.get_supported_archs():

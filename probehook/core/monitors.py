@@ -3,7 +3,7 @@ probe's score crosses a threshold.
 
 A monitor is checked against the score of each decode row, i.e. the state that produces the
 next token. ``stop`` and ``steer`` are carried out in the worker (``stop``: the processor in
-``probehook.adapter.monitor_processor`` forces the request's stop token in the same step;
+``probehook.adapter.worker.monitor_processor`` forces the request's stop token in the same step;
 ``steer``: the worker's steering starts at the next position); ``flag`` is computed in the
 front end from the returned scores. All use :func:`crossings` on the same float32 scores, so
 the front end can name the probe that stopped a request, and where steering started, without

@@ -10,7 +10,7 @@ order, back to back. Nothing is pickled.
 
 Rows of one stream arrive in position order and without gaps: the worker sends a request's
 rows only once every position below them is filled (see
-:meth:`probehook.core.recorder.StepRecorder.take_streamed`).
+:meth:`probehook.worker.recorder.StepRecorder.take_streamed`).
 
 This module knows nothing about vLLM.
 """
@@ -50,7 +50,7 @@ class StreamFailed(CaptureError):
 
 Chunk = tuple[str, int, Any, str | None]
 """``(stream key, first position, rows or None, failure reason or None)``: one stream's part
-of a message (what :meth:`~probehook.core.recorder.StepRecorder.take_streamed` returns)."""
+of a message (what :meth:`~probehook.worker.recorder.StepRecorder.take_streamed` returns)."""
 
 
 def encode(source: str, chunks: Sequence[Chunk], dtype: torch.dtype) -> list[Any]:

@@ -75,7 +75,7 @@ class OnePassProcessor(OutputProcessor):
     """An output processor for a one-pass (pooling) model that also owns that model's input:
     one user input becomes several requests (patches of an image, say), and their outputs
     become one result. probehook runs it as vLLM's IO Processor plugin ``probehook``
-    (``probehook.adapter.io_processor``); attach it to the model class with
+    (``probehook.adapter.frontend.io_processor``); attach it to the model class with
     ``@OUTPUT_PROCESSORS.for_model(name)``.
 
     Every method runs in the front-end process. ``parse`` and ``split`` raise on bad input

@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from probehook.capture_config import CaptureConfig
-from probehook.core.session import completions, is_pooled
 from probehook.core.spans import completion_spans
+from probehook.frontend.session import completions, is_pooled
 from probehook.store.writer import PendingRequest, RowBlock
 
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from probehook.adapter.loader import StepHook
-from probehook.core.probe_bank import ProbeBank
+from probehook.adapter.worker.loader import StepHook
+from probehook.worker.probe_bank import ProbeBank
 
 
 @dataclass

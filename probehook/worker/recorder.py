@@ -1,6 +1,6 @@
 """Worker-side bookkeeping: turns each engine step's tap buffers into per-request rows.
 
-The taps (``probehook.core.tap_op``) fill one buffer per layer with every token of the step.
+The taps (``probehook.worker.tap_op``) fill one buffer per layer with every token of the step.
 After the forward pass, :meth:`StepRecorder.record` picks the rows that requests keep, using
 the runner's batch metadata (request ids and query offsets), never by counting rows. The picked
 rows of all layers are gathered on the device and copied to host once per step, then copied
@@ -228,7 +228,7 @@ _UNSEEN = object()
 
 class RowTransform(Protocol):
     """Turns a step's staged rows ``[len(layers), rows, hidden]`` into what requests keep,
-    ``[len(slots), rows, width]``, on the device (``probehook.core.probe_bank.ProbeBank``)."""
+    ``[len(slots), rows, width]``, on the device (``probehook.worker.probe_bank.ProbeBank``)."""
 
     slots: tuple[Any, ...]
     width: int

@@ -1,6 +1,6 @@
 """The steering op: adds each token's steering vector to a layer's residual stream, in place.
 
-Like the capture tap (``probehook.core.tap_op``) it is a ``torch.library.custom_op``, so it
+Like the capture tap (``probehook.worker.tap_op``) it is a ``torch.library.custom_op``, so it
 stays in vLLM's compiled graph as one opaque call and reads only fixed buffers: ``index``
 (one slot per token of the step, 0 for "not steered") and ``table`` (one row per slot, row 0
 all zeros), both written by the worker before each forward pass. Neither the vectors nor the
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from probehook.core.tap_op import OP_NAMESPACE
+from probehook.worker.tap_op import OP_NAMESPACE
 
 
 @torch.library.custom_op(f"{OP_NAMESPACE}::steer", mutates_args=("hidden",))

@@ -3,7 +3,7 @@ probe scores of the tokens yielded so far.
 
 Rows travel on the streaming data plane (``probehook.core.stream_plane``): the worker pushes
 each step's rows of streaming requests to a socket this front end binds, before the step's
-tokens leave the engine, and :class:`~probehook.core.request_stream.RequestStream` attaches them
+tokens leave the engine, and :class:`~probehook.frontend.request_stream.RequestStream` attaches them
 to each output after it leaves vLLM's per-request queue (attributes set earlier would be lost
 when a lagging DELTA consumer's outputs are merged). No RPC per step: vLLM serves RPCs between
 engine steps, so one per step would stall generation.
@@ -26,12 +26,14 @@ from vllm.usage.usage_lib import UsageContext
 from vllm.v1.engine.async_llm import AsyncLLM as VllmAsyncLLM
 from vllm.v1.executor import Executor
 
-from probehook.adapter import cpu_memory, engine_config, outputs, setup
-from probehook.adapter.prompts import with_cache_salt
+from probehook.adapter.frontend import cpu_memory, engine_config, outputs, setup
+from probehook.adapter.frontend.prompts import with_cache_salt
 from probehook.capture_config import CaptureConfig, LayerSpec
-from probehook.core.probe_set import ProbeSet
-from probehook.core.request_stream import Kind, RequestStream
-from probehook.core.session import (
+from probehook.core.stream_plane import Receiver
+from probehook.errors import CaptureConfigError
+from probehook.frontend.probe_set import ProbeSet
+from probehook.frontend.request_stream import Kind, RequestStream
+from probehook.frontend.session import (
     CaptureSession,
     RequestTag,
     clear_outputs,
@@ -39,8 +41,6 @@ from probehook.core.session import (
     note_steering,
     options_of,
 )
-from probehook.core.stream_plane import Receiver
-from probehook.errors import CaptureConfigError
 from probehook.store import ActivationStore
 
 BEAM_SEARCH_REFUSED = (

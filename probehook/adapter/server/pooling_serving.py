@@ -1,10 +1,10 @@
 """vLLM's pooling handlers (``/v1/embeddings``, ``/classify``, ``/pooling``, ``/score``) with
 probehook's opt-in per-item field.
 
-As for completions (``adapter/serving.py``), :func:`install` swaps the classes of the handlers
-vLLM built. A request whose body has a top-level ``probehook`` object gets, on each item of its
-``data``, a ``probehook`` field with the item's per-token rows (``hidden_states``: layer ->
-base64 array) and probe scores, from the registered output processors. A request without it
+As for completions (``adapter/server/serving.py``), :func:`install` swaps the classes of the
+handlers vLLM built. A request whose body has a top-level ``probehook`` object gets, on each
+item of its ``data``, a ``probehook`` field with the item's per-token rows (``hidden_states``:
+layer -> base64 array) and probe scores, from the registered output processors. A request without it
 is vLLM's, untouched. Bad options, an answer over the size cap, or a route or format that has
 no per-item JSON (``/score``, IO Processor plugin data, ``encoding_format`` bytes) are 400s
 before any model work.
@@ -23,14 +23,14 @@ from vllm.entrypoints.pooling.pooling.serving import ServingPooling
 from vllm.entrypoints.pooling.scoring.serving import ServingScores
 
 from probehook.core.request_options import EXTRA_ARGS_KEY, RECORD_KEY
-from probehook.core.response_fields import (
+from probehook.core.transport import DTYPES
+from probehook.errors import CaptureConfigError
+from probehook.frontend.response_fields import (
     FIELD,
     PooledFields,
     request_options,
     response_bytes_bound,
 )
-from probehook.core.transport import DTYPES
-from probehook.errors import CaptureConfigError
 
 MiB = 1 << 20
 

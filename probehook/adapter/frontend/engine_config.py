@@ -15,7 +15,7 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-from probehook.adapter import loader
+from probehook.adapter.worker import loader
 from probehook.capture_config import CaptureConfig
 from probehook.errors import CaptureConfigError, UnsupportedModelError
 
@@ -86,8 +86,8 @@ def check_architecture(model_config: Any) -> None:
         )
 
 
-WORKER_EXTENSION = "probehook.adapter.worker.ProbehookWorkerExtension"
-MONITOR_PROCESSOR = "probehook.adapter.monitor_processor:ProbeStopProcessor"
+WORKER_EXTENSION = "probehook.adapter.worker.rpc.ProbehookWorkerExtension"
+MONITOR_PROCESSOR = "probehook.adapter.worker.monitor_processor:ProbeStopProcessor"
 
 
 RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"

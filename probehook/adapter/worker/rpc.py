@@ -16,16 +16,16 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from probehook.adapter import probe_registry, runner_v1
-from probehook.adapter.loader import StepHook, step_hook
+from probehook.adapter.worker import probe_registry, runner_v1
+from probehook.adapter.worker.loader import StepHook, step_hook
 from probehook.core import stream_plane
-from probehook.core.probe_bank import ProbeBank, ProbeSpec
-from probehook.core.recorder import RequestPlan, StepRecorder
 from probehook.core.request_options import EXTRA_ARGS_KEY
 from probehook.core.spans import Span
-from probehook.core.steering_bank import DEFAULT_CAPACITY, SteeringBank, StepSteering
-from probehook.core.steering_set import vectors_from_wire
 from probehook.core.transport import write_tensors_with_fallback
+from probehook.frontend.steering_set import vectors_from_wire
+from probehook.worker.probe_bank import ProbeBank, ProbeSpec
+from probehook.worker.recorder import RequestPlan, StepRecorder
+from probehook.worker.steering_bank import DEFAULT_CAPACITY, SteeringBank, StepSteering
 
 MAX_MISSING_REPORTED = 8
 MAX_CACHED_PLANS = 4096

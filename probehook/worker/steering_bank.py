@@ -8,7 +8,7 @@ Three kinds of buffers, all allocated when the model is loaded (before vLLM comp
   request in the batch: the sum of its vectors times their scales (row 0 stays zero);
 - the *index*: ``[max_num_batched_tokens]``, each token's table row for this step.
 
-The steering op (``probehook.core.steer_op``) reads the index and the tables inside the
+The steering op (``probehook.worker.steer_op``) reads the index and the tables inside the
 compiled graph. Before each forward pass :meth:`StepSteering.prepare` writes the index from the
 runner's batch metadata (request order, query offsets, computed positions), the same way the
 recorder attributes rows, so continuous batching, chunked prefill and preemption need nothing

@@ -23,8 +23,8 @@ import numpy as np
 
 from probehook.core.monitors import ProbeMonitor
 from probehook.core.request_options import RequestOptions
-from probehook.core.steering_bank import DEFAULT_CAPACITY
 from probehook.errors import CaptureConfigError
+from probehook.worker.steering_bank import DEFAULT_CAPACITY
 
 SALT_PREFIX = "probehook-steer:"
 INLINE_PREFIX = "inline:"

@@ -1,6 +1,6 @@
 """``probehook.LLM``: vLLM's offline ``LLM`` that also returns residual-stream captures.
 
-The capture logic lives in :class:`~probehook.core.session.CaptureSession`; this class only
+The capture logic lives in :class:`~probehook.frontend.session.CaptureSession`; this class only
 connects it to the offline request path: ``_add_request`` (tag and register), the engine loop
 ``_run_engine`` (attach rows to finished outputs; abort everything on an error or Ctrl-C) and
 ``_render_and_add_requests`` (forget requests of a batch that failed to enter the engine).
@@ -17,14 +17,14 @@ from typing import Any
 import vllm
 from vllm import PoolingParams, SamplingParams
 
-from probehook.adapter import cpu_memory, engine_config, outputs, setup
-from probehook.adapter.engine_death import raise_on_engine_death
-from probehook.adapter.prompts import with_cache_salt
+from probehook.adapter.frontend import cpu_memory, engine_config, outputs, setup
+from probehook.adapter.frontend.engine_death import raise_on_engine_death
+from probehook.adapter.frontend.prompts import with_cache_salt
 from probehook.capture_config import CaptureConfig, LayerSpec
 from probehook.collect.items import check_item_ids
-from probehook.core.probe_set import ProbeSet
-from probehook.core.session import CaptureSession, clear_outputs, copy_captures
 from probehook.errors import CaptureConfigError
+from probehook.frontend.probe_set import ProbeSet
+from probehook.frontend.session import CaptureSession, clear_outputs, copy_captures
 from probehook.store import ActivationStore
 
 

@@ -6,7 +6,7 @@ constructor arguments are not repeated here) for subclasses that:
 - read the request body's ``probehook`` object, check it against the engine (unknown layers or
   probes, malformed options, a response over the size cap: a 400 before generation), and pass
   it to the engine in ``SamplingParams.extra_args``; a request without it captures nothing;
-- add the ``probehook`` field (``probehook.core.response_fields``) to each choice of a response,
+- add the ``probehook`` field (``probehook.frontend.response_fields``) to each choice of a response,
   and to each chunk choice of a stream with the rows of that chunk's own tokens. vLLM's stream
   generators consume one engine output and yield its chunks before pulling the next, so
   recording each output as it is pulled pairs rows with chunks exactly.
@@ -23,15 +23,15 @@ from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
 from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
 
 from probehook.core.request_options import EXTRA_ARGS_KEY
-from probehook.core.response_fields import (
+from probehook.core.transport import DTYPES
+from probehook.errors import CaptureConfigError
+from probehook.frontend.response_fields import (
     FIELD,
     ChoiceFields,
     request_options,
     response_bytes_bound,
 )
-from probehook.core.steering_set import INLINE_PREFIX
-from probehook.core.transport import DTYPES
-from probehook.errors import CaptureConfigError
+from probehook.frontend.steering_set import INLINE_PREFIX
 
 MiB = 1 << 20
 
@@ -346,7 +346,7 @@ def install(
     the handlers changed (a generative model has no pooling handlers, a model without a chat
     template no chat handler). ``capture_default`` (``--capture-default``) goes to the
     completion and chat handlers only."""
-    from probehook.adapter import pooling_serving
+    from probehook.adapter.server import pooling_serving
 
     changed = []
     for name, (base, capture_class) in {**HANDLERS, **pooling_serving.handlers()}.items():

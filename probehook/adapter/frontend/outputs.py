@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from vllm.outputs import CompletionOutput, RequestOutput
 
-from probehook.core.session import completions, derive
+from probehook.frontend.session import completions, derive
 
 Rows = dict[int, torch.Tensor]
 Scores = dict[str, torch.Tensor]

@@ -20,7 +20,9 @@ from typing import Any, Literal
 
 import torch
 
-from probehook.core.session import (
+from probehook.core.spans import Span, completion_spans, score_config
+from probehook.core.stream_plane import Receiver, StreamFailed
+from probehook.frontend.session import (
     CaptureSession,
     FailedCapture,
     RequestTag,
@@ -31,8 +33,6 @@ from probehook.core.session import (
     mirror_first_completion,
     note_steering,
 )
-from probehook.core.spans import Span, completion_spans, score_config
-from probehook.core.stream_plane import Receiver, StreamFailed
 
 Kind = Literal["cumulative", "delta", "final"]
 

@@ -1,13 +1,13 @@
 """``probehook serve MODEL --layers ... --probe NAME=PATH ... [vllm serve flags]``: vLLM's own
-OpenAI-compatible server with a probehook :class:`~probehook.adapter.async_engine.AsyncLLM`
-inside.
+OpenAI-compatible server with a probehook
+:class:`~probehook.adapter.frontend.async_engine.AsyncLLM` inside.
 
 The command parses with ``vllm serve``'s own parser plus a probehook group, so every ``vllm
 serve`` flag works. :func:`serve` follows vLLM's ``build_and_serve``: build the app, let vLLM
-initialise its state, then :func:`probehook.adapter.serving.install` the capture handlers and add
-``GET /v1/probehook`` (what the server captures). One step is added to vLLM's sequence instead of
-an endpoint plugin, because endpoint plugins load only when named in ``VLLM_PLUGINS`` and would
-also load in a plain ``vllm serve``, whose engine cannot capture.
+initialise its state, then :func:`probehook.adapter.server.serving.install` the capture handlers
+and add ``GET /v1/probehook`` (what the server captures). One step is added to vLLM's sequence
+instead of an endpoint plugin, because endpoint plugins load only when named in ``VLLM_PLUGINS``
+and would also load in a plain ``vllm serve``, whose engine cannot capture.
 """
 
 from __future__ import annotations
@@ -179,7 +179,7 @@ def check_capture_default(engine: Any, default: dict[str, Any] | None, tasks: An
     from vllm import SamplingParams
 
     from probehook.core.request_options import EXTRA_ARGS_KEY
-    from probehook.core.response_fields import request_options
+    from probehook.frontend.response_fields import request_options
 
     if "generate" not in tasks:
         raise SystemExit(
@@ -270,8 +270,8 @@ async def serve(args: argparse.Namespace, capture: dict[str, Any]) -> None:
     from vllm.entrypoints.launchers.utils.server_utils import get_uvicorn_log_config
     from vllm.usage.usage_lib import UsageContext
 
-    from probehook.adapter.async_engine import AsyncLLM
-    from probehook.adapter.serving import install
+    from probehook.adapter.frontend.async_engine import AsyncLLM
+    from probehook.adapter.server.serving import install
 
     listen_address, sock = setup_server(args, reuse_port=False)
     engine = AsyncLLM.from_engine_args(

@@ -3,7 +3,7 @@
 :func:`prepare` runs before vLLM starts anything: it checks the arguments, resolves the model's
 layers and probes, and returns the engine arguments that switch capture on. After the engine is
 up and its workers answered ``probehook_attach``, :func:`start` builds the front end's
-:class:`~probehook.core.session.CaptureSession` and opens the store.
+:class:`~probehook.frontend.session.CaptureSession` and opens the store.
 """
 
 from __future__ import annotations
@@ -16,18 +16,18 @@ from typing import Any
 import torch
 
 from probehook import __version__ as probehook_version
-from probehook.adapter import engine_config, outputs
+from probehook.adapter.frontend import engine_config, outputs
 from probehook.capture_config import CaptureConfig, LayerSpec, resolve_layers
-from probehook.core.named import load_named
-from probehook.core.probe_set import ProbeSet, load_probes
-from probehook.core.session import CaptureSession, Rpc
-from probehook.core.steering_bank import DEFAULT_CAPACITY
-from probehook.core.steering_set import SteeringSet, check_capacity, vector_wire
 from probehook.errors import CaptureConfigError, CaptureError
+from probehook.frontend.named import load_named
+from probehook.frontend.probe_set import ProbeSet, load_probes
+from probehook.frontend.session import CaptureSession, Rpc
+from probehook.frontend.steering_set import SteeringSet, check_capacity, vector_wire
 from probehook.store import ActivationStore
 from probehook.store.fingerprint import legacy_fingerprint, model_fingerprint
 from probehook.store.format import ROOT_LANE, check_lane_name
 from probehook.store.lock import WriterLock
+from probehook.worker.steering_bank import DEFAULT_CAPACITY
 
 
 @dataclass

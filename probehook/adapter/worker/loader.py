@@ -19,10 +19,10 @@ import torch
 from torch import nn
 
 from probehook.capture_config import CaptureConfig
-from probehook.core.recorder import StepRecorder
-from probehook.core.steer_op import steer
-from probehook.core.tap_op import tap
 from probehook.errors import UnsupportedModelError
+from probehook.worker.recorder import StepRecorder
+from probehook.worker.steer_op import steer
+from probehook.worker.tap_op import tap
 
 logger = logging.getLogger(__name__)
 
@@ -225,7 +225,7 @@ def _transformers_backend_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
 
 
 def _supported_sentence() -> str:
-    from probehook.adapter.engine_config import supported_message
+    from probehook.adapter.frontend.engine_config import supported_message
 
     return supported_message()
 

@@ -19,7 +19,7 @@ import torch
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 from vllm.v1.sample.logits_processor.builtin import process_dict_updates
 
-from probehook.adapter import probe_registry
+from probehook.adapter.worker import probe_registry
 from probehook.core.monitors import crosses
 from probehook.core.request_options import EXTRA_ARGS_KEY, RequestWire, WireMonitor
 

@@ -35,7 +35,6 @@ from typing import Any
 import torch
 
 from probehook.capture_config import CaptureConfig
-from probehook.core.probe_set import ProbeSet, RequestProbes
 from probehook.core.request_options import (
     EXTRA_ARGS_KEY,
     RECORD_KEY,
@@ -45,9 +44,10 @@ from probehook.core.request_options import (
     WireMonitor,
 )
 from probehook.core.spans import completion_spans, score_config
-from probehook.core.steering_set import RequestSteer, SteeringSet
 from probehook.core.transport import Spool, read_tensors
 from probehook.errors import CaptureConfigError, CaptureError
+from probehook.frontend.probe_set import ProbeSet, RequestProbes
+from probehook.frontend.steering_set import RequestSteer, SteeringSet
 from probehook.outputs import OUTPUT_PROCESSORS
 
 logger = logging.getLogger(__name__)

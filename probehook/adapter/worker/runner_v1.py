@@ -14,11 +14,11 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from probehook.capture_config import CaptureConfig
-from probehook.core.recorder import RequestPlan, StepRecorder
 from probehook.core.request_options import EXTRA_ARGS_KEY, RequestWire, raw_tag
 from probehook.core.spans import OPEN, KeepPlan, keep_plan, score_config
-from probehook.core.steering_bank import Gate, RequestSteering, StepSteering, phase_range
 from probehook.errors import CaptureConfigError
+from probehook.worker.recorder import RequestPlan, StepRecorder
+from probehook.worker.steering_bank import Gate, RequestSteering, StepSteering, phase_range
 
 REQUIRED = ("input_batch", "requests", "query_start_loc")
 PlanFor = Callable[[str], RequestPlan | None]

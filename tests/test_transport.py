@@ -13,14 +13,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from probehook.core import transport
+from probehook.frontend.transport_reader import read_tensors
+from probehook.worker import transport_writer
+from probehook.worker.transport_writer import write_tensors, write_tensors_with_fallback
 
 
 @pytest.fixture()
 def full_and_disk(tmp_path: Path, monkeypatch) -> tuple[Path, Path]:
     if not Path("/dev/full").exists():
         pytest.skip("/dev/full is missing on this machine")  # Linux always has it
-    monkeypatch.setattr(transport, "_warned_fallback", False)
+    monkeypatch.setattr(transport_writer, "_warned_fallback", False)
     (tmp_path / "shm").mkdir()
     (tmp_path / "disk").mkdir()
     full = tmp_path / "shm" / "export.bin"
@@ -39,7 +41,7 @@ def tensors() -> list[torch.Tensor]:
 def test_round_trip_is_exact(tmp_path: Path) -> None:
     sent = tensors()
     path = str(tmp_path / "export.bin")
-    got = transport.read_tensors(path, transport.write_tensors(path, sent))
+    got = read_tensors(path, write_tensors(path, sent))
     assert not Path(path).exists()  # unlinked once mapped
     for a, b in zip(sent, got, strict=True):
         assert a.dtype == b.dtype and torch.equal(a, b)
@@ -48,14 +50,14 @@ def test_round_trip_is_exact(tmp_path: Path) -> None:
 def test_full_shm_falls_back_to_disk_and_says_so_once(full_and_disk, caplog) -> None:
     full, disk = full_and_disk
     sent = tensors()
-    with caplog.at_level(logging.WARNING, logger=transport.__name__):
-        path, entries = transport.write_tensors_with_fallback([str(full), str(disk)], sent)
+    with caplog.at_level(logging.WARNING, logger=transport_writer.__name__):
+        path, entries = write_tensors_with_fallback([str(full), str(disk)], sent)
         assert path == str(disk)
         assert not full.is_symlink()  # the failed file is removed
-        for a, b in zip(sent, transport.read_tensors(path, entries), strict=True):
+        for a, b in zip(sent, read_tensors(path, entries), strict=True):
             assert torch.equal(a, b)
         full.symlink_to("/dev/full")
-        transport.write_tensors_with_fallback([str(full), str(disk)], sent)
+        write_tensors_with_fallback([str(full), str(disk)], sent)
     warnings = [r for r in caplog.records if "is full" in r.getMessage()]
     assert len(warnings) == 1
     assert "--shm-size" in warnings[0].getMessage()
@@ -64,16 +66,14 @@ def test_full_shm_falls_back_to_disk_and_says_so_once(full_and_disk, caplog) -> 
 def test_no_room_anywhere_raises(full_and_disk) -> None:
     full, _ = full_and_disk
     with pytest.raises(OSError) as err:
-        transport.write_tensors_with_fallback([str(full)], tensors())
+        write_tensors_with_fallback([str(full)], tensors())
     assert err.value.errno == errno.ENOSPC
 
 
 def test_other_errors_are_not_hidden_by_the_fallback(tmp_path: Path) -> None:
     missing_dir = tmp_path / "gone" / "export.bin"
     with pytest.raises(FileNotFoundError):
-        transport.write_tensors_with_fallback(
-            [str(missing_dir), str(tmp_path / "export.bin")], tensors()
-        )
+        write_tensors_with_fallback([str(missing_dir), str(tmp_path / "export.bin")], tensors())
     assert not (tmp_path / "export.bin").exists()
 
 
@@ -95,7 +95,7 @@ def test_kept_tensors_hold_no_file_descriptor(tmp_path: Path) -> None:
     for i in range(300):
         path = str(tmp_path / f"export-{i}.bin")
         sent = [torch.full((4, 8), float(i))]
-        kept.append(transport.read_tensors(path, transport.write_tensors(path, sent))[0][1:])
+        kept.append(read_tensors(path, write_tensors(path, sent))[0][1:])
     assert open_fds() <= before + 2, open_fds() - before
     assert all(float(t[0, 0]) == i for i, t in enumerate(kept))
     assert maps_of(tmp_path) == 300

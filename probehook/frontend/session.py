@@ -44,10 +44,10 @@ from probehook.core.request_options import (
     WireMonitor,
 )
 from probehook.core.spans import completion_spans, score_config
-from probehook.core.transport import Spool, read_tensors
 from probehook.errors import CaptureConfigError, CaptureError
 from probehook.frontend.probe_set import ProbeSet, RequestProbes
 from probehook.frontend.steering_set import RequestSteer, SteeringSet
+from probehook.frontend.transport_reader import Spool, read_tensors
 from probehook.outputs import OUTPUT_PROCESSORS
 
 logger = logging.getLogger(__name__)

@@ -1,7 +1,7 @@
 """Methods mixed into every vLLM worker (``worker_extension_cls``), called by collective_rpc.
 
 Only control messages and small manifests travel through vLLM's RPC; the rows themselves go
-through ``probehook.core.transport`` as raw bytes.
+through the transport (``probehook.worker.transport_writer``) as raw bytes.
 
 With tensor parallelism every rank holds the complete residual stream after each layer. Rank 0
 records hidden rows and answers exports; probe scores are computed on every rank, because
@@ -21,11 +21,11 @@ from probehook.adapter.worker.loader import StepHook, step_hook
 from probehook.core import stream_plane
 from probehook.core.request_options import EXTRA_ARGS_KEY
 from probehook.core.spans import Span
-from probehook.core.transport import write_tensors_with_fallback
 from probehook.frontend.steering_set import vectors_from_wire
 from probehook.worker.probe_bank import ProbeBank, ProbeSpec
 from probehook.worker.recorder import RequestPlan, StepRecorder
 from probehook.worker.steering_bank import DEFAULT_CAPACITY, SteeringBank, StepSteering
+from probehook.worker.transport_writer import write_tensors_with_fallback
 
 MAX_MISSING_REPORTED = 8
 MAX_CACHED_PLANS = 4096

@@ -12,9 +12,11 @@ import numpy as np
 import pytest
 import torch
 
-from probehook.core import stream_plane
+from probehook.core import stream_frames
 from probehook.core.spans import OPEN, KeepPlan, Span
 from probehook.errors import CaptureError
+from probehook.frontend import stream_receiver
+from probehook.worker import stream_publisher
 from probehook.worker.recorder import RequestPlan, StepRecorder
 
 HIDDEN = 3
@@ -80,8 +82,8 @@ def test_frames_round_trip(dtype: torch.dtype) -> None:
         ("U/0", 0, None, "over the limit"),
         ("V/1", 3, other_host, None),
     ]
-    frames = stream_plane.encode("hidden", chunks, dtype)
-    source, got = stream_plane.decode([bytes(f) for f in frames])
+    frames = stream_frames.encode("hidden", chunks, dtype)
+    source, got = stream_frames.decode([bytes(f) for f in frames])
     assert source == "hidden" and [(k, lo, e) for k, lo, _, e in got] == [
         ("T/0", 7, None),
         ("U/0", 0, "over the limit"),
@@ -90,15 +92,15 @@ def test_frames_round_trip(dtype: torch.dtype) -> None:
     assert got[0][2].dtype == dtype and torch.equal(got[0][2], rows) and got[1][2] is None
     assert torch.equal(got[2][2], other)
     with pytest.raises(CaptureError, match="dtype"):
-        stream_plane.decode([frames[0].replace(b"float", b"pickle"), bytes(frames[1])])
+        stream_frames.decode([frames[0].replace(b"float", b"pickle"), bytes(frames[1])])
     with pytest.raises(CaptureError, match="too short"):
-        stream_plane.decode([frames[0], bytes(frames[1])[:-1]])
+        stream_frames.decode([frames[0], bytes(frames[1])[:-1]])
 
 
 def test_receiver_waits_for_rows_and_reports_failures() -> None:
     with tempfile.TemporaryDirectory() as directory:
-        receiver = stream_plane.Receiver(directory)
-        publisher = stream_plane.Publisher(receiver.address)
+        receiver = stream_receiver.Receiver(directory)
+        publisher = stream_publisher.Publisher(receiver.address)
         receiver.expect("T")
         try:
 
@@ -108,7 +110,7 @@ def test_receiver_waits_for_rows_and_reports_failures() -> None:
                 assert not waiting.done()  # positions 0..3 have not arrived
                 chunk = np.arange(2 * HIDDEN, dtype=np.float32).reshape(1, 2, HIDDEN)
                 for lo in (0, 2):
-                    message = stream_plane.encode(
+                    message = stream_frames.encode(
                         "hidden", [("T/0", lo, chunk, None)], torch.float32
                     )
                     publisher.send(message)
@@ -119,13 +121,13 @@ def test_receiver_waits_for_rows_and_reports_failures() -> None:
             rows, waited = asyncio.run(main())
             assert rows.shape == (1, 4, HIDDEN) and waited < 5
             failed = [("T/1", 0, None, "over the limit")]
-            publisher.send(stream_plane.encode("scores", failed, torch.float32))
-            with pytest.raises(stream_plane.StreamFailed, match="over the limit"):
+            publisher.send(stream_frames.encode("scores", failed, torch.float32))
+            with pytest.raises(stream_frames.StreamFailed, match="over the limit"):
                 asyncio.run(asyncio.wait_for(receiver.take("scores", "T/1", 0, 1), 10))
             receiver.drop("T")
             assert receiver.pending_streams == 0
             chunk = np.zeros((1, 1, HIDDEN), dtype=np.float32)  # a late row of a dropped tag
-            publisher.send(stream_plane.encode("hidden", [("T/0", 9, chunk, None)], torch.float32))
+            publisher.send(stream_frames.encode("hidden", [("T/0", 9, chunk, None)], torch.float32))
             time.sleep(0.3)
             assert receiver.pending_streams == 0
         finally:
@@ -134,7 +136,7 @@ def test_receiver_waits_for_rows_and_reports_failures() -> None:
 
 
 def test_out_of_order_rows_are_refused() -> None:
-    stream = stream_plane.StreamRows()
+    stream = stream_receiver.StreamRows()
     stream.add(4, torch.zeros(1, 2, HIDDEN))
     with pytest.raises(CaptureError, match="out of order"):
         stream.add(7, torch.zeros(1, 1, HIDDEN))

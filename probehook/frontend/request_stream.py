@@ -1,7 +1,7 @@
 """Attaching streamed rows and scores to each output a streaming front end yields.
 
 One :class:`RequestStream` per user request. For every output vLLM yields, it asks the
-:class:`~probehook.core.stream_plane.Receiver` for the rows of the tokens the output holds
+:class:`~probehook.frontend.stream_receiver.Receiver` for the rows of the tokens the output holds
 (waiting, if need be, for the few microseconds the worker's push may trail the token) and sets
 the same attributes the offline ``LLM`` sets, with the same row semantics:
 
@@ -21,7 +21,7 @@ from typing import Any, Literal
 import torch
 
 from probehook.core.spans import Span, completion_spans, score_config
-from probehook.core.stream_plane import Receiver, StreamFailed
+from probehook.core.stream_frames import StreamFailed
 from probehook.frontend.session import (
     CaptureSession,
     FailedCapture,
@@ -33,6 +33,7 @@ from probehook.frontend.session import (
     mirror_first_completion,
     note_steering,
 )
+from probehook.frontend.stream_receiver import Receiver
 
 Kind = Literal["cumulative", "delta", "final"]
 

@@ -1,7 +1,7 @@
 """``probehook.AsyncLLM``: vLLM's v1 ``AsyncLLM`` whose streamed outputs carry the rows and
 probe scores of the tokens yielded so far.
 
-Rows travel on the streaming data plane (``probehook.core.stream_plane``): the worker pushes
+Rows travel on the streaming data plane (``probehook.core.stream_frames``): the worker pushes
 each step's rows of streaming requests to a socket this front end binds, before the step's
 tokens leave the engine, and :class:`~probehook.frontend.request_stream.RequestStream` attaches them
 to each output after it leaves vLLM's per-request queue (attributes set earlier would be lost
@@ -29,7 +29,6 @@ from vllm.v1.executor import Executor
 from probehook.adapter.frontend import cpu_memory, engine_config, outputs, setup
 from probehook.adapter.frontend.prompts import with_cache_salt
 from probehook.capture_config import CaptureConfig, LayerSpec
-from probehook.core.stream_plane import Receiver
 from probehook.errors import CaptureConfigError
 from probehook.frontend.probe_set import ProbeSet
 from probehook.frontend.request_stream import Kind, RequestStream
@@ -41,6 +40,7 @@ from probehook.frontend.session import (
     note_steering,
     options_of,
 )
+from probehook.frontend.stream_receiver import Receiver
 from probehook.store import ActivationStore
 
 BEAM_SEARCH_REFUSED = (

@@ -18,13 +18,14 @@ from typing import Any
 
 from probehook.adapter.worker import probe_registry, runner_v1
 from probehook.adapter.worker.loader import StepHook, step_hook
-from probehook.core import stream_plane
 from probehook.core.request_options import EXTRA_ARGS_KEY
 from probehook.core.spans import Span
+from probehook.core.stream_frames import encode
 from probehook.frontend.steering_set import vectors_from_wire
 from probehook.worker.probe_bank import ProbeBank, ProbeSpec
 from probehook.worker.recorder import RequestPlan, StepRecorder
 from probehook.worker.steering_bank import DEFAULT_CAPACITY, SteeringBank, StepSteering
+from probehook.worker.stream_publisher import Publisher
 from probehook.worker.transport_writer import write_tensors_with_fallback
 
 MAX_MISSING_REPORTED = 8
@@ -79,7 +80,7 @@ class ProbehookWorkerExtension:
             recorders.append((hook.scorer, _reuse_plans(runner, plans, signatures)))
             probe_registry.register(self.vllm_config, hook, bank)  # type: ignore[attr-defined]
         if getattr(self, "_probehook_publisher", None) is None:
-            self._probehook_publisher = stream_plane.Publisher(None)  # until a stream connects
+            self._probehook_publisher = Publisher(None)  # until a stream connects
 
         steer = _steering(hook, steering) if hook.steering is not None else None
         self._probehook_steering = steer
@@ -229,7 +230,7 @@ class ProbehookWorkerExtension:
         old = getattr(self, "_probehook_publisher", None)
         if old is not None:
             old.close()
-        self._probehook_publisher = stream_plane.Publisher(address if _reports(self) else None)
+        self._probehook_publisher = Publisher(address if _reports(self) else None)
         return True if _reports(self) else None
 
     def probehook_forget(self, key_prefixes: list[str]) -> int | None:
@@ -348,11 +349,11 @@ def _plan_signature(raw: Any, req_id: str, state: Any, params: Any) -> tuple | N
     return (tuple(items), state.num_prompt_tokens, stop, head)
 
 
-def _publish(recorder: StepRecorder, publisher: stream_plane.Publisher, live: Any) -> None:
+def _publish(recorder: StepRecorder, publisher: Publisher, live: Any) -> None:
     source = "scores" if recorder.transform is not None else "hidden"
     chunks = recorder.take_streamed(live)
     if chunks:  # one message for every stream of the step
-        publisher.send(stream_plane.encode(source, chunks, recorder.row_dtype))
+        publisher.send(encode(source, chunks, recorder.row_dtype))
 
 
 def _compilations() -> dict[str, int]:

@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from probehook.core.monitors import ProbeMonitor, crossings
+from probehook.core.probe_spec import ProbeSpec, columns_of
 from probehook.core.spans import OPEN, KeepPlan, Span
 from probehook.errors import CaptureConfigError
-from probehook.worker.probe_bank import ProbeBank, ProbeSpec, columns_of
+from probehook.worker.probe_bank import ProbeBank
 from probehook.worker.recorder import RequestPlan, StepRecorder
 
 HIDDEN = 8

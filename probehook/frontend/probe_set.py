@@ -1,7 +1,7 @@
 """The front end's view of an engine's probes and monitors.
 
 Validates them at construction (layer, hidden size, monitor names and thresholds), turns each
-probe into the plain :class:`~probehook.worker.probe_bank.ProbeSpec` the worker fuses, checks
+probe into the plain :class:`~probehook.core.probe_spec.ProbeSpec` the worker fuses, checks
 the per-request ``probes``/``monitors`` options, and after a request finishes splits its score
 rows into one tensor per probe, lists flag crossings and names the probe that stopped it.
 No vLLM imports.
@@ -16,10 +16,10 @@ from typing import Any
 import torch
 
 from probehook.core.monitors import ProbeMonitor, crossings
+from probehook.core.probe_spec import ColumnRange, ProbeSpec, columns_of
 from probehook.core.request_options import RequestOptions, WireMonitor
 from probehook.errors import CaptureConfigError
 from probehook.frontend.named import load_named
-from probehook.worker.probe_bank import ColumnRange, ProbeSpec, columns_of
 
 ACTIVATION_OF_KIND = {"binary": "sigmoid", "multiclass": "softmax", "regression": "identity"}
 PROBABILITY_KINDS = ("binary", "multiclass")

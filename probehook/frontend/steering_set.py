@@ -19,12 +19,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from probehook.core.monitors import ProbeMonitor
 from probehook.core.request_options import RequestOptions
+from probehook.core.steering_wire import DEFAULT_CAPACITY, vector_wire
 from probehook.errors import CaptureConfigError
-from probehook.worker.steering_bank import DEFAULT_CAPACITY
 
 SALT_PREFIX = "probehook-steer:"
 INLINE_PREFIX = "inline:"
@@ -252,26 +250,6 @@ class SteeringSet:
                 if name not in self.inline_users
             },
         }
-
-
-def vector_wire(vector: Any) -> dict[str, Any]:
-    """A vector for the workers' RPC: ``{"layers": [...], "data": [raw float32 bytes per
-    layer]}`` (no pickle)."""
-    layers = list(vector.layers)
-    return {
-        "layers": layers,
-        "data": [
-            np.ascontiguousarray(vector.vector(layer).numpy(), dtype=np.float32).tobytes()
-            for layer in layers
-        ],
-    }
-
-
-def vectors_from_wire(wire: Mapping[str, Any], hidden: int) -> dict[int, np.ndarray]:
-    return {
-        int(layer): np.frombuffer(data, dtype=np.float32).reshape(hidden)
-        for layer, data in zip(wire["layers"], wire["data"], strict=True)
-    }
 
 
 def check_capacity(capacity: Any) -> int:

@@ -34,7 +34,6 @@ from probehook.core.spans import OPEN
 logger = logging.getLogger(__name__)
 
 PHASES = ("both", "prefill", "decode")
-DEFAULT_CAPACITY = 64
 
 
 class SteeringBankError(ValueError):

@@ -15,19 +15,19 @@ from typing import Any
 
 import torch
 
-from probehook import __version__ as probehook_version
+from probehook._version import __version__ as probehook_version
 from probehook.adapter.frontend import engine_config, outputs
 from probehook.capture_config import CaptureConfig, LayerSpec, resolve_layers
+from probehook.core.steering_wire import DEFAULT_CAPACITY, vector_wire
 from probehook.errors import CaptureConfigError, CaptureError
 from probehook.frontend.named import load_named
 from probehook.frontend.probe_set import ProbeSet, load_probes
 from probehook.frontend.session import CaptureSession, Rpc
-from probehook.frontend.steering_set import SteeringSet, check_capacity, vector_wire
+from probehook.frontend.steering_set import SteeringSet, check_capacity
 from probehook.store import ActivationStore
 from probehook.store.fingerprint import legacy_fingerprint, model_fingerprint
 from probehook.store.format import ROOT_LANE, check_lane_name
 from probehook.store.lock import WriterLock
-from probehook.worker.steering_bank import DEFAULT_CAPACITY
 
 
 @dataclass

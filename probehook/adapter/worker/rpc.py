@@ -18,13 +18,14 @@ from typing import Any
 
 from probehook.adapter.worker import probe_registry, runner_v1
 from probehook.adapter.worker.loader import StepHook, step_hook
+from probehook.core.probe_spec import ProbeSpec
 from probehook.core.request_options import EXTRA_ARGS_KEY
 from probehook.core.spans import Span
+from probehook.core.steering_wire import DEFAULT_CAPACITY, vectors_from_wire
 from probehook.core.stream_frames import encode
-from probehook.frontend.steering_set import vectors_from_wire
-from probehook.worker.probe_bank import ProbeBank, ProbeSpec
+from probehook.worker.probe_bank import ProbeBank
 from probehook.worker.recorder import RequestPlan, StepRecorder
-from probehook.worker.steering_bank import DEFAULT_CAPACITY, SteeringBank, StepSteering
+from probehook.worker.steering_bank import SteeringBank, StepSteering
 from probehook.worker.stream_publisher import Publisher
 from probehook.worker.transport_writer import write_tensors_with_fallback
 

@@ -225,7 +225,7 @@ def test_legacy_store_accepts_matching_legacy_fingerprint(tmp_path: Path, caplog
     config = llama()
     legacy_store(tmp_path / "s", config)
     ours = model_fingerprint(config, str(weights_dir(tmp_path / "m")))
-    with caplog.at_level(logging.INFO, logger="probehook.store.store"):
+    with caplog.at_level(logging.INFO, logger="probehook.store.appendable"):
         write(tmp_path / "s", meta_for(ours), 1, legacy=legacy_fingerprint(config))
     assert "predates fingerprint v2" in caplog.text
     assert len(ActivationStore.open(tmp_path / "s")) == 2

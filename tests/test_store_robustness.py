@@ -26,7 +26,7 @@ from probehook.store import ActivationStore, DuplicateStoreIdError
 from probehook.store.format import MANIFEST_FILE, encode_line
 from probehook.store.maintenance import fsck
 from probehook.store.manifest import scan_manifest
-from probehook.store.store import open_file_budget
+from probehook.store.open_files import open_file_budget
 
 TESTS = Path(__file__).parent
 

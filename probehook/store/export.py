@@ -34,7 +34,8 @@ import numpy as np
 import torch
 
 from probehook.errors import MissingExtraError
-from probehook.store.store import ActivationStore, LayerMatrix
+from probehook.store.layer_matrix import LayerMatrix
+from probehook.store.reader import StoreReader
 
 logger = logging.getLogger(__name__)
 
@@ -125,7 +126,7 @@ def _phases(phase: str) -> tuple[str, ...]:
     return ("prefill", "decode") if phase == "all" else (phase,)
 
 
-def _plan(store: ActivationStore, layers: list[int], phase: str) -> _Plan:
+def _plan(store: StoreReader, layers: list[int], phase: str) -> _Plan:
     """The sequences to export and, for each of their segments, its first row in every
     ``store.layer(L, P)``. That matrix holds every request's (L, P) segments, requests in store
     order and segments in record order (docs/store.md: ``= store.layer(LAYER, PHASE)[:]``);
@@ -278,8 +279,9 @@ def _copy_rows(dst: torch.Tensor, src: torch.Tensor) -> None:
 # -- shared checks and atomic output ---------------------------------------------------------
 
 
-def _open(store: ActivationStore | str | os.PathLike[str]) -> ActivationStore:
-    return store if isinstance(store, ActivationStore) else ActivationStore.open(store)
+def _open(store: StoreReader | str | os.PathLike[str]) -> StoreReader:
+    # An ActivationStore is a StoreReader; a path is opened read-only.
+    return store if isinstance(store, StoreReader) else StoreReader.open(store)
 
 
 def _check_target(path: Path) -> None:
@@ -290,7 +292,7 @@ def _check_target(path: Path) -> None:
         )
 
 
-def _check_layers(store: ActivationStore, layers: Sequence[int]) -> list[int]:
+def _check_layers(store: StoreReader, layers: Sequence[int]) -> list[int]:
     layers = [int(layer) for layer in layers]
     if not layers:
         raise ValueError(f"No layers to export; the store at {store.root} holds {store.layers}.")
@@ -305,7 +307,7 @@ def _check_layers(store: ActivationStore, layers: Sequence[int]) -> list[int]:
     return layers
 
 
-def _checked_plan(store: ActivationStore, layers: list[int], phase: str) -> _Plan:
+def _checked_plan(store: StoreReader, layers: list[int], phase: str) -> _Plan:
     if phase not in EXPORT_PHASES:
         raise ValueError(f"phase={phase!r}; valid phases are {EXPORT_PHASES}.")
     plan = _plan(store, layers, phase)
@@ -379,7 +381,7 @@ def _progress(total: int, desc: str, enabled: bool) -> Any:
     return tqdm(total=total, desc=desc, unit="tok", unit_scale=True, disable=not enabled)
 
 
-def _source(store: ActivationStore) -> dict[str, Any]:
+def _source(store: StoreReader) -> dict[str, Any]:
     meta = store.meta
     return {
         "store": str(Path(store.root).resolve()),
@@ -396,7 +398,7 @@ def _source(store: ActivationStore) -> dict[str, Any]:
 
 
 def export_saelens(
-    store: ActivationStore | str | os.PathLike[str],
+    store: StoreReader | str | os.PathLike[str],
     path: str | os.PathLike[str],
     *,
     layer: int,
@@ -657,7 +659,7 @@ def _log_left_out(kind: str, target: Path, summary: dict[str, Any]) -> None:
 
 
 def export_safetensors(
-    store: ActivationStore | str | os.PathLike[str],
+    store: StoreReader | str | os.PathLike[str],
     path: str | os.PathLike[str],
     *,
     layers: Sequence[int],

@@ -24,6 +24,7 @@ import h5py
 
 from probehook.errors import StoreCorruptError, StoreLockedError
 from probehook.store.appender import DatasetAppender
+from probehook.store.contents import read_meta
 from probehook.store.format import (
     DEFAULT_SHARD_BYTES,
     MANIFEST_FILE,
@@ -40,6 +41,7 @@ from probehook.store.manifest import (
     rewrite_manifest,
     scan_manifest,
 )
+from probehook.store.repair import repair_for_append
 
 COMPACT_PREFIX = "compact-"
 
@@ -261,7 +263,7 @@ def compact(
     shard_bytes: int = DEFAULT_SHARD_BYTES,
     progress: bool = True,
 ) -> CompactReport:
-    """Merge runs of small shards of each lane into shards of up to ``shard_bytes``,
+    """Merge adjacent small shards of each lane into shards of up to ``shard_bytes``,
     atomically; shards are merged only within a lane, under that lane's writer lock. A lane
     a live writer holds, or whose manifest has damaged lines, is skipped (``skipped``).
 
@@ -271,10 +273,9 @@ def compact(
     or ``compact`` removes the leftovers. Readers opened before a compaction must reopen.
     """
     from probehook.store.lock import WriterLock
-    from probehook.store.store import ActivationStore
 
     root = Path(path)
-    ActivationStore._read_meta(root)  # a clear error if it is not a store
+    read_meta(root)  # a clear error if it is not a store
     lanes, _ = list_lanes(root)
     done: dict[str, CompactReport] = {}
     skipped: dict[str, str] = {}
@@ -305,11 +306,9 @@ def _compact_lane(store_root: Path, lane: str, shard_bytes: int, progress: bool)
     """Compact one lane (holding its writer lock)."""
     from tqdm.auto import tqdm
 
-    from probehook.store.store import ActivationStore
-
     root = lane_dir(store_root, lane)
     # torn tail, .tmp and replaced leftovers
-    ActivationStore._repair_for_append(root, store_root=store_root)
+    repair_for_append(root, store_root=store_root)
     scan = scan_manifest(root)
     if scan.bad_lines:
         raise StoreCorruptError(
@@ -370,7 +369,7 @@ def _key(segment: dict[str, Any]) -> str:
 
 
 def _plan(shards: list[dict[str, Any]], shard_bytes: int) -> list[list[dict[str, Any]]]:
-    """Runs of consecutive shards smaller than ``shard_bytes`` to merge (two or more each)."""
+    """Groups of consecutive shards smaller than ``shard_bytes`` to merge (two or more each)."""
     groups: list[list[dict[str, Any]]] = []
     current: list[dict[str, Any]] = []
     size = 0

@@ -20,17 +20,18 @@ COLUMNS = ("layer", "phase", "start", "count", "shard")
 
 
 @dataclass(frozen=True)
-class LayerRuns:
-    """Where one layer and phase lives: contiguous row ranges of shards, in store order."""
+class LayerExtents:
+    """Where one layer and phase lives: its extents (contiguous row ranges of one shard's
+    dataset), in store order."""
 
     shards: list[str]
-    """Shard of each run."""
+    """Shard of each extent."""
     bounds: np.ndarray
-    """``[runs, 2]`` first and past-the-end row of each run in its shard's dataset."""
+    """``[extents, 2]`` first and past-the-end row of each extent in its shard's dataset."""
     offsets: np.ndarray
-    """``[runs + 1]`` row of the result where each run begins (cumulative lengths)."""
+    """``[extents + 1]`` row of the result where each extent begins (cumulative lengths)."""
     segments: np.ndarray
-    """Positions in :attr:`SegmentIndex.refs` of the segments that make up the runs."""
+    """Positions in :attr:`SegmentIndex.refs` of the segments that make up the extents."""
 
 
 class SegmentIndex:
@@ -67,9 +68,9 @@ class SegmentIndex:
             self._arrays = np.stack([np.array(c, dtype=np.int64) for c in self._columns], axis=1)
         return self._arrays
 
-    def select(self, layer: int, phase: str, last_only: bool) -> LayerRuns:
-        """The runs holding ``layer``/``phase`` rows (``last_only``: each segment's last row);
-        adjacent rows of one shard are merged into one run, so one read covers them."""
+    def select(self, layer: int, phase: str, last_only: bool) -> LayerExtents:
+        """The extents holding ``layer``/``phase`` rows (``last_only``: each segment's last row);
+        adjacent rows of one shard are merged into one extent, so one read covers them."""
         cols = self.arrays()
         picked = np.flatnonzero(
             (cols[:, 0] == layer) & (cols[:, 1] == PHASES.index(phase)) & (cols[:, 3] > 0)
@@ -77,10 +78,10 @@ class SegmentIndex:
         stop = cols[picked, 2] + cols[picked, 3]
         start = stop - 1 if last_only else cols[picked, 2]
         shard = cols[picked, 4]
-        # A new run wherever the shard changes or the rows are not adjacent.
-        new_run = np.ones(len(picked), dtype=bool)
-        new_run[1:] = (shard[1:] != shard[:-1]) | (start[1:] != stop[:-1])
-        firsts = np.flatnonzero(new_run)
+        # A new extent wherever the shard changes or the rows are not adjacent.
+        new_extent = np.ones(len(picked), dtype=bool)
+        new_extent[1:] = (shard[1:] != shard[:-1]) | (start[1:] != stop[:-1])
+        firsts = np.flatnonzero(new_extent)
         lasts = np.append(firsts[1:] - 1, len(picked) - 1).astype(np.int64)
         bounds = (
             np.stack([start[firsts], stop[lasts]], axis=1)
@@ -89,4 +90,4 @@ class SegmentIndex:
         )
         offsets = np.zeros(len(firsts) + 1, dtype=np.int64)
         np.cumsum(bounds[:, 1] - bounds[:, 0], out=offsets[1:])
-        return LayerRuns([self._shard_names[s] for s in shard[firsts]], bounds, offsets, picked)
+        return LayerExtents([self._shard_names[s] for s in shard[firsts]], bounds, offsets, picked)

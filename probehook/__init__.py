@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from probehook._version import __version__
 from probehook.errors import (
     CaptureConfigError,
     CaptureError,
@@ -23,8 +24,6 @@ from probehook.errors import (
 )
 from probehook.models import tiny_model_path
 
-__version__ = "0.1.0"
-
 if TYPE_CHECKING:
     from vllm import SamplingParams
 
@@ -32,8 +31,8 @@ if TYPE_CHECKING:
     from probehook.adapter.frontend.offline import LLM
     from probehook.capture_config import CaptureConfig
     from probehook.core.monitors import ProbeMonitor
-    from probehook.frontend.response_fields import decode_array
     from probehook.frontend.session import FailedCapture
+    from probehook.outputs.array_codec import decode_array
     from probehook.probes import LinearProbe
     from probehook.steering import SteeringVector
     from probehook.store import ActivationStore, LayerMatrix, StoredRequest
@@ -50,7 +49,7 @@ _LAZY = {
     "LinearProbe": ("probehook.probes", "LinearProbe"),
     "ProbeMonitor": ("probehook.core.monitors", "ProbeMonitor"),
     "SteeringVector": ("probehook.steering", "SteeringVector"),
-    "decode_array": ("probehook.frontend.response_fields", "decode_array"),
+    "decode_array": ("probehook.outputs.array_codec", "decode_array"),
 }
 
 __all__ = [

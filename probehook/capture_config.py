@@ -61,6 +61,19 @@ def as_int(value: Any) -> int | None:
         return None
 
 
+def parse_layers(text: str) -> list[int] | str:
+    """The value of a command line's ``--layers`` (``probehook capture``, ``probehook serve``):
+    ``"1,3"`` or ``"all"``; exits with a usage error otherwise."""
+    if text == "all":
+        return "all"
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise SystemExit(
+            f"error: --layers {text!r} must be comma-separated ints or 'all'"
+        ) from None
+
+
 @dataclass(frozen=True)
 class CaptureConfig:
     """What an engine captures. Requests may narrow it, never widen it."""

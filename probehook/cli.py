@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from probehook.capture_config import parse_layers
+
 DESCRIPTION = """\
 probehook: vLLM generation with residual-stream capture, activation stores and probes.
 
@@ -36,17 +38,6 @@ def read_prompts(path: Path) -> list[Any]:
     ]
 
 
-def parse_layers(text: str) -> list[int] | str:
-    if text == "all":
-        return "all"
-    try:
-        return [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise SystemExit(
-            f"error: --layers {text!r} must be comma-separated ints or 'all'"
-        ) from None
-
-
 def cmd_capture(args: argparse.Namespace) -> None:
     if args.replicas is not None or args.capture_only:
         cmd_collect(args)
@@ -57,8 +48,9 @@ def cmd_capture(args: argparse.Namespace) -> None:
         raise SystemExit("error: --layers is required")
     prompts = read_prompts(Path(args.prompts))
     from tqdm.auto import tqdm
+    from vllm import SamplingParams
 
-    from probehook import LLM, SamplingParams
+    from probehook.adapter.frontend.offline import LLM
 
     llm = LLM(
         args.model,

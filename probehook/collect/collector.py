@@ -22,26 +22,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from probehook.collect.failures import CollectionError
 from probehook.collect.items import Item, make_items, read_items
-from probehook.errors import CaptureConfigError, ProbehookError, StoreLockedError
+from probehook.errors import CaptureConfigError, StoreLockedError
 
 DEFAULT_BATCH = 256
 IN_FLIGHT = 2  # batches per replica: one running, one queued behind it
 SWEEP_SECONDS = 120.0
-
-
-class CollectionError(ProbehookError, RuntimeError):
-    """A collection stopped before every item was captured (a replica died, an engine failed).
-    Everything committed stays in the store; rerunning the same collection finishes the rest."""
-
-
-def replica_failed(replica: int, lane: str, error: BaseException) -> CollectionError:
-    """The error a collection stops with when a replica (or its engine) fails."""
-    return CollectionError(
-        f"Replica {replica} ({lane}) failed: {type(error).__name__}: {error}\nEvery batch a "
-        "replica returned is in the store; rerun the same collection to capture the rest "
-        "(items already stored are skipped)."
-    )
 
 
 @dataclass

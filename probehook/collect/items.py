@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from probehook.errors import CaptureConfigError
+from probehook.frontend.item_ids import check_item_ids, refuse_duplicate_ids
 
 
 @dataclass(frozen=True)
@@ -21,23 +22,6 @@ class Item:
     id: str
     prompt: Any
     """A string, or a list of token ids."""
-
-
-def check_item_ids(ids: Sequence[Any] | None, count: int) -> list[str] | None:
-    """Item ids as strings, one per prompt and unique; a clear error otherwise."""
-    if ids is None:
-        return None
-    if isinstance(ids, str | bytes):
-        raise CaptureConfigError(f"ids={ids!r} must be a sequence of ids, one per prompt.")
-    ids = list(ids)
-    if len(ids) != count:
-        raise CaptureConfigError(f"{len(ids)} ids for {count} prompts; give one id per prompt.")
-    bad = [i for i in ids if isinstance(i, bool) or not isinstance(i, str | int)]
-    if bad:
-        raise CaptureConfigError(f"ids must be str or int; got {bad[0]!r}.")
-    strings = [str(i) for i in ids]
-    _refuse_duplicates(strings, "ids")
-    return strings
 
 
 def make_items(prompts: Sequence[Any], ids: Sequence[Any] | None = None) -> list[Item]:
@@ -85,16 +69,5 @@ def read_items(path: str | os.PathLike[str]) -> list[Item]:
             )
     if not items:
         raise CaptureConfigError(f"The prompts file {path} holds no prompts.")
-    _refuse_duplicates([item.id for item in items], str(path))
+    refuse_duplicate_ids([item.id for item in items], str(path))
     return items
-
-
-def _refuse_duplicates(ids: list[str], where: str) -> None:
-    seen: set[str] = set()
-    twice = sorted({i for i in ids if i in seen or seen.add(i)})
-    if twice:
-        more = f" and {len(twice) - 5} more" if len(twice) > 5 else ""
-        raise CaptureConfigError(
-            f"Duplicate item ids in {where}: {twice[:5]}{more}. An item id names one prompt "
-            "(a rerun skips the ids already stored); give each prompt its own id."
-        )

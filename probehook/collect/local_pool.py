@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
+from probehook.collect.failures import replica_failed
 from probehook.collect.items import Item
 from probehook.collect.replica import Replica
 
@@ -30,8 +31,6 @@ class LocalPool:
         return bool(self._queue)
 
     def next_done(self) -> tuple[int, dict[str, int]]:
-        from probehook.collect.collector import replica_failed
-
         batch = self._queue.popleft()
         try:
             return 0, self.replica.capture([i.id for i in batch], [i.prompt for i in batch])

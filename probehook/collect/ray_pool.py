@@ -13,6 +13,7 @@ import contextlib
 import os
 from typing import Any
 
+from probehook.collect.failures import replica_failed
 from probehook.collect.items import Item
 from probehook.collect.replica import Replica, lane_of
 from probehook.errors import CaptureConfigError, MissingExtraError
@@ -117,8 +118,6 @@ class RayPool:
         return replica, self._get(ready[0], replica)
 
     def _get(self, ref: Any, replica: int) -> Any:
-        from probehook.collect.collector import replica_failed
-
         try:
             return self.ray.get(ref)
         except self.ray.exceptions.RayError as e:

@@ -17,7 +17,7 @@ class Replica:
     """A capture-only engine; :meth:`capture` returns once its batch is durable."""
 
     def __init__(self, spec: dict[str, Any], index: int) -> None:
-        from probehook import LLM
+        from probehook.adapter.frontend.offline import LLM
 
         self.index = index
         self.lane = lane_of(index)

@@ -16,22 +16,21 @@ and costs nothing. Each choice then carries::
     }
 
 Arrays are the raw little-endian bytes of the tensor, base64-encoded, with dtype and shape:
-never pickle. In a stream each chunk carries the rows of its own tokens.
+never pickle (``probehook.outputs.array_codec``; its two functions are importable from here too).
+In a stream each chunk carries the rows of its own tokens.
 
 This module knows nothing about vLLM.
 """
 
 from __future__ import annotations
 
-import base64
 import json
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-import numpy as np
-import torch
-
 from probehook.core.request_options import RequestOptions
+from probehook.outputs.array_codec import decode_array as decode_array
+from probehook.outputs.array_codec import encode_array as encode_array
 
 FIELD = "probehook"
 # Key, inside the field, naming output processors whose ``fill`` raised on this output.
@@ -52,33 +51,6 @@ def request_options(value: Any) -> dict[str, Any]:
 def response_bytes_bound(rows: int, layers: int, hidden_size: int, itemsize: int) -> int:
     """The most bytes the hidden states of ``rows`` rows can add to a response (base64)."""
     return 4 * -(-(rows * layers * hidden_size * itemsize) // 3)
-
-
-# -- arrays ---------------------------------------------------------------------------------
-
-
-def encode_array(tensor: torch.Tensor) -> dict[str, Any]:
-    """``{"dtype", "shape", "data"}``: the tensor's raw little-endian bytes in base64."""
-    t = tensor.detach().to("cpu").contiguous()
-    raw = t.view(torch.uint8) if t.dim() else t.reshape(1).view(torch.uint8)
-    return {
-        "dtype": str(t.dtype).removeprefix("torch."),
-        "shape": list(t.shape),
-        "data": base64.b64encode(raw.numpy().tobytes()).decode("ascii"),
-    }
-
-
-def decode_array(obj: Mapping[str, Any]) -> np.ndarray:
-    """The array an :func:`encode_array` object holds, as numpy. ``bfloat16`` has no numpy
-    dtype; it comes back as float32 holding the same values exactly."""
-    try:
-        dtype, shape, data = obj["dtype"], obj["shape"], base64.b64decode(obj["data"])
-    except (KeyError, TypeError, ValueError) as e:
-        raise ValueError(f"not an encoded array (dtype, shape, data): {e}") from None
-    if dtype == "bfloat16":  # the top half of a float32
-        wide = np.frombuffer(data, dtype="<u2").astype("<u4") << 16
-        return wide.view("<f4").reshape(shape)
-    return np.frombuffer(data, dtype=np.dtype(dtype).newbyteorder("<")).reshape(shape)
 
 
 # -- choices --------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from probehook.frontend.response_fields import encode_array
+from probehook.outputs.array_codec import encode_array
 from probehook.outputs.registry import OutputProcessor
 
 

@@ -26,7 +26,7 @@ def save_probe(probe: LinearProbe, path: str | os.PathLike[str]) -> Path:
     """Write ``probe`` to ``path`` (atomically: a crash never leaves half a probe)."""
     from safetensors.torch import save_file
 
-    from probehook import __version__
+    from probehook._version import __version__
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

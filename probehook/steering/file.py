@@ -33,7 +33,7 @@ def save_vector(vector: SteeringVector, path: str | os.PathLike[str]) -> Path:
     """Write ``vector`` to ``path`` (atomically: a crash never leaves half a file)."""
     from safetensors.torch import save_file
 
-    from probehook import __version__
+    from probehook._version import __version__
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

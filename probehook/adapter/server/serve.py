@@ -105,7 +105,7 @@ def add_capture_args(parser: Any) -> None:
 
 def capture_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """``AsyncLLM`` capture arguments from the parsed flags; bad flags exit with a message."""
-    from probehook.cli import parse_layers
+    from probehook.capture_config import parse_layers
 
     probes = _named_paths("--probe", args.probe, "truth=probe.st")
     steering = _named_paths("--steer", args.steer, "calm=calm.st")

@@ -248,7 +248,7 @@ MAX_INLINE_VECTORS = 4
 def inline_vectors(value: Any, own: list[str]) -> dict[str, Any]:
     """``steer_vectors`` of a request body as :class:`~probehook.SteeringVector` objects
     (shape, finite values and the count checked here; the engine checks layers and size)."""
-    from probehook import SteeringVector
+    from probehook.steering.vector import SteeringVector
 
     example = '{"mine": {"12": [0.1, ...]}}'
     if not isinstance(value, dict) or not value:

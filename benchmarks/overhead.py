@@ -88,7 +88,7 @@ def capture_counters(llm: object) -> dict[str, int] | None:
         return None
     stats = next(s for s in llm.collective_rpc("probehook_stats") if s is not None)
     counters = {k: stats[k] for k in STAT_KEYS}
-    counters["attach_ns"] = capture.attach_ns
+    counters["attach_ns"] = capture.fill_ns
     return counters
 
 

@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 import torch
 
+from probehook.frontend.fill import clear_outputs
 from probehook.frontend.response_fields import ChoiceFields, decode_array
-from probehook.frontend.session import clear_outputs
 from probehook.outputs import (
     OUTPUT_PROCESSORS,
     OutputProcessor,
@@ -168,7 +168,7 @@ def test_every_output_gets_every_processors_attributes_empty() -> None:
 
 
 def test_capture_sources_map_to_their_processors() -> None:
-    from probehook.frontend.session import attributes_of
+    from probehook.frontend.fill import attributes_of
     from probehook.outputs import OUTPUT_PROCESSORS, OutputProcessorError
 
     # The capture paths (offline attach, streams, pooling) name no attribute themselves.
@@ -209,6 +209,7 @@ class _Broken(OutputProcessor):
         output.broken_value = {"ok": True}
 
 
+@pytest.mark.engine
 def test_registered_processors_fill_every_output(eager_llm: Any) -> None:
     from probehook import SamplingParams
     from probehook.outputs import OUTPUT_PROCESSORS

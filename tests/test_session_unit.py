@@ -1,12 +1,18 @@
-"""CaptureSession.tag on its own (no engine): what per-request options it accepts."""
+"""CaptureSession.tag on its own (no engine): what per-request options it accepts; and the
+fill algorithm (probehook.frontend.fill) on fake outputs, offline and streamed."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
+import torch
 
 from probehook.capture_config import CaptureConfig
-from probehook.errors import CaptureConfigError
-from probehook.frontend.session import CaptureSession
+from probehook.errors import CaptureConfigError, CaptureError
+from probehook.frontend import fill
+from probehook.frontend.request_stream import RequestStream
+from probehook.frontend.session import CaptureSession, TrackedRequest
 
 
 class Params:
@@ -40,3 +46,89 @@ def test_asking_for_probes_on_an_engine_without_probes_is_an_error() -> None:
 def test_asking_for_nothing_leaves_the_request_untagged() -> None:
     tagged = session().tag(Params(layers=[], probes=False, include_prefill=False))
     assert "tag" not in tagged.extra_args["probehook"]
+
+
+# -- probehook.frontend.fill: one algorithm for offline and streamed outputs ----------------
+
+
+class Completion:
+    def __init__(self, index: int, token_ids: list[int]) -> None:
+        self.index = index
+        self.token_ids = token_ids
+        self.text = ""
+        self.finish_reason = None
+        self.stop_reason = None
+
+
+class Output:
+    def __init__(self, completions: list[Completion], finished: bool = False) -> None:
+        self.request_id = "r"
+        self.prompt_token_ids = [1, 2, 3, 4]
+        self.outputs = completions
+        self.finished = finished
+
+
+class Rows:
+    """A fake stream receiver: row ``p`` of every stream holds ``p`` in every column."""
+
+    def __init__(self, fail: str | None = None) -> None:
+        self.asked: list[tuple[str, str, int, int]] = []
+        self.fail = fail
+
+    async def take(self, source: str, key: str, lo: int, hi: int) -> torch.Tensor:
+        from probehook.core.stream_frames import StreamFailed
+
+        self.asked.append((source, key, lo, hi))
+        if self.fail == key:
+            raise StreamFailed(f"Capture of stream {key} failed: over the limit")
+        return torch.arange(lo, hi, dtype=torch.float32)[None, :, None].expand(2, -1, 8).clone()
+
+
+def tracked(include_prefill: bool = True) -> TrackedRequest:
+    config = CaptureConfig(layers=(0, 3), include_prefill=include_prefill, include_decode=True)
+    return TrackedRequest("T", "", config, {})
+
+
+def stream(kind: str, receiver: Rows) -> RequestStream:
+    capture = session()
+    capture.row_format = (8, torch.float32)
+    return RequestStream(capture, receiver, tracked(), kind)  # type: ignore[arg-type]
+
+
+def test_offline_plan_asks_for_the_whole_request() -> None:
+    output = Output([Completion(0, [7, 8, 9])], finished=True)
+    planned = fill.plan(output, tracked())
+    assert list(planned.needs()) == [
+        fill.Need("hidden", "T/0", 0, 4),  # the prompt
+        fill.Need("hidden", "T/0", 3, 6),  # decode row i: position 3 + i
+    ]
+
+
+def test_a_delta_stream_gets_each_row_once_and_the_whole_for_the_store() -> None:
+    receiver = Rows()
+    delta = stream("delta", receiver)
+    first, second = Output([Completion(0, [7, 8])]), Output([Completion(0, [9])], finished=True)
+    asyncio.run(delta.fill(first))
+    asyncio.run(delta.fill(second))
+    assert first.prefill_hidden_states[3][:, 0].tolist() == [0, 1, 2, 3]
+    assert first.outputs[0].hidden_states[0][:, 0].tolist() == [3, 4]
+    assert second.prefill_hidden_states[3].shape == (0, 8)  # prompt rows went out already
+    assert second.outputs[0].hidden_states[0][:, 0].tolist() == [5]
+    assert second.hidden_states is second.outputs[0].hidden_states
+    # A cumulative stream's output holds every row to date, as offline.
+    cumulative = stream("cumulative", Rows())
+    whole = Output([Completion(0, [7, 8, 9])], finished=True)
+    asyncio.run(cumulative.fill(whole))
+    assert whole.outputs[0].hidden_states[3][:, 0].tolist() == [3, 4, 5]
+
+
+def test_a_failed_stream_fails_its_slots_and_names_the_reason() -> None:
+    failing = stream("cumulative", Rows(fail="T/0"))
+    output = Output([Completion(0, [7])], finished=True)
+    asyncio.run(failing.fill(output))
+    completion = output.outputs[0]
+    assert isinstance(completion.hidden_states, fill.FailedCapture)
+    assert isinstance(output.prefill_hidden_states, fill.FailedCapture)
+    assert "over the limit" in completion.capture_error
+    with pytest.raises(CaptureError, match="over the limit"):
+        completion.hidden_states[0]

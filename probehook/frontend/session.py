@@ -1,12 +1,14 @@
 """The front-end side of capture, shared by every front end (offline ``LLM``, and later
-``AsyncLLM`` and the server): tag requests, map ids, export rows, attach them, discard.
+``AsyncLLM`` and the server): tag requests, map ids, export rows, discard, hand finished
+requests to the store.
 
 A front end owns one :class:`CaptureSession` and calls it at four points of its request path:
 :meth:`~CaptureSession.tag` before a request enters the engine, :meth:`~CaptureSession.register`
-once the engine has accepted it, :meth:`~CaptureSession.attach` with finished outputs, and
-:meth:`~CaptureSession.abandon` when requests will never be collected. vLLM itself is reached
-only through the callables it is given (worker RPC and engine abort), so this module has no
-vLLM imports.
+once the engine has accepted it, :meth:`~CaptureSession.fill` with finished outputs (offline;
+a stream fills through :class:`~probehook.frontend.request_stream.RequestStream`, with the
+same algorithm, :mod:`probehook.frontend.fill`), and :meth:`~CaptureSession.abandon` when
+requests will never be collected. vLLM itself is reached only through the callables it is
+given (worker RPC and engine abort), so this module has no vLLM imports.
 
 Ids (one word each, used across probehook):
 
@@ -17,13 +19,15 @@ Ids (one word each, used across probehook):
   ``SamplingParams.extra_args["probehook"]["tag"]``.
 - *stream key*: ``"<tag>/<completion index>"``, one per completion: the worker keeps rows
   under it.
+
+A :class:`TrackedRequest` is what the front end remembers of one captured request (its tag,
+engine id, capture config, probes, steering, store record fields) until its output is filled.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-import functools
 import itertools
 import logging
 import time
@@ -43,12 +47,25 @@ from probehook.core.request_options import (
     WireDict,
     WireMonitor,
 )
-from probehook.core.spans import completion_spans, score_config
 from probehook.errors import CaptureConfigError, CaptureError
+from probehook.frontend.fill import (
+    FailedCapture,
+    Need,
+    OutputPlan,
+    apply,
+    batch_values,
+    failed,
+    is_pooled,
+    mirror_first_completion,
+    plan,
+    reset,
+    value_of,
+)
 from probehook.frontend.probe_set import ProbeSet, RequestProbes
 from probehook.frontend.steering_set import RequestSteer, SteeringSet
 from probehook.frontend.transport_reader import Spool, read_tensors
 from probehook.outputs import OUTPUT_PROCESSORS
+from probehook.store.records import pending_request
 
 logger = logging.getLogger(__name__)
 
@@ -75,8 +92,8 @@ Rpc = Callable[[str, tuple], list]
 
 
 @dataclass(frozen=True)
-class RequestTag:
-    """What the front end remembers of one captured request until its output is attached."""
+class TrackedRequest:
+    """What the front end remembers of one captured request until its output is filled."""
 
     tag: str
     engine_id: str
@@ -97,7 +114,7 @@ class _TagTemplate:
     config: CaptureConfig | None
     wire: WireDict | None
     """Its ``extra_args["probehook"]`` (None: nothing is written, nothing is captured)."""
-    described: RequestTag | None
+    described: TrackedRequest | None
     """:meth:`CaptureSession.describe` of it."""
     stops: bool
     """A stop monitor applies: the model's EOS joins the request's stop tokens."""
@@ -109,42 +126,25 @@ class _Batch:
 
     source: str
     layers: list[Any]
-    keys: list[str] = dataclasses.field(default_factory=list)
-    spans: list[int] = dataclasses.field(default_factory=list)
-    """lo, hi, lo, hi, ...: one span per key."""
-    items: list[tuple[Any, RequestTag]] = dataclasses.field(default_factory=list)
+    items: list[tuple[Need, TrackedRequest]] = dataclasses.field(default_factory=list)
 
-    def add(self, key: str, lo: int, hi: int, output: Any, tag: RequestTag) -> None:
-        self.keys.append(key)
-        self.spans += (lo, hi)
-        self.items.append((output, tag))
+    def add(self, need: Need, request: TrackedRequest) -> None:
+        self.items.append((need, request))
 
     def wire(self) -> dict[str, Any]:
+        spans: list[int] = []
+        for need, _ in self.items:
+            spans += (need.lo, need.hi)
         return {
             "source": self.source,
             "layers": self.layers,
-            "keys": self.keys,
-            "spans": self.spans,
+            "keys": [need.key for need, _ in self.items],
+            "spans": spans,
         }
 
 
-class FailedCapture(dict):
-    """Stands in for the rows of a request whose capture failed: empty, and any lookup raises
-    :class:`~probehook.errors.CaptureError` with the reason, so the failure is never silent."""
-
-    def __init__(self, reason: str) -> None:
-        super().__init__()
-        self.reason = reason
-
-    def __getitem__(self, key: Any) -> Any:
-        raise CaptureError(self.reason)
-
-    def __repr__(self) -> str:
-        return f"FailedCapture({self.reason!r})"
-
-
 class CaptureSession:
-    """Per-front-end capture state: tags, id mapping, export, attach and discard."""
+    """Per-front-end capture state: tags, id mapping, export, fill and discard."""
 
     def __init__(
         self,
@@ -175,13 +175,13 @@ class CaptureSession:
         self._decorate = decorate
         prefix = uuid.uuid4().hex[:8]  # one random draw per session, not per request
         self._tags = (f"{prefix}-{i}" for i in itertools.count())
-        self.pending: dict[str, RequestTag] = {}  # by request id
+        self.pending: dict[str, TrackedRequest] = {}  # by request id
         self._templates: dict[tuple[str, int, bool], _TagTemplate] = {}
         """The plan of requests without per-request options, by (field, n, stream): worked
         out for the first such request, reused for the rest (only the tag differs)."""
         self.spool = Spool()
         self.store: Any = None  # the ActivationStore being written, if any
-        self.attach_ns = 0  # front-end time spent attaching rows (for the benchmark)
+        self.fill_ns = 0  # front-end time spent filling outputs with rows (for the benchmark)
         self.row_format: tuple[int, torch.dtype] = (0, torch.float32)
         """(hidden size, dtype) of captured rows, as the workers report them."""
 
@@ -328,11 +328,11 @@ class CaptureSession:
 
     def register(self, request_id: str, engine_id: str, params: Any) -> None:
         """Remember a request the engine accepted (``params`` as returned by :meth:`tag`)."""
-        tag = self.describe(params, engine_id)
-        if tag is not None:
-            self.pending[request_id] = tag
+        request = self.describe(params, engine_id)
+        if request is not None:
+            self.pending[request_id] = request
 
-    def describe(self, params: Any, engine_id: str = "") -> RequestTag | None:
+    def describe(self, params: Any, engine_id: str = "") -> TrackedRequest | None:
         """What the front end needs to collect a request tagged by :meth:`tag` (None: it
         captures nothing)."""
         field = _extra_field(params)
@@ -340,7 +340,7 @@ class CaptureSession:
         names = POOLING_FIELDS if field == POOLING_EXTRA else SAMPLING_FIELDS
         known = getattr(raw, "described", None) if type(raw) is WireDict else None
         if known is not None:  # tagged from a template: only the tag and sampling differ
-            return RequestTag(
+            return TrackedRequest(
                 raw["tag"],
                 engine_id,
                 known.config,
@@ -359,7 +359,7 @@ class CaptureSession:
             monitors = tuple(self.probes.check_monitor(m.monitor) for m in wire.monitors)
             probes = RequestProbes(wire.probes, monitors)
         captures = bool(wire.config.layers) or bool(wire.probes)
-        return RequestTag(
+        return TrackedRequest(
             wire.tag,
             engine_id,
             wire.config if captures else None,
@@ -370,132 +370,89 @@ class CaptureSession:
             self._steering_of(wire),
         )
 
-    def attach(self, outputs: Sequence[Any]) -> None:
-        """Fetch the rows and scores of finished outputs in one export and hang them on the
-        outputs; name the probe that stopped a request; send captured requests to the store."""
-        requests: list[dict[str, Any]] = []
-        targets: list[list[tuple[Any, str]]] = []  # per export request: (object, attribute)
-        captured: list[tuple[Any, RequestTag]] = []
+    def fill(self, outputs: Sequence[Any]) -> None:
+        """Fill finished outputs with their rows and scores (:mod:`probehook.frontend.fill`),
+        every output's needs fetched in one export; send captured requests to the store."""
         processors = list(OUTPUT_PROCESSORS)  # once per call, not per output
-        batches: dict[tuple[str, tuple[Any, ...]], _Batch] = {}  # pooled outputs
+        plans: list[OutputPlan] = []
         for output in outputs:
             if not hasattr(output, "outputs") or not getattr(output, "finished", True):
                 continue
-            clear_outputs(output, processors)
-            tag = self.pending.pop(output.request_id, None)
-            if tag is not None and tag.steering is not None:
-                note_steering(output, tag.steering)
-            if tag is None or tag.config is None:
-                continue
-            captured.append((output, tag))
-            prompt_len = len(output.prompt_token_ids or [])
-            if is_pooled(output):
-                # One pass over the input: its rows and scores are prompt rows.
-                self._ask_pooled(output, tag, prompt_len, requests, targets, batches)
-                continue
-            for completion in output.outputs:
-                key = f"{tag.tag}/{completion.index}"
-                n_out = len(completion.token_ids)
-                if tag.config.layers:
-                    spans = completion_spans(tag.config, prompt_len, n_out, completion.index)
-                    requests.append(_export(key, "hidden", spans, list(tag.config.layers)))
-                    targets.append(_slots(spans, output, completion, "hidden"))
-                if tag.probes is not None and tag.probes.names:
-                    spans = completion_spans(
-                        _score_config(tag.config), prompt_len, n_out, completion.index
-                    )
-                    requests.append(_export(key, "scores", spans, ["scores"]))
-                    targets.append(_slots(spans, output, completion, "scores"))
-        if requests or batches:
+            request = self.pending.pop(output.request_id, None)
+            reset(output, request, processors)
+            if request is not None and request.config is not None:
+                plans.append(plan(output, request))
+        if plans:
             started = time.perf_counter_ns()
-            self._fetch(requests, targets, dict(_tags_by_name(captured)), list(batches.values()))
-            self.attach_ns += time.perf_counter_ns() - started
-        for output, tag in captured:
-            if tag.probes is not None and tag.probes.monitors:
-                self._act_on_scores(output, tag)
-            if tag.steering is not None and tag.steering.gates:
-                gate_starts(output, tag.steering, self.probes)
+            got = self._export(plans)
+            for planned in plans:
+                apply(planned, got, self.probes, self.row_format)
+            self.fill_ns += time.perf_counter_ns() - started
         for output in outputs:
             if hasattr(output, "outputs"):
                 mirror_first_completion(output)
                 self._decorate(output)
         if self.store is not None:
-            for output, tag in captured:
-                self.store_output(output, tag)
-
-    def _ask_pooled(
-        self,
-        output: Any,
-        tag: RequestTag,
-        prompt_len: int,
-        requests: list[dict[str, Any]],
-        targets: list[list[tuple[Any, str]]],
-        batches: dict[tuple[str, tuple[Any, ...]], _Batch],
-    ) -> None:
-        """A pooled output's rows and scores: its prompt span, asked in one batch per source
-        and layer set with the other pooled outputs of the call."""
-        config = tag.config
-        assert config is not None
-        key = f"{tag.tag}/0"
-        asks = []
-        if config.layers:
-            asks.append(("hidden", config.layers, completion_spans(config, prompt_len, 0)))
-        if tag.probes is not None and tag.probes.names:
-            spans = completion_spans(_score_config(config), prompt_len, 0)
-            asks.append(("scores", ("scores",), spans))
-        for source, layers, spans in asks:
-            span = spans[0]
-            if span is None:  # nothing to ask (never for a pooling request): as generation
-                requests.append(_export(key, source, spans[:1], list(layers)))
-                targets.append([(output, attributes_of(source)[0])])
-                continue
-            batch = batches.get((source, layers))
-            if batch is None:
-                batch = batches[(source, layers)] = _Batch(source, list(layers))
-            batch.add(key, span.lo, span.hi, output, tag)
+            for planned in plans:
+                self.store_output(planned.output, planned.request)
 
     def label(self, request_id: str, record: dict[str, Any]) -> None:
-        """Extra fields for a pending request's store record (before :meth:`attach`)."""
-        tag = self.pending.get(request_id)
-        if tag is not None:
-            self.pending[request_id] = dataclasses.replace(tag, record=record)
+        """Extra fields for a pending request's store record (before :meth:`fill`)."""
+        request = self.pending.get(request_id)
+        if request is not None:
+            self.pending[request_id] = dataclasses.replace(request, record=record)
 
-    def store_output(self, output: Any, tag: RequestTag) -> None:
-        """Add a finished output, rows attached, to the store; set its ``store_id``. A
+    def store_output(self, output: Any, request: TrackedRequest) -> None:
+        """Add a finished output, rows filled in, to the store; set its ``store_id``. A
         request whose capture failed is logged and not stored."""
-        from probehook.store.records import pending_request
-
-        assert self.store is not None and tag.config is not None
+        assert self.store is not None and request.config is not None
         if failed(output):
             logger.error("probehook: request %s is not stored.", output.request_id)
             return
         # vLLM's request_id stays as it is; the store names the request itself.
-        pending = pending_request(output, tag.sampling, tag.config, tag.record)
+        pending = pending_request(output, request.sampling, request.config, request.record)
         output.store_id = self.store.add(pending)
 
-    def _act_on_scores(self, output: Any, tag: RequestTag) -> None:
-        assert self.probes is not None and tag.probes is not None
-        for completion in output.outputs:
-            if isinstance(completion.probe_scores, FailedCapture):
-                continue
-            stopped = ended_on_stop_token(tag, completion)
-            flags, stop_reason = self.probes.flags_and_stop(
-                tag.probes, completion.probe_scores, stopped
-            )
-            completion.probe_flags = flags
-            if stop_reason is not None:
-                completion.stop_reason = stop_reason
+    # -- the export: every need of a step's outputs in one RPC ------------------------------
 
-    def _fetch(
-        self,
-        requests: list[dict[str, Any]],
-        targets: list[list[tuple[Any, str]]],
-        tags: dict[str, RequestTag],
-        batches: Sequence[_Batch] = (),
-    ) -> None:
+    def _export(self, plans: Sequence[OutputPlan]) -> dict[Need, Any]:
+        """Fetch the needs of ``plans`` from the workers in one export: a generation output's
+        spans per stream, pooled outputs' spans batched per source and layer set (one tensor
+        each). Returns each need's value, or a :class:`FailedCapture`."""
+        requests: list[dict[str, Any]] = []
+        asked: list[tuple[list[Need], TrackedRequest]] = []  # per export request
+        by_stream: dict[tuple[str, str], int] = {}
+        batches: dict[tuple[str, tuple[Any, ...]], _Batch] = {}
+        for planned in plans:
+            request = planned.request
+            assert request.config is not None
+            pooled = is_pooled(planned.output)
+            for need in planned.needs():
+                layers = tuple(request.config.layers) if need.source == "hidden" else ("scores",)
+                if pooled:
+                    batch = batches.get((need.source, layers))
+                    if batch is None:
+                        batch = batches[(need.source, layers)] = _Batch(need.source, list(layers))
+                    batch.add(need, request)
+                    continue
+                index = by_stream.get((need.source, need.key))
+                if index is None:
+                    index = by_stream[(need.source, need.key)] = len(requests)
+                    requests.append(
+                        {
+                            "key": need.key,
+                            "source": need.source,
+                            "spans": [],
+                            "layers": list(layers),
+                            "final": True,
+                        }
+                    )
+                    asked.append(([], request))
+                requests[index]["spans"].append([need.lo, need.hi])
+                asked[index][0].append(need)
         args: tuple = (self.spool.new_paths(), requests)
         if batches:
-            args = (*args, [b.wire() for b in batches])
+            args = (*args, [b.wire() for b in batches.values()])
         reply = next(r for r in self._rpc("probehook_export", args) if r is not None)
         tensors: list[torch.Tensor] = []
         if reply["entries"]:
@@ -506,102 +463,32 @@ class CaptureSession:
         by_key: dict[str, list[dict[str, Any]]] = {}
         for span in reply["spans"]:
             by_key.setdefault(f"{span['source']}:{span['key']}", []).append(span)
-        broken = [
-            s
-            for key, spans in by_key.items()
-            if key not in failures
-            for s in spans
-            if s["num_missing"]
-        ]
         batch_reports = reply.get("batches") or []
-        for batch, report in zip(batches, batch_reports, strict=True):
-            for index, num_missing, missing in report["incomplete"]:
-                key = batch.keys[index]
-                if f"{batch.source}:{key}" not in failures:
-                    lo, hi = batch.spans[2 * index], batch.spans[2 * index + 1]
-                    broken.append(
-                        {
-                            "key": key,
-                            "source": batch.source,
-                            "num_missing": num_missing,
-                            "missing": missing,
-                            "lo": lo,
-                            "hi": hi,
-                        }
-                    )
-        if broken:
-            s = broken[0]
-            raise CaptureError(
-                f"Stream {s['key']} is missing {s['num_missing']} captured {s['source']} "
-                f"row(s) at positions {s['missing']} (asked for {s['lo']}..{s['hi'] - 1}); "
-                f"{len(broken)} span(s) are incomplete in all. This is a probehook bug: "
-                "please report it with the engine arguments."
-            )
-        for request, slots in zip(requests, targets, strict=True):
-            key = f"{request['source']}:{request['key']}"
+        _check_complete(by_key, failures, list(batches.values()), batch_reports)
+        got: dict[Need, Any] = {}
+        for (needs, request), wired in zip(asked, requests, strict=True):
+            key = f"{wired['source']}:{wired['key']}"
             if key in failures:
-                self._fail(slots, f"Capture of stream {request['key']} failed: {failures[key]}")
+                failure = FailedCapture(f"Capture of stream {wired['key']} failed: {failures[key]}")
+                got.update((need, failure) for need in needs)
                 continue
-            for (target, attribute), span in zip(slots, by_key.get(key, []), strict=True):
+            for need, span in zip(needs, by_key.get(key, []), strict=True):
                 tensor = tensors[span["tensor_index"]]
-                if request["source"] == "scores":
-                    assert self.probes is not None
-                    tag = tags[request["key"].rsplit("/", 1)[0]]
-                    assert tag.probes is not None
-                    value = self.probes.split(tensor[0], tag.probes.names)
-                else:
-                    value = dict(zip(request["layers"], tensor, strict=True))
-                setattr(target, attribute, value)
-
-        for batch, report in zip(batches, batch_reports, strict=True):
-            self._hand_out(batch, tensors[report["tensor_index"]], failures)
-
-    def _hand_out(self, batch: _Batch, tensor: torch.Tensor, failures: dict[str, str]) -> None:
-        """Give each output of a batch its rows (or scores): views of the batch's tensor,
-        ``[len(layers), total, width]``, the outputs' spans back to back."""
-        attribute = attributes_of(batch.source)[0]
-        if batch.source == "hidden":
-            per_layer = list(zip(batch.layers, tensor, strict=True))
-        else:
-            assert self.probes is not None
-            scores = tensor[0]
-            split: dict[tuple[str, ...], dict[str, torch.Tensor]] = {}
-        offset = 0
-        for index, (output, tag) in enumerate(batch.items):
-            n = batch.spans[2 * index + 1] - batch.spans[2 * index]
-            lo, offset = offset, offset + n
-            key = batch.keys[index]
-            failure = failures.get(f"{batch.source}:{key}")
-            if failure is not None:
-                self._fail([(output, attribute)], f"Capture of stream {key} failed: {failure}")
-                continue
-            if batch.source == "hidden":
-                value = {layer: rows[lo:offset] for layer, rows in per_layer}
-            else:
-                assert tag.probes is not None
-                names = tag.probes.names
-                columns = split.get(names)
-                if columns is None:
-                    columns = split[names] = self.probes.split(scores, names)  # type: ignore[union-attr]
-                value = {name: column[lo:offset] for name, column in columns.items()}
-            setattr(output, attribute, value)
-
-    def no_rows(self, source: str, tag: RequestTag) -> dict[Any, torch.Tensor]:
-        """The value of ``source`` for positions an output does not hold: every layer (or
-        probe) the request asked for, with 0 rows, so outputs keep their shape."""
-        if source == "hidden":
-            assert tag.config is not None
-            hidden, dtype = self.row_format
-            return {layer: torch.empty((0, hidden), dtype=dtype) for layer in tag.config.layers}
-        assert self.probes is not None and tag.probes is not None
-        width = max((c.hi for c in self.probes.columns.values()), default=0)
-        return self.probes.split(torch.empty((0, width)), tag.probes.names)
-
-    def _fail(self, slots: list[tuple[Any, str]], reason: str) -> None:
-        logger.error("probehook: %s", reason)
-        for target, attribute in slots:
-            setattr(target, attribute, FailedCapture(reason))
-            target.capture_error = reason
+                got[need] = value_of(need.source, tensor, request, self.probes)
+        for batch, report in zip(batches.values(), batch_reports, strict=True):
+            values = batch_values(
+                batch.source,
+                batch.layers,
+                tensors[report["tensor_index"]],
+                batch.items,
+                self.probes,
+            )
+            for (need, _), value in zip(batch.items, values, strict=True):
+                failure = failures.get(f"{batch.source}:{need.key}")
+                if failure is not None:
+                    value = FailedCapture(f"Capture of stream {need.key} failed: {failure}")
+                got[need] = value
+        return got
 
     # -- requests that will never be collected --------------------------------------------
 
@@ -612,12 +499,12 @@ class CaptureSession:
         come back as outputs of a later call.
         """
         ids = list(self.pending) if request_ids is None else list(request_ids)
-        tags = [self.pending.pop(i) for i in ids if i in self.pending]
-        if not tags:
+        requests = [self.pending.pop(i) for i in ids if i in self.pending]
+        if not requests:
             return
         if abort:
-            self._abort([t.engine_id for t in tags])
-        self._rpc("probehook_forget", ([f"{t.tag}/" for t in tags],))
+            self._abort([r.engine_id for r in requests])
+        self._rpc("probehook_forget", ([f"{r.tag}/" for r in requests],))
 
     def close(self) -> None:
         self.spool.remove()
@@ -647,150 +534,38 @@ def marked(params: Any) -> bool:
     return EXTRA_ARGS_KEY in (getattr(params, _extra_field(params), None) or {})
 
 
-def is_pooled(output: Any) -> bool:
-    """Whether ``output`` is a pooling model's (one ``outputs`` object, not completions)."""
-    return not isinstance(getattr(output, "outputs", None), list)
-
-
-def completions(output: Any) -> list[Any]:
-    """A generation output's completions; none for a pooling output."""
-    return [] if is_pooled(output) else list(output.outputs)
-
-
-def _tags_by_name(captured: list[tuple[Any, RequestTag]]) -> list[tuple[str, RequestTag]]:
-    return [(tag.tag, tag) for _, tag in captured]
-
-
-def _export(key: str, source: str, spans: tuple[Any, Any], slots: list[Any]) -> dict[str, Any]:
-    return {
-        "key": key,
-        "source": source,
-        "spans": [[s.lo, s.hi] for s in spans if s is not None],
-        "layers": slots,
-        "final": True,
-    }
-
-
-def attributes_of(source: str) -> tuple[str, str]:
-    """The (request, completion) attributes that rows of capture ``source`` fill: the
-    output processor registered for that source decides."""
-    processor = OUTPUT_PROCESSORS.for_source(source)
-    return processor.request_attributes[0], processor.completion_attributes[0]
-
-
-@functools.lru_cache(maxsize=256)
-def _score_config(config: CaptureConfig) -> CaptureConfig:
-    """:func:`score_config`, once per distinct config (it builds and checks a new one)."""
-    return score_config(config)
-
-
-def _slots(spans: tuple[Any, Any], output: Any, completion: Any, source: str) -> list:
-    """Where each asked span goes: prefill on the request, decode on the completion."""
-    prefill, decode = spans
-    slots = []
-    if prefill is not None:
-        slots.append((output, attributes_of(source)[0]))
-    if decode is not None:
-        slots.append((completion, attributes_of(source)[1]))
-    return slots
-
-
-def ended_on_stop_token(tag: RequestTag, completion: Any) -> bool:
-    """Whether a finished completion ended on the token a stop monitor forces."""
-    return (
-        tag.stop_token is not None
-        and completion.finish_reason == "stop"
-        and bool(completion.token_ids)
-        and completion.token_ids[-1] == tag.stop_token
-    )
-
-
-def note_steering(output: Any, steer: RequestSteer) -> None:
-    """Each completion's ``steering``: the vectors, scales and phase, and ``start``, the first
-    steered position (None while a gate has not crossed; :func:`gate_starts` fills it in)."""
-    prompt_len = len(output.prompt_token_ids or [])
-    start = None if steer.gates else (prompt_len if steer.phase == "decode" else 0)
-    for completion in output.outputs:
-        completion.steering = {**steer.describe(), "start": start}
-
-
-def gate_starts(output: Any, steer: RequestSteer, probes: ProbeSet | None) -> None:
-    """Where probe-gated steering started in each completion, from the same float32 scores
-    the worker watched: the position after the first decode row that crossed."""
-    if probes is None:
-        return
-    gate = steer.gates[0]
-    prompt_len = len(output.prompt_token_ids or [])
-    for completion in output.outputs:
-        scores = completion.probe_scores
-        if isinstance(scores, FailedCapture) or gate.probe not in scores:
-            continue
-        start = probes.first_crossing(gate, scores[gate.probe])
-        if completion.steering is not None:
-            completion.steering["start"] = None if start is None else prompt_len + start
-
-
-def clear_outputs(output: Any, processors: Sequence[Any] | None = None) -> None:
-    """Every probehook attribute exists on every output, empty until filled (also on the
-    outputs of an engine without capture, so code works either way). ``processors``: the
-    registry's processors, when the caller listed them already."""
-    for processor in OUTPUT_PROCESSORS if processors is None else processors:
-        for attribute in processor.request_attributes:
-            setattr(output, attribute, processor.empty())
-        for completion in completions(output):
-            for attribute in processor.completion_attributes:
-                setattr(completion, attribute, processor.empty())
-    mirror_first_completion(output)
-    output.store_id = None
-    output.processor_errors = {}
-
-
-def derive(output: Any) -> None:
-    """Let every registered output processor fill its values on ``output``. A processor that
-    raises is logged with its name and the request id, and named in the output's
-    ``processor_errors``; its values stay empty and nothing else is affected."""
-    for processor in OUTPUT_PROCESSORS:
-        try:
-            processor.fill(output)
-        except Exception as exc:
-            message = (
-                f"output processor {processor.name!r} failed on request "
-                f"{getattr(output, 'request_id', '?')}: {type(exc).__name__}: {exc}"
-            )
-            logger.error("probehook: %s", message)
-            errors = getattr(output, "processor_errors", None) or {}
-            output.processor_errors = {**errors, processor.name: message}
-
-
-def copy_captures(source: Any, target: Any) -> None:
-    """Give ``target`` (a new object vLLM built from a pooled output) the captures of
-    ``source``: every registered processor's request attributes, and the store id."""
-    for processor in OUTPUT_PROCESSORS:
-        for attribute in processor.request_attributes:
-            setattr(target, attribute, getattr(source, attribute))
-    mirror_first_completion(target)
-    target.store_id = getattr(source, "store_id", None)
-    target.processor_errors = getattr(source, "processor_errors", None) or {}
-
-
-def mirror_first_completion(output: Any) -> None:
-    """``output.hidden_states`` / ``probe_scores``: the first completion's; for a pooling
-    output, which reads its input in one pass, its (prompt) rows and scores."""
-    if is_pooled(output):
-        output.hidden_states = output.prefill_hidden_states
-        output.probe_scores = output.prefill_probe_scores
-        return
-    first = output.outputs[0] if output.outputs else None
-    output.hidden_states = first.hidden_states if first is not None else {}
-    output.probe_scores = first.probe_scores if first is not None else {}
-
-
-def failed(output: Any) -> bool:
-    attributes = ("prefill_hidden_states", "prefill_probe_scores")
-    return any(isinstance(getattr(output, a), FailedCapture) for a in attributes) or any(
-        isinstance(c.hidden_states, FailedCapture) or isinstance(c.probe_scores, FailedCapture)
-        for c in completions(output)
-    )
+def _check_complete(
+    by_key: dict[str, list[dict[str, Any]]],
+    failures: dict[str, str],
+    batches: Sequence[_Batch],
+    batch_reports: Sequence[dict[str, Any]],
+) -> None:
+    """Raise if the export left rows out of a span of a stream that did not fail."""
+    broken = [
+        s for key, spans in by_key.items() if key not in failures for s in spans if s["num_missing"]
+    ]
+    for batch, report in zip(batches, batch_reports, strict=True):
+        for index, num_missing, missing in report["incomplete"]:
+            need = batch.items[index][0]
+            if f"{batch.source}:{need.key}" not in failures:
+                broken.append(
+                    {
+                        "key": need.key,
+                        "source": batch.source,
+                        "num_missing": num_missing,
+                        "missing": missing,
+                        "lo": need.lo,
+                        "hi": need.hi,
+                    }
+                )
+    if broken:
+        s = broken[0]
+        raise CaptureError(
+            f"Stream {s['key']} is missing {s['num_missing']} captured {s['source']} "
+            f"row(s) at positions {s['missing']} (asked for {s['lo']}..{s['hi'] - 1}); "
+            f"{len(broken)} span(s) are incomplete in all. This is a probehook bug: "
+            "please report it with the engine arguments."
+        )
 
 
 def _jsonable(value: Any) -> Any:

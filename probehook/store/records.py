@@ -6,7 +6,7 @@ from typing import Any
 
 from probehook.capture_config import CaptureConfig
 from probehook.core.spans import completion_spans
-from probehook.frontend.session import completions, is_pooled
+from probehook.frontend.fill import completions, is_pooled
 from probehook.store.writer import PendingRequest, RowBlock
 
 
@@ -16,7 +16,7 @@ def pending_request(
     config: CaptureConfig,
     extra: dict[str, Any] | None = None,
 ) -> PendingRequest:
-    """Record + row blocks of one output whose tensors probehook.LLM has attached; ``extra``
+    """Record + row blocks of one output whose rows and scores are filled in; ``extra``
     fields join the record (a one-pass input's ``user_request`` and ``patch``)."""
     prompt_len = len(output.prompt_token_ids or [])
     pooled = is_pooled(output)

@@ -3,10 +3,10 @@ probe scores of the tokens yielded so far.
 
 Rows travel on the streaming data plane (``probehook.core.stream_frames``): the worker pushes
 each step's rows of streaming requests to a socket this front end binds, before the step's
-tokens leave the engine, and :class:`~probehook.frontend.request_stream.RequestStream` attaches them
-to each output after it leaves vLLM's per-request queue (attributes set earlier would be lost
-when a lagging DELTA consumer's outputs are merged). No RPC per step: vLLM serves RPCs between
-engine steps, so one per step would stall generation.
+tokens leave the engine, and :class:`~probehook.frontend.request_stream.RequestStream` fills
+each output with them after it leaves vLLM's per-request queue (attributes set earlier would
+be lost when a lagging DELTA consumer's outputs are merged). No RPC per step: vLLM serves RPCs
+between engine steps, so one per step would stall generation.
 """
 
 from __future__ import annotations
@@ -30,16 +30,10 @@ from probehook.adapter.frontend import cpu_memory, engine_config, outputs, setup
 from probehook.adapter.frontend.prompts import with_cache_salt
 from probehook.capture_config import CaptureConfig, LayerSpec
 from probehook.errors import CaptureConfigError
+from probehook.frontend.fill import clear_outputs, reset
 from probehook.frontend.probe_set import ProbeSet
 from probehook.frontend.request_stream import Kind, RequestStream
-from probehook.frontend.session import (
-    CaptureSession,
-    RequestTag,
-    clear_outputs,
-    marked,
-    note_steering,
-    options_of,
-)
+from probehook.frontend.session import CaptureSession, TrackedRequest, marked, options_of
 from probehook.frontend.stream_receiver import Receiver
 from probehook.store import ActivationStore
 
@@ -93,7 +87,7 @@ class AsyncLLM(VllmAsyncLLM):
         self.store: ActivationStore | None = None
         self.probes: ProbeSet | None = None
         self._receiver: Receiver | None = None
-        self._attached: asyncio.Future | None = None
+        self._capturing: asyncio.Future | None = None
         self._streams: dict[str, RequestStream] = {}  # by request id, while generating
         self._inline_ready: dict[str, asyncio.Future] = {}  # inline vectors being added
         self.capture_unmarked = True
@@ -179,11 +173,11 @@ class AsyncLLM(VllmAsyncLLM):
     # -- capture start-up: the workers are reached through async RPC, so on first use -----
 
     async def start_capture(self) -> None:
-        """Attach to the workers now instead of on the first request (a server does this at
-        start-up, so that it can check requests before they reach the engine)."""
-        await self._ensure_attached()
+        """Start capture on the workers now instead of on the first request (a server does
+        this at start-up, so that it can check requests before they reach the engine)."""
+        await self._ensure_capturing()
 
-    def check_request(self, params: SamplingParams | PoolingParams) -> RequestTag | None:
+    def check_request(self, params: SamplingParams | PoolingParams) -> TrackedRequest | None:
         """What ``params`` would capture (None: nothing), or :class:`CaptureConfigError` for
         bad per-request options; nothing reaches the engine. Call :meth:`start_capture`
         first."""
@@ -201,16 +195,16 @@ class AsyncLLM(VllmAsyncLLM):
             return None
         return self.session.describe(self.session.tag(params, stream=True))
 
-    async def _ensure_attached(self) -> None:
+    async def _ensure_capturing(self) -> None:
         if self.session is not None or not hasattr(self, "_plan"):
             return
-        if self._attached is None:
-            self._attached = asyncio.ensure_future(self._attach())
-        await asyncio.shield(self._attached)
+        if self._capturing is None:
+            self._capturing = asyncio.ensure_future(self._start_capture())
+        await asyncio.shield(self._capturing)
 
-    async def _attach(self) -> None:
+    async def _start_capture(self) -> None:
         plan = self._plan
-        infos = await self.collective_rpc("probehook_attach", args=plan.attach_args())
+        infos = await self.collective_rpc("probehook_start_recording", args=plan.recording_args())
         capture, info, store = setup.start(
             plan,
             self._model,
@@ -265,7 +259,7 @@ class AsyncLLM(VllmAsyncLLM):
     ) -> AsyncGenerator[Any, None]:
         """One request through vLLM's ``run`` (generate or encode), tagged for capture; every
         output it yields gets its rows and scores."""
-        await self._ensure_attached()
+        await self._ensure_capturing()
         plain = not self.capture_unmarked and not marked(params)
         if plain or self.session is None or not isinstance(params, SamplingParams | PoolingParams):
             async for output in run(prompt, params, request_id, **kwargs):
@@ -275,32 +269,30 @@ class AsyncLLM(VllmAsyncLLM):
             return
         assert self._receiver is not None
         tagged = self.session.tag(params, stream=True)
-        tag = self.session.describe(tagged)
+        tracked = self.session.describe(tagged)
         prompt = with_cache_salt(prompt, self.session.cache_salt(tagged))
         kind = KINDS[params.output_kind]
-        captures = tag is not None and tag.config is not None
-        stream = RequestStream(self.session, self._receiver, tag, kind) if captures else None
+        captures = tracked is not None and tracked.config is not None
+        stream = RequestStream(self.session, self._receiver, tracked, kind) if captures else None
         if stream is not None:
             self._streams[request_id] = stream
-            self._receiver.expect(stream.tag.tag)
+            self._receiver.expect(stream.request.tag)
         steering = self.session.steering
-        held = steering.hold(tag.steering) if steering and tag and tag.steering else []
+        held = steering.hold(tracked.steering) if steering and tracked and tracked.steering else []
         try:
             async for output in run(prompt, tagged, request_id, **kwargs):
                 if stream is not None:
-                    await stream.attach(output)
+                    await stream.fill(output)
                 else:
-                    clear_outputs(output)
-                    if tag is not None and tag.steering is not None:
-                        note_steering(output, tag.steering)
+                    reset(output, tracked)  # steered, nothing captured: empty, with steering
                 outputs.decorate(output)
                 yield output
         finally:
             self._streams.pop(request_id, None)
             if held:
                 steering.release(held)  # type: ignore[union-attr]
-            if tag is not None:
-                self._receiver.drop(tag.tag)
+            if tracked is not None:
+                self._receiver.drop(tracked.tag)
 
     # -- steering ---------------------------------------------------------------------------
 
@@ -326,7 +318,7 @@ class AsyncLLM(VllmAsyncLLM):
     async def add_steering(self, name: str, vector: Any) -> None:
         """Put ``vector`` in the engine's bank under ``name`` while it runs (no restart, no
         recompilation); see :meth:`probehook.LLM.add_steering`."""
-        await self._ensure_attached()
+        await self._ensure_capturing()
         steering = setup.steering_of(self.session)
         wire = steering.add(name, vector)
         try:
@@ -338,7 +330,7 @@ class AsyncLLM(VllmAsyncLLM):
     async def acquire_inline_steering(self, vector: Any) -> str:
         """Put a vector sent in a request body into the bank (or count one more user of the
         same one); returns its bank name. Release it with :meth:`release_inline_steering`."""
-        await self._ensure_attached()
+        await self._ensure_capturing()
         steering = setup.steering_of(self.session)
         name, wire = steering.acquire_inline(vector)
         ready = self._inline_ready
@@ -366,7 +358,7 @@ class AsyncLLM(VllmAsyncLLM):
 
     async def remove_steering(self, name: str) -> None:
         """Take a vector out of the bank; requests that name it afterwards are refused."""
-        await self._ensure_attached()
+        await self._ensure_capturing()
         setup.steering_of(self.session).remove(name)
         await self.collective_rpc("probehook_steering_remove", args=(name,))
 
@@ -390,7 +382,7 @@ class AsyncLLM(VllmAsyncLLM):
 
     async def stats(self) -> dict[str, Any]:
         """The worker's and this front end's capture counters (tests, debugging)."""
-        await self._ensure_attached()
+        await self._ensure_capturing()
         worker = next((r for r in await self.collective_rpc("probehook_stats") if r), {})
         return {
             **worker,

@@ -2,7 +2,7 @@
 
 The capture logic lives in :class:`~probehook.frontend.session.CaptureSession`; this class only
 connects it to the offline request path: ``_add_request`` (tag and register), the engine loop
-``_run_engine`` (attach rows to finished outputs; abort everything on an error or Ctrl-C) and
+``_run_engine`` (fill finished outputs with rows; abort everything on an error or Ctrl-C) and
 ``_render_and_add_requests`` (forget requests of a batch that failed to enter the engine).
 """
 
@@ -21,10 +21,11 @@ from probehook.adapter.frontend import cpu_memory, engine_config, outputs, setup
 from probehook.adapter.frontend.engine_death import raise_on_engine_death
 from probehook.adapter.frontend.prompts import with_cache_salt
 from probehook.capture_config import CaptureConfig, LayerSpec
-from probehook.collect.items import check_item_ids
 from probehook.errors import CaptureConfigError
+from probehook.frontend.fill import clear_outputs, copy_captures
+from probehook.frontend.item_ids import check_item_ids
 from probehook.frontend.probe_set import ProbeSet
-from probehook.frontend.session import CaptureSession, clear_outputs, copy_captures
+from probehook.frontend.session import CaptureSession
 from probehook.store import ActivationStore
 
 
@@ -139,7 +140,7 @@ class LLM(vllm.LLM):
         engine_config.pin_v1_runner(self.llm_engine.vllm_config)  # its workers run V1
         raise_on_engine_death(self.llm_engine.engine_core)
         self.capture_config, self.probes = plan.config, plan.probes
-        infos = self.collective_rpc("probehook_attach", args=plan.attach_args())
+        infos = self.collective_rpc("probehook_start_recording", args=plan.recording_args())
         self.session, self.capture_info, self.store = setup.start(
             plan,
             model,
@@ -201,7 +202,7 @@ class LLM(vllm.LLM):
                         raise TypeError(f"Expected {output_type}, got {type(output).__name__}")
                 finished.extend((int(o.request_id), o) for o in done)
                 if self.session is not None:
-                    self.session.attach(done)
+                    self.session.fill(done)
                 else:
                     for output in done:
                         _empty_rows(output)
@@ -222,7 +223,7 @@ class LLM(vllm.LLM):
 
     def _run_tiling_engine(self, io_processor: Any, *args: Any, **kwargs: Any) -> list[Any]:
         # vLLM's loop for pooling models (encode, embed, classify, score and IO Processor
-        # plugins): every output is finished when it arrives; attach rows to all of them
+        # plugins): every output is finished when it arrives; fill all of them with rows
         # before vLLM post-processes (so a plugin's post_process sees them too).
         try:
             pooled = super()._run_tiling_engine(io_processor, *args, **kwargs)
@@ -242,7 +243,7 @@ class LLM(vllm.LLM):
                     output.request_id, {"user_request": user_request, "patch": index}
                 )
         try:
-            self.session.attach(pooled)
+            self.session.fill(pooled)
         finally:
             self.session.abandon(abort=False)
         if self.store is not None:

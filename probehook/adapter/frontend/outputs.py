@@ -2,7 +2,7 @@
 that users of vllm-probe-hook type (``hidden``, ``prefill_hidden``).
 
 Finished outputs get these classes (subclasses of vLLM's, so ``isinstance`` checks and every
-vLLM attribute keep working) when probehook attaches their rows.
+vLLM attribute keep working) when probehook fills them with their rows.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from vllm.outputs import CompletionOutput, RequestOutput
 
-from probehook.frontend.session import completions, derive
+from probehook.frontend.fill import completions, derive
 
 Rows = dict[int, torch.Tensor]
 Scores = dict[str, torch.Tensor]

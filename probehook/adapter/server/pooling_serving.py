@@ -61,13 +61,15 @@ class CapturePooling:
             options = {**request_options(asked), "include_prefill": True, "include_decode": False}
             params: PoolingParams = ctx.pooling_params
             params.extra_kwargs = {**(params.extra_kwargs or {}), EXTRA_ARGS_KEY: options}
-            tag = self.engine_client.check_request(params)  # type: ignore[attr-defined]
+            tracked = self.engine_client.check_request(params)  # type: ignore[attr-defined]
         except CaptureConfigError:
             raise  # a ValueError: vLLM answers 400 with its message
         except (TypeError, ValueError) as e:
             raise CaptureConfigError(f"malformed '{FIELD}' options: {e}") from e
-        ctx.probehook_wanted = tag is not None
-        ctx.probehook_layers = len(tag.config.layers) if tag is not None and tag.config else 0
+        ctx.probehook_wanted = tracked is not None
+        ctx.probehook_layers = (
+            len(tracked.config.layers) if tracked is not None and tracked.config else 0
+        )
         ctx.probehook_plugin = _is_plugin(request)
         ctx.probehook_options = options
         return ctx

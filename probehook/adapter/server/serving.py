@@ -123,8 +123,10 @@ class CaptureServing:
             asked = (request.model_extra or {}).get(FIELD)
             options = request_options(self.capture_default if asked is None else asked)
             n = request.n or 1
-            tag = engine.check_request(SamplingParams(n=n, extra_args={EXTRA_ARGS_KEY: options}))
-            if tag is not None and getattr(request, "use_beam_search", False):
+            tracked = engine.check_request(
+                SamplingParams(n=n, extra_args={EXTRA_ARGS_KEY: options})
+            )
+            if tracked is not None and getattr(request, "use_beam_search", False):
                 where = "this server's --capture-default" if asked is None else "the request"
                 raise CaptureConfigError(
                     f"use_beam_search cannot be combined with capture (asked for by {where}): "
@@ -132,14 +134,14 @@ class CaptureServing:
                     "step, so rows and scores would not belong to the final beams. For beam "
                     f'search send "{FIELD}": {{}} (no capture); to capture, drop use_beam_search.'
                 )
-            if tag is not None and tag.config is not None and tag.config.layers:
-                self._check_size(request, tag.config, n * prompts)
+            if tracked is not None and tracked.config is not None and tracked.config.layers:
+                self._check_size(request, tracked.config, n * prompts)
         except CaptureConfigError as e:
             return self._refuse(str(e))
         except (TypeError, ValueError) as e:  # a malformed value deep in the options
             return self._refuse(f"malformed '{FIELD}' options: {e}")
         request.vllm_xargs = {**(request.vllm_xargs or {}), EXTRA_ARGS_KEY: options}
-        request.probehook_wanted = tag is not None
+        request.probehook_wanted = tracked is not None
         return None
 
     def _check_size(self, request: Any, config: Any, completions: int) -> None:

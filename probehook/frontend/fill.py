@@ -1,0 +1,449 @@
+"""Filling outputs with captured rows: the one algorithm of every front end.
+
+Offline outputs (:meth:`CaptureSession.fill <probehook.frontend.session.CaptureSession.fill>`),
+streamed ones (:meth:`RequestStream.fill <probehook.frontend.request_stream.RequestStream.fill>`),
+pooled and served ones are all filled in the same three steps:
+
+1. :func:`reset`: every probehook attribute exists, empty; a steered request's ``steering``;
+2. :func:`plan`: which rows the output needs. Each of its slots (the prompt's rows on the
+   request output, each completion's rows on the completion) gets a :class:`Need`, rows
+   ``lo..hi`` of one source (``"hidden"`` rows or probe ``"scores"``) of one stream key, from
+   the request's capture config and what was already yielded (:class:`Progress`; None: the
+   whole request, as offline);
+3. the caller fetches the needs (offline: one export RPC for every output of a step, pooled
+   outputs batched; a stream: ``Receiver.take`` per need), turns rows into values with
+   :func:`value_of` (or :func:`batch_values`), and :func:`apply` sets them on the output, with
+   what they imply: ``probe_flags``, a stop monitor's ``stop_reason``, where probe-gated
+   steering started, and :class:`FailedCapture` for a stream that failed.
+
+The output-shape helpers live here too (which attributes exist, their empty values, the first
+completion mirrored on the request output). Nothing here knows vLLM or how rows travel.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+from collections.abc import Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import torch
+
+from probehook.capture_config import CaptureConfig
+from probehook.core.spans import completion_spans, score_config
+from probehook.errors import CaptureError
+from probehook.outputs import OUTPUT_PROCESSORS
+
+if TYPE_CHECKING:
+    from probehook.frontend.probe_set import ProbeSet
+    from probehook.frontend.session import TrackedRequest
+    from probehook.frontend.steering_set import RequestSteer
+
+logger = logging.getLogger(__name__)
+
+RowFormat = tuple[int, torch.dtype]
+"""(hidden size, dtype) of captured rows, as the workers report them."""
+
+
+class FailedCapture(dict):
+    """Stands in for the rows of a request whose capture failed: empty, and any lookup raises
+    :class:`~probehook.errors.CaptureError` with the reason, so the failure is never silent."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__()
+        self.reason = reason
+
+    def __getitem__(self, key: Any) -> Any:
+        raise CaptureError(self.reason)
+
+    def __repr__(self) -> str:
+        return f"FailedCapture({self.reason!r})"
+
+
+class Need(NamedTuple):
+    """Rows ``lo..hi`` of capture ``source`` of stream ``key``, which an output needs."""
+
+    source: str
+    key: str
+    lo: int
+    hi: int
+
+
+class Slot(NamedTuple):
+    """Where one source's rows of one stream go: ``target.attribute``."""
+
+    target: Any
+    attribute: str
+    source: str
+    key: str
+    need: Need | None
+    """None: the output holds none of these positions; every layer (probe) with 0 rows."""
+    completion: Any
+    """The completion whose stream this is (None on a pooled output)."""
+
+
+@dataclasses.dataclass
+class Scored:
+    """A completion whose probe scores are acted on: flags, stop reason, gate start."""
+
+    completion: Any
+    before: int
+    """Tokens already yielded (a delta stream): flags before them went out already."""
+    decode: Any
+    """Its decode span of scores to date (None: decode is not captured)."""
+    flags: Need | None
+    """Every decode score to date, when the output holds only the new ones."""
+
+
+@dataclasses.dataclass
+class Progress:
+    """What a stream already yielded of one request."""
+
+    delta: bool
+    """Each output holds only what is new (vLLM's DELTA output kind)."""
+    seen: dict[int, int] = dataclasses.field(default_factory=dict)
+    """Completion index -> tokens yielded so far."""
+    prefill_sent: bool = False
+    gate_started: dict[int, int] = dataclasses.field(default_factory=dict)
+    """Completion index -> first steered position, once a gate crossed."""
+
+
+@dataclasses.dataclass
+class OutputPlan:
+    """What :func:`plan` worked out for one output, and what :func:`apply` sets."""
+
+    output: Any
+    request: TrackedRequest
+    prompt_len: int
+    slots: list[Slot]
+    scored: list[Scored]
+    gate_started: dict[int, int]
+
+    def needs(self) -> Iterator[Need]:
+        """Every row range to fetch, slots first (in output order), then flag scores."""
+        for slot in self.slots:
+            if slot.need is not None:
+                yield slot.need
+        for scored in self.scored:
+            if scored.flags is not None:
+                yield scored.flags
+
+
+def reset(
+    output: Any, request: TrackedRequest | None, processors: Sequence[Any] | None = None
+) -> None:
+    """Start filling ``output``: every probehook attribute empty (:func:`clear_outputs`), and
+    the steering of a steered request noted on each completion."""
+    clear_outputs(output, processors)
+    if request is not None and request.steering is not None:
+        note_steering(output, request.steering)
+
+
+def plan(output: Any, request: TrackedRequest, progress: Progress | None = None) -> OutputPlan:
+    """The rows ``output`` needs. ``progress``: what a stream already yielded (advanced here);
+    None: the output is the whole request (offline, or a stream's output for the store)."""
+    config = request.config
+    assert config is not None
+    prompt_len = len(output.prompt_token_ids or [])
+    started = progress.gate_started if progress is not None else {}
+    planned = OutputPlan(output, request, prompt_len, [], [], started)
+    sources = _sources(request)
+    if is_pooled(output):
+        # One pass over the input: its rows and scores are prompt rows.
+        key = f"{request.tag}/0"
+        for source, spans_config in sources:
+            prefill, _ = completion_spans(spans_config, prompt_len, 0)
+            need = Need(source, key, prefill.lo, prefill.hi) if prefill is not None else None
+            planned.slots.append(Slot(output, attributes_of(source)[0], source, key, need, None))
+        return planned
+    delta = progress is not None and progress.delta
+    carries_prefill = not delta or not progress.prefill_sent  # type: ignore[union-attr]
+    for completion in output.outputs:
+        index = completion.index
+        before = progress.seen.get(index, 0) if delta else 0  # type: ignore[union-attr]
+        total = before + len(completion.token_ids)
+        if progress is not None:
+            progress.seen[index] = total
+        # total == 0: an early abort; the output holds nothing computed, so no rows are
+        # asked for, but it keeps its shape (every asked layer and probe, 0 rows).
+        taken = total > 0
+        key = f"{request.tag}/{index}"
+        for source, spans_config in sources:
+            prefill, decode = completion_spans(spans_config, prompt_len, total, index)
+            on_request, on_completion = attributes_of(source)
+            if prefill is not None:
+                need = Need(source, key, prefill.lo, prefill.hi)
+                wanted = need if carries_prefill and taken else None
+                planned.slots.append(Slot(output, on_request, source, key, wanted, completion))
+            if decode is not None:
+                # Only the rows of tokens this output adds, in delta mode.
+                lo = max(decode.lo, prompt_len - 1 + before)
+                need = Need(source, key, lo, decode.hi)
+                planned.slots.append(Slot(completion, on_completion, source, key, need, completion))
+            if source == "scores" and taken:
+                flags = None
+                assert request.probes is not None
+                if before and request.probes.monitors and decode is not None and len(decode):
+                    flags = Need(source, key, decode.lo, decode.hi)
+                planned.scored.append(Scored(completion, before, decode, flags))
+        if progress is not None and config.include_prefill and index == 0 and taken:
+            progress.prefill_sent = True
+    return planned
+
+
+def apply(
+    planned: OutputPlan,
+    got: Mapping[Need, Any],
+    probes: ProbeSet | None,
+    row_format: RowFormat,
+) -> None:
+    """Set what ``planned`` asked for on its output. ``got``: each fetched need's value
+    (:func:`value_of`) or a :class:`FailedCapture`; a need not in it (an empty range) gets
+    0 rows. A failed stream fails every slot of it, and names the reason on
+    ``capture_error``. Then flags, stop reason and steering start from the scores."""
+    output, request = planned.output, planned.request
+    failures: dict[tuple[str, str], FailedCapture] = {}
+    for slot in planned.slots:
+        value = got.get(slot.need) if slot.need is not None else None
+        if isinstance(value, FailedCapture) and (slot.source, slot.key) not in failures:
+            failures[(slot.source, slot.key)] = value
+            logger.error("probehook: %s", value.reason)
+    for slot in planned.slots:
+        failure = failures.get((slot.source, slot.key)) if failures else None
+        if failure is not None:
+            setattr(slot.target, slot.attribute, failure)
+            slot.target.capture_error = failure.reason
+            if slot.completion is not None:
+                slot.completion.capture_error = failure.reason
+            continue
+        value = got.get(slot.need) if slot.need is not None else None
+        if value is None:
+            value = no_rows(slot.source, request, probes, row_format)
+        setattr(slot.target, slot.attribute, value)
+    for scored in planned.scored:
+        _act_on_scores(planned, scored, got, probes)
+        _gate_start(planned, scored, probes)
+    mirror_first_completion(output)
+
+
+def value_of(
+    source: str, rows: torch.Tensor, request: TrackedRequest, probes: ProbeSet | None
+) -> dict[Any, torch.Tensor]:
+    """Rows of ``source`` (``[len(layers), n, width]``) as an output holds them: layer ->
+    rows, or probe name -> scores."""
+    if source == "hidden":
+        assert request.config is not None
+        return dict(zip(request.config.layers, rows, strict=True))
+    assert probes is not None and request.probes is not None
+    return probes.split(rows[0], request.probes.names)
+
+
+def batch_values(
+    source: str,
+    layers: Sequence[Any],
+    tensor: torch.Tensor,
+    items: Sequence[tuple[Need, TrackedRequest]],
+    probes: ProbeSet | None,
+) -> list[dict[Any, torch.Tensor]]:
+    """:func:`value_of` of many needs fetched back to back in one tensor ``[len(layers),
+    total, width]``: views of it (probe scores are split once per set of probe names)."""
+    if source == "hidden":
+        per_layer = list(zip(layers, tensor, strict=True))
+    else:
+        assert probes is not None
+        scores = tensor[0]
+        split: dict[tuple[str, ...], dict[str, torch.Tensor]] = {}
+    values = []
+    offset = 0
+    for need, request in items:
+        lo, offset = offset, offset + need.hi - need.lo
+        if source == "hidden":
+            values.append({layer: rows[lo:offset] for layer, rows in per_layer})
+            continue
+        assert request.probes is not None
+        names = request.probes.names
+        columns = split.get(names)
+        if columns is None:
+            columns = split[names] = probes.split(scores, names)  # type: ignore[union-attr]
+        values.append({name: column[lo:offset] for name, column in columns.items()})
+    return values
+
+
+def no_rows(
+    source: str, request: TrackedRequest, probes: ProbeSet | None, row_format: RowFormat
+) -> dict[Any, torch.Tensor]:
+    """The value of ``source`` for positions an output does not hold: every layer (or
+    probe) the request asked for, with 0 rows, so outputs keep their shape."""
+    if source == "hidden":
+        assert request.config is not None
+        hidden, dtype = row_format
+        return {layer: torch.empty((0, hidden), dtype=dtype) for layer in request.config.layers}
+    assert probes is not None and request.probes is not None
+    width = max((c.hi for c in probes.columns.values()), default=0)
+    return probes.split(torch.empty((0, width)), request.probes.names)
+
+
+def _sources(request: TrackedRequest) -> list[tuple[str, CaptureConfig]]:
+    """The sources a request captures, each with the config its spans follow."""
+    config = request.config
+    assert config is not None
+    sources = [("hidden", config)] if config.layers else []
+    if request.probes is not None and request.probes.names:
+        sources.append(("scores", _score_config(config)))
+    return sources
+
+
+@functools.lru_cache(maxsize=256)
+def _score_config(config: CaptureConfig) -> CaptureConfig:
+    """:func:`score_config`, once per distinct config (it builds and checks a new one)."""
+    return score_config(config)
+
+
+def _act_on_scores(
+    planned: OutputPlan, scored: Scored, got: Mapping[Need, Any], probes: ProbeSet | None
+) -> None:
+    """Flags over every score to date (only new crossings when earlier outputs went out); the
+    probe's name on ``stop_reason`` when a stop monitor ended the completion."""
+    request, completion = planned.request, scored.completion
+    assert probes is not None and request.probes is not None
+    if not request.probes.monitors or scored.decode is None or len(scored.decode) == 0:
+        return
+    scores = completion.probe_scores
+    if isinstance(scores, FailedCapture):
+        return
+    if scored.flags is not None:
+        scores = got.get(scored.flags)
+        if scores is None or isinstance(scores, FailedCapture):
+            return
+    finished = getattr(planned.output, "finished", True)
+    stopped = finished and ended_on_stop_token(request, completion)
+    flags, stop_reason = probes.flags_and_stop(request.probes, scores, stopped)
+    if scored.before:
+        flags = {name: [p for p in where if p >= scored.before] for name, where in flags.items()}
+    completion.probe_flags = flags
+    if stop_reason is not None:
+        completion.stop_reason = stop_reason
+
+
+def _gate_start(planned: OutputPlan, scored: Scored, probes: ProbeSet | None) -> None:
+    """Where probe-gated steering started: the position after the first decode row that
+    crossed, from the same float32 scores the worker watched (remembered across a stream's
+    outputs)."""
+    steer = planned.request.steering
+    if steer is None or not steer.gates or probes is None:
+        return
+    completion, index = scored.completion, scored.completion.index
+    started = planned.gate_started
+    if index not in started:
+        scores = completion.probe_scores
+        gate = steer.gates[0]
+        if not isinstance(scores, FailedCapture) and gate.probe in scores:
+            first = probes.first_crossing(gate, scores[gate.probe])
+            if first is not None:
+                started[index] = planned.prompt_len + scored.before + first
+    if completion.steering is not None:
+        completion.steering["start"] = started.get(index)
+
+
+# -- the shape of outputs ------------------------------------------------------------------
+
+
+def is_pooled(output: Any) -> bool:
+    """Whether ``output`` is a pooling model's (one ``outputs`` object, not completions)."""
+    return not isinstance(getattr(output, "outputs", None), list)
+
+
+def completions(output: Any) -> list[Any]:
+    """A generation output's completions; none for a pooling output."""
+    return [] if is_pooled(output) else list(output.outputs)
+
+
+def attributes_of(source: str) -> tuple[str, str]:
+    """The (request, completion) attributes that rows of capture ``source`` fill: the
+    output processor registered for that source decides."""
+    processor = OUTPUT_PROCESSORS.for_source(source)
+    return processor.request_attributes[0], processor.completion_attributes[0]
+
+
+def ended_on_stop_token(request: TrackedRequest, completion: Any) -> bool:
+    """Whether a finished completion ended on the token a stop monitor forces."""
+    return (
+        request.stop_token is not None
+        and completion.finish_reason == "stop"
+        and bool(completion.token_ids)
+        and completion.token_ids[-1] == request.stop_token
+    )
+
+
+def note_steering(output: Any, steer: RequestSteer) -> None:
+    """Each completion's ``steering``: the vectors, scales and phase, and ``start``, the first
+    steered position (None while a gate has not crossed; :func:`apply` fills it in)."""
+    prompt_len = len(output.prompt_token_ids or [])
+    start = None if steer.gates else (prompt_len if steer.phase == "decode" else 0)
+    for completion in output.outputs:
+        completion.steering = {**steer.describe(), "start": start}
+
+
+def clear_outputs(output: Any, processors: Sequence[Any] | None = None) -> None:
+    """Every probehook attribute exists on every output, empty until filled (also on the
+    outputs of an engine without capture, so code works either way). ``processors``: the
+    registry's processors, when the caller listed them already."""
+    for processor in OUTPUT_PROCESSORS if processors is None else processors:
+        for attribute in processor.request_attributes:
+            setattr(output, attribute, processor.empty())
+        for completion in completions(output):
+            for attribute in processor.completion_attributes:
+                setattr(completion, attribute, processor.empty())
+    mirror_first_completion(output)
+    output.store_id = None
+    output.processor_errors = {}
+
+
+def mirror_first_completion(output: Any) -> None:
+    """``output.hidden_states`` / ``probe_scores``: the first completion's; for a pooling
+    output, which reads its input in one pass, its (prompt) rows and scores."""
+    if is_pooled(output):
+        output.hidden_states = output.prefill_hidden_states
+        output.probe_scores = output.prefill_probe_scores
+        return
+    first = output.outputs[0] if output.outputs else None
+    output.hidden_states = first.hidden_states if first is not None else {}
+    output.probe_scores = first.probe_scores if first is not None else {}
+
+
+def derive(output: Any) -> None:
+    """Let every registered output processor fill its values on ``output``. A processor that
+    raises is logged with its name and the request id, and named in the output's
+    ``processor_errors``; its values stay empty and nothing else is affected."""
+    for processor in OUTPUT_PROCESSORS:
+        try:
+            processor.fill(output)
+        except Exception as exc:
+            message = (
+                f"output processor {processor.name!r} failed on request "
+                f"{getattr(output, 'request_id', '?')}: {type(exc).__name__}: {exc}"
+            )
+            logger.error("probehook: %s", message)
+            errors = getattr(output, "processor_errors", None) or {}
+            output.processor_errors = {**errors, processor.name: message}
+
+
+def copy_captures(source: Any, target: Any) -> None:
+    """Give ``target`` (a new object vLLM built from a pooled output) the captures of
+    ``source``: every registered processor's request attributes, and the store id."""
+    for processor in OUTPUT_PROCESSORS:
+        for attribute in processor.request_attributes:
+            setattr(target, attribute, getattr(source, attribute))
+    mirror_first_completion(target)
+    target.store_id = getattr(source, "store_id", None)
+    target.processor_errors = getattr(source, "processor_errors", None) or {}
+
+
+def failed(output: Any) -> bool:
+    """Whether any of an output's captures failed (:class:`FailedCapture`)."""
+    attributes = ("prefill_hidden_states", "prefill_probe_scores")
+    return any(isinstance(getattr(output, a), FailedCapture) for a in attributes) or any(
+        isinstance(c.hidden_states, FailedCapture) or isinstance(c.probe_scores, FailedCapture)
+        for c in completions(output)
+    )

@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint format bench notebooks venv clean compat
+.PHONY: demo test test-fast lint format bench notebooks venv clean compat
 
 venv: $(STAMP)
 
@@ -24,10 +24,16 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(PY) examples/demo.py $(if $(V),-v)
 
+# `make test`: lint and every test (what CI runs). `make test-fast`: the unit tests only, no
+# vLLM engine (tests marked `engine` are left out; tests/conftest.py fails an unmarked test
+# that starts one), about 2 minutes.
 test: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(PY) -m pytest
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -m "not engine"
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

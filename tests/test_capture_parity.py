@@ -9,7 +9,7 @@ import torch
 
 from probehook.testing import assert_matches_hf
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.engine
 PROMPTS = ["1+2=", "12+34=56. 7+", "99+99=198. 3+4=7. 50+5", "0"]
 
 

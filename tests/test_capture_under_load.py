@@ -12,10 +12,11 @@ import random
 from pathlib import Path
 
 import pytest
+from helpers import assert_scores_match_rows
 
-from probehook.testing import assert_matches_hf, assert_scores_match_rows
+from probehook.testing import assert_matches_hf
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.engine
 SHARED_PREFIX = "10+20=30. 11+21=32. 12+22=34. 13+23=36. "
 
 
@@ -91,8 +92,9 @@ def test_shared_prefix_rows_come_back(compiled_llm, llama_dir: Path) -> None:
 
 
 def test_aborted_request_is_gone_and_its_rows_freed(compiled_llm, llama_dir: Path) -> None:
+    from helpers import worker_stats
+
     from probehook import SamplingParams
-    from probehook.testing import worker_stats
 
     params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
     ids = compiled_llm.enqueue(["1+1=", "2+2="], params, use_tqdm=False)

@@ -25,7 +25,7 @@ import pytest
 
 from probehook.testing import hf_residual_stream
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.engine
 
 
 def _prompts(count: int) -> dict[str, str]:

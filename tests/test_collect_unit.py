@@ -213,9 +213,9 @@ def test_capture_only_refusals_at_construction(llama_dir: Path, kwargs, message)
 
 def test_capture_only_refuses_monitors_and_steering(llama_dir: Path) -> None:
     import torch
+    from helpers import random_probes
 
     from probehook import LLM, ProbeMonitor, SteeringVector
-    from probehook.testing import random_probes
 
     probes = random_probes(128)
     with pytest.raises(CaptureConfigError, match="capture_only=True with monitors="):

@@ -255,8 +255,9 @@ def test_bad_steering_fails_before_engine_start(llm_cls, llama_dir: Path, kwargs
 
 
 def test_steer_monitor_needs_steering_and_known_vectors(llm_cls, llama_dir: Path) -> None:
+    from helpers import random_probes
+
     from probehook import ProbeMonitor
-    from probehook.testing import random_probes
 
     probes = {"truth": random_probes(128)["truth"]}
     gate = ProbeMonitor("truth", 0.5, action="steer", steer={"up": 1.0})

@@ -7,36 +7,59 @@ from pathlib import Path
 import pytest
 import torch
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.engine
 PROMPTS = ["1+2=", "12+34=56. 7+"]
 
 
+@pytest.fixture(scope="module")
+def other_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The shape of ``llama_dir`` with other weights: rows tell the two engines apart."""
+    from helpers import build_random_checkpoint
+
+    return build_random_checkpoint(tmp_path_factory.mktemp("llama-b"), arch="llama", seed=2)
+
+
 def test_two_llms_in_one_process_capture_their_own_rows(
-    compiled_llm, eager_llm, llama_dir: Path
+    compiled_llm, llama_dir: Path, other_llama_dir: Path, engine_defaults: dict
 ) -> None:
-    from probehook import SamplingParams
+    """Two engines, other weights and other captures, requests of both in flight at once
+    with the same prompts: each engine's rows equal Hugging Face on its own weights (rows
+    from the other engine, or the other engine's capture, would not)."""
+    from probehook import LLM, SamplingParams
     from probehook.testing import assert_matches_hf
 
-    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
-    # Interleave: requests of both engines are in flight in the same process.
-    ids_a = compiled_llm.enqueue(PROMPTS, params, use_tqdm=False)
-    ids_b = eager_llm.enqueue(PROMPTS[::-1], params, use_tqdm=False)
-    assert ids_a and ids_b
-    out_b = eager_llm.wait_for_completion(use_tqdm=False)
-    out_a = compiled_llm.wait_for_completion(use_tqdm=False)
-    assert [o.prompt for o in out_a] == PROMPTS
-    assert [o.prompt for o in out_b] == PROMPTS[::-1]
-    for out in out_a:
-        assert_matches_hf(llama_dir, out, [0, 1, 2, 3])
-    for out in out_b:
-        assert_matches_hf(llama_dir, out, [0, 2])
+    other = LLM(
+        str(other_llama_dir),
+        layers=[0, 2],
+        include_prefill=True,
+        enforce_eager=True,
+        **engine_defaults,
+    )
+    try:
+        params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+        # Interleave: requests of both engines are in flight in the same process.
+        ids_a = compiled_llm.enqueue(PROMPTS, params, use_tqdm=False)
+        ids_b = other.enqueue(PROMPTS, params, use_tqdm=False)
+        assert ids_a and ids_b
+        out_b = other.wait_for_completion(use_tqdm=False)
+        out_a = compiled_llm.wait_for_completion(use_tqdm=False)
+    finally:
+        other.shutdown()
+    assert [o.prompt for o in out_a] == PROMPTS and [o.prompt for o in out_b] == PROMPTS
+    for a, b in zip(out_a, out_b, strict=True):
+        assert_matches_hf(llama_dir, a, [0, 1, 2, 3])
+        assert_matches_hf(other_llama_dir, b, [0, 2])
+        assert a.probe_scores and not b.probe_scores  # only the compiled engine has probes
+        # The weights differ enough that a row of one engine never passes for the other's.
+        assert (a.prefill_hidden_states[0] - b.prefill_hidden_states[0]).abs().max() > 0.1
 
 
 def test_tensor_parallel_2_matches_tp_1(
     eager_llm, llama_dir: Path, engine_defaults: dict, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    from helpers import assert_scores_match_rows, random_probes
+
     from probehook import LLM, SamplingParams, SteeringVector
-    from probehook.testing import assert_scores_match_rows, random_probes
 
     # vLLM's CPU backend needs one core per TP worker named explicitly.
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")

@@ -185,7 +185,7 @@ def notebook_staleness(committed: Any, fresh: Any) -> list[str]:
     return problems
 
 
-@pytest.mark.slow
+@pytest.mark.engine
 @pytest.mark.parametrize("name", NOTEBOOKS)
 def test_notebook_runs(name: str, runs: dict[str, Run]) -> None:
     import nbformat
@@ -289,7 +289,7 @@ def test_notebook_staleness_on_handmade_notebooks() -> None:
     assert any("error output" in p for p in notebook_staleness(failing, fresh))
 
 
-@pytest.mark.slow
+@pytest.mark.engine
 @pytest.mark.parametrize("script", EXAMPLES)
 def test_example_runs(script: str, runs: dict[str, Run]) -> None:
     result = runs[script].process.result()

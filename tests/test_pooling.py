@@ -11,12 +11,14 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import build_random_bert_classifier
 
 from probehook.errors import CaptureConfigError
 from probehook.probes import LinearProbe
 from probehook.store import ActivationStore
-from probehook.testing import build_random_bert_classifier, minilm_path
+from probehook.testing import minilm_path
 
+pytestmark = pytest.mark.engine
 TEXTS = ["The cat sat on the mat.", "Quantum physics is hard to learn", "hello"]
 LAYERS = [0, 5]
 TOL = 1e-4
@@ -243,8 +245,10 @@ def test_decoder_converted_to_an_embedding_model(llama_dir: Path, engine_default
 def test_server_embeddings_carry_rows_and_scores(minilm: Any, tmp_path: Path) -> None:
     """The server runs probehook.AsyncLLM: this is also the test of ``AsyncLLM.encode`` (rows
     through the streaming data plane equal the offline LLM's)."""
+    from helpers import post_json
+
     from probehook.frontend.response_fields import decode_array
-    from probehook.testing import ServerProcess, post_json
+    from probehook.testing import ServerProcess
 
     offline = minilm.embed(TEXTS, use_tqdm=False)
     probe_path = PROBES["mid"].save(tmp_path / "mid.safetensors")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.engine
 
 EXAMPLE = """
 from vllm_probe_hook import LLM, SamplingParams  # SamplingParams is re-exported from vllm

@@ -14,10 +14,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import first_record, random_probes, worker_stats
 
-from probehook.testing import first_record, hf_residual_stream, random_probes, worker_stats
+from probehook.testing import hf_residual_stream
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.engine
 ENGINE_DEFAULTS = dict(dtype="float32", max_model_len=256, gpu_memory_utilization=0.1, seed=0)
 
 

@@ -14,15 +14,16 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from helpers import worker_stats
+from probehook.segmentation.codec import label_pixels, load_reference, load_spec
+from probehook.segmentation.processor import SegmentationInputError, read_mask
 
 from probehook.outputs import OUTPUT_PROCESSORS, OutputProcessorError
 from probehook.probes import LinearProbe
 from probehook.segmentation import ENGINE_KWARGS, segmenter_path
-from probehook.segmentation.codec import label_pixels, load_reference, load_spec
-from probehook.segmentation.processor import SegmentationInputError, read_mask
 from probehook.store import ActivationStore
-from probehook.testing import worker_stats
 
+pytestmark = pytest.mark.engine
 SPEC = load_spec()
 LAYERS = [0, 2]
 PROBE = LinearProbe(
@@ -205,7 +206,9 @@ def test_processor_checks_without_an_engine() -> None:
 
 
 def test_server_pooling_route_returns_base64_mask(tmp_path: Path) -> None:
-    from probehook.testing import ServerProcess, post_json
+    from helpers import post_json
+
+    from probehook.testing import ServerProcess
 
     argv = [str(segmenter_path()), "--layers", "0,2", "--skip-tokenizer-init"]
     argv += ["--store", str(tmp_path / "store"), "--store-flush-interval", "0.2"]

@@ -1,9 +1,10 @@
 """``probehook serve``: vLLM's OpenAI server with probehook's engine, over real HTTP.
 
 The server runs in a subprocess on localhost and the tests talk to it with the official
-``openai`` client. The reference is the offline ``probehook.LLM`` on the same weights and probe
-files (its rows equal Hugging Face's, see test_capture_parity.py); it runs before the server
-starts, so the two engines never share the machine.
+``openai`` client. The reference is the offline ``probehook.LLM`` on the same weights, probes
+and steering vector (its rows equal Hugging Face's, see test_capture_parity.py): the session's
+shared ``reference_llm`` (tests/conftest.py), run before the server starts, idle while it
+serves.
 """
 
 from __future__ import annotations
@@ -20,11 +21,12 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from helpers import first_record, random_probes, reference_steering
 
 from probehook.frontend.response_fields import decode_array
-from probehook.testing import ServerProcess, first_record, random_probes
+from probehook.testing import ServerProcess
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.engine
 ENGINE = dict(dtype="float32", max_model_len=256, seed=0, enforce_eager=True)
 TOL = 1e-4
 MAX_TOKENS = 12
@@ -50,28 +52,16 @@ def probe_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def steer_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A steering vector on layer 2 (between the two captured layers)."""
-    from probehook import SteeringVector
-
-    direction = torch.randn(128, generator=torch.Generator().manual_seed(5))
-    vector = SteeringVector({2: direction / direction.norm() * 6.0}, name="up")
-    return vector.save(tmp_path_factory.mktemp("steer") / "up.safetensors")
+    """The reference engine's vector "up" on layer 2 (between the two captured layers)."""
+    return reference_steering().save(tmp_path_factory.mktemp("steer") / "up.safetensors")
 
 
 @pytest.fixture(scope="module")
-def offline(llama_dir: Path, probe_files: dict[str, Path], steer_file: Path) -> dict[str, Any]:
-    """Solo offline runs of every prompt, by prompt; steered runs by ("steered", prompt)."""
-    from probehook import LLM, SamplingParams
+def offline(reference_llm: Any) -> dict[str, Any]:
+    """Solo offline runs of every prompt, by prompt; steered runs by ("steered", prompt). The
+    shared reference engine has the server's probes and steering vector (tests/conftest.py)."""
+    from probehook import SamplingParams
 
-    llm = LLM(
-        str(llama_dir),
-        layers=[0, 3],
-        include_prefill=True,
-        probes={name: str(path) for name, path in probe_files.items()},
-        steering={"up": str(steer_file)},
-        gpu_memory_utilization=0.1,
-        **ENGINE,
-    )
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
     steered = SamplingParams(
         max_tokens=MAX_TOKENS,
@@ -79,22 +69,33 @@ def offline(llama_dir: Path, probe_files: dict[str, Path], steer_file: Path) -> 
         ignore_eos=True,
         extra_args={"probehook": {"steer": STEER}},
     )
-    try:
-        outs = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts(8)]
-        steers = [llm.generate([p], steered, use_tqdm=False)[0] for p in prompts(2)]
-    finally:
-        llm.shutdown()
+    outs = [reference_llm.generate([p], params, use_tqdm=False)[0] for p in prompts(8)]
+    steers = [reference_llm.generate([p], steered, use_tqdm=False)[0] for p in prompts(2)]
     return {out.prompt: out for out in outs} | {("steered", o.prompt): o for o in steers}
 
 
 @pytest.fixture(scope="module")
+def servers(offline: dict) -> Iterator[list[ServerProcess]]:
+    """The module's servers, the live one last (the offline reference runs first, so the two
+    engines never share the machine)."""
+    started: list[ServerProcess] = []
+    yield started
+    for process in started:
+        process.stop()
+
+
+@pytest.fixture()
 def server(
+    servers: list[ServerProcess],
     llama_dir: Path,
     probe_files: dict[str, Path],
     steer_file: Path,
-    offline: dict,
     tmp_path_factory: Any,
-) -> Iterator[ServerProcess]:
+) -> ServerProcess:
+    """The module's server; a test that kills it (the kill -9 test) leaves the next test a
+    fresh one with an empty store, whatever the order the tests run in."""
+    if servers and servers[-1].process.poll() is None:
+        return servers[-1]
     work = tmp_path_factory.mktemp("server")
     (work / "chat.jinja").write_text(CHAT_TEMPLATE)
     argv = [str(llama_dir), "--layers", "0,3", "--include-prefill"]
@@ -107,13 +108,11 @@ def server(
     argv += ["--chat-template", str(work / "chat.jinja"), "--served-model-name", "tiny"]
     argv += ["--dtype", "float32", "--max-model-len", "256", "--seed", "0", "--enforce-eager"]
     process = ServerProcess(argv, log=work / "server.log")
-    try:
-        yield process.wait()
-    finally:
-        process.stop()
+    servers.append(process)
+    return process.wait()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture()
 def client(server: ServerProcess) -> Any:
     import openai
 
@@ -374,11 +373,11 @@ def test_malformed_options_storm(client, server, offline) -> None:
     answers a normal request with the offline reference's rows."""
     from concurrent.futures import ThreadPoolExecutor
 
+    from helpers import post_json
     from malformed_options import malformed
 
     from probehook.core.request_options import RequestOptions
     from probehook.errors import CaptureConfigError
-    from probehook.testing import post_json
 
     objects = malformed(json_only=True)
     assert len(objects) >= 100
@@ -589,31 +588,50 @@ def test_openai_client_example_against_this_server(server) -> None:
     assert "ordinary request: extension field present: True" in out, out
 
 
-def test_served_captures_are_committed_while_serving_and_survive_kill_9(server, offline) -> None:
-    """Runs last: kills the server and everything it started with SIGKILL, a crash."""
+def test_served_captures_are_committed_while_serving_and_survive_kill_9(
+    client, server, offline
+) -> None:
+    """Kills the server and everything it started with SIGKILL, a crash: the requests this
+    test made, once the periodic flush committed them, are all in the store (the next test
+    gets a fresh server)."""
     from probehook import ActivationStore
 
-    want = offline[prompts(8)[0]]
+    prompt = prompts(8)[0]
+    want = offline[prompt]
+    options = {
+        "prefill": {"layers": [3], "include_prefill": True},
+        "both": {"layers": [0, 3]},
+        "steered": {"layers": [3], "steer": STEER},
+    }
+    ids = {
+        f"{client.completions.create(prompt=prompt, extra_body=ignore_eos(o), **greedy()).id}-0": k
+        for k, o in options.items()
+    }
     root = Path(server.log).parent / "store"
 
-    def mine() -> list:
-        ids = list(want.prompt_token_ids)
+    def mine() -> dict:
         records = ActivationStore.open(root).requests
-        return [r for r in records if r.prompt_token_ids == ids and r.steering is None]
+        return {ids[r.request_id]: r for r in records if r.request_id in ids}
 
     deadline = time.monotonic() + 60
-    while len(mine()) < 2 and time.monotonic() < deadline:  # the periodic flush, server up
+    while len(mine()) < len(ids) and time.monotonic() < deadline:  # the flush, server up
         time.sleep(0.5)
     server.kill()
     stored = mine()
-    # prompt 0 was captured twice unsteered: layer 3 with prompt rows, and layers 0 and 3 in
-    # the concurrent test; the ordinary request for it was not stored.
-    assert sorted(sorted(r.hidden_states) for r in stored) == [[0, 3], [3]]
-    for record in stored:
+    assert sorted(stored) == sorted(options)
+    assert {k: sorted(r.hidden_states) for k, r in stored.items()} == {
+        k: o["layers"] for k, o in options.items()
+    }
+    for key in ("prefill", "both"):
+        record = stored[key]
+        assert record.steering is None
         assert record.output_token_ids == list(want.outputs[0].token_ids)
         for layer, rows in record.hidden_states.items():
             assert close(rows.numpy(), want.outputs[0].hidden_states[layer])
-    with_prefill = next(r for r in stored if r.prefill_hidden_states)
-    steered = [r for r in ActivationStore.open(root).requests if r.steering is not None]
-    assert steered and all(r.steering["vectors"] == STEER for r in steered)
-    assert close(with_prefill.prefill_hidden_states[3].numpy(), want.prefill_hidden_states[3])
+    prefill = stored["prefill"].prefill_hidden_states[3].numpy()
+    assert close(prefill, want.prefill_hidden_states[3])
+    steered = stored["steered"]
+    assert steered.steering["vectors"] == STEER
+    reference = offline[("steered", prompt)].outputs[0]
+    assert steered.output_token_ids == list(reference.token_ids)
+    assert close(steered.hidden_states[3].numpy(), reference.hidden_states[3])

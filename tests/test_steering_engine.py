@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.engine
 HIDDEN = 128
 TOL = 1e-4
 PROMPTS = [
@@ -52,8 +52,9 @@ def steer_llm(
 ) -> Iterator[Any]:
     """Under pressure (small prefill chunks, a KV cache small enough to force preemption,
     prefix caching on), steering layer 1 (and 2, for vectors added later), with a store."""
+    from helpers import random_probes
+
     from probehook import LLM
-    from probehook.testing import random_probes
 
     llm = LLM(
         str(llama_dir),

@@ -18,11 +18,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import first_record, random_probes
 
-from probehook.testing import first_record, hf_residual_stream, random_probes
+from probehook.testing import hf_residual_stream
 from probehook.testing_steering import hf_steered_logprobs, phase_span, steering_terms
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.engine
 
 TOL = 1e-3
 EFFECT = 0.05

@@ -18,7 +18,7 @@ import torch
 from probehook.errors import StoreFormatError
 from probehook.store import ActivationStore
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.engine
 
 
 def digest(tensors: dict[int, torch.Tensor]) -> str:
@@ -31,8 +31,9 @@ def digest(tensors: dict[int, torch.Tensor]) -> str:
 def test_generate_streams_into_store(
     llama_dir: Path, engine_defaults: dict, tmp_path: Path
 ) -> None:
+    from helpers import random_probes
+
     from probehook import LLM, SamplingParams
-    from probehook.testing import random_probes
 
     path = tmp_path / "run"
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)

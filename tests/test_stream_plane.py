@@ -128,7 +128,13 @@ def test_receiver_waits_for_rows_and_reports_failures() -> None:
             assert receiver.pending_streams == 0
             chunk = np.zeros((1, 1, HIDDEN), dtype=np.float32)  # a late row of a dropped tag
             publisher.send(stream_frames.encode("hidden", [("T/0", 9, chunk, None)], torch.float32))
-            time.sleep(0.3)
+            # Then a row of a live tag down the same socket (one publisher's messages arrive
+            # in order): once it is taken, the late row has been received and discarded.
+            receiver.expect("U")
+            publisher.send(stream_frames.encode("hidden", [("U/0", 0, chunk, None)], torch.float32))
+            asyncio.run(asyncio.wait_for(receiver.take("hidden", "U/0", 0, 1), 10))
+            assert receiver.pending_streams == 1  # U/0 alone: nothing kept for T
+            receiver.drop("U")
             assert receiver.pending_streams == 0
         finally:
             publisher.close()

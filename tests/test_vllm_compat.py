@@ -151,7 +151,7 @@ def test_pinned_config_keeps_the_v1_answer_and_pickles(monkeypatch: pytest.Monke
     assert isinstance(config, VllmConfig)
 
 
-@pytest.mark.slow
+@pytest.mark.engine
 def test_capturing_llm_front_end_believes_v1_for_its_life(
     eager_llm, monkeypatch: pytest.MonkeyPatch
 ) -> None:

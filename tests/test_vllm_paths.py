@@ -11,11 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import worker_stats
 
 from probehook.errors import CaptureConfigError, CaptureError
-from probehook.testing import assert_matches_hf, worker_stats
+from probehook.testing import assert_matches_hf
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.engine
 LAYERS = [0, 2]
 
 

@@ -4,6 +4,7 @@ fill algorithm (probehook.frontend.fill) on fake outputs, offline and streamed."
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 import torch
@@ -132,3 +133,51 @@ def test_a_failed_stream_fails_its_slots_and_names_the_reason() -> None:
     assert "over the limit" in completion.capture_error
     with pytest.raises(CaptureError, match="over the limit"):
         completion.hidden_states[0]
+
+
+class Pooled:
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = [1, 2, 3]
+        self.outputs = None
+        self.finished = True
+
+
+def test_offline_fill_asks_one_export_for_every_output(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Generation outputs: their spans per stream; pooled outputs: one batch per source."""
+    from probehook.frontend import session as session_module
+
+    asked: list[tuple] = []
+    rows = torch.arange(10, dtype=torch.float32)[None, :, None].expand(2, -1, 8).clone()
+
+    def rpc(method: str, args: tuple) -> list:
+        asked.append(args)
+        _, requests, *batches = args
+        spans = [
+            {"key": r["key"], "source": r["source"], "tensor_index": 0, "num_missing": 0}
+            for r in requests
+            for _ in r["spans"]
+        ]
+        reports = [{"tensor_index": 0, "incomplete": []} for _ in (batches[0] if batches else [])]
+        failures = {"hidden:T1/0": "over the limit"}
+        return [
+            {"entries": [1], "path": "x", "failures": failures, "spans": spans, "batches": reports}
+        ]
+
+    capture = CaptureSession(tracked().config, rpc=rpc, abort=lambda ids: None)
+    monkeypatch.setattr(capture.spool, "owns", lambda path: True)
+    monkeypatch.setattr(session_module, "read_tensors", lambda path, entries: [rows])
+    generated = Output([Completion(0, [7, 8])], finished=True)
+    pooled = [Pooled("p0"), Pooled("p1")]
+    capture.pending = {"r": tracked(), "p0": dataclasses.replace(tracked(), tag="T0")}
+    capture.pending["p1"] = dataclasses.replace(tracked(), tag="T1")
+    capture.fill([generated, *pooled])
+    ((_, requests, batches),) = asked
+    assert [(r["key"], r["spans"]) for r in requests] == [("T/0", [[0, 4], [3, 5]])]
+    assert batches == [
+        {"source": "hidden", "layers": [0, 3], "keys": ["T0/0", "T1/0"], "spans": [0, 3, 0, 3]}
+    ]
+    assert generated.outputs[0].hidden_states[3].shape == (10, 8)
+    assert pooled[0].hidden_states[0][:, 0].tolist() == [0, 1, 2]  # its part of the batch
+    assert isinstance(pooled[1].prefill_hidden_states, fill.FailedCapture)
+    assert "over the limit" in pooled[1].capture_error

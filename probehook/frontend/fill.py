@@ -83,7 +83,7 @@ class Slot(NamedTuple):
     """The completion whose stream this is (None on a pooled output)."""
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class Scored:
     """A completion whose probe scores are acted on: flags, stop reason, gate start."""
 
@@ -109,7 +109,7 @@ class Progress:
     """Completion index -> first steered position, once a gate crossed."""
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class OutputPlan:
     """What :func:`plan` worked out for one output, and what :func:`apply` sets."""
 
@@ -140,22 +140,30 @@ def reset(
         note_steering(output, request.steering)
 
 
-def plan(output: Any, request: TrackedRequest, progress: Progress | None = None) -> OutputPlan:
+def plan(
+    output: Any,
+    request: TrackedRequest,
+    progress: Progress | None = None,
+    attributes: Mapping[str, tuple[str, str]] | None = None,
+) -> OutputPlan:
     """The rows ``output`` needs. ``progress``: what a stream already yielded (advanced here);
-    None: the output is the whole request (offline, or a stream's output for the store)."""
+    None: the output is the whole request (offline, or a stream's output for the store).
+    ``attributes``: :func:`source_attributes`, when the caller has them already."""
     config = request.config
     assert config is not None
     prompt_len = len(output.prompt_token_ids or [])
     started = progress.gate_started if progress is not None else {}
     planned = OutputPlan(output, request, prompt_len, [], [], started)
     sources = _sources(request)
+    if attributes is None:
+        attributes = source_attributes()
     if is_pooled(output):
         # One pass over the input: its rows and scores are prompt rows.
         key = f"{request.tag}/0"
         for source, spans_config in sources:
             prefill, _ = completion_spans(spans_config, prompt_len, 0)
             need = Need(source, key, prefill.lo, prefill.hi) if prefill is not None else None
-            planned.slots.append(Slot(output, attributes_of(source)[0], source, key, need, None))
+            planned.slots.append(Slot(output, attributes[source][0], source, key, need, None))
         return planned
     delta = progress is not None and progress.delta
     carries_prefill = not delta or not progress.prefill_sent  # type: ignore[union-attr]
@@ -171,7 +179,7 @@ def plan(output: Any, request: TrackedRequest, progress: Progress | None = None)
         key = f"{request.tag}/{index}"
         for source, spans_config in sources:
             prefill, decode = completion_spans(spans_config, prompt_len, total, index)
-            on_request, on_completion = attributes_of(source)
+            on_request, on_completion = attributes[source]
             if prefill is not None:
                 need = Need(source, key, prefill.lo, prefill.hi)
                 wanted = need if carries_prefill and taken else None
@@ -206,21 +214,19 @@ def apply(
     failures: dict[tuple[str, str], FailedCapture] = {}
     for slot in planned.slots:
         value = got.get(slot.need) if slot.need is not None else None
-        if isinstance(value, FailedCapture) and (slot.source, slot.key) not in failures:
+        if value is None:
+            value = no_rows(slot.source, request, probes, row_format)
+        elif isinstance(value, FailedCapture) and (slot.source, slot.key) not in failures:
             failures[(slot.source, slot.key)] = value
             logger.error("probehook: %s", value.reason)
-    for slot in planned.slots:
-        failure = failures.get((slot.source, slot.key)) if failures else None
-        if failure is not None:
+        setattr(slot.target, slot.attribute, value)
+    for slot in planned.slots if failures else ():
+        failure = failures.get((slot.source, slot.key))
+        if failure is not None:  # every slot of a failed stream fails
             setattr(slot.target, slot.attribute, failure)
             slot.target.capture_error = failure.reason
             if slot.completion is not None:
                 slot.completion.capture_error = failure.reason
-            continue
-        value = got.get(slot.need) if slot.need is not None else None
-        if value is None:
-            value = no_rows(slot.source, request, probes, row_format)
-        setattr(slot.target, slot.attribute, value)
     for scored in planned.scored:
         _act_on_scores(planned, scored, got, probes)
         _gate_start(planned, scored, probes)
@@ -359,11 +365,22 @@ def completions(output: Any) -> list[Any]:
     return [] if is_pooled(output) else list(output.outputs)
 
 
-def attributes_of(source: str) -> tuple[str, str]:
+def attributes_of(source: str, processors: Sequence[Any] | None = None) -> tuple[str, str]:
     """The (request, completion) attributes that rows of capture ``source`` fill: the
-    output processor registered for that source decides."""
-    processor = OUTPUT_PROCESSORS.for_source(source)
+    output processor registered for that source decides (``processors``: the registry's,
+    when the caller listed them already)."""
+    if processors is None:
+        processor = OUTPUT_PROCESSORS.for_source(source)
+    else:
+        processor = next((p for p in processors if p.source == source), None)
+        if processor is None:
+            processor = OUTPUT_PROCESSORS.for_source(source)  # raises, naming the source
     return processor.request_attributes[0], processor.completion_attributes[0]
+
+
+def source_attributes(processors: Sequence[Any] | None = None) -> dict[str, tuple[str, str]]:
+    """:func:`attributes_of` every capture source: ``"hidden"`` rows and probe ``"scores"``."""
+    return {source: attributes_of(source, processors) for source in ("hidden", "scores")}
 
 
 def ended_on_stop_token(request: TrackedRequest, completion: Any) -> bool:

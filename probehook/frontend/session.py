@@ -56,9 +56,9 @@ from probehook.frontend.fill import (
     batch_values,
     failed,
     is_pooled,
-    mirror_first_completion,
     plan,
     reset,
+    source_attributes,
     value_of,
 )
 from probehook.frontend.probe_set import ProbeSet, RequestProbes
@@ -374,6 +374,7 @@ class CaptureSession:
         """Fill finished outputs with their rows and scores (:mod:`probehook.frontend.fill`),
         every output's needs fetched in one export; send captured requests to the store."""
         processors = list(OUTPUT_PROCESSORS)  # once per call, not per output
+        attributes = source_attributes(processors)
         plans: list[OutputPlan] = []
         for output in outputs:
             if not hasattr(output, "outputs") or not getattr(output, "finished", True):
@@ -381,7 +382,7 @@ class CaptureSession:
             request = self.pending.pop(output.request_id, None)
             reset(output, request, processors)
             if request is not None and request.config is not None:
-                plans.append(plan(output, request))
+                plans.append(plan(output, request, None, attributes))
         if plans:
             started = time.perf_counter_ns()
             got = self._export(plans)
@@ -390,7 +391,6 @@ class CaptureSession:
             self.fill_ns += time.perf_counter_ns() - started
         for output in outputs:
             if hasattr(output, "outputs"):
-                mirror_first_completion(output)
                 self._decorate(output)
         if self.store is not None:
             for planned in plans:
@@ -428,7 +428,7 @@ class CaptureSession:
             assert request.config is not None
             pooled = is_pooled(planned.output)
             for need in planned.needs():
-                layers = tuple(request.config.layers) if need.source == "hidden" else ("scores",)
+                layers = request.config.layers if need.source == "hidden" else ("scores",)
                 if pooled:
                     batch = batches.get((need.source, layers))
                     if batch is None:
@@ -484,7 +484,7 @@ class CaptureSession:
                 self.probes,
             )
             for (need, _), value in zip(batch.items, values, strict=True):
-                failure = failures.get(f"{batch.source}:{need.key}")
+                failure = failures.get(f"{batch.source}:{need.key}") if failures else None
                 if failure is not None:
                     value = FailedCapture(f"Capture of stream {need.key} failed: {failure}")
                 got[need] = value

@@ -99,7 +99,7 @@ def segment_workload(args: argparse.Namespace) -> dict[str, object]:
     import vllm
 
     from probehook import LLM, LinearProbe
-    from probehook.segmentation import ENGINE_KWARGS, segmenter_path
+    from probehook.models.segmenter import ENGINE_KWARGS, segmenter_path
 
     model = str(segmenter_path())
     common = dict(ENGINE_KWARGS, gpu_memory_utilization=0.1, seed=0)

@@ -44,7 +44,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from probehook import LLM
-    from probehook.segmentation import ENGINE_KWARGS, segmenter_path
+    from probehook.models.segmenter import ENGINE_KWARGS, segmenter_path
     from probehook.store import ActivationStore
 
     work = Path(tempfile.mkdtemp(prefix="probehook-segment-"))

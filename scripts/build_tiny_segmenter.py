@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from probehook.segmentation.codec import (
+from probehook.models.segmenter.codec import (
     ASSET_DIR,
     CLASSES,
     SegmenterNet,

@@ -214,17 +214,17 @@ def _docs_table() -> dict[str, str]:
     return table
 
 
-def test_docs_table_is_the_supported_list() -> None:
-    from probehook.adapter.frontend.engine_config import SUPPORTED_ARCHITECTURES
+def test_docs_table_is_the_tested_list() -> None:
+    from probehook.adapter.worker.loader import TESTED_ARCHITECTURES
 
-    assert _docs_table() == SUPPORTED_ARCHITECTURES
+    assert _docs_table() == {arch: test for arch, (_, test) in TESTED_ARCHITECTURES.items()}
 
 
 def test_every_listed_test_exists() -> None:
-    from probehook.adapter.frontend.engine_config import SUPPORTED_ARCHITECTURES
+    from probehook.adapter.worker.loader import TESTED_ARCHITECTURES
 
     ids = {c[0] for c in CASES}
-    for arch, test in SUPPORTED_ARCHITECTURES.items():
+    for arch, (_, test) in TESTED_ARCHITECTURES.items():
         path, _, rest = test.partition("::")
         assert (ROOT / path).exists(), (arch, test)
         if rest:
@@ -234,22 +234,38 @@ def test_every_listed_test_exists() -> None:
                 assert param.rstrip("]") in ids, (arch, test)
 
 
-def _model_config(architectures: list[str], backend_cls: str | None = None) -> SimpleNamespace:
+def _model_config(
+    architectures: list[str], backend_cls: str | None = None, model_cls: type | None = None
+) -> SimpleNamespace:
+    def resolve_model_cls(archs: list[str], model_config: object) -> tuple[type, str]:
+        if model_cls is None:
+            raise ValueError(f"Model architectures {archs} are not supported for now.")
+        return model_cls, archs[0]
+
     return SimpleNamespace(
         architectures=architectures,
         using_transformers_backend=lambda: backend_cls is not None,
         _get_transformers_backend_cls=lambda: backend_cls,
+        registry=SimpleNamespace(resolve_model_cls=resolve_model_cls),
     )
 
 
-def test_refusal_names_the_list() -> None:
-    from probehook.adapter.frontend.engine_config import SUPPORTED_ARCHITECTURES, check_architecture
+def test_refusal_names_the_list_and_the_declaration() -> None:
+    from probehook.adapter.frontend.engine_config import check_architecture
+    from probehook.adapter.worker.loader import LAYER_PATH_ATTRIBUTE, TESTED_ARCHITECTURES
     from probehook.errors import UnsupportedModelError
 
-    with pytest.raises(UnsupportedModelError) as err:
-        check_architecture(_model_config(["MambaForCausalLM"]))
-    for arch in SUPPORTED_ARCHITECTURES:
-        assert arch in str(err.value)
+    class MambaForCausalLM:  # a model class that declares nothing
+        pass
+
+    for model_cls in (None, MambaForCausalLM):
+        with pytest.raises(UnsupportedModelError) as err:
+            check_architecture(_model_config(["MambaForCausalLM"], model_cls=model_cls))
+        message = str(err.value)
+        assert "MambaForCausalLM" in message
+        for arch in TESTED_ARCHITECTURES:
+            assert arch in message
+        assert f'{LAYER_PATH_ATTRIBUTE} = "path.to.layers"' in message
     check_architecture(_model_config(["Gemma3ForCausalLM"]))
     # anything vLLM runs through its Transformers backend as a causal LM is accepted ...
     check_architecture(_model_config(["Olmo3ForCausalLM"], "TransformersForCausalLM"))
@@ -261,6 +277,48 @@ def test_refusal_names_the_list() -> None:
         check_architecture(
             _model_config(["Emu3ForConditionalGeneration"], "TransformersMultiModalForCausalLM")
         )
+
+
+def test_a_model_class_declares_its_layer_path() -> None:
+    """An untested architecture whose class says where its layers are is accepted at
+    construction, and the loader taps the declared list (before any known path)."""
+    from torch import nn
+
+    from probehook.adapter.frontend.engine_config import check_architecture
+    from probehook.adapter.worker.loader import locate_layers
+    from probehook.errors import UnsupportedModelError
+
+    class Backbone(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
+
+    class MyModel(nn.Module):
+        probehook_layer_path = "backbone.blocks"
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.backbone = Backbone()
+            self.model = SimpleNamespace(layers=nn.ModuleList([nn.Linear(4, 4)]))  # a decoy
+
+    check_architecture(_model_config(["MyModel"], model_cls=MyModel))
+    model = MyModel()
+    path, layers = locate_layers(model)
+    assert path == "backbone.blocks" and layers is model.backbone.blocks
+
+    class Wrong(MyModel):
+        probehook_layer_path = "backbone.missing"
+
+    with pytest.raises(UnsupportedModelError, match="'backbone.missing', but that is not"):
+        locate_layers(Wrong())
+
+    class Undeclared(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = nn.Module()
+            self.model.layers = nn.ModuleList([nn.Linear(4, 4)])
+
+    assert locate_layers(Undeclared())[0] == "model.layers"  # the tested paths' fallback
 
 
 def test_untested_backend_class_refused_before_start_up(engine_defaults: dict) -> None:

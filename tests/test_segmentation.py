@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 import torch
 from helpers import worker_stats
-from probehook.segmentation.codec import label_pixels, load_reference, load_spec
-from probehook.segmentation.processor import SegmentationInputError, read_mask
 
+from probehook.models.segmenter import ENGINE_KWARGS, segmenter_path
+from probehook.models.segmenter.codec import label_pixels, load_reference, load_spec
+from probehook.models.segmenter.processor import SegmentationInputError, read_mask
 from probehook.outputs import OUTPUT_PROCESSORS, OutputProcessorError
 from probehook.probes import LinearProbe
-from probehook.segmentation import ENGINE_KWARGS, segmenter_path
 from probehook.store import ActivationStore
 
 pytestmark = pytest.mark.engine

@@ -164,13 +164,13 @@ def _hf_rows(model_dir: Path, out) -> torch.Tensor:
 
 def test_request_over_the_memory_limit_fails_alone(eager_llm, llama_dir: Path) -> None:
     # 2 layers x 128 floats = 1 KiB per row: 24 rows fit; a 28-token prompt does not.
-    eager_llm.collective_rpc("probehook_attach", args=(24 * 1024,))
+    eager_llm.collective_rpc("probehook_start_recording", args=(24 * 1024,))
     try:
         big, small = eager_llm.generate(
             ["12+34=56. 12+34=56. 12+34=", "1+1="], greedy(max_tokens=16), use_tqdm=False
         )
     finally:
-        eager_llm.collective_rpc("probehook_attach", args=(0,))
+        eager_llm.collective_rpc("probehook_start_recording", args=(0,))
     with pytest.raises(CaptureError, match="per-request limit of 24,576 bytes"):
         big.prefill_hidden_states[0]
     assert "max_request_capture_bytes" in big.capture_error

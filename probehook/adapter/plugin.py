@@ -1,18 +1,50 @@
-"""Entry point in vLLM's ``vllm.general_plugins`` group; vLLM calls it in every process.
+"""Entry point ``probehook`` in vLLM's ``vllm.general_plugins`` group; vLLM calls it in every
+process (front end, engine core, workers) of every engine, probehook's or not.
 
-It registers the ``probehook`` load format (nothing is tapped unless an engine selects it) and
-probehook's out-of-tree model, the tiny segmenter (``ProbehookTinySegmenter``), by name only:
-nothing is imported until an engine loads that architecture.
+It is inert unless probehook builds the engine: installing probehook must not change a plain
+``vllm serve`` or ``vllm.LLM``. probehook's engine setup (``engine_config.v1_runner``, the block
+in which a capture engine starts) calls :func:`active`, which sets :data:`ACTIVE_ENV` while the
+engine's processes start (they inherit it at spawn) and registers the loader in its own process
+(where vLLM may have run its plugins already, and where an in-process engine core loads the
+model). Only then does :func:`register` register the ``probehook`` load format; otherwise it
+imports nothing.
+
+The bundled models register through their own entry point (``probehook_models``,
+:mod:`probehook.models.plugin`), as a third party's would.
+
+This module imports nothing of probehook's: vLLM imports it in every process.
 """
 
-SEGMENTER = "probehook.segmentation.model:TinySegmenter"
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+
+ACTIVE_ENV = "PROBEHOOK_ENGINE"
+"""Set to "1" in the processes of an engine probehook builds: the plugin registers its loader."""
 
 
 def register() -> None:
-    from vllm import ModelRegistry
-
+    """vLLM's call: register probehook's model loader in a probehook engine's process only."""
+    if os.environ.get(ACTIVE_ENV) != "1":
+        return
     from probehook.adapter.worker.loader import register_loader
 
     register_loader()
-    if "ProbehookTinySegmenter" not in ModelRegistry.get_supported_archs():
-        ModelRegistry.register_model("ProbehookTinySegmenter", SEGMENTER)
+
+
+@contextlib.contextmanager
+def active() -> Iterator[None]:
+    """Start an engine inside this block to make its processes load probehook's plugin; the
+    process's own setting is restored afterwards (a plain engine started later is plain)."""
+    before = os.environ.get(ACTIVE_ENV)
+    os.environ[ACTIVE_ENV] = "1"
+    try:
+        register()
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(ACTIVE_ENV, None)
+        else:
+            os.environ[ACTIVE_ENV] = before

@@ -1,7 +1,9 @@
 """Output processors: what a request returns besides text, decided in one place.
 
 ``OUTPUT_PROCESSORS`` holds probehook's own processors (``hidden_states``, ``probe_scores``,
-``probe_flags``) and any a user or package registers; see docs/outputs.md.
+``probe_flags``) and any a user or package registers, including those of installed packages'
+``probehook.output_processors`` entry points (probehook's bundled segmenter's
+``segmentation_image`` comes that way); see docs/outputs.md.
 """
 
 from __future__ import annotations
@@ -18,15 +20,6 @@ from probehook.outputs.registry import (
 OUTPUT_PROCESSORS = OutputProcessorRegistry()
 for _processor in BUILTIN:
     OUTPUT_PROCESSORS.register(_processor)
-
-
-def _register_segmentation() -> None:
-    from probehook.segmentation.processor import SegmentationImage  # no vLLM imports
-
-    OUTPUT_PROCESSORS.register(SegmentationImage)
-
-
-_register_segmentation()
 
 __all__ = [
     "ENTRY_POINT_GROUP",

@@ -149,11 +149,11 @@ class OutputProcessorRegistry:
         """Class decorator: ``model_cls`` returns its outputs through processor ``name``
         (checked when :meth:`for_model_class` looks it up, so order of import is free)."""
 
-        def attach(model_cls: type) -> type:
+        def name_processor_of(model_cls: type) -> type:
             setattr(model_cls, MODEL_ATTRIBUTE, name)
             return model_cls
 
-        return attach
+        return name_processor_of
 
     def for_model_class(self, model_cls: type) -> OutputProcessor | None:
         """The processor a model class was attached to with :meth:`for_model`, if any."""

@@ -1,20 +1,14 @@
-"""A one-pass, non-text model at toy scale: per-pixel segmentation of small images.
+"""Old home of the tiny segmenter, now :mod:`probehook.models.segmenter`.
 
-The RFC on non-text-generating models (geospatial segmentation) in miniature: an image is split
-into patches, every patch runs through vLLM as one pooling request under the same user input,
-and an output processor puts the patch outputs back together as an image.
-
-- :mod:`~probehook.segmentation.codec`: pixels <-> token ids, the network in plain torch
-  (the reference the tests compare vLLM against), the bundled weights (no vLLM imports);
-- :mod:`~probehook.segmentation.processor`: the ``segmentation_image`` output processor (file ->
-  patches -> mask image; no vLLM imports);
-- :mod:`~probehook.segmentation.model`: the network as a vLLM out-of-tree pooling model.
+Kept only because notebooks/05_non_text_outputs.ipynb (committed executed) still imports
+``probehook.segmentation`` and ``probehook.segmentation.codec``; remove this package when that
+notebook is re-executed with the new imports. New code imports ``probehook.models.segmenter``.
 """
 
-from probehook.segmentation.codec import segmenter_path
+import sys
 
-ENGINE_KWARGS = {"skip_tokenizer_init": True, "enable_prefix_caching": False, "dtype": "float32"}
-"""What an engine on the segmenter needs: no tokenizer (prompts are token ids), no prefix
-caching (it keeps no KV cache: vLLM refuses caching without one), float32 weights."""
+from probehook.models.segmenter import ENGINE_KWARGS, codec, segmenter_path
+
+sys.modules[f"{__name__}.codec"] = codec  # ``from probehook.segmentation.codec import ...``
 
 __all__ = ["ENGINE_KWARGS", "segmenter_path"]

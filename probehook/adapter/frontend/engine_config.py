@@ -15,75 +15,62 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
+from probehook.adapter import plugin
 from probehook.adapter.worker import loader
 from probehook.capture_config import CaptureConfig
 from probehook.errors import CaptureConfigError, UnsupportedModelError
 
 logger = logging.getLogger(__name__)
 
-_ARCH_TEST = "tests/test_architectures.py::test_matches_hf"
-SUPPORTED_ARCHITECTURES: dict[str, str] = {
-    # architecture (config.json's, or vLLM's Transformers-backend class) -> the real-engine
-    # test that compares its rows with HF. The one list: the refusal message names these, and
-    # docs/capture.md's table must match it (tests/test_architectures.py checks).
-    "LlamaForCausalLM": f"{_ARCH_TEST}[llama]",
-    "MistralForCausalLM": f"{_ARCH_TEST}[mistral]",
-    "Qwen2ForCausalLM": f"{_ARCH_TEST}[qwen2]",
-    "Qwen3ForCausalLM": f"{_ARCH_TEST}[qwen3]",
-    "GPT2LMHeadModel": f"{_ARCH_TEST}[gpt2]",
-    "OPTForCausalLM": f"{_ARCH_TEST}[opt]",
-    "GemmaForCausalLM": f"{_ARCH_TEST}[gemma]",
-    "Gemma2ForCausalLM": f"{_ARCH_TEST}[gemma2]",
-    "Gemma3ForCausalLM": f"{_ARCH_TEST}[gemma3]",
-    "Phi3ForCausalLM": f"{_ARCH_TEST}[phi3]",
-    "MixtralForCausalLM": f"{_ARCH_TEST}[mixtral]",
-    "Qwen3MoeForCausalLM": f"{_ARCH_TEST}[qwen3_moe]",
-    "GraniteForCausalLM": f"{_ARCH_TEST}[granite]",
-    # vLLM 0.32 runs these two through its Transformers backend (below)
-    "GPTNeoXForCausalLM": f"{_ARCH_TEST}[gpt_neox]",
-    "Olmo2ForCausalLM": f"{_ARCH_TEST}[olmo2]",
-    # Transformers backend: any model vLLM runs through it (model_impl="transformers", or an
-    # architecture vLLM has no native class for)
-    "TransformersForCausalLM": f"{_ARCH_TEST}[llama-transformers]",
-    "TransformersMoEForCausalLM": f"{_ARCH_TEST}[mixtral-transformers]",
-    # pooling models (encode / embed / classify / score): encoder layers
-    "BertModel": "tests/test_pooling.py::test_embed_rows_and_scores_equal_hf",
-    "BertForSequenceClassification": "tests/test_pooling.py::test_classify_and_cross_encoder_score",
-    "ProbehookTinySegmenter": "tests/test_segmentation.py",
-}
-TRANSFORMERS_BACKEND_CLASSES = ("TransformersForCausalLM", "TransformersMoEForCausalLM")
-"""vLLM's Transformers-backend classes probehook taps: HF decoder layers on [1, T, H]."""
-
-
-def supported_message() -> str:
-    """The sentence every architecture refusal ends with: the tested list."""
-    native = [a for a in SUPPORTED_ARCHITECTURES if a not in TRANSFORMERS_BACKEND_CLASSES]
-    return (
-        f"Tested architectures: {', '.join(native)}; and any causal LM vLLM runs through its "
-        f"Transformers backend ({' / '.join(TRANSFORMERS_BACKEND_CLASSES)}, e.g. "
-        'model_impl="transformers"). See docs/capture.md#architectures.'
-    )
-
 
 def check_architecture(model_config: Any) -> None:
-    """Refuse, before the engine starts, a model whose layers probehook cannot tap."""
+    """Refuse, before the engine starts, a model whose layers probehook cannot find: one that
+    is neither tested (``loader.TESTED_ARCHITECTURES``) nor declares its layer path."""
     architectures = list(model_config.architectures or [])
     using_backend = getattr(model_config, "using_transformers_backend", lambda: False)()
     if using_backend:
         # Which backend class vLLM will build (multimodal / pooling ones are not tested).
         backend_cls = model_config._get_transformers_backend_cls()
-        if backend_cls in TRANSFORMERS_BACKEND_CLASSES:
+        if backend_cls in loader.TRANSFORMERS_BACKEND_CLASSES:
             return
         raise UnsupportedModelError(
             f"probehook cannot tap {architectures or '(none listed)'} through vLLM's "
             f"Transformers backend class {backend_cls}: only "
-            f"{' / '.join(TRANSFORMERS_BACKEND_CLASSES)} are tested. {supported_message()}"
+            f"{' / '.join(loader.TRANSFORMERS_BACKEND_CLASSES)} are tested. "
+            f"{loader.supported_message()}"
         )
-    if not any(arch in SUPPORTED_ARCHITECTURES for arch in architectures):
-        raise UnsupportedModelError(
-            f"probehook cannot tap architecture {architectures or '(none listed)'}: its "
-            f"decoder layers are not known. {supported_message()}"
+    if any(arch in loader.TESTED_ARCHITECTURES for arch in architectures):
+        return
+    model_cls = _model_class(model_config)
+    declared = loader.declared_layer_path(model_cls) if model_cls is not None else None
+    if declared is not None:
+        logger.info(
+            "probehook: %s declares its layer path %r (%s = ...); not among the tested "
+            "architectures.",
+            model_cls.__name__,  # type: ignore[union-attr]
+            declared,
+            loader.LAYER_PATH_ATTRIBUTE,
         )
+        return
+    raise UnsupportedModelError(
+        f"probehook cannot tap architecture {architectures or '(none listed)'}: its layers are "
+        f"not known and its model class does not declare them. {loader.supported_message()}"
+    )
+
+
+def _model_class(model_config: Any) -> type | None:
+    """The vLLM model class the engine will build (None: vLLM cannot resolve it, and will say
+    so itself when the engine starts)."""
+    registry = getattr(model_config, "registry", None)
+    if registry is None:
+        return None
+    try:
+        model_cls, _ = registry.resolve_model_cls(
+            list(model_config.architectures or []), model_config=model_config
+        )
+    except (ValueError, ImportError):  # an unknown architecture, a model that fails to import
+        return None
+    return model_cls
 
 
 WORKER_EXTENSION = "probehook.adapter.worker.rpc.ProbehookWorkerExtension"
@@ -96,7 +83,19 @@ _logged_runner_choice = False
 
 @contextlib.contextmanager
 def v1_runner() -> Iterator[None]:
-    """Build the engine inside this block with vLLM's V1 model runner, which probehook reads.
+    """Build a capture engine inside this block: its processes start with vLLM's V1 model
+    runner, which probehook reads, and with probehook's vLLM plugin active
+    (:func:`probehook.adapter.plugin.active`: the engine's processes register probehook's
+    model loader, a plain engine's do not). Both are environment variables the engine's
+    processes inherit at spawn, set for the block only.
+    """
+    with _runner_env(), plugin.active():
+        yield
+
+
+@contextlib.contextmanager
+def _runner_env() -> Iterator[None]:
+    """``VLLM_USE_V2_MODEL_RUNNER=0`` for the block.
 
     vLLM decides the runner from ``VLLM_USE_V2_MODEL_RUNNER`` while it resolves the config and
     when its engine-core and worker processes start (they inherit the environment at spawn

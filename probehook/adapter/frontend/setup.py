@@ -2,7 +2,7 @@
 
 :func:`prepare` runs before vLLM starts anything: it checks the arguments, resolves the model's
 layers and probes, and returns the engine arguments that switch capture on. After the engine is
-up and its workers answered ``probehook_attach``, :func:`start` builds the front end's
+up and its workers answered ``probehook_start_recording``, :func:`start` builds the front end's
 :class:`~probehook.frontend.session.CaptureSession` and opens the store.
 """
 
@@ -109,8 +109,8 @@ class CaptureSetup:
     store_options: dict[str, Any]
     steering: SteeringSet | None = None
 
-    def attach_args(self) -> tuple[int, list[dict[str, Any]] | None, dict[str, Any] | None]:
-        """Arguments of the workers' ``probehook_attach``."""
+    def recording_args(self) -> tuple[int, list[dict[str, Any]] | None, dict[str, Any] | None]:
+        """Arguments of the workers' ``probehook_start_recording``."""
         wire = [spec.to_wire() for spec in self.probes.specs] if self.probes else None
         steering = None
         if self.steering is not None:
@@ -276,7 +276,7 @@ def start(
     stop_token: int | None,
 ) -> tuple[CaptureSession, dict[str, Any], ActivationStore | None]:
     """The front end's session, the tapped worker's report, and the open store (if any),
-    given the workers' replies to ``probehook_attach``."""
+    given the workers' replies to ``probehook_start_recording``."""
     infos = [info for info in infos if info]
     if not infos:
         raise CaptureError("No vLLM worker reported probehook taps.")

@@ -3,7 +3,8 @@ compiles it, plus the once-per-forward step hook.
 
 Extension points used (public in vLLM 0.32): ``register_model_loader`` (the ``probehook`` load
 format wraps the user's own loader), the ``vllm.general_plugins`` entry point (registers it in
-every process) and ``additional_config`` (carries the capture config to the workers and into
+the processes of the engines probehook builds, :mod:`probehook.adapter.plugin`) and
+``additional_config`` (carries the capture config to the workers and into
 vLLM's compile-cache hash, so graphs compiled with different taps, or none, are never shared).
 """
 
@@ -42,17 +43,81 @@ EXIT_AFTER_KEY = "exit_after"
 model stops (part of the compile-cache key; None: every layer runs)."""
 RECORDER_ATTR = "probehook_step_hook"
 
-# Where decoder layers live, per model family. Paths are relative to the vLLM model.
-LAYER_PATHS: tuple[str, ...] = (
-    "model.layers",  # Llama, Mistral, Qwen2/3, Gemma 1-3, Phi-3, Mixtral, Qwen3-MoE, Granite
-    "model.decoder.layers",  # OPT
-    "transformer.h",  # GPT-2
-    "language_model.model.layers",  # multimodal wrappers
-    "model.language_model.layers",
-    "model.encoder.layer",  # BERT embedding models (vLLM nests BertModel under .model)
-    "bert.encoder.layer",  # BertForSequenceClassification
-    "encoder.layers",  # probehook's own encoders (the toy image model)
+_ARCH_TEST = "tests/test_architectures.py::test_matches_hf"
+_BACKEND = None  # found by rule on vLLM's Transformers backend (see _transformers_backend_layers)
+TESTED_ARCHITECTURES: dict[str, tuple[str | None, str]] = {
+    # architecture (config.json's, or vLLM's Transformers-backend class) -> (where vLLM's model
+    # keeps its layer list, the real-engine test that compares its rows with HF). The one list
+    # of what is tested: the construction-time refusal names these, locate_layers falls back
+    # to these paths for a model that declares none, and docs/capture.md's table must match it
+    # (tests/test_architectures.py checks).
+    "LlamaForCausalLM": ("model.layers", f"{_ARCH_TEST}[llama]"),
+    "MistralForCausalLM": ("model.layers", f"{_ARCH_TEST}[mistral]"),
+    "Qwen2ForCausalLM": ("model.layers", f"{_ARCH_TEST}[qwen2]"),
+    "Qwen3ForCausalLM": ("model.layers", f"{_ARCH_TEST}[qwen3]"),
+    "GPT2LMHeadModel": ("transformer.h", f"{_ARCH_TEST}[gpt2]"),
+    "OPTForCausalLM": ("model.decoder.layers", f"{_ARCH_TEST}[opt]"),
+    "GemmaForCausalLM": ("model.layers", f"{_ARCH_TEST}[gemma]"),
+    "Gemma2ForCausalLM": ("model.layers", f"{_ARCH_TEST}[gemma2]"),
+    "Gemma3ForCausalLM": ("model.layers", f"{_ARCH_TEST}[gemma3]"),
+    "Phi3ForCausalLM": ("model.layers", f"{_ARCH_TEST}[phi3]"),
+    "MixtralForCausalLM": ("model.layers", f"{_ARCH_TEST}[mixtral]"),
+    "Qwen3MoeForCausalLM": ("model.layers", f"{_ARCH_TEST}[qwen3_moe]"),
+    "GraniteForCausalLM": ("model.layers", f"{_ARCH_TEST}[granite]"),
+    # vLLM 0.32 runs these two through its Transformers backend (below)
+    "GPTNeoXForCausalLM": (_BACKEND, f"{_ARCH_TEST}[gpt_neox]"),
+    "Olmo2ForCausalLM": (_BACKEND, f"{_ARCH_TEST}[olmo2]"),
+    # Transformers backend: any model vLLM runs through it (model_impl="transformers", or an
+    # architecture vLLM has no native class for)
+    "TransformersForCausalLM": (_BACKEND, f"{_ARCH_TEST}[llama-transformers]"),
+    "TransformersMoEForCausalLM": (_BACKEND, f"{_ARCH_TEST}[mixtral-transformers]"),
+    # pooling models (encode / embed / classify / score): encoder layers (vLLM nests BertModel
+    # under .model)
+    "BertModel": (
+        "model.encoder.layer",
+        "tests/test_pooling.py::test_embed_rows_and_scores_equal_hf",
+    ),
+    "BertForSequenceClassification": (
+        "bert.encoder.layer",
+        "tests/test_pooling.py::test_classify_and_cross_encoder_score",
+    ),
+}
+TRANSFORMERS_BACKEND_CLASSES = ("TransformersForCausalLM", "TransformersMoEForCausalLM")
+"""vLLM's Transformers-backend classes probehook taps: HF decoder layers on [1, T, H]."""
+KNOWN_LAYER_PATHS: tuple[str, ...] = tuple(
+    dict.fromkeys(path for path, _ in TESTED_ARCHITECTURES.values() if path is not None)
 )
+"""Where :func:`locate_layers` looks, in order, on a model that declares no layer path."""
+LAYER_PATH_ATTRIBUTE = "probehook_layer_path"
+"""A vLLM model class's declaration of its layer list: the dotted path of an ``nn.ModuleList``
+relative to the model (``probehook_layer_path = "backbone.layers"``); each layer's output is the
+stream probehook taps (a tensor, or a ``(hidden, residual)`` pair)."""
+
+
+def supported_message() -> str:
+    """The sentences every architecture refusal ends with: the tested list, and how a model
+    declares its layers."""
+    native = [a for a in TESTED_ARCHITECTURES if a not in TRANSFORMERS_BACKEND_CLASSES]
+    return (
+        f"Tested architectures: {', '.join(native)}; and any causal LM vLLM runs through its "
+        f"Transformers backend ({' / '.join(TRANSFORMERS_BACKEND_CLASSES)}, e.g. "
+        'model_impl="transformers"). Another model can declare where its layers are: set '
+        f'`{LAYER_PATH_ATTRIBUTE} = "path.to.layers"` (its nn.ModuleList of layers, relative '
+        "to the model) on its vLLM model class. See docs/capture.md#architectures."
+    )
+
+
+def declared_layer_path(model_cls: type) -> str | None:
+    """The layer path a model class declares (:data:`LAYER_PATH_ATTRIBUTE`), if any."""
+    path = getattr(model_cls, LAYER_PATH_ATTRIBUTE, None)
+    if path is not None and (not isinstance(path, str) or not path):
+        raise UnsupportedModelError(
+            f"{model_cls.__name__}.{LAYER_PATH_ATTRIBUTE} = {path!r}: expected a dotted path "
+            'such as "model.layers".'
+        )
+    return path
+
+
 TAP_KIND_ATTR = "probehook_tap_kind"
 """Layer attribute: how to read the layer's output (see ``_tap_hook``)."""
 
@@ -61,7 +126,8 @@ TAP_KIND_ATTR = "probehook_tap_kind"
 
 
 def register_loader() -> None:
-    """Register the ``probehook`` load format (idempotent; called in every vLLM process)."""
+    """Register the ``probehook`` load format (idempotent; called in each process of an engine
+    probehook builds)."""
     from vllm.model_executor.model_loader import _LOAD_FORMAT_TO_MODEL_LOADER
 
     if _LOAD_FORMAT_TO_MODEL_LOADER.get(LOAD_FORMAT) is not None:
@@ -185,21 +251,38 @@ def is_transformers_backend(model: nn.Module) -> bool:
 
 
 def locate_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
-    """Find the decoder layer list of a vLLM model, or say which architectures are tested."""
+    """Find the layer list of a vLLM model: where its class declares it
+    (:data:`LAYER_PATH_ATTRIBUTE`), else where the tested architectures keep theirs; or say
+    which architectures are tested and how to declare a path."""
     if is_transformers_backend(model):
         return _transformers_backend_layers(model)
-    for path in LAYER_PATHS:
-        obj: Any = model
-        for part in path.split("."):
-            obj = getattr(obj, part, None)
-            if obj is None:
-                break
-        if isinstance(obj, nn.ModuleList) and len(obj) > 0:
-            return path, obj
+    declared = declared_layer_path(type(model))
+    if declared is not None:
+        layers = _resolve(model, declared)
+        if layers is None:
+            raise UnsupportedModelError(
+                f"{type(model).__name__}.{LAYER_PATH_ATTRIBUTE} = {declared!r}, but that is not "
+                "a non-empty nn.ModuleList of the model."
+            )
+        return declared, layers
+    for path in KNOWN_LAYER_PATHS:
+        layers = _resolve(model, path)
+        if layers is not None:
+            return path, layers
     raise UnsupportedModelError(
-        f"Cannot find the decoder layers of {type(model).__name__}: none of "
-        f"{list(LAYER_PATHS)} is a layer list. {_supported_sentence()}"
+        f"Cannot find the layers of {type(model).__name__}: it declares no "
+        f"{LAYER_PATH_ATTRIBUTE}, and none of {list(KNOWN_LAYER_PATHS)} is a layer list. "
+        f"{supported_message()}"
     )
+
+
+def _resolve(model: nn.Module, path: str) -> nn.ModuleList | None:
+    obj: Any = model
+    for part in path.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return None
+    return obj if isinstance(obj, nn.ModuleList) and len(obj) > 0 else None
 
 
 def _transformers_backend_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
@@ -217,17 +300,11 @@ def _transformers_backend_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
         raise UnsupportedModelError(
             f"Cannot find the decoder layers of {type(decoder).__name__} (Transformers "
             f"backend): expected one layer list of {num_layers} layers, found "
-            f"{[name for name, _ in found]}. {_supported_sentence()}"
+            f"{[name for name, _ in found]}. {supported_message()}"
         )
     for layer in found[0][1]:
         setattr(layer, TAP_KIND_ATTR, "batched_stream")
     return f"model.{found[0][0]}", found[0][1]
-
-
-def _supported_sentence() -> str:
-    from probehook.adapter.frontend.engine_config import supported_message
-
-    return supported_message()
 
 
 def _split_layer_output(output: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -355,7 +432,7 @@ class StepHook:
     CUDA graphs, while the runner still holds the step's batch. vLLM also calls it again in
     the same step for each request that asks for ``prompt_logprobs``, and in warm-up: so the
     runner's ``execute_model`` arms the hook and the first ``compute_logits`` after that fires
-    it. Nothing fires before :meth:`attach` (warm-up and profiling are not requests' rows).
+    it. Nothing fires before :meth:`install_on` (warm-up and profiling are not requests' rows).
     """
 
     def __init__(
@@ -380,26 +457,27 @@ class StepHook:
         )
         """Hidden-state rows of the captured layers (None when only probes are tapped)."""
         self.scorer: StepRecorder | None = None
-        """Probe scores, once the front end sent its probes (``probehook_attach``)."""
+        """Probe scores, once the front end sent its probes (``probehook_start_recording``)."""
         self.on_step: Callable[[], None] | None = None
         self.before_forward: Callable[[Any], None] | None = None
         self.armed = False
-        self.steps = 0  # execute_model calls since attach (for the benchmark)
+        self.steps = 0  # execute_model calls since install_on (for the benchmark)
         self.step_ns = 0  # their wall time
         self.forwards = 0  # of those, the ones the scheduler gave tokens: forward passes
         self.layers_run = 0  # decoder layers the model runs (set at load)
         self.cut: list[str] = []
         """What a capture-only engine does not compute (modules dropped at load)."""
 
-    def attach(
+    def install_on(
         self,
         runner: Any,
         on_step: Callable[[], None],
         before_forward: Callable[[Any], None] | None = None,
     ) -> None:
-        """Record with ``on_step`` once per forward pass; ``before_forward`` (steering) is
-        called with the step's scheduler output after the runner prepared the batch, right
-        before the model runs."""
+        """Patch ``runner`` so that ``on_step`` records once per forward pass;
+        ``before_forward`` (steering) is called with the step's scheduler output after the
+        runner prepared the batch, right before the model runs. Installed once: a second call
+        only replaces the callbacks."""
         self.before_forward = before_forward
         if self.on_step is not None:
             self.on_step = on_step

@@ -51,7 +51,7 @@ def _recorder(hook: StepHook, source: str) -> StepRecorder | None:
 class ProbehookWorkerExtension:
     """Worker-side RPC surface of probehook."""
 
-    def probehook_attach(
+    def probehook_start_recording(
         self,
         limit_bytes: int = 0,
         probes: list[dict[str, Any]] | None = None,
@@ -102,7 +102,7 @@ class ProbehookWorkerExtension:
             for recorder, _ in recorders:
                 _publish(recorder, self._probehook_publisher, runner.requests)
 
-        hook.attach(runner, on_step, before_forward)
+        hook.install_on(runner, on_step, before_forward)
         if not _reports(self):
             return None
         return {

@@ -17,8 +17,8 @@ from typing import Any
 
 import numpy as np
 
+from probehook.models.segmenter.codec import CLASSES, SegmenterSpec, load_spec, pixels_to_ids
 from probehook.outputs.registry import OnePassProcessor
-from probehook.segmentation.codec import CLASSES, SegmenterSpec, load_spec, pixels_to_ids
 
 FORMATS = {"png": "PNG", "tiff": "TIFF"}
 PALETTE = [(0, 0, 0), (220, 40, 40), (40, 180, 60), (40, 80, 220)]  # per class, RGB

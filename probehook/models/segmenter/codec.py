@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch import nn
 
-ASSET_DIR = Path(__file__).resolve().parent.parent / "assets" / "tiny-segmenter"
+ASSET_DIR = Path(__file__).resolve().parents[2] / "assets" / "tiny-segmenter"
 CLASSES = ("background", "red", "green", "blue")
 
 

@@ -1,9 +1,14 @@
-"""The tiny segmenter as a vLLM out-of-tree pooling model (registered by probehook's vLLM
-plugin under the architecture name ``ProbehookTinySegmenter``).
+"""The tiny segmenter as a vLLM out-of-tree pooling model (registered with vLLM by the
+``probehook_models`` general plugin, :mod:`probehook.models.plugin`, under the architecture name
+``ProbehookTinySegmenter``).
 
 Each patch is one request whose prompt is its pixels as token ids; the model returns one row of
 class logits per pixel through vLLM's token-classification pooler. It has no attention, so
 vLLM keeps no KV cache for it (``IsAttentionFree``, as vLLM's own Terratorch/Prithvi model).
+
+What probehook needs of it is declared on the class, as any model package would: its output
+processor (``@OUTPUT_PROCESSORS.for_model``) and where its layers are (``probehook_layer_path``,
+the layer list relative to the model).
 """
 
 from __future__ import annotations
@@ -19,16 +24,16 @@ from vllm.model_executor.layers.pooler.tokwise import pooler_for_token_classify
 from vllm.model_executor.models.interfaces import IsAttentionFree
 from vllm.model_executor.models.interfaces_base import default_pooling_type
 
+from probehook.models.segmenter.codec import SegmenterNet, SegmenterSpec
 from probehook.outputs import OUTPUT_PROCESSORS
-from probehook.segmentation.codec import SegmenterNet, SegmenterSpec
-
-ARCHITECTURE = "ProbehookTinySegmenter"
 
 
 @OUTPUT_PROCESSORS.for_model("segmentation_image")
 @default_pooling_type(tok_pooling_type="ALL")
 class TinySegmenter(nn.Module, IsAttentionFree):
     is_pooling_model = True
+    probehook_layer_path = "encoder.layers"
+    """Where probehook finds the layers it taps (each block's output is the stream)."""
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()

@@ -26,14 +26,14 @@ demo: $(STAMP)
 
 # `make test`: lint and every test (what CI runs). `make test-fast`: the unit tests only, no
 # vLLM engine (tests marked `engine` are left out; tests/conftest.py fails an unmarked test
-# that starts one), about 2 minutes.
+# that starts one) and none of the few marked `slow`, about 2 minutes.
 test: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(PY) -m pytest
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -m "not engine"
+	$(PY) -m pytest -m "not engine and not slow"
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

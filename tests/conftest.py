@@ -2,8 +2,8 @@
 
 Tiers:
 
-- ``make test-fast`` (``pytest -m "not engine"``): the unit tests, no vLLM engine, a couple of
-  minutes on two cores.
+- ``make test-fast`` (``pytest -m "not engine and not slow"``): the unit tests, no vLLM
+  engine, about 2 minutes on two cores (``slow``: the few unit tests over 10 s).
 - ``make test`` (what CI runs): lint and every test, engines included.
 
 A test that starts a vLLM engine (``LLM``, ``AsyncLLM``, a ``probehook serve`` process, an
@@ -52,6 +52,8 @@ _quick_engine_teardown()
 
 _ENGINE_ALLOWED = False
 """True while an ``engine``-marked test is set up, run or torn down (see the guard below)."""
+_ENGINES_STARTED = [0]
+"""Engines (and ``ServerProcess`` servers) this process started: the summary prints it."""
 
 
 def _engine_guard() -> None:
@@ -64,6 +66,7 @@ def _engine_guard() -> None:
 
     def guarded(original):  # noqa: ANN001, ANN202
         def start(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            _ENGINES_STARTED[0] += 1
             if not _ENGINE_ALLOWED:
                 pytest.fail(
                     "this test starts a vLLM engine but is not marked @pytest.mark.engine "
@@ -80,6 +83,13 @@ def _engine_guard() -> None:
 
 
 _engine_guard()
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if _ENGINES_STARTED[0]:
+        terminalreporter.write_line(
+            f"vLLM engines and servers started by this process: {_ENGINES_STARTED[0]}"
+        )
 
 
 @pytest.hookimpl(hookwrapper=True)

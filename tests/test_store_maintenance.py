@@ -128,6 +128,7 @@ def few_file_handles():
     resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
+@pytest.mark.slow
 def test_two_thousand_shards_read_then_compact(tmp_path: Path, few_file_handles) -> None:
     root = tmp_path / "s"
     store = ActivationStore.for_writing(root, META)

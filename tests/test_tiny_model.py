@@ -83,6 +83,7 @@ def test_greedy_completion_example(
     assert completion == "68."
 
 
+@pytest.mark.slow
 def test_heldout_accuracy_matches_report(
     model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerBase, report: dict[str, Any]
 ) -> None:

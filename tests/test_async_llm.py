@@ -175,7 +175,10 @@ def test_64_streams_with_random_aborts_leave_nothing_behind(engine, offline, loo
                 aborted = True
         return i, last
 
-    results = loop.run_until_complete(asyncio.gather(*(stream(i) for i in range(64))))
+    async def main() -> list:
+        return await asyncio.gather(*(stream(i) for i in range(64)))
+
+    results = loop.run_until_complete(main())
     for i, last in results:
         if i in aborted_at:
             assert last.outputs[0].finish_reason == "abort"

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from probehook.adapter.frontend.offline import LLM
     from probehook.capture_config import CaptureConfig
     from probehook.core.monitors import ProbeMonitor
-    from probehook.frontend.session import FailedCapture
+    from probehook.frontend.fill import FailedCapture
     from probehook.outputs.array_codec import decode_array
     from probehook.probes import LinearProbe
     from probehook.steering import SteeringVector
@@ -42,7 +42,7 @@ _LAZY = {
     "AsyncLLM": ("probehook.adapter.frontend.async_engine", "AsyncLLM"),
     "SamplingParams": ("vllm", "SamplingParams"),
     "CaptureConfig": ("probehook.capture_config", "CaptureConfig"),
-    "FailedCapture": ("probehook.frontend.session", "FailedCapture"),
+    "FailedCapture": ("probehook.frontend.fill", "FailedCapture"),
     "ActivationStore": ("probehook.store", "ActivationStore"),
     "LayerMatrix": ("probehook.store", "LayerMatrix"),
     "StoredRequest": ("probehook.store", "StoredRequest"),

@@ -33,6 +33,7 @@ from probehook.frontend.fill import (
 )
 from probehook.frontend.session import CaptureSession, TrackedRequest
 from probehook.frontend.stream_receiver import Receiver
+from probehook.store.records import store_filled
 
 Kind = Literal["cumulative", "delta", "final"]
 
@@ -65,7 +66,7 @@ class RequestStream:
         if output.finished and self.session.store is not None and not self.stored:
             whole = await self._whole(output) if delta else output
             self.stored = True
-            self.session.store_output(whole, self.request)
+            store_filled(self.session.store, whole, self.request)
             output.store_id = getattr(whole, "store_id", None)
 
     async def _whole(self, output: Any) -> Any:

@@ -54,7 +54,6 @@ from probehook.frontend.fill import (
     OutputPlan,
     apply,
     batch_values,
-    failed,
     is_pooled,
     plan,
     reset,
@@ -65,7 +64,7 @@ from probehook.frontend.probe_set import ProbeSet, RequestProbes
 from probehook.frontend.steering_set import RequestSteer, SteeringSet
 from probehook.frontend.transport_reader import Spool, read_tensors
 from probehook.outputs import OUTPUT_PROCESSORS
-from probehook.store.records import pending_request
+from probehook.store.records import store_filled
 
 logger = logging.getLogger(__name__)
 
@@ -394,24 +393,13 @@ class CaptureSession:
                 self._decorate(output)
         if self.store is not None:
             for planned in plans:
-                self.store_output(planned.output, planned.request)
+                store_filled(self.store, planned.output, planned.request)
 
     def label(self, request_id: str, record: dict[str, Any]) -> None:
         """Extra fields for a pending request's store record (before :meth:`fill`)."""
         request = self.pending.get(request_id)
         if request is not None:
             self.pending[request_id] = dataclasses.replace(request, record=record)
-
-    def store_output(self, output: Any, request: TrackedRequest) -> None:
-        """Add a finished output, rows filled in, to the store; set its ``store_id``. A
-        request whose capture failed is logged and not stored."""
-        assert self.store is not None and request.config is not None
-        if failed(output):
-            logger.error("probehook: request %s is not stored.", output.request_id)
-            return
-        # vLLM's request_id stays as it is; the store names the request itself.
-        pending = pending_request(output, request.sampling, request.config, request.record)
-        output.store_id = self.store.add(pending)
 
     # -- the export: every need of a step's outputs in one RPC ------------------------------
 

@@ -2,12 +2,28 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from probehook.capture_config import CaptureConfig
 from probehook.core.spans import completion_spans
-from probehook.frontend.fill import completions, is_pooled
+from probehook.frontend.fill import completions, failed, is_pooled
 from probehook.store.writer import PendingRequest, RowBlock
+
+logger = logging.getLogger(__name__)
+
+
+def store_filled(store: Any, output: Any, request: Any) -> None:
+    """Add a finished output, rows filled in, to ``store`` (an ``ActivationStore``); set its
+    ``store_id``. ``request`` is the front end's ``TrackedRequest`` of it. A request whose
+    capture failed is logged and not stored. Offline and streamed outputs both end here."""
+    assert request.config is not None
+    if failed(output):
+        logger.error("probehook: request %s is not stored.", output.request_id)
+        return
+    # vLLM's request_id stays as it is; the store names the request itself.
+    pending = pending_request(output, request.sampling, request.config, request.record)
+    output.store_id = store.add(pending)
 
 
 def pending_request(

@@ -3,8 +3,10 @@
 ``embed`` over a batch of sentences on all-MiniLM-L6-v2 (a 6-layer BERT, compiled mode), and the
 tiny segmenter on a 256 x 256 image (1024 patch requests per input). Every configuration's
 round is bracketed by two rounds of the plain engine and compared with their geometric mean;
-the report quotes medians over rounds of that ratio. Configurations: one probe (scores only
-leave the worker), and one layer of rows plus the probe.
+the report quotes medians over rounds of that ratio. Each round starts with a garbage
+collection, so a full collection's pause lands on no particular configuration.
+Configurations: one probe (scores only leave the worker), and one layer of rows plus the
+probe.
 
 Writes benchmarks/results/pooling.json and pooling.md.
 """
@@ -12,6 +14,7 @@ Writes benchmarks/results/pooling.json and pooling.md.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -46,6 +49,9 @@ def bracketed(run: dict[str, Callable[[], int]], rounds: int) -> dict[str, objec
     ratios: dict[str, list[float]] = {name: [] for name in run if name != BASELINE}
 
     def rate(name: str) -> float:
+        # A full collection of this process's heap (three engines' worth) takes ~0.4 s, more
+        # than a round: start every round with none pending, as timeit does by disabling gc.
+        gc.collect()
         start = time.perf_counter()
         items = run[name]()
         return items / (time.perf_counter() - start)

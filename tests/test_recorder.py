@@ -147,3 +147,59 @@ def test_forget_frees_rows() -> None:
     # Late steps of the forgotten request are ignored, not re-created.
     recorder.record(["x"], np.array([0, 1]), np.array([4]), {"x": plan("T-1/0", 0)}.get)
     assert recorder.rows_by_key == {}
+
+
+def test_one_step_requests_export_in_one_block() -> None:
+    """Requests whose every kept row comes in one step (one-pass requests, whole prompts)
+    are exported together with requests read row by row, a chunked one and a failed one,
+    in order, for all layers and for a subset."""
+    buffers = [torch.zeros(32, HIDDEN) for _ in range(2)]
+    row_bytes = 2 * HIDDEN * 4
+    recorder = StepRecorder(buffers, layers=(1, 3), limit_bytes=6 * row_bytes)
+    plans = {
+        "a": plan("A/0", 0, 3),
+        "b": plan("B/0", 1, 4),  # keeps positions 1..3 of a 4-token prompt
+        "c": plan("C/0", 0, 6),  # its prompt comes in two chunks
+        "d": plan("D/0", 0, 8),  # over the per-request limit: fails alone
+        "e": plan("E/0", 0, 2),
+    }
+    step1 = [("a", p) for p in range(3)] + [("b", p) for p in range(4)] + [("c", 0), ("c", 1)]
+    step1 += [("d", p) for p in range(8)] + [("e", p) for p in range(2)]
+    fill(buffers, step1)
+    recorder.record(
+        ["a", "b", "c", "d", "e"],
+        np.array([0, 3, 7, 9, 17, 19]),
+        np.array([0, 0, 0, 0, 0]),
+        plans.get,
+    )
+    fill(buffers, [("c", p) for p in range(2, 6)])
+    recorder.record(["c"], np.array([0, 4]), np.array([2]), plans.get)
+    # A preempted request's recompute writes the same positions again.
+    fill(buffers, [("e", 0), ("e", 1)])
+    recorder.record(["e"], np.array([0, 2]), np.array([0]), plans.get)
+
+    keys = ["A/0", "B/0", "C/0", "D/0", "E/0", "nobody/0"]
+    for layers in ([1, 3], [3]):
+        spans = [Span(0, 3), Span(1, 4), Span(0, 6), Span(0, 8), Span(0, 2), Span(0, 1)]
+        if layers == [3]:  # the same requests again, asked for one layer and fewer rows
+            spans[0], spans[4] = Span(0, 2), Span(1, 2)
+            fill(buffers, step1)
+            recorder.record(
+                ["a2", "b2", "c2", "d2", "e2"],
+                np.array([0, 3, 7, 9, 17, 19]),
+                np.zeros(5, dtype=np.int64),
+                {f"{k}2": v for k, v in plans.items()}.get,
+            )
+            fill(buffers, [("c", p) for p in range(2, 6)])
+            recorder.record(["c2"], np.array([0, 4]), np.array([2]), {"c2": plans["c"]}.get)
+        out, incomplete, failures = recorder.export_final(keys, spans, layers)
+        assert [i for i, _ in incomplete] == [3, 5] and list(failures) == ["D/0"]
+        offset = 0
+        for key, span in zip(keys, spans, strict=True):
+            n = len(span)
+            if key not in ("D/0", "nobody/0"):
+                for out_slot, layer in enumerate(layers):
+                    want = expected((1, 3).index(layer), key[0].lower(), range(span.lo, span.hi))
+                    torch.testing.assert_close(out[out_slot, offset : offset + n], want)
+            offset += n
+        assert recorder.rows_by_key == {} and recorder.retained_bytes() == 0

@@ -184,3 +184,37 @@ def test_a_wire_missing_a_capture_key_is_refused(key: str) -> None:
     del broken[key]
     with pytest.raises(CaptureConfigError):
         RequestWire.from_wire(broken)
+
+
+def test_the_worker_reuses_a_plan_only_where_it_applies() -> None:
+    """Wires of one template (``plan``) share the first one's plan under their own keys,
+    as long as the prompt length and completion index agree; anything else is read afresh.
+    The same plans as reading every wire, for rows and for scores."""
+    from probehook.adapter.worker.rpc import _reuse_plans
+    from probehook.adapter.worker.runner_v1 import plan_factory
+
+    template = {**RequestWire("s-0", CaptureConfig((0, 3), True, include_decode=False), 2,
+                              probes=("truth",)).to_wire(), "plan": "s-plan0"}  # fmt: skip
+    requests: dict[str, State] = {}
+    for req_id, tag, prompt_len, extra in [
+        ("0_a", "s-1", 4, {}),
+        ("0_b", "s-2", 4, {}),
+        ("0_c", "s-3", 9, {}),  # another prompt length
+        ("1_d", "s-4", 4, {}),  # the second completion
+        ("0_e", "s-5", 4, {"plan": 3}),  # not a template name: fails alone
+        ("0_f", "s-6", 4, {"plan": None, "include_decode": True}),  # no template
+        ("0_g", "s-7", 9, {"plan": None, "include_decode": True}),
+    ]:
+        options = {k: v for k, v in {**template, "tag": tag, **extra}.items() if v is not None}
+        requests[req_id] = State(options)
+        requests[req_id].num_prompt_tokens = prompt_len
+    runner = SimpleNamespace(requests=requests)
+    engine = CaptureConfig(layers=(0, 3), include_prefill=True)
+    signatures: dict[str, Any] = {}
+    rows = _reuse_plans(runner, plan_factory(runner, engine), signatures)
+    scores = _reuse_plans(runner, plan_factory(runner, engine, True), signatures)
+    for req_id in requests:
+        for reuse, for_scores in ((rows, False), (scores, True)):
+            assert reuse(req_id) == plan_factory(runner, engine, for_scores)(req_id), req_id
+    assert "could not read" in (plan_factory(runner, engine)("0_e").error or "")
+    assert signatures == {}  # the second recorder took each signature the first made

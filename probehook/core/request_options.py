@@ -41,6 +41,9 @@ CAPTURE_KEYS = (
 )
 PROBE_KEYS = ("probes", "monitors")
 STEER_KEYS = ("steer", "steer_phase")
+PLAN_KEY = "plan"
+"""A wire key the front end sets on every request tagged from one template: wires with the
+same value differ only in their tag, so the worker reads one of them and reuses its plan."""
 STEER_PHASES = ("both", "prefill", "decode")
 USER_KEYS = CAPTURE_KEYS + PROBE_KEYS + STEER_KEYS
 """Every key a user may set; anything else is refused."""
@@ -276,13 +279,16 @@ class RequestWire:
         for a malformed one."""
         if not isinstance(value, Mapping) or "tag" not in value:
             return None
-        known = {"tag", "n", "stream", "probes", "monitors", "stop_token", "record", *STEER_KEYS}
+        known = {"tag", "n", "stream", "probes", "monitors", "stop_token", "record", PLAN_KEY}
+        known.update(STEER_KEYS)
         unknown = [k for k in value if k not in known and k not in CAPTURE_KEYS]
         if unknown:
             raise CaptureConfigError(f"unknown key(s) {', '.join(sorted(map(repr, unknown)))}")
         tag = value["tag"]
         if not isinstance(tag, str) or not tag:
             raise CaptureConfigError(f"tag={_show(tag)} is not a non-empty string")
+        if not isinstance(value.get(PLAN_KEY, ""), str):
+            raise CaptureConfigError(f"plan={_show(value[PLAN_KEY])} is not a string")
         n = as_int(value.get("n", 1))
         if n is None or n < 1:
             raise CaptureConfigError(f"n={_show(value.get('n'))} is not a positive int")

@@ -253,26 +253,26 @@ def batch_values(
     probes: ProbeSet | None,
 ) -> list[dict[Any, torch.Tensor]]:
     """:func:`value_of` of many needs fetched back to back in one tensor ``[len(layers),
-    total, width]``: views of it (probe scores are split once per set of probe names)."""
+    total, width]``: views of it, cut by one split per layer (probe scores: per probe, once
+    per set of probe names), which costs far less than a slice per need."""
+    sizes = [need.hi - need.lo for need, _ in items]
     if source == "hidden":
-        per_layer = list(zip(layers, tensor, strict=True))
-    else:
-        assert probes is not None
-        scores = tensor[0]
-        split: dict[tuple[str, ...], dict[str, torch.Tensor]] = {}
+        per_layer = [(layer, rows.split(sizes)) for layer, rows in zip(layers, tensor, strict=True)]
+        return [{layer: parts[i] for layer, parts in per_layer} for i in range(len(items))]
+    assert probes is not None
+    scores = tensor[0]
+    split: dict[tuple[str, ...], list[tuple[str, tuple[torch.Tensor, ...]]]] = {}
     values = []
-    offset = 0
-    for need, request in items:
-        lo, offset = offset, offset + need.hi - need.lo
-        if source == "hidden":
-            values.append({layer: rows[lo:offset] for layer, rows in per_layer})
-            continue
+    for i, (_, request) in enumerate(items):
         assert request.probes is not None
         names = request.probes.names
         columns = split.get(names)
         if columns is None:
-            columns = split[names] = probes.split(scores, names)  # type: ignore[union-attr]
-        values.append({name: column[lo:offset] for name, column in columns.items()})
+            columns = split[names] = [
+                (name, column.split(sizes))
+                for name, column in probes.split(scores, names).items()  # type: ignore[union-attr]
+            ]
+        values.append({name: parts[i] for name, parts in columns})
     return values
 
 
@@ -406,10 +406,11 @@ def clear_outputs(output: Any, processors: Sequence[Any] | None = None) -> None:
     """Every probehook attribute exists on every output, empty until filled (also on the
     outputs of an engine without capture, so code works either way). ``processors``: the
     registry's processors, when the caller listed them already."""
+    listed = completions(output)
     for processor in OUTPUT_PROCESSORS if processors is None else processors:
         for attribute in processor.request_attributes:
             setattr(output, attribute, processor.empty())
-        for completion in completions(output):
+        for completion in listed:
             for attribute in processor.completion_attributes:
                 setattr(completion, attribute, processor.empty())
     mirror_first_completion(output)

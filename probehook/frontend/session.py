@@ -41,6 +41,7 @@ import torch
 from probehook.capture_config import CaptureConfig
 from probehook.core.request_options import (
     EXTRA_ARGS_KEY,
+    PLAN_KEY,
     RECORD_KEY,
     RequestOptions,
     RequestWire,
@@ -90,7 +91,7 @@ POOLING_EXTRA = "extra_kwargs"
 Rpc = Callable[[str, tuple], list]
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class TrackedRequest:
     """What the front end remembers of one captured request until its output is filled."""
 
@@ -172,8 +173,9 @@ class CaptureSession:
         self._rpc = rpc
         self._abort = abort
         self._decorate = decorate
-        prefix = uuid.uuid4().hex[:8]  # one random draw per session, not per request
-        self._tags = (f"{prefix}-{i}" for i in itertools.count())
+        self._prefix = uuid.uuid4().hex[:8]  # one random draw per session, not per request
+        self._tags = (f"{self._prefix}-{i}" for i in itertools.count())
+        self._plans = itertools.count()
         self.pending: dict[str, TrackedRequest] = {}  # by request id
         self._templates: dict[tuple[str, int, bool], _TagTemplate] = {}
         """The plan of requests without per-request options, by (field, n, stream): worked
@@ -257,6 +259,8 @@ class CaptureSession:
                 tagged.skip_reading_prefix_cache = True
         if memo is not None and steer is None:
             wired = extra.get(EXTRA_ARGS_KEY) if config is not None else None
+            if wired is not None:  # lets the worker read one wire of the template, not each
+                wired[PLAN_KEY] = f"{self._prefix}-plan{next(self._plans)}"
             self._templates[memo] = _TagTemplate(
                 config,
                 wired,
@@ -343,7 +347,7 @@ class CaptureSession:
                 raw["tag"],
                 engine_id,
                 known.config,
-                {f: _jsonable(getattr(params, f, None)) for f in names},
+                self._sampling(params, names),
                 known.probes,
                 known.stop_token,
                 None,
@@ -352,7 +356,7 @@ class CaptureSession:
         wire = RequestWire.from_wire(raw)
         if wire is None:
             return None
-        sampling = {f: _jsonable(getattr(params, f, None)) for f in names}
+        sampling = self._sampling(params, names)
         probes = None
         if self.probes is not None:
             monitors = tuple(self.probes.check_monitor(m.monitor) for m in wire.monitors)
@@ -368,6 +372,13 @@ class CaptureSession:
             dict(wire.record) if wire.record is not None else None,
             self._steering_of(wire),
         )
+
+    def _sampling(self, params: Any, names: Sequence[str]) -> dict[str, Any]:
+        """The request's sampling (or pooling) settings as its store record keeps them;
+        nothing without a store, which is their only reader."""
+        if self.store is None:
+            return {}
+        return {f: _jsonable(getattr(params, f, None)) for f in names}
 
     def fill(self, outputs: Sequence[Any]) -> None:
         """Fill finished outputs with their rows and scores (:mod:`probehook.frontend.fill`),
@@ -399,7 +410,7 @@ class CaptureSession:
         """Extra fields for a pending request's store record (before :meth:`fill`)."""
         request = self.pending.get(request_id)
         if request is not None:
-            self.pending[request_id] = dataclasses.replace(request, record=record)
+            request.record = record
 
     # -- the export: every need of a step's outputs in one RPC ------------------------------
 

@@ -80,11 +80,13 @@ class RequestRows:
         # about a microsecond, a torch one several, and the recorder does one per request
         # per step.
         self.data: np.ndarray | None = None  # [layers, capacity, hidden]; slot = pos - base
-        self.filled = np.zeros(0, dtype=bool)
+        self.filled = _NONE_FILLED
         self.latest: np.ndarray | None = None  # [layers, hidden]
         self.latest_position = -1
         self.error: str | None = None
         self.closed = False  # exported for the last time or forgotten: ignore late steps
+        self.one_step = False
+        """``data`` is a view of the one step that brought every kept row: all filled."""
         self.wanted = _wanted(keep, self.cursor)
         """Positions a step must copy for this request, ``(lo, hi)``; ``(OPEN, 0)``: none.
         Kept up to date here because every step reads it for every request."""
@@ -111,6 +113,21 @@ class RequestRows:
         lo = max(first, keep.dense.lo, self.cursor)
         hi = min(end, keep.dense.hi)
         if lo >= hi:
+            return
+        if (
+            self.data is None
+            and lo == keep.dense.lo
+            and hi == keep.dense.hi
+            and keep.latest_from is None
+            and not self.stream
+            and (not self.limit or rows[:, lo - first : hi - first].nbytes <= self.limit)
+        ):
+            # Everything the request keeps came in one step (a one-pass request, or a whole
+            # prompt): keep a view of the step's rows instead of a copy. The step's block
+            # lives until its last request is exported; it holds only rows requests keep.
+            self.data = rows[:, lo - first : hi - first]
+            self.filled = _all_filled(hi - lo)
+            self.one_step = True
             return
         if (self.data is None or hi - self.base > self.data.shape[1]) and not self._reserve(
             hi - self.base, rows.dtype
@@ -158,7 +175,18 @@ class RequestRows:
         self._free()
 
     def _free(self) -> None:
-        self.data, self.latest, self.filled = None, None, np.zeros(0, dtype=bool)
+        self.data, self.latest, self.filled = None, None, _NONE_FILLED
+        self.one_step = False
+
+    def whole(self, span: Span, slots: list[int] | slice) -> np.ndarray | None:
+        """The rows of ``span`` as they are held (no copy), when they came in one step and
+        ``span`` is all of them; None otherwise (use :meth:`read_into`)."""
+        data = self.data
+        if not self.one_step or data is None or span.lo != self.base or self.cursor > span.lo:
+            return None
+        if span.hi != self.base + data.shape[1]:
+            return None
+        return data if isinstance(slots, slice) else data[slots]
 
     def read(self, span: Span, slots: list[int] | slice) -> tuple[torch.Tensor, list[int]]:
         """Rows of ``span`` for the given layer slots, and the positions that are missing."""
@@ -207,6 +235,7 @@ class RequestRows:
         if cursor <= self.cursor:
             return
         self.cursor = cursor
+        self.one_step = False
         if self.error is None and not self.closed:
             self.wanted = _wanted(self.keep, cursor)
         if self.latest is not None and self.latest_position < cursor:
@@ -215,7 +244,7 @@ class RequestRows:
             return
         shift = cursor - self.base
         if shift >= self.data.shape[1] or not self.filled[max(shift, 0) :].any():
-            self.data, self.filled = None, np.zeros(0, dtype=bool)
+            self.data, self.filled = None, _NONE_FILLED
             self.base = cursor
         elif shift > 0:
             self.data = self.data[:, shift:].copy()
@@ -514,21 +543,27 @@ class StepRecorder:
         host = host_view(out)
         incomplete: list[tuple[int, list[int]]] = []
         failures: dict[str, str] = {}
-        offset = 0
+        # Rows that came in one step are joined by one concatenate; the others are read
+        # into a piece of their own.
+        pieces: list[np.ndarray] = []
         for index, (key, span) in enumerate(zip(keys, spans, strict=True)):
-            n = len(span)
             rows = self.rows_by_key.pop(key, None)
-            if rows is None or rows.error is not None:
-                if rows is not None:
-                    failures[key] = rows.error  # type: ignore[assignment]
-                missing = list(range(span.lo, span.hi))
-            else:
-                missing = rows.read_into(host[:, offset : offset + n], span, slots)
+            piece = rows.whole(span, slots) if rows is not None and rows.error is None else None
+            if piece is None:
+                piece = np.empty((count, len(span), self.row_width), dtype=host.dtype)
+                if rows is None or rows.error is not None:
+                    if rows is not None:
+                        failures[key] = rows.error  # type: ignore[assignment]
+                    missing = list(range(span.lo, span.hi))
+                else:
+                    missing = rows.read_into(piece, span, slots)
+                if missing:
+                    incomplete.append((index, missing))
+            pieces.append(piece)
             if rows is not None:
                 rows.close()
-            if missing:
-                incomplete.append((index, missing))
-            offset += n
+        if pieces:
+            np.concatenate(pieces, axis=1, out=host)
         self.export_ns += time.perf_counter_ns() - started
         return out, incomplete, failures
 
@@ -564,6 +599,14 @@ def host_view(t: torch.Tensor) -> np.ndarray:
 
 
 NOTHING_WANTED = (OPEN, 0)
+_NONE_FILLED = np.zeros(0, dtype=bool)
+_FILLED = np.ones(4096, dtype=bool)
+
+
+def _all_filled(count: int) -> np.ndarray:
+    """``filled`` of ``count`` positions that all arrived: a view of one shared array (a
+    later write of the same positions sets True where True already is)."""
+    return _FILLED[:count] if count <= len(_FILLED) else np.ones(count, dtype=bool)
 
 
 def _wanted(keep: KeepPlan, cursor: int) -> tuple[int, int]:

@@ -421,6 +421,9 @@ def _request_id(engine_id: str) -> str:
     VLLM_DISABLE_REQUEST_ID_RANDOMIZATION is set).
     """
     head, sep, tail = engine_id.rpartition("-")
-    if sep and len(tail) == 8 and all(c in "0123456789abcdef" for c in tail):
+    if sep and len(tail) == 8 and _HEX.issuperset(tail):
         return head
     return engine_id
+
+
+_HEX = frozenset("0123456789abcdef")

@@ -19,7 +19,7 @@ from typing import Any
 from probehook.adapter.worker import probe_registry, runner_v1
 from probehook.adapter.worker.loader import StepHook, step_hook
 from probehook.core.probe_spec import ProbeSpec
-from probehook.core.request_options import EXTRA_ARGS_KEY
+from probehook.core.request_options import EXTRA_ARGS_KEY, PLAN_KEY
 from probehook.core.spans import Span
 from probehook.core.steering_wire import DEFAULT_CAPACITY, vectors_from_wire
 from probehook.core.stream_frames import encode
@@ -64,9 +64,8 @@ class ProbehookWorkerExtension:
         runner = self.model_runner  # type: ignore[attr-defined]
         runner_v1.check_runner(runner)
         recorders = []
-        # Plan signatures by engine request id, shared when two recorders read each request.
         two = hook.recorder is not None and _reports(self) and bool(probes)
-        signatures: dict[str, tuple] | None = {} if two else None
+        signatures: dict[str, tuple | None] | None = {} if two else None
         if hook.recorder is not None and _reports(self):
             hook.recorder.limit_bytes = int(limit_bytes)
             plans = runner_v1.plan_factory(runner, hook.config)
@@ -273,44 +272,39 @@ class ProbehookWorkerExtension:
 
 
 def _reuse_plans(
-    runner: Any, plan_for: PlanFor, signatures: dict[str, tuple] | None = None
+    runner: Any, plan_for: PlanFor, signatures: dict[str, tuple | None] | None = None
 ) -> PlanFor:
     """``plan_for`` that reads each distinct request plan once: requests whose wires differ
     only in their tag (a batch of requests with the same options and prompt length, such as
     the patches of an image) get the plan of the first, under their own stream key. Reading
     a wire and building its keep plan costs tens of microseconds per request and recorder,
-    which a one-pass request has no decode steps to spread over."""
+    which a one-pass request has no decode steps to spread over. ``signatures``: shared by
+    the two recorders of a worker, which meet each new request in the same step; the second
+    takes the signature the first worked out."""
     cache: dict[tuple, RequestPlan | None] = {}
-    shared = signatures if signatures is not None else {}
 
     def cached(req_id: str) -> RequestPlan | None:
-        # Both recorders meet a new request in the same step: the second one reuses the
-        # signature the first worked out (``signatures``, shared).
         try:
             state = runner.requests.get(req_id)
             params = runner_v1.request_params(state)
             raw = runner_v1.extra_options(params).get(EXTRA_ARGS_KEY)
-            seen = shared.pop(req_id, None)
-            if seen is not None and seen[0] is raw:  # the same wire object: same request
-                known = seen[1]
-            else:
+            signature = signatures.pop(req_id, _MISS) if signatures is not None else _MISS
+            if signature is _MISS:
                 signature = _plan_signature(raw, req_id, state, params)
-                known = None if signature is None else (raw["tag"], signature)
                 if signatures is not None:
-                    if len(shared) >= MAX_CACHED_PLANS:
-                        shared.clear()
-                    shared[req_id] = (raw, known)
+                    if len(signatures) >= MAX_CACHED_PLANS:
+                        signatures.clear()  # requests the other recorder never met
+                    signatures[req_id] = signature
         except Exception:  # noqa: BLE001 - plan_for reports what it cannot read
-            known = None
-        if known is None:
+            signature = None
+        if signature is None:
             return plan_for(req_id)
-        tag, signature = known  # type: ignore[misc]
         plan = cache.get(signature, _MISS)
         if plan is not _MISS:
             if plan is None:
                 return None
             index = plan.key.rsplit("/", 1)[1]  # type: ignore[union-attr]
-            return RequestPlan(f"{tag}/{index}", plan.keep, plan.stream, plan.layers)  # type: ignore[union-attr]
+            return RequestPlan(f"{raw['tag']}/{index}", plan.keep, plan.stream, plan.layers)  # type: ignore[union-attr]
         plan = plan_for(req_id)
         if plan is None or plan.error is None:
             if len(cache) >= MAX_CACHED_PLANS:
@@ -327,12 +321,18 @@ _MISS = object()
 
 def _plan_signature(raw: Any, req_id: str, state: Any, params: Any) -> tuple | None:
     """Everything a request's plan depends on except its tag (None: do not reuse plans for
-    it): the wire's other values with their types (a wire with nested values, such as
+    it): the wire's template (``plan``, set by the front end on wires that differ only in
+    their tag) or else its other values with their types (a wire with nested values, such as
     monitors or a store record, is read afresh), the prompt length, whether the request has
     stop strings, and the completion-index prefix of its engine id."""
-    tag = raw.get("tag") if type(raw) is dict else None
+    tag = raw.get("tag") if isinstance(raw, dict) else None
     if type(tag) is not str or not tag:
         return None
+    head = req_id.split("_", 1)[0] if "_" in req_id else ""
+    stop = bool(getattr(params, "stop", None))
+    template = raw.get(PLAN_KEY)
+    if type(template) is str:
+        return (template, state.num_prompt_tokens, stop, head)
     items: list[tuple] = []
     for key, value in raw.items():
         if key == "tag":
@@ -345,8 +345,6 @@ def _plan_signature(raw: Any, req_id: str, state: Any, params: Any) -> tuple | N
         elif kind not in _SCALARS:
             return None
         items.append((key, kind, value))
-    head = req_id.split("_", 1)[0] if "_" in req_id else ""
-    stop = bool(getattr(params, "stop", None))
     return (tuple(items), state.num_prompt_tokens, stop, head)
 
 

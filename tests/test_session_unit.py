@@ -49,6 +49,32 @@ def test_asking_for_nothing_leaves_the_request_untagged() -> None:
     assert "tag" not in tagged.extra_args["probehook"]
 
 
+def test_tagged_params_copy_cheaply_and_keep_the_users_values_apart() -> None:
+    """vLLM deep-copies a request's params several times: probehook's wire (and extra args
+    holding nothing else) are shared by the copies; the user's other extra args are copied.
+    Requests of one template name it, so the worker reads it once."""
+    import copy
+
+    one = session()
+    tagged = [one.tag(Params()), one.tag(Params())]
+    for params in tagged:
+        clone = copy.deepcopy(params)
+        assert clone.extra_args is params.extra_args
+    first, second = (p.extra_args["probehook"] for p in tagged)
+    assert first["tag"] != second["tag"] and first["plan"] == second["plan"]
+    assert one.tag(Params(), stream=True).extra_args["probehook"]["plan"] != first["plan"]
+    mine = Params()
+    mine.extra_args = {"mine": [1, 2]}
+    own = one.tag(mine)
+    clone = copy.deepcopy(own)
+    assert clone.extra_args is not own.extra_args
+    assert (
+        clone.extra_args["mine"] == [1, 2]
+        and clone.extra_args["mine"] is not own.extra_args["mine"]
+    )
+    assert clone.extra_args["probehook"] is own.extra_args["probehook"]
+
+
 # -- probehook.frontend.fill: one algorithm for offline and streamed outputs ----------------
 
 

@@ -231,6 +231,25 @@ class WireDict(dict):
         return self
 
 
+class WireOnly(dict):
+    """A request's extra args (``extra_args`` / ``extra_kwargs``) that hold nothing but
+    probehook's wire: shared on deep copy like the wire itself, so vLLM's copies of the
+    params do not copy the dict around it either. Extra args with other keys stay a plain
+    dict (their values are the user's)."""
+
+    __slots__ = ()
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> WireOnly:
+        return self
+
+
+def with_wire(extra: dict[str, Any], wire: WireDict) -> dict[str, Any]:
+    """``extra`` with the wire under :data:`EXTRA_ARGS_KEY` (a :class:`WireOnly` when the
+    wire is all it holds)."""
+    extra[EXTRA_ARGS_KEY] = wire
+    return WireOnly(extra) if len(extra) == 1 else extra
+
+
 @dataclass(frozen=True)
 class RequestWire:
     """The resolved plan of one captured request, as the front end writes it for the worker."""

@@ -154,17 +154,17 @@ def plan(
     prompt_len = len(output.prompt_token_ids or [])
     started = progress.gate_started if progress is not None else {}
     planned = OutputPlan(output, request, prompt_len, [], [], started)
-    sources = _sources(request)
     if attributes is None:
         attributes = source_attributes()
     if is_pooled(output):
         # One pass over the input: its rows and scores are prompt rows.
         key = f"{request.tag}/0"
-        for source, spans_config in sources:
-            prefill, _ = completion_spans(spans_config, prompt_len, 0)
-            need = Need(source, key, prefill.lo, prefill.hi) if prefill is not None else None
+        scores = request.probes is not None and bool(request.probes.names)
+        for source, span in _pooled_spans(config, scores, prompt_len):
+            need = Need(source, key, *span) if span is not None else None
             planned.slots.append(Slot(output, attributes[source][0], source, key, need, None))
         return planned
+    sources = _sources(request)
     delta = progress is not None and progress.delta
     carries_prefill = not delta or not progress.prefill_sent  # type: ignore[union-attr]
     for completion in output.outputs:
@@ -256,6 +256,9 @@ def batch_values(
     total, width]``: views of it, cut by one split per layer (probe scores: per probe, once
     per set of probe names), which costs far less than a slice per need."""
     sizes = [need.hi - need.lo for need, _ in items]
+    rest = tensor.shape[1] - sum(sizes)
+    if rest > 0:  # rows past the needs (none in an export's reply): a last piece, unused
+        sizes.append(rest)
     if source == "hidden":
         per_layer = [(layer, rows.split(sizes)) for layer, rows in zip(layers, tensor, strict=True)]
         return [{layer: parts[i] for layer, parts in per_layer} for i in range(len(items))]
@@ -298,6 +301,22 @@ def _sources(request: TrackedRequest) -> list[tuple[str, CaptureConfig]]:
     if request.probes is not None and request.probes.names:
         sources.append(("scores", _score_config(config)))
     return sources
+
+
+@functools.lru_cache(maxsize=1024)
+def _pooled_spans(
+    config: CaptureConfig, scores: bool, prompt_len: int
+) -> tuple[tuple[str, tuple[int, int] | None], ...]:
+    """Each source of a pooled output with its prompt rows (None: it keeps none), once per
+    distinct request shape: a pooling batch asks it for every output."""
+    sources = [("hidden", config)] if config.layers else []
+    if scores:
+        sources.append(("scores", _score_config(config)))
+    spans = []
+    for source, spans_config in sources:
+        prefill, _ = completion_spans(spans_config, prompt_len, 0)
+        spans.append((source, (prefill.lo, prefill.hi) if prefill is not None else None))
+    return tuple(spans)
 
 
 @functools.lru_cache(maxsize=256)

@@ -47,6 +47,7 @@ from probehook.core.request_options import (
     RequestWire,
     WireDict,
     WireMonitor,
+    with_wire,
 )
 from probehook.errors import CaptureConfigError, CaptureError
 from probehook.frontend.fill import (
@@ -252,7 +253,7 @@ class CaptureSession:
                 steer=steer.terms if steer is not None else (),
                 steer_phase=steer.phase if steer is not None else "both",
             )
-            extra[EXTRA_ARGS_KEY] = wire.to_wire()
+            extra = with_wire(extra, wire.to_wire())
             setattr(tagged, field, extra)
             if config is not None and config.include_prefill:
                 # Cached prompt blocks are never recomputed, so their rows would be missing.
@@ -280,8 +281,7 @@ class CaptureSession:
         wire = WireDict(template.wire)
         wire["tag"] = next(self._tags)
         wire.described = template.described
-        extra[EXTRA_ARGS_KEY] = wire
-        setattr(tagged, field, extra)
+        setattr(tagged, field, with_wire(extra, wire))
         if template.config is not None and template.config.include_prefill:
             tagged.skip_reading_prefix_cache = True
         return tagged

@@ -39,7 +39,8 @@ def _plain_vllm(model: str) -> None:
         "load_formats": sorted(_LOAD_FORMAT_TO_MODEL_LOADER),
         "archs": sorted(a for a in ModelRegistry.get_supported_archs() if "Probehook" in a),
     }
-    # What probehook's engine setup does around a capture engine's start (engine_config.v1_runner)
+    # What probehook's engine setup does around a capture engine's start
+    # (engine_config.capture_engine_start)
     from probehook.adapter import plugin
 
     with plugin.active():

@@ -13,7 +13,8 @@ from probehook.capture_config import CaptureConfig
 from probehook.errors import CaptureConfigError, CaptureError
 from probehook.frontend import fill
 from probehook.frontend.request_stream import RequestStream
-from probehook.frontend.session import CaptureSession, TrackedRequest
+from probehook.frontend.session import CaptureSession
+from probehook.frontend.tracked_request import TrackedRequest
 
 
 class Params:

@@ -120,12 +120,12 @@ def test_untested_vllm_version_warns_once_at_construction(
     caplog.set_level(logging.WARNING, logger="probehook")
     for version in ("0.32.0", "0.33.2+cu130"):  # tested lines: silent
         monkeypatch.setattr(vllm, "__version__", version)
-        with engine_config.v1_runner():
+        with engine_config.capture_engine_start():
             pass
     assert not caplog.records
     monkeypatch.setattr(vllm, "__version__", "0.34.0")
     for _ in range(2):  # the construction path of every capturing LLM / AsyncLLM
-        with engine_config.v1_runner():
+        with engine_config.capture_engine_start():
             pass
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1, warnings

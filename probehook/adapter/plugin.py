@@ -2,12 +2,12 @@
 process (front end, engine core, workers) of every engine, probehook's or not.
 
 It is inert unless probehook builds the engine: installing probehook must not change a plain
-``vllm serve`` or ``vllm.LLM``. probehook's engine setup (``engine_config.v1_runner``, the block
-in which a capture engine starts) calls :func:`active`, which sets :data:`ACTIVE_ENV` while the
-engine's processes start (they inherit it at spawn) and registers the loader in its own process
-(where vLLM may have run its plugins already, and where an in-process engine core loads the
-model). Only then does :func:`register` register the ``probehook`` load format; otherwise it
-imports nothing.
+``vllm serve`` or ``vllm.LLM``. probehook's engine setup
+(``engine_config.capture_engine_start``, the block in which a capture engine starts) calls
+:func:`active`, which sets :data:`ACTIVE_ENV` while the engine's processes start (they inherit
+it at spawn) and registers the loader in its own process (where vLLM may have run its plugins
+already, and where an in-process engine core loads the model). Only then does
+:func:`register` register the ``probehook`` load format; otherwise it imports nothing.
 
 The bundled models register through their own entry point (``probehook_models``,
 :mod:`probehook.models.plugin`), as a third party's would.

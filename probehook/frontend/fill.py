@@ -37,8 +37,8 @@ from probehook.outputs import OUTPUT_PROCESSORS
 
 if TYPE_CHECKING:
     from probehook.frontend.probe_set import ProbeSet
-    from probehook.frontend.session import TrackedRequest
     from probehook.frontend.steering_set import RequestSteer
+    from probehook.frontend.tracked_request import TrackedRequest
 
 logger = logging.getLogger(__name__)
 

@@ -31,8 +31,9 @@ from probehook.frontend.fill import (
     reset,
     value_of,
 )
-from probehook.frontend.session import CaptureSession, TrackedRequest
+from probehook.frontend.session import CaptureSession
 from probehook.frontend.stream_receiver import Receiver
+from probehook.frontend.tracked_request import TrackedRequest
 from probehook.store.records import store_filled
 
 Kind = Literal["cumulative", "delta", "final"]
@@ -50,8 +51,9 @@ class RequestStream:
         self.kind = kind
         self.progress = Progress(delta=kind == "delta")
         self.stored = False
-        # Delta mode: every token and all text so far, per completion, for the store.
-        self.history: dict[int, tuple[list[int], str]] = {}
+        # Delta mode: every token and every piece of text so far, per completion, for the
+        # store (appended in place: a long stream must not copy its history per output).
+        self.history: dict[int, tuple[list[int], list[str]]] = {}
 
     async def fill(self, output: Any) -> None:
         """Set ``hidden_states``, ``probe_scores``, ``probe_flags`` (and the prefill twins)
@@ -60,8 +62,9 @@ class RequestStream:
         delta = self.kind == "delta"
         if delta and self.session.store is not None:
             for c in output.outputs:
-                tokens, text = self.history.get(c.index, ([], ""))
-                self.history[c.index] = (tokens + list(c.token_ids), text + (c.text or ""))
+                tokens, texts = self.history.setdefault(c.index, ([], []))
+                tokens.extend(c.token_ids)
+                texts.append(c.text or "")
         await self._fill(output, self.progress)
         if output.finished and self.session.store is not None and not self.stored:
             whole = await self._whole(output) if delta else output
@@ -76,7 +79,8 @@ class RequestStream:
         whole.outputs = []
         for c in output.outputs:
             full = copy.copy(c)
-            full.token_ids, full.text = self.history.get(c.index, ([], ""))
+            tokens, texts = self.history.get(c.index, ([], []))
+            full.token_ids, full.text = list(tokens), "".join(texts)
             whole.outputs.append(full)
         await self._fill(whole, None)  # the whole request, as offline
         return whole

@@ -64,6 +64,7 @@ from probehook.frontend.fill import (
 )
 from probehook.frontend.probe_set import ProbeSet, RequestProbes
 from probehook.frontend.steering_set import RequestSteer, SteeringSet
+from probehook.frontend.tracked_request import TrackedRequest
 from probehook.frontend.transport_reader import Spool, read_tensors
 from probehook.outputs import OUTPUT_PROCESSORS
 from probehook.store.records import store_filled
@@ -90,22 +91,6 @@ POOLING_EXTRA = "extra_kwargs"
 """Where PoolingParams carry free-form options (SamplingParams: ``extra_args``)."""
 
 Rpc = Callable[[str, tuple], list]
-
-
-@dataclass(slots=True)
-class TrackedRequest:
-    """What the front end remembers of one captured request until its output is filled."""
-
-    tag: str
-    engine_id: str
-    config: CaptureConfig | None
-    sampling: dict[str, Any]
-    probes: RequestProbes | None = None
-    stop_token: int | None = None
-    record: dict[str, Any] | None = None
-    """Extra fields of the request's store record (a one-pass input's request and patch)."""
-    steering: RequestSteer | None = None
-    """The request's steering (None: not steered)."""
 
 
 @dataclass(frozen=True)

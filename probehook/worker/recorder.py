@@ -57,6 +57,13 @@ class ExportedSpan:
 class RequestRows:
     """The rows one engine request keeps: dense by position, plus an optional latest slot."""
 
+    # One per request and recorder, built in the step: slots make that cheaper.
+    __slots__ = (
+        "key", "keep", "stream", "stream_slots", "error_sent", "num_layers", "hidden", "dtype",
+        "limit", "cursor", "base", "data", "filled", "latest", "latest_position", "error",
+        "closed", "one_step", "wanted",
+    )  # fmt: skip
+
     def __init__(
         self,
         key: str,

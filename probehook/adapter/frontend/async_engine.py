@@ -33,8 +33,9 @@ from probehook.errors import CaptureConfigError
 from probehook.frontend.fill import clear_outputs, reset
 from probehook.frontend.probe_set import ProbeSet
 from probehook.frontend.request_stream import Kind, RequestStream
-from probehook.frontend.session import CaptureSession, TrackedRequest, marked, options_of
+from probehook.frontend.session import CaptureSession, marked, options_of
 from probehook.frontend.stream_receiver import Receiver
+from probehook.frontend.tracked_request import TrackedRequest
 from probehook.store import ActivationStore
 
 BEAM_SEARCH_REFUSED = (
@@ -126,7 +127,7 @@ class AsyncLLM(VllmAsyncLLM):
         if not request.captures:
             self._start_engine(engine_config.engine_args(model, engine_kwargs, True), start)
             return
-        with engine_config.v1_runner():
+        with engine_config.capture_engine_start():
             plan = setup.prepare(model, engine_kwargs, request, _resolve)
             assert plan is not None
             self._start_engine(engine_config.engine_args(model, plan.engine_kwargs, True), start)

@@ -82,7 +82,7 @@ _logged_runner_choice = False
 
 
 @contextlib.contextmanager
-def v1_runner() -> Iterator[None]:
+def capture_engine_start() -> Iterator[None]:
     """Build a capture engine inside this block: its processes start with vLLM's V1 model
     runner, which probehook reads, and with probehook's vLLM plugin active
     (:func:`probehook.adapter.plugin.active`: the engine's processes register probehook's
@@ -144,13 +144,13 @@ def pin_v1_runner(vllm_config: Any) -> None:
     """Make the front end's ``vllm_config.use_v2_model_runner`` say False for the engine's life.
 
     vLLM's property is live: it reads ``VLLM_USE_V2_MODEL_RUNNER`` (and, unset, Triton and the
-    features in use) on every call. :func:`v1_runner` restores the variable once the engine's
-    processes have started with V1, so on a GPU the front end would then believe V2 while the
-    workers run V1, and vLLM's request-time checks that trust it (beam search allow-lists,
-    ``prompt_logprob_token_ids``) would let V2-only requests through. Pinning this engine's
-    config object (the one its input processor and the server's handlers hold) keeps the
-    answer true without leaving the variable set for other engines of the process. Swapping
-    the class is the only way: an instance attribute cannot shadow a property.
+    features in use) on every call. :func:`capture_engine_start` restores the variable once the
+    engine's processes have started with V1, so on a GPU the front end would then believe V2
+    while the workers run V1, and vLLM's request-time checks that trust it (beam search
+    allow-lists, ``prompt_logprob_token_ids``) would let V2-only requests through. Pinning
+    this engine's config object (the one its input processor and the server's handlers hold)
+    keeps the answer true without leaving the variable set for other engines of the process.
+    Swapping the class is the only way: an instance attribute cannot shadow a property.
     """
     base = type(vllm_config)
     if getattr(base, "_probehook_v1_pinned", False):

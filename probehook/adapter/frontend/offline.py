@@ -133,7 +133,7 @@ class LLM(vllm.LLM):
         if not request.captures:  # plain vLLM, with the runner vLLM itself chooses
             super().__init__(model=model, **kwargs)
             return
-        with engine_config.v1_runner():
+        with engine_config.capture_engine_start():
             plan = setup.prepare(model, kwargs, request, engine_config.resolve_vllm_config)
             assert plan is not None
             super().__init__(model=model, **plan.engine_kwargs)

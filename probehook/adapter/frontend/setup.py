@@ -129,7 +129,7 @@ def prepare(
 ) -> CaptureSetup | None:
     """Check the capture arguments and build the engine arguments; None when the request
     captures nothing (the front end is then plain vLLM). Call inside
-    ``engine_config.v1_runner()``, and start the engine inside the same block.
+    ``engine_config.capture_engine_start()``, and start the engine inside the same block.
 
     Args:
         resolve: builds the ``VllmConfig`` that the engine will run with from ``(model,

@@ -3,7 +3,7 @@ it) at the end of each forward pass: request order, query offsets, computed-toke
 each request's sampling params.
 
 Model Runner V2 (the default of CUDA builds with Triton) keeps none of these attributes;
-``probehook`` selects V1 at construction (``engine_config.v1_runner``) and this module
+``probehook`` selects V1 at construction (``engine_config.capture_engine_start``) and this module
 refuses anything else with a clear error instead of an ``AttributeError`` mid-generation.
 """
 

@@ -22,8 +22,11 @@ def expected(slot: int, req: str, positions: range) -> torch.Tensor:
     return torch.tensor([[slot, ord(req), p] for p in positions], dtype=torch.float32)
 
 
-def plan(key: str, lo: int, hi: int = OPEN, latest_from: int | None = None) -> RequestPlan:
-    return RequestPlan(key, KeepPlan(Span(lo, hi) if hi > lo else None, latest_from))
+def plan(
+    key: str, lo: int, hi: int = OPEN, latest_from: int | None = None, one_pass: bool = False
+) -> RequestPlan:
+    keep = KeepPlan(Span(lo, hi) if hi > lo else None, latest_from)
+    return RequestPlan(key, keep, one_pass=one_pass)
 
 
 def test_rows_follow_batch_metadata_across_steps() -> None:
@@ -150,18 +153,18 @@ def test_forget_frees_rows() -> None:
 
 
 def test_one_step_requests_export_in_one_block() -> None:
-    """Requests whose every kept row comes in one step (one-pass requests, whole prompts)
-    are exported together with requests read row by row, a chunked one and a failed one,
-    in order, for all layers and for a subset."""
+    """One-pass requests whose every kept row comes in one step are held as views of it and
+    exported together with requests read row by row (a chunked one, a generating one) and a
+    failed one, in order, for all layers and for a subset."""
     buffers = [torch.zeros(32, HIDDEN) for _ in range(2)]
     row_bytes = 2 * HIDDEN * 4
     recorder = StepRecorder(buffers, layers=(1, 3), limit_bytes=6 * row_bytes)
     plans = {
-        "a": plan("A/0", 0, 3),
-        "b": plan("B/0", 1, 4),  # keeps positions 1..3 of a 4-token prompt
-        "c": plan("C/0", 0, 6),  # its prompt comes in two chunks
-        "d": plan("D/0", 0, 8),  # over the per-request limit: fails alone
-        "e": plan("E/0", 0, 2),
+        "a": plan("A/0", 0, 3, one_pass=True),
+        "b": plan("B/0", 1, 4, one_pass=True),  # keeps positions 1..3 of a 4-token prompt
+        "c": plan("C/0", 0, 6, one_pass=True),  # its prompt comes in two chunks
+        "d": plan("D/0", 0, 8, one_pass=True),  # over the per-request limit: fails alone
+        "e": plan("E/0", 0, 2),  # a generating request: copied, not a view
     }
     step1 = [("a", p) for p in range(3)] + [("b", p) for p in range(4)] + [("c", 0), ("c", 1)]
     step1 += [("d", p) for p in range(8)] + [("e", p) for p in range(2)]
@@ -172,6 +175,9 @@ def test_one_step_requests_export_in_one_block() -> None:
         np.array([0, 0, 0, 0, 0]),
         plans.get,
     )
+    # One-pass rows that came in one step are views of it; the others are their own.
+    held = {k: recorder.rows_by_key[k].one_step for k in ("A/0", "B/0", "C/0", "E/0")}
+    assert held == {"A/0": True, "B/0": True, "C/0": False, "E/0": False}
     fill(buffers, [("c", p) for p in range(2, 6)])
     recorder.record(["c"], np.array([0, 4]), np.array([2]), plans.get)
     # A preempted request's recompute writes the same positions again.

@@ -5,7 +5,9 @@ After the forward pass, :meth:`StepRecorder.record` picks the rows that requests
 the runner's batch metadata (request ids and query offsets), never by counting rows. The picked
 rows of all layers are gathered on the device and copied to host once per step, then copied
 into each request's own buffer, so the step's staging tensor is freed at once: retained memory
-is what each live request will return, nothing more.
+is what each live request will return, nothing more. The one exception is a one-pass
+(pooling) request, which ends in the step that computes it: its rows stay a view of the
+step's block until its export, and an export of many joins them in one copy.
 
 Rows are keyed by absolute position, so a request that is preempted and recomputed overwrites
 its rows. A request's rows are handed over in order up to a *cursor* (:meth:`export`) and freed
@@ -42,6 +44,11 @@ class RequestPlan:
     """The layers a stream pushes (a subset of the recorder's); None: all of them."""
     error: str | None = None
     """Set when the worker could not read the request's options: its capture fails alone."""
+    one_pass: bool = False
+    """The request ends in the step that computes it (a pooling request): rows that arrive
+    in one step may stay views of that step's block, which its export frees soon. A
+    generating request's rows are copied: one long request must not keep a whole step's
+    block alive."""
 
 
 @dataclass
@@ -61,7 +68,7 @@ class RequestRows:
     __slots__ = (
         "key", "keep", "stream", "stream_slots", "error_sent", "num_layers", "hidden", "dtype",
         "limit", "cursor", "base", "data", "filled", "latest", "latest_position", "error",
-        "closed", "one_step", "wanted",
+        "closed", "one_pass", "one_step", "wanted",
     )  # fmt: skip
 
     def __init__(
@@ -72,8 +79,10 @@ class RequestRows:
         dtype: torch.dtype,
         limit: int,
         stream: bool = False,
+        one_pass: bool = False,
     ) -> None:
         self.key = key
+        self.one_pass = one_pass
         self.keep = keep
         self.stream = stream
         self.stream_slots: slice | list[int] = slice(None)  # what a stream pushes
@@ -122,16 +131,17 @@ class RequestRows:
         if lo >= hi:
             return
         if (
-            self.data is None
+            self.one_pass
+            and self.data is None
             and lo == keep.dense.lo
             and hi == keep.dense.hi
             and keep.latest_from is None
             and not self.stream
             and (not self.limit or rows[:, lo - first : hi - first].nbytes <= self.limit)
         ):
-            # Everything the request keeps came in one step (a one-pass request, or a whole
-            # prompt): keep a view of the step's rows instead of a copy. The step's block
-            # lives until its last request is exported; it holds only rows requests keep.
+            # Everything a one-pass request keeps came in this step: keep a view of the
+            # step's rows instead of a copy. The step's block lives until its last request
+            # is exported; it holds only rows requests keep.
             self.data = rows[:, lo - first : hi - first]
             self.filled = _all_filled(hi - lo)
             self.one_step = True
@@ -396,7 +406,13 @@ class StepRecorder:
         elif plan is not None:
             shape = (len(self.slots), self.row_width)
             rows = RequestRows(
-                plan.key, plan.keep, shape, self.row_dtype, self.limit_bytes, plan.stream
+                plan.key,
+                plan.keep,
+                shape,
+                self.row_dtype,
+                self.limit_bytes,
+                plan.stream,
+                plan.one_pass,
             )
             if plan.layers is not None and plan.layers != self.slots:
                 rows.stream_slots = [self.slots.index(layer) for layer in plan.layers]

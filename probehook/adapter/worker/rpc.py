@@ -304,7 +304,13 @@ def _reuse_plans(
             if plan is None:
                 return None
             index = plan.key.rsplit("/", 1)[1]  # type: ignore[union-attr]
-            return RequestPlan(f"{raw['tag']}/{index}", plan.keep, plan.stream, plan.layers)  # type: ignore[union-attr]
+            return RequestPlan(
+                f"{raw['tag']}/{index}",
+                plan.keep,  # type: ignore[union-attr]
+                plan.stream,  # type: ignore[union-attr]
+                plan.layers,  # type: ignore[union-attr]
+                one_pass=plan.one_pass,  # type: ignore[union-attr]
+            )
         plan = plan_for(req_id)
         if plan is None or plan.error is None:
             if len(cache) >= MAX_CACHED_PLANS:

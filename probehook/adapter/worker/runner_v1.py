@@ -150,7 +150,8 @@ def _plan(
         end_known = not getattr(params, "stop", None) and not wire.stream
         keep = keep_plan(config, prompt_len, index, end_known)
     layers = None if scores else config.layers
-    return RequestPlan(f"{wire.tag}/{index}", keep, wire.stream, layers)
+    one_pass = getattr(state, "sampling_params", None) is None  # a pooling request
+    return RequestPlan(f"{wire.tag}/{index}", keep, wire.stream, layers, one_pass=one_pass)
 
 
 def _failed_plan(req_id: str, raw: Any, scores: bool, error: str) -> RequestPlan | None:

@@ -202,6 +202,9 @@ def test_the_worker_reuses_a_plan_only_where_it_applies() -> None:
         ("0_c", "s-3", 9, {}),  # another prompt length
         ("1_d", "s-4", 4, {}),  # the second completion
         ("0_e", "s-5", 4, {"plan": 3}),  # not a template name: fails alone
+        ("0_h", "s-8", 4, {"include_prefill": "maybe"}),  # names the template, differs
+        ("0_i", "s-9", 4, {"zzz": 1}),
+        ("0_j", "s-10", 4, {"include_prefill": 1}),  # equal to True, but not a bool
         ("0_f", "s-6", 4, {"plan": None, "include_decode": True}),  # no template
         ("0_g", "s-7", 9, {"plan": None, "include_decode": True}),
     ]:
@@ -216,5 +219,6 @@ def test_the_worker_reuses_a_plan_only_where_it_applies() -> None:
     for req_id in requests:
         for reuse, for_scores in ((rows, False), (scores, True)):
             assert reuse(req_id) == plan_factory(runner, engine, for_scores)(req_id), req_id
-    assert "could not read" in (plan_factory(runner, engine)("0_e").error or "")
+    for corrupt in ("0_e", "0_h", "0_i", "0_j"):
+        assert "could not read" in (plan_factory(runner, engine)(corrupt).error or ""), corrupt
     assert signatures == {}  # the second recorder took each signature the first made

@@ -272,7 +272,7 @@ class ProbehookWorkerExtension:
 
 
 def _reuse_plans(
-    runner: Any, plan_for: PlanFor, signatures: dict[str, tuple | None] | None = None
+    runner: Any, plan_for: PlanFor, signatures: dict[str, Any] | None = None
 ) -> PlanFor:
     """``plan_for`` that reads each distinct request plan once: requests whose wires differ
     only in their tag (a batch of requests with the same options and prompt length, such as
@@ -281,41 +281,43 @@ def _reuse_plans(
     which a one-pass request has no decode steps to spread over. ``signatures``: shared by
     the two recorders of a worker, which meet each new request in the same step; the second
     takes the signature the first worked out."""
-    cache: dict[tuple, RequestPlan | None] = {}
+    cache: dict[tuple, tuple[RequestPlan | None, Any]] = {}
 
     def cached(req_id: str) -> RequestPlan | None:
         try:
             state = runner.requests.get(req_id)
             params = runner_v1.request_params(state)
             raw = runner_v1.extra_options(params).get(EXTRA_ARGS_KEY)
-            signature = signatures.pop(req_id, _MISS) if signatures is not None else _MISS
-            if signature is _MISS:
-                signature = _plan_signature(raw, req_id, state, params)
+            known = signatures.pop(req_id, _MISS) if signatures is not None else _MISS
+            if known is _MISS:
+                known = _plan_signature(raw, req_id, state, params)
                 if signatures is not None:
                     if len(signatures) >= MAX_CACHED_PLANS:
                         signatures.clear()  # requests the other recorder never met
-                    signatures[req_id] = signature
+                    signatures[req_id] = known
         except Exception:  # noqa: BLE001 - plan_for reports what it cannot read
-            signature = None
-        if signature is None:
+            known = None
+        if known is None:
             return plan_for(req_id)
-        plan = cache.get(signature, _MISS)
-        if plan is not _MISS:
+        signature, shape = known
+        hit = cache.get(signature)
+        if hit is not None:
+            plan, template_shape = hit
+            if template_shape != shape:
+                # The wire names a template it does not match (it did not come from the
+                # front end as written): read it afresh, and do not cache what it gets.
+                return plan_for(req_id)
             if plan is None:
                 return None
-            index = plan.key.rsplit("/", 1)[1]  # type: ignore[union-attr]
+            index = plan.key.rsplit("/", 1)[1]
             return RequestPlan(
-                f"{raw['tag']}/{index}",
-                plan.keep,  # type: ignore[union-attr]
-                plan.stream,  # type: ignore[union-attr]
-                plan.layers,  # type: ignore[union-attr]
-                one_pass=plan.one_pass,  # type: ignore[union-attr]
+                f"{raw['tag']}/{index}", plan.keep, plan.stream, plan.layers, one_pass=plan.one_pass
             )
         plan = plan_for(req_id)
         if plan is None or plan.error is None:
             if len(cache) >= MAX_CACHED_PLANS:
                 cache.clear()
-            cache[signature] = plan
+            cache[signature] = (plan, shape)
         return plan
 
     return cached
@@ -326,11 +328,14 @@ _MISS = object()
 
 
 def _plan_signature(raw: Any, req_id: str, state: Any, params: Any) -> tuple | None:
-    """Everything a request's plan depends on except its tag (None: do not reuse plans for
-    it): the wire's template (``plan``, set by the front end on wires that differ only in
-    their tag) or else its other values with their types (a wire with nested values, such as
-    monitors or a store record, is read afresh), the prompt length, whether the request has
-    stop strings, and the completion-index prefix of its engine id."""
+    """Everything a request's plan depends on except its tag, as ``(signature, shape)``
+    (None: do not reuse plans for it). The signature holds the wire's template (``plan``,
+    set by the front end on wires that differ only in their tag) or else its other values
+    with their types (a wire with nested values, such as monitors or a store record, is read
+    afresh), the prompt length, whether the request has stop strings, and the
+    completion-index prefix of its engine id. ``shape``, for a template's wire: its keys,
+    values and their types, compared with the template's (never hashed) so that a wire that
+    names a template without matching it is read afresh."""
     tag = raw.get("tag") if isinstance(raw, dict) else None
     if type(tag) is not str or not tag:
         return None
@@ -338,7 +343,9 @@ def _plan_signature(raw: Any, req_id: str, state: Any, params: Any) -> tuple | N
     stop = bool(getattr(params, "stop", None))
     template = raw.get(PLAN_KEY)
     if type(template) is str:
-        return (template, state.num_prompt_tokens, stop, head)
+        values = [v for k, v in raw.items() if k != "tag"]
+        shape = (tuple(raw), values, tuple(map(type, values)))
+        return (template, state.num_prompt_tokens, stop, head), shape
     items: list[tuple] = []
     for key, value in raw.items():
         if key == "tag":
@@ -351,7 +358,7 @@ def _plan_signature(raw: Any, req_id: str, state: Any, params: Any) -> tuple | N
         elif kind not in _SCALARS:
             return None
         items.append((key, kind, value))
-    return (tuple(items), state.num_prompt_tokens, stop, head)
+    return (tuple(items), state.num_prompt_tokens, stop, head), None
 
 
 def _publish(recorder: StepRecorder, publisher: Publisher, live: Any) -> None:

@@ -293,14 +293,20 @@ def no_rows(
     return probes.split(torch.empty((0, width)), request.probes.names)
 
 
-def _sources(request: TrackedRequest) -> list[tuple[str, CaptureConfig]]:
+def _sources(request: TrackedRequest) -> tuple[tuple[str, CaptureConfig], ...]:
     """The sources a request captures, each with the config its spans follow."""
-    config = request.config
-    assert config is not None
+    assert request.config is not None
+    scores = request.probes is not None and bool(request.probes.names)
+    return _source_configs(request.config, scores)
+
+
+@functools.lru_cache(maxsize=256)
+def _source_configs(config: CaptureConfig, scores: bool) -> tuple[tuple[str, CaptureConfig], ...]:
+    """:func:`_sources` by capture config and whether probes score, once per distinct pair."""
     sources = [("hidden", config)] if config.layers else []
-    if request.probes is not None and request.probes.names:
-        sources.append(("scores", _score_config(config)))
-    return sources
+    if scores:
+        sources.append(("scores", score_config(config)))
+    return tuple(sources)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -309,20 +315,11 @@ def _pooled_spans(
 ) -> tuple[tuple[str, tuple[int, int] | None], ...]:
     """Each source of a pooled output with its prompt rows (None: it keeps none), once per
     distinct request shape: a pooling batch asks it for every output."""
-    sources = [("hidden", config)] if config.layers else []
-    if scores:
-        sources.append(("scores", _score_config(config)))
     spans = []
-    for source, spans_config in sources:
+    for source, spans_config in _source_configs(config, scores):
         prefill, _ = completion_spans(spans_config, prompt_len, 0)
         spans.append((source, (prefill.lo, prefill.hi) if prefill is not None else None))
     return tuple(spans)
-
-
-@functools.lru_cache(maxsize=256)
-def _score_config(config: CaptureConfig) -> CaptureConfig:
-    """:func:`score_config`, once per distinct config (it builds and checks a new one)."""
-    return score_config(config)
 
 
 def _act_on_scores(

@@ -65,7 +65,7 @@ class ProbehookWorkerExtension:
         runner_v1.check_runner(runner)
         recorders = []
         two = hook.recorder is not None and _reports(self) and bool(probes)
-        signatures: dict[str, tuple | None] | None = {} if two else None
+        signatures: dict[str, Any] | None = {} if two else None
         if hook.recorder is not None and _reports(self):
             hook.recorder.limit_bytes = int(limit_bytes)
             plans = runner_v1.plan_factory(runner, hook.config)

@@ -26,9 +26,9 @@ SCORES_SLOT = "scores"
 class ProbeBank:
     """The fused probes of one worker, callable on a recorder's staged rows.
 
-    Called with ``staged`` ``[len(layers), rows, hidden]`` (the rows of each bank layer, in
-    :attr:`layers` order), it returns ``[1, rows, width]`` float32 scores, activations
-    applied, so the host receives final scores.
+    Called with ``staged`` (``[rows, hidden]`` of each bank layer, in :attr:`layers` order:
+    one tensor ``[len(layers), rows, hidden]`` or a list of views), it returns ``[1, rows,
+    width]`` float32 scores, activations applied, so the host receives final scores.
     """
 
     slots = (SCORES_SLOT,)
@@ -62,7 +62,7 @@ class ProbeBank:
                 self._groups.append((spec.activation, cols.lo, cols.hi))
         self._groups = _merge_sigmoid_runs(self._groups)
 
-    def __call__(self, staged: torch.Tensor) -> torch.Tensor:
+    def __call__(self, staged: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
         parts = [
             torch.nn.functional.linear(staged[i].float(), weight, bias)
             for i, (weight, bias) in enumerate(self._fused)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Container, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -31,9 +31,11 @@ from probehook.core.spans import OPEN, KeepPlan, Span
 MIN_CAPACITY = 16
 
 
-@dataclass(frozen=True)
-class RequestPlan:
-    """What one engine request keeps, and the stream key its rows are exported under."""
+class RequestPlan(NamedTuple):
+    """What one engine request keeps, and the stream key its rows are exported under.
+
+    A named tuple: the worker builds one per request and recorder in the step, and a tuple
+    costs a fraction of a frozen dataclass to build."""
 
     key: str
     keep: KeepPlan
@@ -273,14 +275,16 @@ _UNSEEN = object()
 
 
 class RowTransform(Protocol):
-    """Turns a step's staged rows ``[len(layers), rows, hidden]`` into what requests keep,
-    ``[len(slots), rows, width]``, on the device (``probehook.worker.probe_bank.ProbeBank``)."""
+    """Turns a step's staged rows (``[rows, hidden]`` per layer, indexed by layer slot: a
+    tensor ``[len(layers), rows, hidden]`` or a list of views of the tap buffers) into what
+    requests keep, ``[len(slots), rows, width]``, on the device
+    (``probehook.worker.probe_bank.ProbeBank``). It must not keep or change ``staged``."""
 
     slots: tuple[Any, ...]
     width: int
     dtype: torch.dtype
 
-    def __call__(self, staged: torch.Tensor) -> torch.Tensor: ...
+    def __call__(self, staged: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor: ...
 
 
 @dataclass
@@ -430,14 +434,28 @@ class StepRecorder:
         """Gather rows of every layer on the device (transformed, if so built), then one copy
         to host. Returns the device rows, the host rows and the copy's event (None: done)."""
         buf0 = self.buffers[0]
-        idx = torch.from_numpy(index).to(buf0.device, non_blocking=True)
-        staged = torch.empty(
-            (len(self.buffers), len(index), buf0.shape[1]), dtype=buf0.dtype, device=buf0.device
-        )
-        for layer_slot, buf in enumerate(self.buffers):
-            torch.index_select(buf, 0, idx, out=staged[layer_slot])
-        if self.transform is not None:
-            staged = self.transform(staged)
+        lo = int(index[0])
+        # The index rises strictly (batch order, then position): one run when its ends say
+        # so, as when every token of a step is kept (prompt rows of a pooling batch).
+        run = int(index[-1]) - lo + 1 == len(index)
+        if run and self.transform is not None:
+            # The transform computes new tensors: it may read the buffers in place.
+            staged = self.transform([buf[lo : lo + len(index)] for buf in self.buffers])
+        else:
+            staged = torch.empty(
+                (len(self.buffers), len(index), buf0.shape[1]),
+                dtype=buf0.dtype,
+                device=buf0.device,
+            )
+            if run:
+                for layer_slot, buf in enumerate(self.buffers):
+                    staged[layer_slot].copy_(buf[lo : lo + len(index)])
+            else:
+                idx = torch.from_numpy(index).to(buf0.device, non_blocking=True)
+                for layer_slot, buf in enumerate(self.buffers):
+                    torch.index_select(buf, 0, idx, out=staged[layer_slot])
+            if self.transform is not None:
+                staged = self.transform(staged)
         if staged.device.type == "cpu":
             return staged, staged, None
         host = torch.empty(staged.shape, dtype=staged.dtype, pin_memory=True)

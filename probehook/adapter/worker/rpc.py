@@ -309,10 +309,8 @@ def _reuse_plans(
                 return plan_for(req_id)
             if plan is None:
                 return None
-            index = plan.key.rsplit("/", 1)[1]
-            return RequestPlan(
-                f"{raw['tag']}/{index}", plan.keep, plan.stream, plan.layers, one_pass=plan.one_pass
-            )
+            key = raw["tag"] + plan.key[plan.key.rindex("/") :]
+            return RequestPlan(key, plan.keep, plan.stream, plan.layers, None, plan.one_pass)
         plan = plan_for(req_id)
         if plan is None or plan.error is None:
             if len(cache) >= MAX_CACHED_PLANS:
@@ -340,7 +338,7 @@ def _plan_signature(raw: Any, req_id: str, state: Any, params: Any) -> tuple | N
     if type(tag) is not str or not tag:
         return None
     head = req_id.split("_", 1)[0] if "_" in req_id else ""
-    stop = bool(getattr(params, "stop", None))
+    stop = bool(getattr(params, "stop", None)) if runner_v1.samples(params) else False
     template = raw.get(PLAN_KEY)
     if type(template) is str:
         values = [v for k, v in raw.items() if k != "tag"]

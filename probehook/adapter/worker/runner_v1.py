@@ -186,10 +186,26 @@ def request_params(state: Any) -> Any:
 def extra_options(params: Any) -> dict[str, Any]:
     """The free-form per-request dict vLLM carries to the worker: ``SamplingParams.extra_args``
     or ``PoolingParams.extra_kwargs``."""
-    extra = getattr(params, "extra_args", None)
-    if extra is None:
-        extra = getattr(params, "extra_kwargs", None)
-    return extra or {}
+    return getattr(params, extra_field(params), None) or {}
+
+
+def extra_field(params: Any) -> str:
+    """``"extra_args"`` (SamplingParams) or ``"extra_kwargs"`` (PoolingParams): looked up
+    once per type, because a failed getattr costs an exception."""
+    kind = type(params)
+    field = _EXTRA_FIELD.get(kind)
+    if field is None:
+        field = "extra_args" if hasattr(params, "extra_args") else "extra_kwargs"
+        _EXTRA_FIELD[kind] = field
+    return field
+
+
+_EXTRA_FIELD: dict[type, str] = {}
+
+
+def samples(params: Any) -> bool:
+    """Whether ``params`` are a generating request's (SamplingParams), not a pooling one's."""
+    return extra_field(params) == "extra_args"
 
 
 def live_request_ids(runner: Any) -> set[str]:

@@ -3,9 +3,9 @@
 One collection of 400 items. `probehook capture --capture-only` (one replica, in its own
 process) is killed twice at random points after some items were committed: its engine (the
 collection stops and says to rerun), then the whole process group. The rerun on two Ray
-replicas (the only Ray start of the suite) finishes it: every item is then in the store
-exactly once, its rows equal to Hugging Face's, the two replicas' lanes beside the first
-run's.
+replicas (one of the suite's two Ray starts; examples/collect_and_probe.py is the other)
+finishes it: every item is then in the store exactly once, its rows equal to Hugging Face's,
+the two replicas' lanes beside the first run's.
 """
 
 from __future__ import annotations

@@ -28,6 +28,9 @@ from probehook.errors import CaptureConfigError
 
 EXTRA_ARGS_KEY = "probehook"
 """Key under ``SamplingParams.extra_args`` / ``PoolingParams.extra_kwargs``."""
+SAMPLING_EXTRA = "extra_args"
+POOLING_EXTRA = "extra_kwargs"
+"""The free-form per-request dict of ``SamplingParams`` and of ``PoolingParams``."""
 RECORD_KEY = "probehook_record"
 """Key beside it where probehook's own pooling server puts extra store-record fields of a
 request (a one-pass input's user request and patch); never a user option."""
@@ -371,3 +374,9 @@ def raw_tag(value: Any) -> str | None:
     usable one (the worker then fails that request's capture under its stream keys)."""
     tag = value.get("tag") if isinstance(value, Mapping) else None
     return tag if isinstance(tag, str) and tag else None
+
+
+def extra_field(params: Any) -> str:
+    """Where ``params`` carry per-request options: ``"extra_args"`` (SamplingParams) or
+    ``"extra_kwargs"`` (PoolingParams)."""
+    return SAMPLING_EXTRA if hasattr(params, SAMPLING_EXTRA) else POOLING_EXTRA

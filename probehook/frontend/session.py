@@ -42,11 +42,13 @@ from probehook.capture_config import CaptureConfig
 from probehook.core.request_options import (
     EXTRA_ARGS_KEY,
     PLAN_KEY,
+    POOLING_EXTRA,
     RECORD_KEY,
     RequestOptions,
     RequestWire,
     WireDict,
     WireMonitor,
+    extra_field,
     with_wire,
 )
 from probehook.errors import CaptureConfigError, CaptureError
@@ -87,8 +89,6 @@ SAMPLING_FIELDS = (
 
 POOLING_FIELDS = ("task", "dimensions", "use_activation")
 """What the store records of a pooling request's PoolingParams."""
-POOLING_EXTRA = "extra_kwargs"
-"""Where PoolingParams carry free-form options (SamplingParams: ``extra_args``)."""
 
 Rpc = Callable[[str, tuple], list]
 
@@ -179,7 +179,7 @@ class CaptureSession:
         before anything reaches the engine. ``stream``: the worker pushes the request's rows
         through the data plane as they are computed (``AsyncLLM``) instead of holding them
         for an export."""
-        field = _extra_field(params)
+        field = extra_field(params)
         extra = dict(getattr(params, field, None) or {})
         memo = None
         if self.steering is None and extra.get(EXTRA_ARGS_KEY) is None and RECORD_KEY not in extra:
@@ -323,7 +323,7 @@ class CaptureSession:
     def describe(self, params: Any, engine_id: str = "") -> TrackedRequest | None:
         """What the front end needs to collect a request tagged by :meth:`tag` (None: it
         captures nothing)."""
-        field = _extra_field(params)
+        field = extra_field(params)
         raw = (getattr(params, field, None) or {}).get(EXTRA_ARGS_KEY)
         names = POOLING_FIELDS if field == POOLING_EXTRA else SAMPLING_FIELDS
         known = getattr(raw, "described", None) if type(raw) is WireDict else None
@@ -494,28 +494,24 @@ class CaptureSession:
         self.spool.remove()
 
 
-def _extra_field(params: Any) -> str:
-    return "extra_args" if hasattr(params, "extra_args") else POOLING_EXTRA
-
-
 def options_of(params: Any) -> RequestOptions:
     """The user's probehook options ``params`` carry (``extra_args`` of SamplingParams,
     ``extra_kwargs`` of PoolingParams), checked; empty when none."""
     return RequestOptions.from_user(
-        (getattr(params, _extra_field(params), None) or {}).get(EXTRA_ARGS_KEY)
+        (getattr(params, extra_field(params), None) or {}).get(EXTRA_ARGS_KEY)
     )
 
 
 def wire_of(params: Any) -> RequestWire | None:
     """The plan :meth:`CaptureSession.tag` wrote into ``params`` (None: untagged)."""
     return RequestWire.from_wire(
-        (getattr(params, _extra_field(params), None) or {}).get(EXTRA_ARGS_KEY)
+        (getattr(params, extra_field(params), None) or {}).get(EXTRA_ARGS_KEY)
     )
 
 
 def marked(params: Any) -> bool:
     """Whether ``params`` carry probehook options."""
-    return EXTRA_ARGS_KEY in (getattr(params, _extra_field(params), None) or {})
+    return EXTRA_ARGS_KEY in (getattr(params, extra_field(params), None) or {})
 
 
 def _check_complete(

@@ -338,7 +338,7 @@ def _plan_signature(raw: Any, req_id: str, state: Any, params: Any) -> tuple | N
     if type(tag) is not str or not tag:
         return None
     head = req_id.split("_", 1)[0] if "_" in req_id else ""
-    stop = bool(getattr(params, "stop", None)) if runner_v1.samples(params) else False
+    stop = bool(getattr(params, "stop", None))
     template = raw.get(PLAN_KEY)
     if type(template) is str:
         values = [v for k, v in raw.items() if k != "tag"]

@@ -14,7 +14,12 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from probehook.capture_config import CaptureConfig
-from probehook.core.request_options import EXTRA_ARGS_KEY, RequestWire, raw_tag
+from probehook.core.request_options import (
+    EXTRA_ARGS_KEY,
+    RequestWire,
+    extra_field,
+    raw_tag,
+)
 from probehook.core.spans import OPEN, KeepPlan, keep_plan, score_config
 from probehook.errors import CaptureConfigError
 from probehook.worker.recorder import RequestPlan, StepRecorder
@@ -187,25 +192,6 @@ def extra_options(params: Any) -> dict[str, Any]:
     """The free-form per-request dict vLLM carries to the worker: ``SamplingParams.extra_args``
     or ``PoolingParams.extra_kwargs``."""
     return getattr(params, extra_field(params), None) or {}
-
-
-def extra_field(params: Any) -> str:
-    """``"extra_args"`` (SamplingParams) or ``"extra_kwargs"`` (PoolingParams): looked up
-    once per type, because a failed getattr costs an exception."""
-    kind = type(params)
-    field = _EXTRA_FIELD.get(kind)
-    if field is None:
-        field = "extra_args" if hasattr(params, "extra_args") else "extra_kwargs"
-        _EXTRA_FIELD[kind] = field
-    return field
-
-
-_EXTRA_FIELD: dict[type, str] = {}
-
-
-def samples(params: Any) -> bool:
-    """Whether ``params`` are a generating request's (SamplingParams), not a pooling one's."""
-    return extra_field(params) == "extra_args"
 
 
 def live_request_ids(runner: Any) -> set[str]:

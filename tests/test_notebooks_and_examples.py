@@ -5,8 +5,8 @@ checks that its committed outputs are fresh: ``make notebooks`` (scripts/execute
 refreshes them.
 
 Each notebook and example starts its own engine in a subprocess; three run at a time while
-this process only waits, the slowest first. On two cores two at a time kept the CPU only
-about 55% busy (engine start-up waits on handshakes and spawns as much as it computes).
+this process only waits, the slowest first (engine start-up waits on spawns and handshakes,
+so a third run fills the gaps: the module took 389 s on two cores two at a time, 355 s so).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ NOISE = ("Triton", "FutureWarning", "NUMA binding", "Loading safetensors", " WAR
 SUBPROCESS_TIMEOUT_S = 600
 PARALLEL_RUNS = 3
 SLOWEST_FIRST = ("05_non_text_outputs.ipynb", "03_probes.ipynb", "quickstart.py", "demo.py")
-"""Started first (each starts two or three engines), so none is left to run alone at the end."""
+"""The longest runs here, started first so that none is left to run alone at the end."""
 
 
 class Run(NamedTuple):

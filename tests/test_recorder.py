@@ -209,3 +209,24 @@ def test_one_step_requests_export_in_one_block() -> None:
                     torch.testing.assert_close(out[out_slot, offset : offset + n], want)
             offset += n
         assert recorder.rows_by_key == {} and recorder.retained_bytes() == 0
+
+
+def test_one_run_of_kept_rows_is_copied_out_of_the_tap_buffers() -> None:
+    """When a step keeps every row it computed (one run, as a pooling batch does), the rows
+    are copied once out of the tap buffers, not read in place: the next forward pass
+    overwrites the buffers while the one-pass requests' rows wait for their export."""
+    for layers in ((2,), (0, 2)):
+        buffers = [torch.zeros(8, HIDDEN) for _ in layers]
+        recorder = StepRecorder(buffers, layers=layers)
+        plans = {r: plan(f"{r.upper()}/0", 0, 3, one_pass=True) for r in "abcd"}
+        fill(buffers, [(r, p) for r in "ab" for p in range(3)])
+        recorder.record(["a", "b"], np.array([0, 3, 6]), np.zeros(2, np.int64), plans.get)
+        fill(buffers, [(r, p) for r in "cd" for p in range(3)])  # the next step's forward
+        recorder.record(["c", "d"], np.array([0, 3, 6]), np.zeros(2, np.int64), plans.get)
+        keys = ["A/0", "B/0", "C/0", "D/0"]
+        rows, incomplete, failures = recorder.export_final(keys, [Span(0, 3)] * 4, list(layers))
+        assert incomplete == [] and failures == {}
+        for slot in range(len(layers)):
+            for index, request in enumerate("abcd"):
+                got = rows[slot, 3 * index : 3 * index + 3]
+                torch.testing.assert_close(got, expected(slot, request, range(3)))

@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -106,13 +108,48 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):  #
 ENGINE_DEFAULTS = dict(dtype="float32", max_model_len=256, gpu_memory_utilization=0.1, seed=0)
 
 
+BACKGROUND_MODULES = ("test_notebooks_and_examples", "test_architectures")
+"""Modules whose engines run in subprocesses started at the session's first test, in this
+order, beside the rest of the suite (:func:`background`). Each defines
+``start_in_background(pool, items, tmp_path_factory)``; its tests run last, after the rest,
+and wait for what it started."""
+BACKGROUND_PROCESSES = 2
+"""Background subprocesses at a time. The suite's own engine tests leave about a quarter of
+the two cores idle (spawns, handshakes, shutdowns, waits): the notebooks, the examples and the
+architecture engines, run apart after the rest, took about eight minutes of its 22; beside it
+they cost 3.5 (1306 s -> 1093 s for the notebooks and examples alone)."""
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    def position(item: pytest.Item) -> int:
+        name = item.module.__name__  # type: ignore[attr-defined]
+        return BACKGROUND_MODULES.index(name) + 1 if name in BACKGROUND_MODULES else 0
+
+    items.sort(key=position)  # stable: the order within each group is kept
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA (marked gpu)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def background(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, Any]]:
+    """What each of :data:`BACKGROUND_MODULES` started, by module name (started at the
+    session's first test; a module none of whose engine tests is selected starts nothing)."""
+    items = request.session.items
+    modules = {item.module.__name__: item.module for item in items}  # type: ignore[attr-defined]
+    pool = ThreadPoolExecutor(BACKGROUND_PROCESSES, thread_name_prefix="background")
+    started = {
+        name: modules[name].start_in_background(pool, items, tmp_path_factory)
+        for name in BACKGROUND_MODULES
+        if name in modules
+    }
+    yield started
+    pool.shutdown(wait=True, cancel_futures=True)
 
 
 @pytest.fixture(scope="session")

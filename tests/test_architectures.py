@@ -13,7 +13,9 @@ all engines run one after another in ONE subprocess with ``VLLM_ENABLE_V1_MULTIP
 makes no measurable difference), 25-40 s for the compiled one, about 100-160 s for the whole
 file on 2 cores. The subprocess only generates and saves rows; HF runs here, because vLLM's
 Transformers backend decorates HF's model classes in the process that loads them, which
-breaks plain HF models in that same process.
+breaks plain HF models in that same process. The subprocess starts at the session's first test
+and runs beside the rest of the suite (tests/conftest.py, ``background``); the tests that
+check its rows run after the rest.
 
 Run as a script, this file is that subprocess: ``python test_architectures.py SPEC OUT``.
 """
@@ -26,6 +28,7 @@ import re
 import subprocess
 import sys
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -123,18 +126,23 @@ if __name__ == "__main__":
 # --- the tests -------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def engine_runs(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-) -> SimpleNamespace:
+def start_in_background(
+    pool: ThreadPoolExecutor, items: list[pytest.Item], tmp_path_factory: pytest.TempPathFactory
+) -> Future[SimpleNamespace] | None:
+    """Build the selected cases' checkpoints (here: seeding torch in a thread would change the
+    random state of the test running meanwhile), then submit their engine subprocess to
+    ``pool``. tests/conftest.py calls this at the session's start; None: no case selected."""
     from helpers import build_random_checkpoint
 
     # Only the engines of the cases this session runs (``-k gemma`` starts one engine).
     selected = {
         item.callspec.params["case"]
-        for item in request.session.items
-        if getattr(item, "originalname", None) == "test_matches_hf"
+        for item in items
+        if item.module is sys.modules[__name__]
+        and getattr(item, "originalname", None) == "test_matches_hf"
     }
+    if not selected:
+        return None
     base = tmp_path_factory.mktemp("archs")
     dirs: dict[str, Path] = {}
     for seed, arch in enumerate(sorted({arch for _, arch, _ in CASES})):
@@ -153,10 +161,14 @@ def engine_runs(
     (base / "spec.json").write_text(json.dumps(spec))
     out = base / "rows"
     out.mkdir()
+    return pool.submit(_run_subprocess, base / "spec.json", out, dirs)
+
+
+def _run_subprocess(spec: Path, out: Path, dirs: dict[str, Path]) -> SimpleNamespace:
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     started = time.perf_counter()
     proc = subprocess.run(
-        [sys.executable, __file__, str(base / "spec.json"), str(out)],
+        [sys.executable, __file__, str(spec), str(out)],
         env=env,
         cwd=ROOT,
         capture_output=True,
@@ -167,10 +179,21 @@ def engine_runs(
     timings_file = out / "timings.json"
     timings = json.loads(timings_file.read_text()) if timings_file.exists() else {}
     starts = ", ".join(f"{k} {v.get('start_s', 0):.1f}" for k, v in timings.items())
-    print(f"\narchitecture engines: {wall:.0f} s in one subprocess; starts (s): {starts}")
     return SimpleNamespace(
-        dirs=dirs, out=out, log=proc.stdout[-3000:] + proc.stderr[-3000:], rc=proc.returncode
+        dirs=dirs,
+        out=out,
+        log=proc.stdout[-3000:] + proc.stderr[-3000:],
+        rc=proc.returncode,
+        summary=f"architecture engines: {wall:.0f} s in one subprocess; starts (s): {starts}",
     )
+
+
+@pytest.fixture(scope="module")
+def engine_runs(background: dict[str, Any]) -> SimpleNamespace:
+    """The engine subprocess tests/conftest.py started (:func:`start_in_background`)."""
+    runs = background[__name__].result()
+    print(f"\n{runs.summary}")
+    return runs
 
 
 @pytest.mark.engine

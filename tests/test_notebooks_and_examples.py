@@ -4,15 +4,16 @@ Notebooks are committed executed (readers on GitHub see their outputs). Executin
 checks that its committed outputs are fresh: ``make notebooks`` (scripts/execute_notebooks.py)
 refreshes them.
 
-Each notebook and example starts its own engine in a subprocess; three run at a time while
-this process only waits, the slowest first (engine start-up waits on spawns and handshakes,
-so a third run fills the gaps: the module took 389 s on two cores two at a time, 355 s so).
+Each notebook and example starts its own engine in a subprocess. They start at the session's
+first test (tests/conftest.py, ``background``) and run beside the rest of the suite, the
+slowest first; this module's tests run after the rest and check what they gave.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import importlib.util
 import os
 import re
 import subprocess
@@ -43,7 +44,6 @@ BUSY_MACHINE_GIB = 6
 NOISE = ("Triton", "FutureWarning", "NUMA binding", "Loading safetensors", " WARNING ")
 """vLLM's warnings and loading bars, which the examples keep out of their output."""
 SUBPROCESS_TIMEOUT_S = 600
-PARALLEL_RUNS = 3
 SLOWEST_FIRST = ("05_non_text_outputs.ipynb", "03_probes.ipynb", "quickstart.py", "demo.py")
 """The longest runs here, started first so that none is left to run alone at the end."""
 
@@ -105,23 +105,19 @@ def _memory_held(gib: int) -> Iterator[None]:
         hog.wait()
 
 
-@pytest.fixture(scope="module")
-def runs(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[dict[str, Run]]:
-    """Every selected notebook and example, started in the background
-    :data:`PARALLEL_RUNS` at a time (:data:`SLOWEST_FIRST` first), by name; each test waits
-    for its own."""
-    pytest.importorskip("nbclient")
+def start_in_background(
+    pool: ThreadPoolExecutor, items: list[pytest.Item], tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Run]:
+    """Submit the notebooks and examples whose tests are among ``items`` to ``pool`` (the
+    slowest first), by name. tests/conftest.py calls this at the session's start."""
     selected = {
         item.callspec.params.get("name") or item.callspec.params.get("script")
-        for item in request.session.items
+        for item in items
         if item.module is sys.modules[__name__]
         and item.originalname in ("test_notebook_runs", "test_example_runs")
     }
-    pool = ThreadPoolExecutor(
-        max_workers=PARALLEL_RUNS, thread_name_prefix="notebooks-and-examples"
-    )
+    if not selected or importlib.util.find_spec("nbclient") is None:
+        return {}
     jobs: dict[str, Run] = {}
     order = sorted([*NOTEBOOKS, *EXAMPLES], key=lambda n: n not in SLOWEST_FIRST)
     for name in order:
@@ -132,8 +128,14 @@ def runs(
             jobs[name] = Run(pool.submit(_execute_notebook, name, directory), directory)
         else:
             jobs[name] = Run(pool.submit(_run_example, name))
-    yield jobs
-    pool.shutdown(wait=True, cancel_futures=True)
+    return jobs
+
+
+@pytest.fixture
+def runs(background: dict[str, Any]) -> dict[str, Run]:
+    """The runs tests/conftest.py started (:func:`start_in_background`), by name."""
+    pytest.importorskip("nbclient")
+    return background[__name__]
 
 
 def _output_structure(cell: Any) -> tuple[frozenset[str], list[tuple[str, tuple[str, ...]]]]:

@@ -175,9 +175,13 @@ def test_one_step_requests_export_in_one_block() -> None:
         np.array([0, 0, 0, 0, 0]),
         plans.get,
     )
-    # One-pass rows that came in one step are views of it; the others are their own.
-    held = {k: recorder.rows_by_key[k].one_step for k in ("A/0", "B/0", "C/0", "E/0")}
-    assert held == {"A/0": True, "B/0": True, "C/0": False, "E/0": False}
+    # One-pass rows that came in one step are held as views of it, with no buffer of their
+    # own; the others (a chunked prompt, a generating request, one over the limit) have one.
+    assert set(recorder.held) == {"A/0", "B/0"}
+    assert set(recorder.rows_by_key) == {"C/0", "D/0", "E/0"}
+    for key, first in (("A/0", 0), ("B/0", 1)):
+        view, held_from = recorder.held[key]
+        assert held_from == first and view.base is not None  # a view of the step's block
     fill(buffers, [("c", p) for p in range(2, 6)])
     recorder.record(["c"], np.array([0, 4]), np.array([2]), plans.get)
     # A preempted request's recompute writes the same positions again.
@@ -208,7 +212,28 @@ def test_one_step_requests_export_in_one_block() -> None:
                     want = expected((1, 3).index(layer), key[0].lower(), range(span.lo, span.hi))
                     torch.testing.assert_close(out[out_slot, offset : offset + n], want)
             offset += n
-        assert recorder.rows_by_key == {} and recorder.retained_bytes() == 0
+        assert recorder.rows_by_key == {} and recorder.held == {}
+        assert recorder.retained_bytes() == 0
+
+
+def test_held_rows_export_per_stream_count_and_forget() -> None:
+    """Held one-pass rows are found by a per-stream export too (part by part), count as
+    pending and retained, and ``forget`` drops them."""
+    buffers = [torch.zeros(16, HIDDEN)]
+    recorder = StepRecorder(buffers, layers=(0,))
+    plans = {r: plan(f"T-{r}/0", 0, 4, one_pass=True) for r in "ab"}
+    fill(buffers, [(r, p) for r in "ab" for p in range(4)])
+    recorder.record(["a", "b"], np.array([0, 4, 8]), np.zeros(2, np.int64), plans.get)
+    assert set(recorder.held) == {"T-a/0", "T-b/0"} and recorder.pending() == 2
+    assert recorder.retained_bytes() == 2 * 4 * HIDDEN * 4
+    (first,), (span,), error = recorder.export("T-a/0", [Span(0, 2)], [0], final=False)
+    assert error is None and span.missing == []
+    torch.testing.assert_close(first[0], expected(0, "a", range(2)))
+    (rest,), (span,), _ = recorder.export("T-a/0", [Span(2, 4)], [0], final=True)
+    assert span.missing == []
+    torch.testing.assert_close(rest[0], expected(0, "a", range(2, 4)))
+    assert recorder.forget(["T-b"]) == 1
+    assert recorder.pending() == 0 and recorder.retained_bytes() == 0
 
 
 def test_one_run_of_kept_rows_is_copied_out_of_the_tap_buffers() -> None:

@@ -6,8 +6,10 @@ the runner's batch metadata (request ids and query offsets), never by counting r
 rows of all layers are gathered on the device and copied to host once per step, then copied
 into each request's own buffer, so the step's staging tensor is freed at once: retained memory
 is what each live request will return, nothing more. The one exception is a one-pass
-(pooling) request, which ends in the step that computes it: its rows stay a view of the
-step's block until its export, and an export of many joins them in one copy.
+(pooling) request whose every kept row comes in one step: it gets no buffer of its own (no
+:class:`RequestRows`), only a view of the step's block under its key until its export, and an
+export of many joins them in one copy. A pooling batch pays per request one plan lookup and
+one dict entry, not an object per request and recorder.
 
 Rows are keyed by absolute position, so a request that is preempted and recomputed overwrites
 its rows. A request's rows are handed over in order up to a *cursor* (:meth:`export`) and freed
@@ -48,9 +50,9 @@ class RequestPlan(NamedTuple):
     """Set when the worker could not read the request's options: its capture fails alone."""
     one_pass: bool = False
     """The request ends in the step that computes it (a pooling request): rows that arrive
-    in one step may stay views of that step's block, which its export frees soon. A
-    generating request's rows are copied: one long request must not keep a whole step's
-    block alive."""
+    in one step stay views of that step's block (:attr:`StepRecorder.held`), which its export
+    frees soon. A generating request's rows are copied: one long request must not keep a
+    whole step's block alive."""
 
 
 @dataclass
@@ -70,7 +72,7 @@ class RequestRows:
     __slots__ = (
         "key", "keep", "stream", "stream_slots", "error_sent", "num_layers", "hidden", "dtype",
         "limit", "cursor", "base", "data", "filled", "latest", "latest_position", "error",
-        "closed", "one_pass", "one_step", "wanted",
+        "closed", "wanted",
     )  # fmt: skip
 
     def __init__(
@@ -81,10 +83,8 @@ class RequestRows:
         dtype: torch.dtype,
         limit: int,
         stream: bool = False,
-        one_pass: bool = False,
     ) -> None:
         self.key = key
-        self.one_pass = one_pass
         self.keep = keep
         self.stream = stream
         self.stream_slots: slice | list[int] = slice(None)  # what a stream pushes
@@ -103,8 +103,6 @@ class RequestRows:
         self.latest_position = -1
         self.error: str | None = None
         self.closed = False  # exported for the last time or forgotten: ignore late steps
-        self.one_step = False
-        """``data`` is a view of the one step that brought every kept row: all filled."""
         self.wanted = _wanted(keep, self.cursor)
         """Positions a step must copy for this request, ``(lo, hi)``; ``(OPEN, 0)``: none.
         Kept up to date here because every step reads it for every request."""
@@ -131,22 +129,6 @@ class RequestRows:
         lo = max(first, keep.dense.lo, self.cursor)
         hi = min(end, keep.dense.hi)
         if lo >= hi:
-            return
-        if (
-            self.one_pass
-            and self.data is None
-            and lo == keep.dense.lo
-            and hi == keep.dense.hi
-            and keep.latest_from is None
-            and not self.stream
-            and (not self.limit or rows[:, lo - first : hi - first].nbytes <= self.limit)
-        ):
-            # Everything a one-pass request keeps came in this step: keep a view of the
-            # step's rows instead of a copy. The step's block lives until its last request
-            # is exported; it holds only rows requests keep.
-            self.data = rows[:, lo - first : hi - first]
-            self.filled = _all_filled(hi - lo)
-            self.one_step = True
             return
         if (self.data is None or hi - self.base > self.data.shape[1]) and not self._reserve(
             hi - self.base, rows.dtype
@@ -195,17 +177,6 @@ class RequestRows:
 
     def _free(self) -> None:
         self.data, self.latest, self.filled = None, None, _NONE_FILLED
-        self.one_step = False
-
-    def whole(self, span: Span, slots: list[int] | slice) -> np.ndarray | None:
-        """The rows of ``span`` as they are held (no copy), when they came in one step and
-        ``span`` is all of them; None otherwise (use :meth:`read_into`)."""
-        data = self.data
-        if not self.one_step or data is None or span.lo != self.base or self.cursor > span.lo:
-            return None
-        if span.hi != self.base + data.shape[1]:
-            return None
-        return data if isinstance(slots, slice) else data[slots]
 
     def read(self, span: Span, slots: list[int] | slice) -> tuple[torch.Tensor, list[int]]:
         """Rows of ``span`` for the given layer slots, and the positions that are missing."""
@@ -254,7 +225,6 @@ class RequestRows:
         if cursor <= self.cursor:
             return
         self.cursor = cursor
-        self.one_step = False
         if self.error is None and not self.closed:
             self.wanted = _wanted(self.keep, cursor)
         if self.latest is not None and self.latest_position < cursor:
@@ -272,6 +242,16 @@ class RequestRows:
 
 
 _UNSEEN = object()
+
+
+class OnePass(NamedTuple):
+    """A one-pass request met in a step, before its rows arrive: its whole kept span is
+    expected in that step, to be held as a view (:attr:`StepRecorder.held`). Should the span
+    not arrive whole (a prompt computed in chunks, rows over the per-request limit), the
+    recorder gives it a :class:`RequestRows` instead."""
+
+    plan: RequestPlan
+    wanted: tuple[int, int]
 
 
 class RowTransform(Protocol):
@@ -324,8 +304,11 @@ class StepRecorder:
         self.step_rows: StepRows | None = None
         self.limit_bytes = limit_bytes
         """Per-request cap on retained bytes (0: none); over it the request fails alone."""
-        self.rows_by_req: dict[str, RequestRows | None] = {}
+        self.rows_by_req: dict[str, RequestRows | OnePass | None] = {}
         self.rows_by_key: dict[str, RequestRows] = {}
+        self.held: dict[str, tuple[np.ndarray, int]] = {}
+        """One-pass requests whose kept rows all came in one step, by stream key: a view of
+        that step's block (``[slots, count, width]``, host) and the first position."""
         self.streams: dict[str, RequestRows] = {}
         """Streaming requests by engine request id, until they leave the engine."""
         self._touched: dict[int, RequestRows] = {}  # streaming rows written since last taken
@@ -357,7 +340,7 @@ class StepRecorder:
         self._settle()
         self.step_rows = None
         n = len(req_ids)
-        owners: list[RequestRows | None] = []
+        owners: list[RequestRows | OnePass | None] = []
         wanted: list[tuple[int, int]] = []
         known = self.rows_by_req
         for req_id in req_ids:
@@ -389,9 +372,21 @@ class StepRecorder:
                     device_rows, np.where(ends_step, out_offset + count - 1, -1)
                 )
             kept = np.flatnonzero(count)
+            # A one-pass request's whole span in this step: held as a view at settling.
+            whole = ((computed + first == lo) & (computed + last == hi))[kept].tolist()
+            if self.limit_bytes:
+                row_bytes = len(self.slots) * self.row_width * self.row_dtype.itemsize
+                under = (count[kept] * row_bytes <= self.limit_bytes).tolist()
+                whole = [w and u for w, u in zip(whole, under, strict=True)]
+            kept_owners = []
+            for i, held in zip(kept.tolist(), whole, strict=True):
+                owner = owners[i]
+                if type(owner) is OnePass and not held:
+                    owner = self._rows_of(req_ids[i], owner.plan)
+                kept_owners.append(owner)
             writes = list(
                 zip(
-                    [owners[i] for i in kept.tolist()],
+                    kept_owners,
                     out_offset[kept].tolist(),
                     count[kept].tolist(),
                     (computed + first)[kept].tolist(),
@@ -403,20 +398,33 @@ class StepRecorder:
                 self._settle()
         self.record_ns += time.perf_counter_ns() - started
 
-    def _start(self, req_id: str, plan: RequestPlan | None) -> RequestRows | None:
+    def _start(self, req_id: str, plan: RequestPlan | None) -> RequestRows | OnePass | None:
+        if (
+            plan is not None
+            and plan.one_pass
+            and plan.error is None
+            and not plan.stream
+            and plan.keep.latest_from is None
+            and plan.keep.dense is not None
+            and plan.keep.dense.hi != OPEN
+            and plan.key not in self.rows_by_key
+        ):
+            # No buffer of its own until its rows prove not to come in one step.
+            pending = OnePass(plan, (plan.keep.dense.lo, plan.keep.dense.hi))
+            self.rows_by_req[req_id] = pending
+            return pending
+        return self._rows_of(req_id, plan)
+
+    def _rows_of(self, req_id: str, plan: RequestPlan | None) -> RequestRows | None:
+        """The request's own :class:`RequestRows` (shared with an earlier engine-side entry
+        of the same stream key), registered for ``req_id``."""
         rows = None
         if plan is not None and plan.key in self.rows_by_key:
             rows = self.rows_by_key[plan.key]  # seen before under another engine-side entry
         elif plan is not None:
             shape = (len(self.slots), self.row_width)
             rows = RequestRows(
-                plan.key,
-                plan.keep,
-                shape,
-                self.row_dtype,
-                self.limit_bytes,
-                plan.stream,
-                plan.one_pass,
+                plan.key, plan.keep, shape, self.row_dtype, self.limit_bytes, plan.stream
             )
             if plan.layers is not None and plan.layers != self.slots:
                 rows.stream_slots = [self.slots.index(layer) for layer in plan.layers]
@@ -471,6 +479,11 @@ class StepRecorder:
                 ready.synchronize()  # type: ignore[attr-defined]
             host = host_view(staged)
             for rows, offset, count, first in writes:
+                if type(rows) is OnePass:
+                    # The step's block lives until its last held request is exported; it
+                    # holds only rows requests keep.
+                    self.held[rows.plan.key] = (host[:, offset : offset + count], first)
+                    continue
                 rows.write(host[:, offset : offset + count], first)
                 if rows.stream:
                     self._touched[id(rows)] = rows
@@ -531,6 +544,8 @@ class StepRecorder:
         if self._in_flight:
             self._settle()
         rows = self.rows_by_key.get(key)
+        if rows is None and key in self.held:
+            rows = self.rows_by_key[key] = self._unhold(key)
         slots = self._slots_of(layers)
         tensors: list[torch.Tensor] = []
         results: list[ExportedSpan] = []
@@ -584,22 +599,30 @@ class StepRecorder:
         host = host_view(out)
         incomplete: list[tuple[int, list[int]]] = []
         failures: dict[str, str] = {}
-        # Rows that came in one step are joined by one concatenate; the others are read
-        # into a piece of their own.
+        # Held rows (views of their step's block) are joined by one concatenate; the others
+        # are read into a piece of their own.
         pieces: list[np.ndarray] = []
+        held = self.held
+        whole = isinstance(slots, slice)
         for index, (key, span) in enumerate(zip(keys, spans, strict=True)):
-            rows = self.rows_by_key.pop(key, None)
-            piece = rows.whole(span, slots) if rows is not None and rows.error is None else None
-            if piece is None:
-                piece = np.empty((count, len(span), self.row_width), dtype=host.dtype)
-                if rows is None or rows.error is not None:
-                    if rows is not None:
-                        failures[key] = rows.error  # type: ignore[assignment]
-                    missing = list(range(span.lo, span.hi))
-                else:
-                    missing = rows.read_into(piece, span, slots)
-                if missing:
-                    incomplete.append((index, missing))
+            view = held.pop(key, None)
+            if view is not None:
+                rows_view, first = view
+                if span.lo == first and span.hi == first + rows_view.shape[1]:
+                    pieces.append(rows_view if whole else rows_view[slots])
+                    continue
+                rows = self._unhold(key, view)  # asked for other positions than it holds
+            else:
+                rows = self.rows_by_key.pop(key, None)
+            piece = np.empty((count, len(span), self.row_width), dtype=host.dtype)
+            if rows is None or rows.error is not None:
+                if rows is not None:
+                    failures[key] = rows.error  # type: ignore[assignment]
+                missing = list(range(span.lo, span.hi))
+            else:
+                missing = rows.read_into(piece, span, slots)
+            if missing:
+                incomplete.append((index, missing))
             pieces.append(piece)
             if rows is not None:
                 rows.close()
@@ -608,6 +631,20 @@ class StepRecorder:
         self.export_ns += time.perf_counter_ns() - started
         return out, incomplete, failures
 
+    def _unhold(self, key: str, view: tuple[np.ndarray, int] | None = None) -> RequestRows:
+        """The held rows of ``key`` as a :class:`RequestRows` of their own (for an export
+        that asks other positions than it holds, or not all at once)."""
+        rows_view, first = self.held.pop(key) if view is None else view
+        count = rows_view.shape[1]
+        keep = KeepPlan(Span(first, first + count), None)
+        rows = RequestRows(key, keep, (len(self.slots), self.row_width), self.row_dtype, 0)
+        rows.data, rows.filled = rows_view, _all_filled(count)
+        return rows
+
+    def pending(self) -> int:
+        """Streams whose rows wait for an export (held or in a buffer of their own)."""
+        return len(self.rows_by_key) + len(self.held)
+
     def forget(self, key_prefixes: Iterable[str]) -> int:
         """Drop the rows of requests whose stream key starts with any prefix; return how many."""
         prefixes = tuple(key_prefixes)
@@ -615,7 +652,10 @@ class StepRecorder:
         doomed = [k for k in self.rows_by_key if k.startswith(prefixes)]
         for key in doomed:
             self.rows_by_key.pop(key).close()
-        return len(doomed)
+        dropped = [k for k in self.held if k.startswith(prefixes)]
+        for key in dropped:
+            del self.held[key]
+        return len(doomed) + len(dropped)
 
     def forget_departed(self, live_req_ids: Iterable[str]) -> None:
         """Drop per-engine-request entries of requests that have left the engine.
@@ -628,7 +668,8 @@ class StepRecorder:
 
     def retained_bytes(self) -> int:
         self._settle()
-        return sum(rows.nbytes for rows in self.rows_by_key.values())
+        held = sum(view.nbytes for view, _ in self.held.values())
+        return held + sum(rows.nbytes for rows in self.rows_by_key.values())
 
     def failed_keys(self) -> dict[str, str]:
         return {k: r.error for k, r in self.rows_by_key.items() if r.error is not None}

@@ -253,8 +253,8 @@ class ProbehookWorkerExtension:
         return {
             "pending_streams": sum(len(r.streams) for r in recorders),
             "steps_recorded": max((r.steps_recorded for r in recorders), default=0),
-            "pending_requests": sum(len(r.rows_by_key) for r in recorders),
-            "pending_scores": len(hook.scorer.rows_by_key) if hook.scorer is not None else 0,
+            "pending_requests": sum(r.pending() for r in recorders),
+            "pending_scores": hook.scorer.pending() if hook.scorer is not None else 0,
             "retained_bytes": sum(r.retained_bytes() for r in recorders),
             "record_ns": sum(r.record_ns for r in recorders),
             "export_ns": sum(r.export_ns for r in recorders),

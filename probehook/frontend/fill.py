@@ -249,24 +249,26 @@ def batch_values(
     source: str,
     layers: Sequence[Any],
     tensor: torch.Tensor,
-    items: Sequence[tuple[Need, TrackedRequest]],
+    sizes: Sequence[int],
+    requests: Sequence[TrackedRequest],
     probes: ProbeSet | None,
 ) -> list[dict[Any, torch.Tensor]]:
-    """:func:`value_of` of many needs fetched back to back in one tensor ``[len(layers),
-    total, width]``: views of it, cut by one split per layer (probe scores: per probe, once
-    per set of probe names), which costs far less than a slice per need."""
-    sizes = [need.hi - need.lo for need, _ in items]
+    """:func:`value_of` of many spans (``sizes`` rows each, one per request) fetched back to
+    back in one tensor ``[len(layers), total, width]``: views of it, cut by one split per
+    layer (probe scores: per probe, once per set of probe names), which costs far less than
+    a slice per span."""
+    sizes = list(sizes)
     rest = tensor.shape[1] - sum(sizes)
     if rest > 0:  # rows past the needs (none in an export's reply): a last piece, unused
         sizes.append(rest)
     if source == "hidden":
         per_layer = [(layer, rows.split(sizes)) for layer, rows in zip(layers, tensor, strict=True)]
-        return [{layer: parts[i] for layer, parts in per_layer} for i in range(len(items))]
+        return [{layer: parts[i] for layer, parts in per_layer} for i in range(len(requests))]
     assert probes is not None
     scores = tensor[0]
     split: dict[tuple[str, ...], list[tuple[str, tuple[torch.Tensor, ...]]]] = {}
     values = []
-    for i, (_, request) in enumerate(items):
+    for i, request in enumerate(requests):
         assert request.probes is not None
         names = request.probes.names
         columns = split.get(names)
@@ -277,6 +279,121 @@ def batch_values(
             ]
         values.append({name: parts[i] for name, parts in columns})
     return values
+
+
+@dataclasses.dataclass(slots=True)
+class PooledBatch:
+    """The final spans of many pooled outputs from one source and layer set: asked in one
+    export (:meth:`wire`), answered with one tensor (:meth:`PooledFill.apply`)."""
+
+    source: str
+    layers: list[Any]
+    keys: list[str] = dataclasses.field(default_factory=list)
+    spans: list[int] = dataclasses.field(default_factory=list)
+    """``lo, hi`` of each item, flat."""
+    targets: list[tuple[Any, TrackedRequest, str]] = dataclasses.field(default_factory=list)
+    """Each item's (output, request, attribute)."""
+
+    def wire(self) -> dict[str, Any]:
+        return {
+            "source": self.source,
+            "layers": self.layers,
+            "keys": self.keys,
+            "spans": self.spans,
+        }
+
+
+class PooledFill:
+    """:func:`plan` and :func:`apply` for many pooled (one-pass) outputs at once, as an
+    offline fill gets them (a pooling batch, the patches of an image): one recipe per request
+    shape (:func:`_pooled_spans`, the same :func:`plan` follows for one output), every
+    output's spans batched per source and layer set, values cut from one tensor per batch and
+    set on the outputs. No :class:`OutputPlan`, :class:`Need` or :class:`Slot` per output:
+    a pooled output has no completions, scores to act on or steering."""
+
+    def __init__(self, attributes: Mapping[str, tuple[str, str]]) -> None:
+        self.attributes = attributes
+        self.batches: dict[tuple[str, tuple[Any, ...]], PooledBatch] = {}
+        self.empty: list[tuple[Any, TrackedRequest, str, str]] = []
+        """(output, request, attribute, source) of sources an output keeps no rows of."""
+        self.filled: list[tuple[Any, TrackedRequest]] = []
+
+    def add(self, output: Any, request: TrackedRequest) -> None:
+        """Plan ``output`` (pooled, reset, with a capturing ``request``)."""
+        config = request.config
+        assert config is not None
+        scores = request.probes is not None and bool(request.probes.names)
+        key = f"{request.tag}/0"
+        prompt_len = len(output.prompt_token_ids or [])
+        for source, span in _pooled_spans(config, scores, prompt_len):
+            attribute = self.attributes[source][0]
+            if span is None:
+                self.empty.append((output, request, attribute, source))
+                continue
+            layers = config.layers if source == "hidden" else SCORES_LAYERS
+            batch = self.batches.get((source, layers))
+            if batch is None:
+                batch = self.batches[(source, layers)] = PooledBatch(source, list(layers))
+            batch.keys.append(key)
+            batch.spans += span
+            batch.targets.append((output, request, attribute))
+        self.filled.append((output, request))
+
+    def apply(
+        self,
+        tensors: Sequence[torch.Tensor],
+        reports: Sequence[dict[str, Any]],
+        failures: Mapping[str, str],
+        probes: ProbeSet | None,
+        row_format: RowFormat,
+    ) -> None:
+        """Set each output's values from its batch's tensor (``reports``: the export's batch
+        reports, in :attr:`batches` order); a failed stream's output gets a
+        :class:`FailedCapture` and ``capture_error``."""
+        for batch, report in zip(self.batches.values(), reports, strict=True):
+            spans = batch.spans
+            sizes = [spans[i + 1] - spans[i] for i in range(0, len(spans), 2)]
+            requests = [request for _, request, _ in batch.targets]
+            tensor = tensors[report["tensor_index"]]
+            values = batch_values(batch.source, batch.layers, tensor, sizes, requests, probes)
+            for (output, _, attribute), value in zip(batch.targets, values, strict=True):
+                setattr(output, attribute, value)
+            for index, key in enumerate(batch.keys) if failures else ():
+                reason = failures.get(f"{batch.source}:{key}")
+                if reason is not None:
+                    failure = FailedCapture(f"Capture of stream {key} failed: {reason}")
+                    logger.error("probehook: %s", failure.reason)
+                    output, _, attribute = batch.targets[index]
+                    setattr(output, attribute, failure)
+                    output.capture_error = failure.reason
+        for output, request, attribute, source in self.empty:
+            setattr(output, attribute, no_rows(source, request, probes, row_format))
+        for output, _ in self.filled:
+            output.hidden_states = output.prefill_hidden_states
+            output.probe_scores = output.prefill_probe_scores
+
+    def incomplete(self, reports: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The export's incomplete batch items, as span reports (key, source, lo, hi,
+        missing)."""
+        broken = []
+        for batch, report in zip(self.batches.values(), reports, strict=True):
+            for index, num_missing, missing in report["incomplete"]:
+                lo, hi = batch.spans[2 * index], batch.spans[2 * index + 1]
+                broken.append(
+                    {
+                        "key": batch.keys[index],
+                        "source": batch.source,
+                        "num_missing": num_missing,
+                        "missing": missing,
+                        "lo": lo,
+                        "hi": hi,
+                    }
+                )
+        return broken
+
+
+SCORES_LAYERS = ("scores",)
+"""The slot that probe scores are exported under."""
 
 
 def no_rows(

@@ -27,7 +27,6 @@ engine id, capture config, probes, steering, store record fields) until its outp
 from __future__ import annotations
 
 import copy
-import dataclasses
 import itertools
 import logging
 import time
@@ -53,11 +52,12 @@ from probehook.core.request_options import (
 )
 from probehook.errors import CaptureConfigError, CaptureError
 from probehook.frontend.fill import (
+    SCORES_LAYERS,
     FailedCapture,
     Need,
     OutputPlan,
+    PooledFill,
     apply,
-    batch_values,
     is_pooled,
     plan,
     reset,
@@ -104,29 +104,6 @@ class _TagTemplate:
     """:meth:`CaptureSession.describe` of it."""
     stops: bool
     """A stop monitor applies: the model's EOS joins the request's stop tokens."""
-
-
-@dataclass
-class _Batch:
-    """The final spans of many pooled outputs, asked from one source in one export."""
-
-    source: str
-    layers: list[Any]
-    items: list[tuple[Need, TrackedRequest]] = dataclasses.field(default_factory=list)
-
-    def add(self, need: Need, request: TrackedRequest) -> None:
-        self.items.append((need, request))
-
-    def wire(self) -> dict[str, Any]:
-        spans: list[int] = []
-        for need, _ in self.items:
-            spans += (need.lo, need.hi)
-        return {
-            "source": self.source,
-            "layers": self.layers,
-            "keys": [need.key for need, _ in self.items],
-            "spans": spans,
-        }
 
 
 class CaptureSession:
@@ -367,20 +344,26 @@ class CaptureSession:
 
     def fill(self, outputs: Sequence[Any]) -> None:
         """Fill finished outputs with their rows and scores (:mod:`probehook.frontend.fill`),
-        every output's needs fetched in one export; send captured requests to the store."""
+        every output's needs fetched in one export, pooled outputs planned and set together
+        (:class:`~probehook.frontend.fill.PooledFill`); send captured requests to the store."""
         processors = list(OUTPUT_PROCESSORS)  # once per call, not per output
         attributes = source_attributes(processors)
         plans: list[OutputPlan] = []
+        pooled = PooledFill(attributes)
         for output in outputs:
             if not hasattr(output, "outputs") or not getattr(output, "finished", True):
                 continue
             request = self.pending.pop(output.request_id, None)
             reset(output, request, processors)
-            if request is not None and request.config is not None:
+            if request is None or request.config is None:
+                continue
+            if is_pooled(output):
+                pooled.add(output, request)
+            else:
                 plans.append(plan(output, request, None, attributes))
-        if plans:
+        if plans or pooled.filled:
             started = time.perf_counter_ns()
-            got = self._export(plans)
+            got = self._export(plans, pooled)
             for planned in plans:
                 apply(planned, got, self.probes, self.row_format)
             self.fill_ns += time.perf_counter_ns() - started
@@ -390,6 +373,8 @@ class CaptureSession:
         if self.store is not None:
             for planned in plans:
                 store_filled(self.store, planned.output, planned.request)
+            for output, request in pooled.filled:
+                store_filled(self.store, output, request)
 
     def label(self, request_id: str, record: dict[str, Any]) -> None:
         """Extra fields for a pending request's store record (before :meth:`fill`)."""
@@ -399,29 +384,22 @@ class CaptureSession:
 
     # -- the export: every need of a step's outputs in one RPC ------------------------------
 
-    def _export(self, plans: Sequence[OutputPlan]) -> dict[Need, Any]:
-        """Fetch the needs of ``plans`` from the workers in one export: a generation output's
-        spans per stream, pooled outputs' spans batched per source and layer set (one tensor
-        each). Returns each need's value, or a :class:`FailedCapture`."""
+    def _export(self, plans: Sequence[OutputPlan], pooled: PooledFill) -> dict[Need, Any]:
+        """Fetch the needs of ``plans`` (a generation output's spans per stream) and of
+        ``pooled`` (batched per source and layer set, one tensor each, set on the outputs
+        here) from the workers in one export. Returns each need of ``plans``' value, or a
+        :class:`FailedCapture`."""
         requests: list[dict[str, Any]] = []
         asked: list[tuple[list[Need], TrackedRequest]] = []  # per export request
         by_stream: dict[tuple[str, str], int] = {}
-        batches: dict[tuple[str, tuple[Any, ...]], _Batch] = {}
         for planned in plans:
             request = planned.request
             assert request.config is not None
-            pooled = is_pooled(planned.output)
             for need in planned.needs():
-                layers = request.config.layers if need.source == "hidden" else ("scores",)
-                if pooled:
-                    batch = batches.get((need.source, layers))
-                    if batch is None:
-                        batch = batches[(need.source, layers)] = _Batch(need.source, list(layers))
-                    batch.add(need, request)
-                    continue
                 index = by_stream.get((need.source, need.key))
                 if index is None:
                     index = by_stream[(need.source, need.key)] = len(requests)
+                    layers = request.config.layers if need.source == "hidden" else SCORES_LAYERS
                     requests.append(
                         {
                             "key": need.key,
@@ -435,8 +413,8 @@ class CaptureSession:
                 requests[index]["spans"].append([need.lo, need.hi])
                 asked[index][0].append(need)
         args: tuple = (self.spool.new_paths(), requests)
-        if batches:
-            args = (*args, [b.wire() for b in batches.values()])
+        if pooled.batches:
+            args = (*args, [b.wire() for b in pooled.batches.values()])
         reply = next(r for r in self._rpc("probehook_export", args) if r is not None)
         tensors: list[torch.Tensor] = []
         if reply["entries"]:
@@ -448,7 +426,7 @@ class CaptureSession:
         for span in reply["spans"]:
             by_key.setdefault(f"{span['source']}:{span['key']}", []).append(span)
         batch_reports = reply.get("batches") or []
-        _check_complete(by_key, failures, list(batches.values()), batch_reports)
+        _check_complete(by_key, failures, pooled.incomplete(batch_reports))
         got: dict[Need, Any] = {}
         for (needs, request), wired in zip(asked, requests, strict=True):
             key = f"{wired['source']}:{wired['key']}"
@@ -459,19 +437,7 @@ class CaptureSession:
             for need, span in zip(needs, by_key.get(key, []), strict=True):
                 tensor = tensors[span["tensor_index"]]
                 got[need] = value_of(need.source, tensor, request, self.probes)
-        for batch, report in zip(batches.values(), batch_reports, strict=True):
-            values = batch_values(
-                batch.source,
-                batch.layers,
-                tensors[report["tensor_index"]],
-                batch.items,
-                self.probes,
-            )
-            for (need, _), value in zip(batch.items, values, strict=True):
-                failure = failures.get(f"{batch.source}:{need.key}") if failures else None
-                if failure is not None:
-                    value = FailedCapture(f"Capture of stream {need.key} failed: {failure}")
-                got[need] = value
+        pooled.apply(tensors, batch_reports, failures, self.probes, self.row_format)
         return got
 
     # -- requests that will never be collected --------------------------------------------
@@ -517,27 +483,12 @@ def marked(params: Any) -> bool:
 def _check_complete(
     by_key: dict[str, list[dict[str, Any]]],
     failures: dict[str, str],
-    batches: Sequence[_Batch],
-    batch_reports: Sequence[dict[str, Any]],
+    pooled_incomplete: Sequence[dict[str, Any]],
 ) -> None:
     """Raise if the export left rows out of a span of a stream that did not fail."""
-    broken = [
-        s for key, spans in by_key.items() if key not in failures for s in spans if s["num_missing"]
-    ]
-    for batch, report in zip(batches, batch_reports, strict=True):
-        for index, num_missing, missing in report["incomplete"]:
-            need = batch.items[index][0]
-            if f"{batch.source}:{need.key}" not in failures:
-                broken.append(
-                    {
-                        "key": need.key,
-                        "source": batch.source,
-                        "num_missing": num_missing,
-                        "missing": missing,
-                        "lo": need.lo,
-                        "hi": need.hi,
-                    }
-                )
+    spans = [s for key, spans in by_key.items() if key not in failures for s in spans]
+    spans += [s for s in pooled_incomplete if f"{s['source']}:{s['key']}" not in failures]
+    broken = [s for s in spans if s["num_missing"]]
     if broken:
         s = broken[0]
         raise CaptureError(

@@ -280,21 +280,19 @@ def _reuse_plans(
     a wire and building its keep plan costs tens of microseconds per request and recorder,
     which a one-pass request has no decode steps to spread over. ``signatures``: shared by
     the two recorders of a worker, which meet each new request in the same step; the second
-    takes the signature the first worked out."""
-    cache: dict[tuple, tuple[RequestPlan | None, Any]] = {}
+    takes the wire, the signature and the template check the first worked out."""
+    cache: dict[tuple, tuple[RequestPlan | None, Any, str]] = {}
 
     def cached(req_id: str) -> RequestPlan | None:
         try:
-            state = runner.requests.get(req_id)
-            params = runner_v1.request_params(state)
-            raw = runner_v1.extra_options(params).get(EXTRA_ARGS_KEY)
-            known = signatures.pop(req_id, _MISS) if signatures is not None else _MISS
-            if known is _MISS:
-                known = _plan_signature(raw, req_id, state, params)
-                if signatures is not None:
-                    if len(signatures) >= MAX_CACHED_PLANS:
-                        signatures.clear()  # requests the other recorder never met
-                    signatures[req_id] = known
+            shared = signatures.pop(req_id, None) if signatures is not None else None
+            if shared is not None:  # the other recorder read this wire in this step
+                raw, known, verified = shared
+            else:
+                state = runner.requests.get(req_id)
+                params = runner_v1.request_params(state)
+                raw = runner_v1.extra_options(params).get(EXTRA_ARGS_KEY)
+                known, verified = _plan_signature(raw, req_id, state, params), None
         except Exception:  # noqa: BLE001 - plan_for reports what it cannot read
             known = None
         if known is None:
@@ -302,27 +300,41 @@ def _reuse_plans(
         signature, shape = known
         hit = cache.get(signature)
         if hit is not None:
-            plan, template_shape = hit
-            if template_shape != shape:
+            plan, template_shape, suffix = hit
+            if template_shape is not verified and template_shape != shape:
                 # The wire names a template it does not match (it did not come from the
                 # front end as written): read it afresh, and do not cache what it gets.
                 return plan_for(req_id)
+            if signatures is not None and shared is None:
+                _share(signatures, req_id, (raw, known, template_shape))
             if plan is None:
                 return None
-            key = raw["tag"] + plan.key[plan.key.rindex("/") :]
-            return RequestPlan(key, plan.keep, plan.stream, plan.layers, None, plan.one_pass)
+            return RequestPlan(
+                raw["tag"] + suffix, plan.keep, plan.stream, plan.layers, None, plan.one_pass
+            )
+        if signatures is not None and shared is None:
+            _share(signatures, req_id, (raw, known, None))
         plan = plan_for(req_id)
         if plan is None or plan.error is None:
             if len(cache) >= MAX_CACHED_PLANS:
                 cache.clear()
-            cache[signature] = (plan, shape)
+            suffix = plan.key[plan.key.rindex("/") :] if plan is not None else ""
+            cache[signature] = (plan, shape, suffix)
         return plan
 
     return cached
 
 
 _SCALARS = (bool, int, float, str, type(None))
-_MISS = object()
+
+
+def _share(signatures: dict[str, Any], req_id: str, entry: tuple) -> None:
+    """Leave what this recorder read of a request's wire to the worker's other recorder,
+    which meets the request in the same step: the wire, its signature, and the template
+    shape it was checked against (None: not checked)."""
+    if len(signatures) >= MAX_CACHED_PLANS:
+        signatures.clear()  # requests the other recorder never met
+    signatures[req_id] = entry
 
 
 def _plan_signature(raw: Any, req_id: str, state: Any, params: Any) -> tuple | None:

@@ -281,7 +281,7 @@ def _reuse_plans(
     which a one-pass request has no decode steps to spread over. ``signatures``: shared by
     the two recorders of a worker, which meet each new request in the same step; the second
     takes the wire, the signature and the template check the first worked out."""
-    cache: dict[tuple, tuple[RequestPlan | None, Any, str]] = {}
+    cache: dict[tuple, tuple[RequestPlan | None, _Template | None, str]] = {}
 
     def cached(req_id: str) -> RequestPlan | None:
         try:
@@ -300,13 +300,13 @@ def _reuse_plans(
         signature, shape = known
         hit = cache.get(signature)
         if hit is not None:
-            plan, template_shape, suffix = hit
-            if template_shape is not verified and template_shape != shape:
+            plan, template, suffix = hit
+            if template is not None and template is not verified and not template.matches(shape):
                 # The wire names a template it does not match (it did not come from the
                 # front end as written): read it afresh, and do not cache what it gets.
                 return plan_for(req_id)
             if signatures is not None and shared is None:
-                _share(signatures, req_id, (raw, known, template_shape))
+                _share(signatures, req_id, (raw, known, template))
             if plan is None:
                 return None
             return RequestPlan(
@@ -319,13 +319,29 @@ def _reuse_plans(
             if len(cache) >= MAX_CACHED_PLANS:
                 cache.clear()
             suffix = plan.key[plan.key.rindex("/") :] if plan is not None else ""
-            cache[signature] = (plan, shape, suffix)
+            cache[signature] = (plan, _Template(shape) if shape is not None else None, suffix)
         return plan
 
     return cached
 
 
 _SCALARS = (bool, int, float, str, type(None))
+
+
+class _Template:
+    """The first wire read of a template (``plan``), which later wires naming it must equal
+    but for their tag, value types included (``include_prefill: 1`` is not ``True``)."""
+
+    __slots__ = ("wire", "types")
+
+    def __init__(self, wire: dict[str, Any]) -> None:
+        self.wire = dict(wire)  # a copy of its own: matches() writes the tag into it
+        self.types = tuple(map(type, wire.values()))
+
+    def matches(self, raw: dict[str, Any]) -> bool:
+        wire = self.wire
+        wire["tag"] = raw["tag"]  # the one value that differs; both compare in C
+        return raw == wire and tuple(map(type, raw.values())) == self.types
 
 
 def _share(signatures: dict[str, Any], req_id: str, entry: tuple) -> None:
@@ -343,9 +359,9 @@ def _plan_signature(raw: Any, req_id: str, state: Any, params: Any) -> tuple | N
     set by the front end on wires that differ only in their tag) or else its other values
     with their types (a wire with nested values, such as monitors or a store record, is read
     afresh), the prompt length, whether the request has stop strings, and the
-    completion-index prefix of its engine id. ``shape``, for a template's wire: its keys,
-    values and their types, compared with the template's (never hashed) so that a wire that
-    names a template without matching it is read afresh."""
+    completion-index prefix of its engine id. ``shape``, for a template's wire: the wire
+    itself, compared with the template's first (:class:`_Template`, never hashed) so that a
+    wire that names a template without matching it is read afresh."""
     tag = raw.get("tag") if isinstance(raw, dict) else None
     if type(tag) is not str or not tag:
         return None
@@ -353,9 +369,7 @@ def _plan_signature(raw: Any, req_id: str, state: Any, params: Any) -> tuple | N
     stop = bool(getattr(params, "stop", None))
     template = raw.get(PLAN_KEY)
     if type(template) is str:
-        values = [v for k, v in raw.items() if k != "tag"]
-        shape = (tuple(raw), values, tuple(map(type, values)))
-        return (template, state.num_prompt_tokens, stop, head), shape
+        return (template, state.num_prompt_tokens, stop, head), raw
     items: list[tuple] = []
     for key, value in raw.items():
         if key == "tag":

@@ -60,6 +60,11 @@ class FailedCapture(dict):
     def __repr__(self) -> str:
         return f"FailedCapture({self.reason!r})"
 
+    @classmethod
+    def of_stream(cls, key: str, reason: str) -> FailedCapture:
+        """The failure of stream ``key``, as the worker reported it."""
+        return cls(f"Capture of stream {key} failed: {reason}")
+
 
 class Need(NamedTuple):
     """Rows ``lo..hi`` of capture ``source`` of stream ``key``, which an output needs."""
@@ -361,7 +366,7 @@ class PooledFill:
             for index, key in enumerate(batch.keys) if failures else ():
                 reason = failures.get(f"{batch.source}:{key}")
                 if reason is not None:
-                    failure = FailedCapture(f"Capture of stream {key} failed: {reason}")
+                    failure = FailedCapture.of_stream(key, reason)
                     logger.error("probehook: %s", failure.reason)
                     output, _, attribute = batch.targets[index]
                     setattr(output, attribute, failure)
@@ -369,8 +374,7 @@ class PooledFill:
         for output, request, attribute, source in self.empty:
             setattr(output, attribute, no_rows(source, request, probes, row_format))
         for output, _ in self.filled:
-            output.hidden_states = output.prefill_hidden_states
-            output.probe_scores = output.prefill_probe_scores
+            mirror_first_completion(output)
 
     def incomplete(self, reports: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         """The export's incomplete batch items, as span reports (key, source, lo, hi,

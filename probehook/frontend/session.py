@@ -431,7 +431,7 @@ class CaptureSession:
         for (needs, request), wired in zip(asked, requests, strict=True):
             key = f"{wired['source']}:{wired['key']}"
             if key in failures:
-                failure = FailedCapture(f"Capture of stream {wired['key']} failed: {failures[key]}")
+                failure = FailedCapture.of_stream(wired["key"], failures[key])
                 got.update((need, failure) for need in needs)
                 continue
             for need, span in zip(needs, by_key.get(key, []), strict=True):

@@ -3,8 +3,9 @@
 ``embed`` over a batch of sentences on all-MiniLM-L6-v2 (a 6-layer BERT, compiled mode), and the
 tiny segmenter on a 256 x 256 image (1024 patch requests per input). Every configuration's
 round is bracketed by two rounds of the plain engine and compared with their geometric mean;
-the report quotes medians over rounds of that ratio. Each round starts with a garbage
-collection, so a full collection's pause lands on no particular configuration.
+the report quotes medians over rounds of that ratio (20 by default: on the 2-core machine the
+median of 5 rounds moved by up to 0.2 between runs of the same code). Each round starts with a
+garbage collection, so a full collection's pause lands on no particular configuration.
 Configurations: one probe (scores only leave the worker), and one layer of rows plus the
 probe.
 
@@ -135,7 +136,7 @@ def segment_workload(args: argparse.Namespace) -> dict[str, object]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--sentences", type=int, default=256)
     parser.add_argument("--image", type=int, default=256)
     args = parser.parse_args()

@@ -37,6 +37,12 @@ class StreamFailed(CaptureError):
     per-request byte limit); the request's other outputs are fine."""
 
 
+def failure_message(key: str, reason: str) -> str:
+    """What the user reads of stream ``key``'s failed capture (``reason``: the worker's),
+    streamed or filled."""
+    return f"Capture of stream {key} failed: {reason}"
+
+
 Chunk = tuple[str, int, Any, str | None]
 """``(stream key, first position, rows or None, failure reason or None)``: one stream's part
 of a message (what :meth:`~probehook.worker.recorder.StepRecorder.take_streamed` returns)."""

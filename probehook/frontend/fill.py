@@ -32,6 +32,7 @@ import torch
 
 from probehook.capture_config import CaptureConfig
 from probehook.core.spans import completion_spans, score_config
+from probehook.core.stream_frames import failure_message
 from probehook.errors import CaptureError
 from probehook.outputs import OUTPUT_PROCESSORS
 
@@ -63,7 +64,7 @@ class FailedCapture(dict):
     @classmethod
     def of_stream(cls, key: str, reason: str) -> FailedCapture:
         """The failure of stream ``key``, as the worker reported it."""
-        return cls(f"Capture of stream {key} failed: {reason}")
+        return cls(failure_message(key, reason))
 
 
 class Need(NamedTuple):

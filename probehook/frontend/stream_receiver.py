@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from probehook.core.stream_frames import SOCKET_NAME, StreamFailed, decode
+from probehook.core.stream_frames import SOCKET_NAME, StreamFailed, decode, failure_message
 from probehook.errors import CaptureError
 
 logger = logging.getLogger(__name__)
@@ -133,7 +133,7 @@ class Receiver:
             with self._lock:
                 stream = self._streams.get(name)
                 if stream is not None and stream.error is not None:
-                    raise StreamFailed(f"Capture of stream {key} failed: {stream.error}")
+                    raise StreamFailed(failure_message(key, stream.error))
                 if stream is not None and stream.lo <= lo and stream.hi >= hi:
                     return stream.take(lo, hi)
                 loop = asyncio.get_running_loop()

@@ -16,6 +16,7 @@ from probehook.core import stream_frames
 from probehook.core.spans import OPEN, KeepPlan, Span
 from probehook.errors import CaptureError
 from probehook.frontend import stream_receiver
+from probehook.frontend.fill import FailedCapture
 from probehook.worker import stream_publisher
 from probehook.worker.recorder import RequestPlan, StepRecorder
 
@@ -122,8 +123,11 @@ def test_receiver_waits_for_rows_and_reports_failures() -> None:
             assert rows.shape == (1, 4, HIDDEN) and waited < 5
             failed = [("T/1", 0, None, "over the limit")]
             publisher.send(stream_frames.encode("scores", failed, torch.float32))
-            with pytest.raises(stream_frames.StreamFailed, match="over the limit"):
+            with pytest.raises(stream_frames.StreamFailed) as failure:
                 asyncio.run(asyncio.wait_for(receiver.take("scores", "T/1", 0, 1), 10))
+            # A stream and an offline fill tell the user the same thing.
+            assert str(failure.value) == FailedCapture.of_stream("T/1", "over the limit").reason
+            assert "T/1" in str(failure.value) and "over the limit" in str(failure.value)
             receiver.drop("T")
             assert receiver.pending_streams == 0
             chunk = np.zeros((1, 1, HIDDEN), dtype=np.float32)  # a late row of a dropped tag

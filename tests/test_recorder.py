@@ -179,9 +179,11 @@ def test_one_step_requests_export_in_one_block() -> None:
     # own; the others (a chunked prompt, a generating request, one over the limit) have one.
     assert set(recorder.held) == {"A/0", "B/0"}
     assert set(recorder.rows_by_key) == {"C/0", "D/0", "E/0"}
-    for key, first in (("A/0", 0), ("B/0", 1)):
-        view, held_from = recorder.held[key]
-        assert held_from == first and view.base is not None  # a view of the step's block
+    (block_a, offset_a, count_a, from_a) = recorder.held["A/0"]
+    (block_b, offset_b, count_b, from_b) = recorder.held["B/0"]
+    # Where they lie in the step's one block, side by side: no copy, no view of their own.
+    assert block_a is block_b and (offset_a, count_a, from_a) == (0, 3, 0)
+    assert (offset_b, count_b, from_b) == (3, 3, 1)
     fill(buffers, [("c", p) for p in range(2, 6)])
     recorder.record(["c"], np.array([0, 4]), np.array([2]), plans.get)
     # A preempted request's recompute writes the same positions again.
@@ -214,6 +216,26 @@ def test_one_step_requests_export_in_one_block() -> None:
             offset += n
         assert recorder.rows_by_key == {} and recorder.held == {}
         assert recorder.retained_bytes() == 0
+
+
+def test_held_rows_join_only_their_neighbours() -> None:
+    """An export takes held rows that lie side by side in their step's block as one piece,
+    and cuts apart rows asked in another order, from another step, or with a gap."""
+    buffers = [torch.zeros(32, HIDDEN)]
+    recorder = StepRecorder(buffers, layers=(0,))
+    plans = {r: plan(f"{r.upper()}/0", 0, 3, one_pass=True) for r in "abcdef"}
+    fill(buffers, [(r, p) for r in "abc" for p in range(3)])
+    recorder.record(["a", "b", "c"], np.array([0, 3, 6, 9]), np.zeros(3, np.int64), plans.get)
+    fill(buffers, [(r, p) for r in "def" for p in range(3)])
+    recorder.record(["d", "e", "f"], np.array([0, 3, 6, 9]), np.zeros(3, np.int64), plans.get)
+    # Neighbours (A B, D E), out of order (C before them), across steps (F lies where C's
+    # rows lie in the other block, right after B's), a gap (D after F).
+    keys = ["C/0", "A/0", "B/0", "F/0", "D/0", "E/0"]
+    out, incomplete, failures = recorder.export_final(keys, [Span(0, 3)] * len(keys), [0])
+    assert incomplete == [] and failures == {} and recorder.held == {}
+    for i, key in enumerate(keys):
+        want = expected(0, key[0].lower(), range(3))
+        torch.testing.assert_close(out[0, 3 * i : 3 * i + 3], want)
 
 
 def test_held_rows_export_per_stream_count_and_forget() -> None:

@@ -50,7 +50,7 @@ class RequestPlan(NamedTuple):
     """Set when the worker could not read the request's options: its capture fails alone."""
     one_pass: bool = False
     """The request ends in the step that computes it (a pooling request): rows that arrive
-    in one step stay views of that step's block (:attr:`StepRecorder.held`), which its export
+    in one step stay in that step's block (:attr:`StepRecorder.held`), which its export
     frees soon. A generating request's rows are copied: one long request must not keep a
     whole step's block alive."""
 
@@ -246,12 +246,17 @@ _UNSEEN = object()
 
 class OnePass(NamedTuple):
     """A one-pass request met in a step, before its rows arrive: its whole kept span is
-    expected in that step, to be held as a view (:attr:`StepRecorder.held`). Should the span
+    expected in that step, to be held in its block (:attr:`StepRecorder.held`). Should the span
     not arrive whole (a prompt computed in chunks, rows over the per-request limit), the
     recorder gives it a :class:`RequestRows` instead."""
 
     plan: RequestPlan
     wanted: tuple[int, int]
+
+
+Held = tuple[np.ndarray, int, int, int]
+"""Where a held request's rows lie: its step's block (``[slots, rows, width]``, host), the
+offset and count of its rows there, and its first position."""
 
 
 class RowTransform(Protocol):
@@ -306,9 +311,10 @@ class StepRecorder:
         """Per-request cap on retained bytes (0: none); over it the request fails alone."""
         self.rows_by_req: dict[str, RequestRows | OnePass | None] = {}
         self.rows_by_key: dict[str, RequestRows] = {}
-        self.held: dict[str, tuple[np.ndarray, int]] = {}
-        """One-pass requests whose kept rows all came in one step, by stream key: a view of
-        that step's block (``[slots, count, width]``, host) and the first position."""
+        self.held: dict[str, Held] = {}
+        """One-pass requests whose kept rows all came in one step, by stream key: where they
+        lie in that step's block (no copy, no view per request: an export joins neighbours
+        in one piece)."""
         self.streams: dict[str, RequestRows] = {}
         """Streaming requests by engine request id, until they leave the engine."""
         self._touched: dict[int, RequestRows] = {}  # streaming rows written since last taken
@@ -372,7 +378,7 @@ class StepRecorder:
                     device_rows, np.where(ends_step, out_offset + count - 1, -1)
                 )
             kept = np.flatnonzero(count)
-            # A one-pass request's whole span in this step: held as a view at settling.
+            # A one-pass request's whole span in this step: held in the block at settling.
             whole = ((computed + first == lo) & (computed + last == hi))[kept].tolist()
             if self.limit_bytes:
                 row_bytes = len(self.slots) * self.row_width * self.row_dtype.itemsize
@@ -482,7 +488,7 @@ class StepRecorder:
                 if type(rows) is OnePass:
                     # The step's block lives until its last held request is exported; it
                     # holds only rows requests keep.
-                    self.held[rows.plan.key] = (host[:, offset : offset + count], first)
+                    self.held[rows.plan.key] = (host, offset, count, first)
                     continue
                 rows.write(host[:, offset : offset + count], first)
                 if rows.stream:
@@ -593,28 +599,34 @@ class StepRecorder:
         if self._in_flight:
             self._settle()
         slots = self._slots_of(layers)
-        count = len(slots) if isinstance(slots, list) else len(self.slots)
+        num_slots = len(slots) if isinstance(slots, list) else len(self.slots)
         total = sum(len(span) for span in spans)
-        out = torch.empty((count, total, self.row_width), dtype=self.row_dtype)
+        out = torch.empty((num_slots, total, self.row_width), dtype=self.row_dtype)
         host = host_view(out)
         incomplete: list[tuple[int, list[int]]] = []
         failures: dict[str, str] = {}
-        # Held rows (views of their step's block) are joined by one concatenate; the others
-        # are read into a piece of their own.
+        # Held rows are cut from their step's block, neighbours in one piece (requests are
+        # usually exported in the order they ran); the others are read into a piece of their
+        # own. One concatenate joins the pieces.
         pieces: list[np.ndarray] = []
         held = self.held
-        whole = isinstance(slots, slice)
+        run: list[Any] = [None, 0, 0]  # a step block, and the rows of it to take next
         for index, (key, span) in enumerate(zip(keys, spans, strict=True)):
-            view = held.pop(key, None)
-            if view is not None:
-                rows_view, first = view
-                if span.lo == first and span.hi == first + rows_view.shape[1]:
-                    pieces.append(rows_view if whole else rows_view[slots])
+            entry = held.pop(key, None)
+            if entry is not None:
+                block, offset, n_rows, first = entry
+                if span.lo == first and span.hi == first + n_rows:
+                    if block is run[0] and offset == run[2]:
+                        run[2] += n_rows
+                    else:
+                        self._cut(run, slots, pieces)
+                        run[:] = block, offset, offset + n_rows
                     continue
-                rows = self._unhold(key, view)  # asked for other positions than it holds
+                rows = self._unhold(key, entry)  # asked for other positions than it holds
             else:
                 rows = self.rows_by_key.pop(key, None)
-            piece = np.empty((count, len(span), self.row_width), dtype=host.dtype)
+            self._cut(run, slots, pieces)
+            piece = np.empty((num_slots, len(span), self.row_width), dtype=host.dtype)
             if rows is None or rows.error is not None:
                 if rows is not None:
                     failures[key] = rows.error  # type: ignore[assignment]
@@ -626,16 +638,26 @@ class StepRecorder:
             pieces.append(piece)
             if rows is not None:
                 rows.close()
+        self._cut(run, slots, pieces)
         if pieces:
             np.concatenate(pieces, axis=1, out=host)
         self.export_ns += time.perf_counter_ns() - started
         return out, incomplete, failures
 
-    def _unhold(self, key: str, view: tuple[np.ndarray, int] | None = None) -> RequestRows:
+    @staticmethod
+    def _cut(run: list[Any], slots: list[int] | slice, pieces: list[np.ndarray]) -> None:
+        """Add the rows ``run`` names (``[block, lo, hi]``; no block: none) to ``pieces``, in
+        the asked layer slots; empty ``run``."""
+        block, lo, hi = run
+        if block is not None:
+            pieces.append(block[:, lo:hi] if isinstance(slots, slice) else block[slots, lo:hi])
+            run[0] = None
+
+    def _unhold(self, key: str, entry: Held | None = None) -> RequestRows:
         """The held rows of ``key`` as a :class:`RequestRows` of their own (for an export
         that asks other positions than it holds, or not all at once)."""
-        rows_view, first = self.held.pop(key) if view is None else view
-        count = rows_view.shape[1]
+        block, offset, count, first = self.held.pop(key) if entry is None else entry
+        rows_view = block[:, offset : offset + count]
         keep = KeepPlan(Span(first, first + count), None)
         rows = RequestRows(key, keep, (len(self.slots), self.row_width), self.row_dtype, 0)
         rows.data, rows.filled = rows_view, _all_filled(count)
@@ -668,7 +690,7 @@ class StepRecorder:
 
     def retained_bytes(self) -> int:
         self._settle()
-        held = sum(view.nbytes for view, _ in self.held.values())
+        held = sum(block[:, :count].nbytes for block, _, count, _ in self.held.values())
         return held + sum(rows.nbytes for rows in self.rows_by_key.values())
 
     def failed_keys(self) -> dict[str, str]:

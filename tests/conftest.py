@@ -18,6 +18,8 @@ configuration is theirs alone.
 
 from __future__ import annotations
 
+import gc
+import logging
 import os
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -87,10 +89,38 @@ def _engine_guard() -> None:
 _engine_guard()
 
 
+class _PendingTaskWatch(logging.Filter):
+    """Counts asyncio tasks destroyed while still pending: a test that closed its event loop
+    over a live task (an AsyncLLM's output handler, say). Its finaliser runs at whatever
+    garbage collection comes next, inside another test (it once broke an import there)."""
+
+    destroyed: list[str] = []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if "Task was destroyed but it is pending" in record.getMessage():
+            self.destroyed.append(record.getMessage().splitlines()[-1][:300])
+        return True
+
+
+logging.getLogger("asyncio").addFilter(_PendingTaskWatch())
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    gc.collect()  # the finalisers of loops the tests dropped run now, not at exit
+    if _PendingTaskWatch.destroyed and exitstatus == 0:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     if _ENGINES_STARTED[0]:
         terminalreporter.write_line(
             f"vLLM engines and servers started by this process: {_ENGINES_STARTED[0]}"
+        )
+    for task in _PendingTaskWatch.destroyed:
+        terminalreporter.write_line(
+            f"FAILED: an asyncio task was destroyed while pending (a test closed its event "
+            f"loop over it; end the loop as asyncio.run does): {task}",
+            red=True,
         )
 
 

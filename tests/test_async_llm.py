@@ -49,6 +49,16 @@ def offline(reference_llm: Any) -> dict[str, Any]:
 def loop() -> Iterator[asyncio.AbstractEventLoop]:
     loop = asyncio.new_event_loop()
     yield loop
+    # End it as asyncio.run ends its loop. An engine shut down from outside the loop cancels
+    # its output handler by a callback this loop has not run yet: closed as it is, the task
+    # stays pending until a later garbage collection destroys it, in whatever test is running
+    # then (one such finaliser broke sae_lens's import in test_store_export).
+    pending = asyncio.all_tasks(loop)
+    for task in pending:
+        task.cancel()
+    loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+    loop.run_until_complete(loop.shutdown_asyncgens())
+    assert not asyncio.all_tasks(loop), "a task outlived its cancellation"
     loop.close()
 
 

@@ -27,7 +27,8 @@ from probehook.store.writer import PendingRequest, RowBlock
 # source with ast (pydantic's docstring extraction, through wandb), and CPython 3.11.7's AST
 # constructor raises "SystemError: AST constructor recursion depth mismatch" when a garbage
 # collection during the parse runs the finaliser of an earlier test's AsyncLLM task (seen
-# once in a full run; every sae_lens test then failed on the half-imported wandb).
+# once in a full run; every sae_lens test then failed on the half-imported wandb). That task
+# was left pending by test_async_llm's event loop, which now ends as asyncio.run ends one.
 
 HIDDEN = 8
 LAYERS = (1, 3)

@@ -140,7 +140,8 @@ def _hold_lane(root: str, ready: Any, release: Any) -> None:
 
 def test_stored_items_are_read_once_no_writer_holds_a_lane(tmp_path: Path, monkeypatch) -> None:
     """A killed driver's replicas may still be writing: the rerun waits for their lanes."""
-    _store_with_items(tmp_path / "s", ["x"], {})
+    capture = {"layers": [1]}
+    _store_with_items(tmp_path / "s", ["x"], capture)
     (tmp_path / "s" / "lanes" / "replica-0").mkdir(parents=True)
     ctx = multiprocessing.get_context("spawn")
     ready, release = ctx.Event(), ctx.Event()
@@ -150,10 +151,20 @@ def test_stored_items_are_read_once_no_writer_holds_a_lane(tmp_path: Path, monke
         assert ready.wait(30)
         monkeypatch.setattr(collector, "SWEEP_SECONDS", 0.5)
         with pytest.raises(collector.CollectionError, match="replica-0"):
-            collector.committed_items(tmp_path / "s")
+            collector.committed_items(tmp_path / "s", capture)
         monkeypatch.setattr(collector, "SWEEP_SECONDS", 30)
         release.set()
-        assert collector.committed_items(tmp_path / "s") == {"x"}
+        assert collector.committed_items(tmp_path / "s", capture) == {"x"}
+        # Opened once; twice only after a wait (what the killed writer committed counts).
+        from probehook.store import ActivationStore
+
+        opened = []
+        real_open = ActivationStore.open
+        monkeypatch.setattr(
+            ActivationStore, "open", lambda *a, **k: opened.append(1) or real_open(*a, **k)
+        )
+        assert collector.committed_items(tmp_path / "s", capture) == {"x"}
+        assert len(opened) == 1
     finally:
         release.set()
         holder.join(30)

@@ -20,11 +20,14 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from probehook.collect.failures import CollectionError
 from probehook.collect.items import Item, make_items, read_items
 from probehook.errors import CaptureConfigError, StoreLockedError
+
+if TYPE_CHECKING:
+    from probehook.store import ActivationStore
 
 DEFAULT_BATCH = 256
 IN_FLIGHT = 2  # batches per replica: one running, one queued behind it
@@ -105,8 +108,7 @@ def collect(
             )
     root = Path(store)
     expected = capture_record(model, layers, probes, engine_kwargs)
-    check_rerun(root, expected)
-    committed = committed_items(root)
+    committed = committed_items(root, expected)
     todo = [item for item in items if item.id not in committed]
     result = CollectResult(
         store=root,
@@ -151,29 +153,44 @@ def collect(
     return result
 
 
-def committed_items(root: Path) -> set[str]:
-    """Item ids the store holds, read once no writer holds any of its lanes (a killed
-    collection's replicas may take a moment to die; their lanes are waited for)."""
+def committed_items(root: Path, ours: dict[str, Any]) -> set[str]:
+    """Item ids the store holds, once :func:`check_rerun` accepts it and no writer holds any
+    of its lanes (a killed collection's replicas may take a moment to die; their lanes are
+    waited for, and their last commits count). The store is opened once, twice only when a
+    lane had to be waited for."""
     from probehook.store import ActivationStore
-    from probehook.store.format import META_FILE, list_lanes
-    from probehook.store.lock import WriterLock
+    from probehook.store.format import META_FILE
 
     if not (root / META_FILE).is_file():
         return set()
+    store = ActivationStore.open(root)
+    check_rerun(store, ours)
+    if _wait_for_writers(root):
+        store = ActivationStore.open(root)
+    return store.item_ids()
+
+
+def _wait_for_writers(root: Path) -> bool:
+    """Wait until no writer holds a lane of the store at ``root``; whether any did."""
+    from probehook.store.format import list_lanes
+    from probehook.store.lock import WriterLock
+
     deadline = time.monotonic() + SWEEP_SECONDS
+    waited = False
     for lane in list_lanes(root)[0]:
         while True:
             try:
                 WriterLock.acquire(root, lane).release()
                 break
             except StoreLockedError as e:
+                waited = True
                 if time.monotonic() > deadline:
                     raise CollectionError(
                         f"{e} A collection reads the items already stored only when no writer "
                         "holds the store; stop the other writer (or wait for it) and rerun."
                     ) from e
                 time.sleep(0.5)
-    return ActivationStore.open(root).item_ids()
+    return waited
 
 
 def capture_record(model: str, layers: Any, probes: Any, engine_kwargs: dict[str, Any]) -> dict:
@@ -198,15 +215,10 @@ def capture_record(model: str, layers: Any, probes: Any, engine_kwargs: dict[str
     ).to_dict()
 
 
-def check_rerun(root: Path, ours: dict[str, Any]) -> None:
+def check_rerun(store: ActivationStore, ours: dict[str, Any]) -> None:
     """Refuse a collection whose capture options differ from the store's runs (rows of two
     kinds under one item id set would be a trap); names both."""
-    from probehook.store import ActivationStore
-    from probehook.store.format import META_FILE
-
-    if not (root / META_FILE).is_file():
-        return
-    store = ActivationStore.open(root)
+    root = store.root
     for run_id, run in store.runs.items():
         theirs = run.get("capture")
         if theirs is not None and theirs != ours:

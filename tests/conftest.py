@@ -11,6 +11,9 @@ example or child process that builds one) carries ``@pytest.mark.engine`` (or a 
 ``pytestmark``). The guard below fails an unmarked test that starts one in this process or
 through ``ServerProcess``; engines started by other child processes are marked by hand.
 
+The session also fails when an asyncio task is destroyed while pending (a test closed its
+event loop over a live task, whose finaliser would otherwise run inside a later test).
+
 Reference engines shared by several modules are session-scoped here, one per configuration
 (a compiled start-up costs about a minute); modules keep their own engine only when its
 configuration is theirs alone.

@@ -293,3 +293,11 @@ def test_compile_cache_key_depends_on_steered_layers_not_vectors(llama_dir: Path
     # The vectors travel by RPC after start-up: nothing of theirs is in the engine arguments.
     kwargs = capture_engine_kwargs({}, CaptureConfig(layers=(1,)), steer_layers=(1,))
     assert "steer" not in json.dumps(kwargs["additional_config"]).replace("steer_layers", "")
+
+
+def test_async_llm_refuses_capture_only(llama_dir: Path) -> None:
+    """Capture-only engines are offline (docs/collect.md); AsyncLLM says where they are."""
+    from probehook import AsyncLLM
+
+    with pytest.raises(CaptureConfigError, match=r"capture_only=True.*probehook\.LLM"):
+        AsyncLLM(str(llama_dir), layers=[1], capture_only=True)

@@ -105,6 +105,13 @@ class AsyncLLM(VllmAsyncLLM):
             return
         if model is None:
             raise CaptureConfigError("AsyncLLM needs model= (a name or a local directory).")
+        if "capture_only" in kwargs:
+            raise CaptureConfigError(
+                f"AsyncLLM(capture_only={kwargs['capture_only']!r}): capture-only engines are "
+                "built by the offline front end. Use probehook.LLM(..., capture_only=True) and "
+                "llm.capture(prompts), or probehook.collect / `probehook capture --capture-only` "
+                "for a resumable collection (docs/collect.md)."
+            )
         model = os.fspath(model)
         self._model = model
         request = setup.CaptureRequest(

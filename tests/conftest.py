@@ -16,7 +16,9 @@ event loop over a live task, whose finaliser would otherwise run inside a later 
 
 Reference engines shared by several modules are session-scoped here, one per configuration
 (a compiled start-up costs about a minute); modules keep their own engine only when its
-configuration is theirs alone.
+configuration is theirs alone. The plain engines (probehook captures nothing; what their tests
+check happens in the user's process) run one after another in one subprocess with the engine
+core inside it, a few seconds a start (``plain_engines``, tests/plain_engines.py).
 """
 
 from __future__ import annotations
@@ -260,6 +262,15 @@ def reference_llm(llama_dir: Path) -> Iterator[object]:
     )
     yield _shared("reference_llm", llm)
     _release("reference_llm")
+
+
+@pytest.fixture(scope="session")
+def plain_engines() -> dict[str, Any]:
+    """The report of the suite's plain engines (vLLM's, and probehook's without capture), run
+    together in one subprocess (tests/plain_engines.py)."""
+    from plain_engines import run
+
+    return run()
 
 
 # -- shared engines are shut down once no test still to run needs them ----------------------

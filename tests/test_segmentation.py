@@ -15,6 +15,8 @@ import numpy as np
 import pytest
 import torch
 from helpers import worker_stats
+from plain_engines import SEGMENTER_IMAGE
+from plain_engines import image as _image
 
 from probehook.models.segmenter import ENGINE_KWARGS, segmenter_path
 from probehook.models.segmenter.codec import label_pixels, load_reference, load_spec
@@ -29,11 +31,6 @@ LAYERS = [0, 2]
 PROBE = LinearProbe(
     torch.ones(1, SPEC.hidden_size) / 8, torch.zeros(1), layer=1, kind="regression", name="bright"
 )
-
-
-def _image(height: int, width: int, seed: int = 0, channels: int = 3) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    return (rng.random((height, width, channels)) * 255).astype(np.uint8)
 
 
 def _png(array: np.ndarray, path: Path) -> Path:
@@ -174,19 +171,15 @@ def test_failing_output_processor_is_named_and_engine_serves_on(
     np.testing.assert_array_equal(result.mask, _expected(_image(8, 8, seed=4)))
 
 
-def test_without_capture_it_is_plain_vllm() -> None:
+def test_without_capture_it_is_plain_vllm(plain_engines: dict) -> None:
     """No layers, no probes: vLLM's own engine (and runner); the same mask, and every output
-    has probehook's attributes, empty."""
-    from probehook import LLM
-
-    with LLM(str(segmenter_path()), gpu_memory_utilization=0.1, **ENGINE_KWARGS) as llm:
-        assert llm.session is None
-        image = _image(8, 16, seed=6)
-        result = _segment(llm, {"image": image})
-        np.testing.assert_array_equal(result.mask, _expected(image))
-        for patch in result.patches:
-            assert patch.hidden_states == {} and patch.probe_scores == {}
-            assert patch.store_id is None
+    has probehook's attributes, empty (the engine runs in the plain-engines subprocess,
+    tests/plain_engines.py)."""
+    report = plain_engines["segmenter"]
+    assert report["session"] is False
+    np.testing.assert_array_equal(np.array(report["mask"]), _expected(_image(*SEGMENTER_IMAGE)))
+    assert report["patches"] == 2  # 8x16 pixels in 8x8 patches
+    assert report["patch_captures"] == [["{}", "{}", None]] * 2, report
 
 
 def test_processor_checks_without_an_engine() -> None:

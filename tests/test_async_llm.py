@@ -413,18 +413,15 @@ def test_front_end_believes_v1_and_beam_search_is_refused(engine, loop, monkeypa
         loop.run_until_complete(collect(engine, "1+1=", beam))
 
 
-def test_shutdown_commits_what_was_stored(llama_dir, loop, tmp_path) -> None:
+def test_shutdown_commits_what_was_stored(engine, loop, store_dir) -> None:
     """Requests stored since the last flush are committed by shutdown, with no flush by the
-    user. An engine of its own (small: one layer, no probes), as it is shut down here."""
-    from probehook import ActivationStore, AsyncLLM
+    user. It shuts the module's engine down, so it is the module's last test (a test after it
+    would meet a stopped engine); the fixture's own shutdown then does nothing."""
+    from probehook import ActivationStore
 
-    store_dir = tmp_path / "store"
-    engine = AsyncLLM(str(llama_dir), layers=[3], store=store_dir, enforce_eager=True, **ENGINE)
-    try:
-        final = loop.run_until_complete(collect(engine, prompts(8)[5], greedy(4)))[-1]
-        assert final.store_id is not None and engine.store.unflushed > 0
-    finally:
-        engine.shutdown()  # outside the loop, which stays open and idle
+    final = loop.run_until_complete(collect(engine, prompts(8)[5], greedy(4)))[-1]
+    assert final.store_id is not None and engine.store.unflushed > 0
+    engine.shutdown()  # outside the loop, which stays open and idle
     # vLLM's sockets are closed, so its ZeroMQ context can end: left open, whichever thread
     # garbage-collects the context later blocks forever (it hung this suite once).
     context = engine.engine_core.resources.ctx
@@ -434,4 +431,5 @@ def test_shutdown_commits_what_was_stored(llama_dir, loop, tmp_path) -> None:
     assert not ended.is_alive(), "vLLM's ZeroMQ context still has open sockets after shutdown"
     stored = ActivationStore.open(store_dir)[final.store_id]
     assert stored.output_token_ids == list(final.outputs[0].token_ids)
-    assert close(stored.hidden_states[3], final.outputs[0].hidden_states[3])
+    for layer in (0, 3):
+        assert close(stored.hidden_states[layer], final.outputs[0].hidden_states[layer])

@@ -29,7 +29,7 @@ SEGMENTER_IMAGE = (8, 16, 6)
 
 
 def image(height: int, width: int, seed: int = 0, channels: int = 3) -> Any:
-    """A random RGB image, uint8 (tests/test_segmentation.py's images are made the same way)."""
+    """A random RGB image, uint8 (tests/test_segmentation.py makes its images with it)."""
     import numpy as np
 
     rng = np.random.default_rng(seed)

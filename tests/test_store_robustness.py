@@ -241,6 +241,57 @@ def test_writer_never_closed_is_flushed_at_exit_and_on_collection(tmp_path: Path
     ActivationStore.for_writing(root, META).close()  # the lock was released
 
 
+def test_exit_flush_finishes_before_h5py_tears_down(tmp_path: Path) -> None:
+    """The SIGSEGV seen once at the exit of the child above: a store never closed was
+    flushed by weakref's exit handler, which torch registers at import, before h5py's: so
+    after h5py had unregistered its converters, while the daemon writer thread could still be
+    inside HDF5. The store's own exit handler must have written, committed and stopped the
+    writer before h5py's handler runs. The child registers a check between the two (after
+    h5py's import, before the store's), with writes slowed so they are still queued at exit;
+    then the plain child runs many times, none may crash."""
+    slowed = textwrap.dedent(f"""
+        import atexit, sys, threading, time
+        import torch  # first, as in probehook: weakref's exit handler is registered here
+        import h5py
+
+        def check():  # runs after the store's exit handler and before h5py's
+            writers = [t for t in threading.enumerate() if t.name == "probehook-store"]
+            from probehook.store import ActivationStore
+            ids = sorted(r.request_id for r in ActivationStore.open({str(tmp_path / "slow")!r}).requests)
+            print("AT H5PY EXIT", ids, "writers alive", len(writers), flush=True)
+
+        atexit.register(check)
+        sys.path.insert(0, {str(TESTS)!r})
+        from test_store_unit import META, fake_request
+        from probehook.store import ActivationStore, writer
+
+        write = writer.ShardWriter._write
+        writer.ShardWriter._write = lambda self, request: (time.sleep(0.2), write(self, request))
+        store = ActivationStore.for_writing({str(tmp_path / "slow")!r}, META)
+        for i in range(3):
+            store.add(fake_request(i))
+        print("ADDED", flush=True)  # and exit without close(), writes still queued
+    """)
+    done = subprocess.run([sys.executable, "-c", slowed], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "AT H5PY EXIT ['r0', 'r1', 'r2'] writers alive 0" in done.stdout, done.stdout
+
+    plain = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(TESTS)!r})
+        from test_store_unit import META, fake_request
+        from probehook.store import ActivationStore
+        store = ActivationStore.for_writing(sys.argv[1], META)
+        for i in range(4):
+            store.add(fake_request(i))
+    """)
+    for i in range(8):  # the crash was rare: repeated, and each run's store checked
+        root = tmp_path / f"run{i}"
+        done = subprocess.run([sys.executable, "-c", plain, str(root)], capture_output=True)
+        assert done.returncode == 0, (i, done.returncode, done.stderr[-2000:])
+        assert len(list(ActivationStore.open(root).requests)) == 4
+
+
 def test_failed_manifest_append_is_cut_back(tmp_path: Path, monkeypatch) -> None:
     """Simulated (the real disk-full test below needs a mount): the disk fills in the middle
     of a manifest append. The half line must not stay, or the next record's line would be

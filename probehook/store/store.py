@@ -7,6 +7,7 @@ hand its rows to training code (torch and Hugging Face datasets, exports).
 
 from __future__ import annotations
 
+import atexit
 import errno
 import logging
 import os
@@ -154,6 +155,8 @@ class ActivationStore(StoreReader):
         store._finalizer = weakref.finalize(
             store, _close_abandoned_writer, root, store._writer, lock, os.getpid()
         )
+        _ABANDONED_AT_EXIT.difference_update([f for f in _ABANDONED_AT_EXIT if not f.alive])
+        _ABANDONED_AT_EXIT.add(store._finalizer)
         return store
 
     @classmethod
@@ -257,6 +260,7 @@ class ActivationStore(StoreReader):
     def close(self) -> None:
         if self._finalizer is not None:
             self._finalizer.detach()
+            _ABANDONED_AT_EXIT.discard(self._finalizer)
         try:
             if self._writer is not None:
                 self._writer.close()
@@ -339,6 +343,26 @@ def _make_dirs_durably(root: Path) -> None:
     root.mkdir(parents=True, exist_ok=True)
     for created in reversed(missing):
         fsync_dir(created.parent)
+
+
+_ABANDONED_AT_EXIT: set[weakref.finalize] = set()
+"""The finalizers of writing stores not closed yet, run by :func:`_close_writers_at_exit`."""
+
+
+@atexit.register
+def _close_writers_at_exit() -> None:
+    """Flush and close every writing store still open, before h5py's own exit handler.
+
+    weakref.finalize runs its pending finalizers from an exit handler registered when the
+    process made its first finalizer, and torch makes one at import, before h5py is imported.
+    Exit handlers run last-registered first, so left to weakref a store never closed would
+    write its shards after h5py's handler had unregistered its type converters, while the
+    writer thread could still be inside HDF5 (a daemon thread racing the interpreter's exit:
+    the SIGSEGV seen once at exit). This handler is registered after h5py's import (the
+    writer imports it), so it runs first: the writer thread has written, committed and
+    stopped before h5py or the interpreter start to tear down."""
+    while _ABANDONED_AT_EXIT:
+        _ABANDONED_AT_EXIT.pop()()  # a finalizer runs at most once; detached ones do nothing
 
 
 def _close_abandoned_writer(root: Path, writer: ShardWriter, lock: WriterLock, pid: int) -> None:

@@ -19,13 +19,27 @@ Reference engines shared by several modules are session-scoped here, one per con
 configuration is theirs alone. The plain engines (probehook captures nothing; what their tests
 check happens in the user's process) run one after another in one subprocess with the engine
 core inside it, a few seconds a start (``plain_engines``, tests/plain_engines.py).
+
+Where engines run (tests/engine_layout.py, tests/README.md): in-process, in the pytest process
+or in the child that builds them, except in the ``topology`` set, which keeps the user's
+layout (engine core and workers in their own processes) and proves what crosses those
+boundaries. The guard below fails a test outside the set that builds an engine in the user's
+layout. A new capability adds its engine tests to the shared in-process engines unless it
+tests the topology.
+
+The budget: every Python process of the run that imports vLLM is counted
+(tests/census/sitecustomize.py, through ``PYTHONPATH``), and so is every engine start; the
+summary prints both, and a full run fails over :data:`VLLM_PROCESS_BUDGET`.
 """
 
 from __future__ import annotations
 
 import gc
+import importlib.util
+import json
 import logging
 import os
+import tempfile
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -38,6 +52,31 @@ import torch
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 # Many short-lived engines in one process: keep their logs readable.
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+VLLM_PROCESS_BUDGET = 40
+"""Processes that import vLLM in a full run (pytest and every child, engines' included);
+a full run over it fails (docs/benchmarks.md keeps the suite's figures)."""
+_CENSUS_PATH = Path(__file__).parent / "census"
+
+
+def _start_census() -> Any:
+    """Children count themselves (their ``sitecustomize`` is tests/census's); this process is
+    counted here. Returns the census module."""
+    spec = importlib.util.spec_from_file_location("census", _CENSUS_PATH / "sitecustomize.py")
+    assert spec is not None and spec.loader is not None
+    census = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(census)
+    os.environ[census.CENSUS_ENV] = tempfile.mkdtemp(prefix="probehook-census-")
+    paths = [str(_CENSUS_PATH), *filter(None, [os.environ.get("PYTHONPATH")])]
+    os.environ["PYTHONPATH"] = os.pathsep.join(paths)
+    import vllm.v1.engine.core
+
+    census.record("import vllm")
+    census.count_engine_cores(vllm.v1.engine.core)
+    return census
+
+
+_census = _start_census()
 
 
 def _quick_engine_teardown() -> None:
@@ -59,8 +98,14 @@ def _quick_engine_teardown() -> None:
 
 _quick_engine_teardown()
 
+from engine_layout import in_process_by_default, in_users_layout  # noqa: E402
+
+in_process_by_default()
+
 _ENGINE_ALLOWED = False
 """True while an ``engine``-marked test is set up, run or torn down (see the guard below)."""
+_TOPOLOGY_ALLOWED = False
+"""True while a ``topology``-marked test is set up, run or torn down."""
 _ENGINES_STARTED = [0]
 """Engines (and ``ServerProcess`` servers) this process started: the summary prints it."""
 
@@ -73,7 +118,7 @@ def _engine_guard() -> None:
 
     from probehook.testing import ServerProcess
 
-    def guarded(original):  # noqa: ANN001, ANN202
+    def guarded(original, users_layout):  # noqa: ANN001, ANN202
         def start(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
             _ENGINES_STARTED[0] += 1
             if not _ENGINE_ALLOWED:
@@ -82,13 +127,32 @@ def _engine_guard() -> None:
                     "(tests/conftest.py: the fast tier runs no engine)",
                     pytrace=True,
                 )
+            if users_layout(*args, **kwargs) and not _TOPOLOGY_ALLOWED:
+                pytest.fail(
+                    "this test starts a vLLM engine in the user's layout (engine core and "
+                    "workers in their own processes) but is not in the topology set: build it "
+                    "in-process, or mark the test @pytest.mark.topology and say in "
+                    "tests/README.md what it proves that an in-process engine cannot",
+                    pytrace=True,
+                )
             return original(*args, **kwargs)
 
         return start
 
-    for name in ("make_client", "make_async_mp_client"):
-        setattr(EngineCoreClient, name, staticmethod(guarded(getattr(EngineCoreClient, name))))
-    ServerProcess.__init__ = guarded(ServerProcess.__init__)
+    def offline(*args, **kwargs) -> bool:  # noqa: ANN002, ANN003
+        return kwargs.get("multiprocess_mode", args[0] if args else False)
+
+    def asynchronous(*args, **kwargs) -> bool:  # noqa: ANN002, ANN003
+        return in_users_layout()  # its engine core has its own process in either layout
+
+    def server(self, argv, log, env=None, program="probehook") -> bool:  # noqa: ANN001
+        return (env or {}).get("VLLM_ENABLE_V1_MULTIPROCESSING", "0") != "0"
+
+    EngineCoreClient.make_client = staticmethod(guarded(EngineCoreClient.make_client, offline))
+    EngineCoreClient.make_async_mp_client = staticmethod(
+        guarded(EngineCoreClient.make_async_mp_client, asynchronous)
+    )
+    ServerProcess.__init__ = guarded(ServerProcess.__init__, server)
 
 
 _engine_guard()
@@ -110,16 +174,80 @@ class _PendingTaskWatch(logging.Filter):
 logging.getLogger("asyncio").addFilter(_PendingTaskWatch())
 
 
+def census() -> dict[str, Any]:
+    """The run so far: processes that imported vLLM (by what they ran) and engine starts."""
+    processes: dict[int, dict[str, Any]] = {}
+    for path in Path(os.environ[_census.CENSUS_ENV]).glob("*.jsonl"):
+        for line in path.read_text().splitlines():
+            event = json.loads(line)
+            seen = processes.setdefault(event["pid"], {"engines": 0, "command": ""})
+            if event["event"] == "import vllm":
+                seen["command"] = event["command"]
+            else:
+                seen["engines"] += 1
+    kinds: dict[str, int] = {}
+    for seen in processes.values():
+        kind = _process_kind(seen["command"], seen["engines"])
+        kinds[kind] = kinds.get(kind, 0) + 1
+    return {
+        "vllm_processes": len(processes),
+        "engine_starts": sum(p["engines"] for p in processes.values()),
+        "by_kind": dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
+    }
+
+
+def _process_kind(command: str, engines: int) -> str:
+    if "pytest" in command:
+        return "pytest"
+    if "spawn_main" in command or "multiprocessing-fork" in command:
+        return "engine core" if engines else "worker or other spawned child"
+    if "ipykernel" in command:
+        return "notebook kernel"
+    for name in ("probehook.cli", "examples/", "ray", "tests/"):
+        if name in command:
+            return name.strip("/.") + (" (hosting engines)" if engines else "")
+    return command.split(" ")[-1][:60] if command else "?"
+
+
+def _full_run(session: pytest.Session) -> bool:
+    config = session.config
+    return (
+        config.args_source == pytest.Config.ArgsSource.TESTPATHS
+        and not config.option.keyword
+        and not config.option.markexpr
+        and session.testscollected > 0
+        and session.testsfailed == 0
+    )
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     gc.collect()  # the finalisers of loops the tests dropped run now, not at exit
     if _PendingTaskWatch.destroyed and exitstatus == 0:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    if _full_run(session) and census()["vllm_processes"] > VLLM_PROCESS_BUDGET:
+        _OVER_BUDGET.append(census()["vllm_processes"])
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+_OVER_BUDGET: list[int] = []
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    if _ENGINES_STARTED[0]:
+    counted = census()
+    terminalreporter.write_line(
+        f"vLLM in this run: {counted['vllm_processes']} processes imported it (budget "
+        f"{VLLM_PROCESS_BUDGET}), {counted['engine_starts']} engines started "
+        f"({_ENGINES_STARTED[0]} engines and servers by pytest's own process)"
+    )
+    terminalreporter.write_line(
+        "  by process: " + ", ".join(f"{k} {n}" for k, n in counted["by_kind"].items())
+    )
+    for over in _OVER_BUDGET:
         terminalreporter.write_line(
-            f"vLLM engines and servers started by this process: {_ENGINES_STARTED[0]}"
+            f"FAILED: {over} processes imported vLLM, over the suite's budget of "
+            f"{VLLM_PROCESS_BUDGET} (tests/conftest.py): run new engine tests on the shared "
+            "in-process engines (tests/engine_layout.py)",
+            red=True,
         )
     for task in _PendingTaskWatch.destroyed:
         terminalreporter.write_line(
@@ -132,12 +260,13 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):  # noqa: ANN201
     """Engines may start only inside an ``engine``-marked test (its fixtures included)."""
-    global _ENGINE_ALLOWED
+    global _ENGINE_ALLOWED, _TOPOLOGY_ALLOWED
     _ENGINE_ALLOWED = item.get_closest_marker("engine") is not None
+    _TOPOLOGY_ALLOWED = item.get_closest_marker("topology") is not None
     try:
         yield
     finally:
-        _ENGINE_ALLOWED = False
+        _ENGINE_ALLOWED = _TOPOLOGY_ALLOWED = False
 
 
 ENGINE_DEFAULTS = dict(dtype="float32", max_model_len=256, gpu_memory_utilization=0.1, seed=0)
@@ -183,6 +312,10 @@ def background(
     session's first test; a module none of whose engine tests is selected starts nothing)."""
     items = request.session.items
     modules = {item.module.__name__: item.module for item in items}  # type: ignore[attr-defined]
+    if any(name in modules for name in BACKGROUND_MODULES):
+        from engine_layout import inspect_for_children
+
+        inspect_for_children()
     pool = ThreadPoolExecutor(BACKGROUND_PROCESSES, thread_name_prefix="background")
     started = {
         name: modules[name].start_in_background(pool, items, tmp_path_factory)

@@ -7,8 +7,9 @@ the one-pass segmenter (tests/test_segmentation.py): vLLM's engine, with probeho
 attributes present and empty. What these tests check happens in the user's process, so the
 subprocess runs each engine core inside it (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): a few
 seconds a start, where an engine in its own processes costs two process spawns and two vLLM
-imports (about a minute on two cores). The engines that capture stay in their own processes
-in the modules that test them.
+imports (about a minute on two cores). The plain ``vllm.LLM`` is the exception: it runs first,
+in the user's layout (the topology set), so that probehook's plugin is loaded in fresh engine
+processes.
 
 The subprocess prints one JSON report; :func:`run` returns it and tests/conftest.py shares it
 (the ``plain_engines`` fixture). Run as a script, this file is that subprocess.
@@ -133,7 +134,15 @@ def run(timeout: float = 600) -> dict[str, Any]:
 
 if __name__ == "__main__":
     tiny = sys.argv[1]  # from the parent: this process imports nothing of probehook's yet
-    report = {"vllm": _plain_vllm(tiny)}  # first: nothing of probehook's may be loaded yet
+    # First, while nothing of probehook's is loaded here, and in the user's layout (the
+    # topology set, tests/README.md): probehook's plugin loads in the spawned engine core and
+    # worker, as in a user's plain vLLM, and must leave them plain.
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+    report = {"vllm": _plain_vllm(tiny)}
+    from engine_layout import inspect_models_in_process
+
+    inspect_models_in_process()
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the rest in-process
     report["probehook_llm"] = _plain_probehook_llm(tiny)
     report["segmenter"] = _plain_segmenter()
     print("REPORT " + json.dumps(report), flush=True)

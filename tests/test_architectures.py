@@ -119,6 +119,9 @@ def _run_engines(spec_path: str, out_dir: str) -> None:
 
 
 if __name__ == "__main__":
+    from engine_layout import inspect_models_in_process
+
+    inspect_models_in_process()  # 15 model classes: no inspecting process each
     _run_engines(sys.argv[1], sys.argv[2])
     sys.exit(0)
 

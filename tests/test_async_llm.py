@@ -21,7 +21,9 @@ import pytest
 import torch
 from helpers import first_record, random_probes
 
-pytestmark = pytest.mark.engine
+# The topology set's AsyncLLM (tests/README.md): the module's engine has its engine core and
+# worker in their own processes, as a user's has.
+pytestmark = [pytest.mark.engine, pytest.mark.topology]
 ENGINE = dict(dtype="float32", max_model_len=256, gpu_memory_utilization=0.1, seed=0)
 CAPTURE = dict(layers=[0, 3], include_prefill=True, enforce_eager=True)
 TOL = 1e-4  # float32 rows of one eager engine in batches of other shapes
@@ -71,16 +73,19 @@ def store_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def engine(
     llama_dir: Path, offline: dict, loop: asyncio.AbstractEventLoop, store_dir: Path
 ) -> Iterator[Any]:
+    from engine_layout import users_layout
+
     from probehook import AsyncLLM
 
-    engine = AsyncLLM(
-        str(llama_dir),
-        probes=random_probes(128),
-        store=store_dir,
-        steering_layers=[0],  # vectors come later (add_steering)
-        **CAPTURE,
-        **ENGINE,
-    )
+    with users_layout():
+        engine = AsyncLLM(
+            str(llama_dir),
+            probes=random_probes(128),
+            store=store_dir,
+            steering_layers=[0],  # vectors come later (add_steering)
+            **CAPTURE,
+            **ENGINE,
+        )
     yield engine
     engine.shutdown()
 

@@ -23,10 +23,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from engine_layout import USERS_LAYOUT_ENV
 
 from probehook.testing import hf_residual_stream
 
-pytestmark = pytest.mark.engine
+# The topology set's capture-only replica and Ray replicas (tests/README.md): the first run's
+# engine core is its own process (it is killed alone), and each Ray replica's engine runs as
+# a user's would in its actor. The run killed with its whole process group runs in-process.
+pytestmark = [pytest.mark.engine, pytest.mark.topology]
 
 
 def _prompts(count: int) -> dict[str, str]:
@@ -68,8 +72,9 @@ def _stored(store: Path) -> int:
     return len(ActivationStore.open(store)) if (store / "meta.json").is_file() else 0
 
 
-def _start(command: list[str], log: Path) -> subprocess.Popen:
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
+def _start(command: list[str], log: Path, layout: dict[str, str]) -> subprocess.Popen:
+    """``layout``: engine_layout.USERS_LAYOUT_ENV, or {} for the suite's in-process default."""
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING", **layout}
     return subprocess.Popen(
         command, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, start_new_session=True
     )
@@ -117,7 +122,7 @@ def test_collection_resumes_after_sigkills_and_finishes_on_two_ray_replicas(
     for kill in ("engine", "group"):
         before = _stored(store)
         log = tmp_path / f"run-{kill}.log"
-        run = _start(one_replica, log)
+        run = _start(one_replica, log, USERS_LAYOUT_ENV if kill == "engine" else {})
         _wait_for_items(run, store, before + rng.randrange(1, 60), log)
         time.sleep(rng.random() * 0.1)
         if kill == "engine":  # the replica's engine dies: the collection stops, says rerun
@@ -130,7 +135,7 @@ def test_collection_resumes_after_sigkills_and_finishes_on_two_ray_replicas(
         assert _stored(store) < len(prompts), "killed too late to test anything"
     before = _stored(store)
     log = tmp_path / "run-last.log"
-    run = _start([*command, "--replicas", "2"], log)
+    run = _start([*command, "--replicas", "2"], log, USERS_LAYOUT_ENV)
     assert run.wait(timeout=300) == 0, log.read_text()[-3000:]
     text = log.read_text()
     report = json.JSONDecoder().raw_decode(text[text.index('{\n  "store"') :])[0]

@@ -54,9 +54,11 @@ def test_two_llms_in_one_process_capture_their_own_rows(
         assert (a.prefill_hidden_states[0] - b.prefill_hidden_states[0]).abs().max() > 0.1
 
 
+@pytest.mark.topology  # tests/README.md: RPC to two workers, each in its own process
 def test_tensor_parallel_2_matches_tp_1(
     eager_llm, llama_dir: Path, engine_defaults: dict, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    from engine_layout import users_layout
     from helpers import assert_scores_match_rows, random_probes
 
     from probehook import LLM, SamplingParams, SteeringVector
@@ -65,16 +67,17 @@ def test_tensor_parallel_2_matches_tp_1(
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
     direction = torch.randn(128, generator=torch.Generator().manual_seed(3))
     up = SteeringVector({2: direction / direction.norm() * 5.0})
-    tp2 = LLM(
-        str(llama_dir),
-        layers=[0, 2],
-        include_prefill=True,
-        enforce_eager=True,
-        tensor_parallel_size=2,
-        probes=random_probes(128),
-        steering={"up": up},
-        **engine_defaults,
-    )
+    with users_layout():
+        tp2 = LLM(
+            str(llama_dir),
+            layers=[0, 2],
+            include_prefill=True,
+            enforce_eager=True,
+            tensor_parallel_size=2,
+            probes=random_probes(128),
+            steering={"up": up},
+            **engine_defaults,
+        )
     try:
         params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
         got = tp2.generate(PROMPTS, params, use_tqdm=False)

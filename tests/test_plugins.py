@@ -78,10 +78,13 @@ def test_output_processor_arrives_by_entry_point() -> None:
 
 
 @pytest.mark.engine
+@pytest.mark.topology
 def test_plain_vllm_engine_stays_plain(plain_engines: dict) -> None:
-    """A plain vLLM engine on the bundled tiny model, everything in one process: vLLM ran
-    probehook's general plugins there, and they imported nothing of probehook's beyond the
-    entry-point modules and registered no load format; the segmenter is known by name only."""
+    """A plain vLLM engine on the bundled tiny model, in the user's layout (the topology set):
+    vLLM ran probehook's general plugins in its own process and in the engine core and worker
+    it spawned, and they imported nothing of probehook's here beyond the entry-point modules,
+    registered no load format and left the engine generating; the segmenter is known by name
+    only."""
     report = plain_engines["vllm"]
     assert report["text"], report
     allowed = _entry_point_modules() | {"probehook._version", "probehook.errors"}

@@ -21,12 +21,15 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from engine_layout import USERS_LAYOUT_ENV
 from helpers import first_record, random_probes, reference_steering
 
 from probehook.frontend.response_fields import decode_array
 from probehook.testing import ServerProcess
 
-pytestmark = pytest.mark.engine
+# The topology set's server (tests/README.md): probehook serve, its engine core and worker,
+# each in its own process, as users run it.
+pytestmark = [pytest.mark.engine, pytest.mark.topology]
 ENGINE = dict(dtype="float32", max_model_len=256, seed=0, enforce_eager=True)
 TOL = 1e-4
 MAX_TOKENS = 12
@@ -107,7 +110,7 @@ def server(
     argv += ["--capture-default", json.dumps(DEFAULT)]
     argv += ["--chat-template", str(work / "chat.jinja"), "--served-model-name", "tiny"]
     argv += ["--dtype", "float32", "--max-model-len", "256", "--seed", "0", "--enforce-eager"]
-    process = ServerProcess(argv, log=work / "server.log")
+    process = ServerProcess(argv, log=work / "server.log", env=USERS_LAYOUT_ENV)
     servers.append(process)
     return process.wait()
 

@@ -20,7 +20,9 @@ import numpy as np
 import pytest
 import torch
 
-pytestmark = pytest.mark.engine
+# The topology set's offline LLM (tests/README.md): capture, probes, steering and the store in
+# one generate, with the engine core and worker in their own processes.
+pytestmark = [pytest.mark.engine, pytest.mark.topology]
 HIDDEN = 128
 TOL = 1e-4
 PROMPTS = [
@@ -52,30 +54,32 @@ def steer_llm(
 ) -> Iterator[Any]:
     """Under pressure (small prefill chunks, a KV cache small enough to force preemption,
     prefix caching on), steering layer 1 (and 2, for vectors added later), with a store."""
+    from engine_layout import users_layout
     from helpers import random_probes
 
     from probehook import LLM
 
-    llm = LLM(
-        str(llama_dir),
-        layers=[0, 1],
-        include_prefill=True,
-        probes={"g": random_probes(HIDDEN)["truth"]},
-        store=tmp_path_factory.mktemp("steer") / "store",
-        enforce_eager=True,
-        steering=vectors,
-        steering_layers=[2],
-        steering_capacity=8,
-        max_num_batched_tokens=32,
-        max_num_seqs=16,
-        enable_chunked_prefill=True,
-        enable_prefix_caching=True,
-        num_gpu_blocks_override=12,
-        block_size=32,
-        dtype="float32",
-        max_model_len=256,
-        seed=0,
-    )
+    with users_layout():
+        llm = LLM(
+            str(llama_dir),
+            layers=[0, 1],
+            include_prefill=True,
+            probes={"g": random_probes(HIDDEN)["truth"]},
+            store=tmp_path_factory.mktemp("steer") / "store",
+            enforce_eager=True,
+            steering=vectors,
+            steering_layers=[2],
+            steering_capacity=8,
+            max_num_batched_tokens=32,
+            max_num_seqs=16,
+            enable_chunked_prefill=True,
+            enable_prefix_caching=True,
+            num_gpu_blocks_override=12,
+            block_size=32,
+            dtype="float32",
+            max_model_len=256,
+            seed=0,
+        )
     yield llm
     llm.shutdown()
 

@@ -257,7 +257,8 @@ def test_exit_flush_finishes_before_h5py_tears_down(tmp_path: Path) -> None:
         def check():  # runs after the store's exit handler and before h5py's
             writers = [t for t in threading.enumerate() if t.name == "probehook-store"]
             from probehook.store import ActivationStore
-            ids = sorted(r.request_id for r in ActivationStore.open({str(tmp_path / "slow")!r}).requests)
+            stored = ActivationStore.open({str(tmp_path / "slow")!r})
+            ids = sorted(r.request_id for r in stored.requests)
             print("AT H5PY EXIT", ids, "writers alive", len(writers), flush=True)
 
         atexit.register(check)

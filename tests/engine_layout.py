@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import weakref
 from collections.abc import Iterator
+from typing import Any
 
 MULTIPROCESSING_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
 USERS_LAYOUT_ENV = {MULTIPROCESSING_ENV: "1"}
@@ -40,7 +42,35 @@ def in_process_by_default() -> None:
     os.environ[MULTIPROCESSING_ENV] = "0"
     core.enable_envs_cache = lambda: None
     core.freeze_gc_heap = lambda: None
+    _share_parallel_groups(core)
     inspect_models_in_process()
+
+
+def _share_parallel_groups(core: Any) -> None:
+    """An engine core's shutdown tears down vLLM's distributed state (the process-wide
+    world and parallel groups) for its process. In-process, other engines may still be
+    running on that state (the session's shared engines live side by side): it is torn down
+    when the last live engine core of the process shuts down. A new engine reuses groups
+    already up (vLLM checks that their sizes agree)."""
+    live: weakref.WeakSet = weakref.WeakSet()
+    init, shutdown = core.EngineCore.__init__, core.EngineCore.shutdown
+    cleanup = core.cleanup_dist_env_and_memory
+
+    def counted_init(self: Any, *args: Any, **kwargs: Any) -> None:
+        live.add(self)
+        init(self, *args, **kwargs)
+
+    def counted_shutdown(self: Any) -> None:
+        live.discard(self)
+        shutdown(self)
+
+    def cleanup_after_the_last(*args: Any, **kwargs: Any) -> None:
+        if not live:
+            cleanup(*args, **kwargs)
+
+    core.EngineCore.__init__ = counted_init
+    core.EngineCore.shutdown = counted_shutdown
+    core.cleanup_dist_env_and_memory = cleanup_after_the_last
 
 
 def inspect_models_in_process() -> None:

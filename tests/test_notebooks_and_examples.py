@@ -4,21 +4,21 @@ Notebooks are committed executed (readers on GitHub see their outputs). Executin
 checks that its committed outputs are fresh: ``make notebooks`` (scripts/execute_notebooks.py)
 refreshes them.
 
-Each notebook and example starts its own engine in a subprocess. They start at the session's
-first test (tests/conftest.py, ``background``) and run beside the rest of the suite, the
-slowest first; this module's tests run after the rest and check what they gave.
+Each notebook runs in its own kernel, the examples one after another in one process
+(tests/example_host.py: each as its own main module, with its own output); their engines run
+in-process, as everywhere outside the topology set (tests/README.md). They start at the
+session's first test (tests/conftest.py, ``background``) and run beside the rest of the suite,
+the slowest first; this module's tests run after the rest and check what they gave.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import importlib.util
 import os
 import re
 import subprocess
 import sys
-from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -39,13 +39,12 @@ EXAMPLES = [
     "quickstart.py",
     "collect_and_probe.py",
 ]
-BUSY_MACHINE_GIB = 6
-"""quickstart.py (the README's first example) runs while another process holds this much."""
 NOISE = ("Triton", "FutureWarning", "NUMA binding", "Loading safetensors", " WARNING ")
 """vLLM's warnings and loading bars, which the examples keep out of their output."""
 SUBPROCESS_TIMEOUT_S = 600
-SLOWEST_FIRST = ("05_non_text_outputs.ipynb", "03_probes.ipynb", "quickstart.py", "demo.py")
-"""The longest runs here, started first so that none is left to run alone at the end."""
+SLOWEST_FIRST = ("examples", "05_non_text_outputs.ipynb", "03_probes.ipynb")
+"""The longest runs here (the examples' host, then notebooks), started first so that none is
+left to run alone at the end."""
 
 
 class Run(NamedTuple):
@@ -73,36 +72,47 @@ def _execute_notebook(name: str, directory: Path) -> subprocess.CompletedProcess
     return _run([script, "--into", str(directory), str(ROOT / "notebooks" / name)])
 
 
-def _run_example(script: str) -> subprocess.CompletedProcess:
+def _run_examples(names: list[str], out: Path) -> dict[str, subprocess.CompletedProcess]:
+    """tests/example_host.py runs ``names`` in one process; what each gave, by name."""
     # As a user runs them: vLLM's own log level and memory defaults, not the test suite's.
     unset = ("VLLM_LOGGING_LEVEL", "VLLM_CPU_KVCACHE_SPACE")
     env = {k: v for k, v in os.environ.items() if k not in unset}
-    if script != "quickstart.py":
-        return _run([str(ROOT / "examples" / script)], env)
-    with _memory_held(BUSY_MACHINE_GIB):
-        return _run([str(ROOT / "examples" / script)], env)
-
-
-@contextlib.contextmanager
-def _memory_held(gib: int) -> Iterator[None]:
-    """Another process holds ``gib`` GiB of touched memory meanwhile (a busy laptop)."""
-    hog = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            f"import sys, time\nb = bytearray({gib} << 30)\n"
-            "for i in range(0, len(b), 4096): b[i] = 1\n"
-            "print('held', flush=True)\ntime.sleep(3600)",
-        ],
-        stdout=subprocess.PIPE,
+    host = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "example_host.py"), str(out), *names],
+        env=env,
+        capture_output=True,
         text=True,
+        timeout=SUBPROCESS_TIMEOUT_S * len(names),
+        cwd=ROOT,
     )
-    try:
-        assert hog.stdout is not None and hog.stdout.readline().strip() == "held"
-        yield
-    finally:
-        hog.kill()
-        hog.wait()
+    results = {}
+    for name in names:
+        status, stdout, stderr = (
+            out / f"{name}.{kind}" for kind in ("returncode", "stdout", "stderr")
+        )
+        ended = "" if status.is_file() else f"\nthe examples' host ended:\n{host.stderr[-3000:]}"
+        results[name] = subprocess.CompletedProcess(
+            name,
+            int(status.read_text()) if status.is_file() else host.returncode or -1,
+            stdout.read_text(errors="replace") if stdout.is_file() else "",
+            (stderr.read_text(errors="replace") if stderr.is_file() else "") + ended,
+        )
+    return results
+
+
+def _one(results: Future[dict[str, Any]], name: str) -> Future[subprocess.CompletedProcess]:
+    """The future of ``name``'s result among ``results``."""
+    one: Future[subprocess.CompletedProcess] = Future()
+
+    def done(future: Future[dict[str, Any]]) -> None:
+        error = future.exception()
+        if error is None:
+            one.set_result(future.result()[name])
+        else:
+            one.set_exception(error)
+
+    results.add_done_callback(done)
+    return one
 
 
 def start_in_background(
@@ -119,15 +129,16 @@ def start_in_background(
     if not selected or importlib.util.find_spec("nbclient") is None:
         return {}
     jobs: dict[str, Run] = {}
-    order = sorted([*NOTEBOOKS, *EXAMPLES], key=lambda n: n not in SLOWEST_FIRST)
+    order = sorted(["examples", *NOTEBOOKS], key=lambda n: n not in SLOWEST_FIRST)
     for name in order:
-        if name not in selected:
-            continue
-        if name in NOTEBOOKS:
+        if name in NOTEBOOKS and name in selected:
             directory = tmp_path_factory.mktemp(Path(name).stem)
             jobs[name] = Run(pool.submit(_execute_notebook, name, directory), directory)
-        else:
-            jobs[name] = Run(pool.submit(_run_example, name))
+        examples = [e for e in EXAMPLES if e in selected]
+        if name == "examples" and examples:
+            out = tmp_path_factory.mktemp("examples")
+            results = pool.submit(_run_examples, examples, out)
+            jobs.update({e: Run(_one(results, e), out) for e in examples})
     return jobs
 
 

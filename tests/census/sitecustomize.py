@@ -32,7 +32,13 @@ def record(event: str) -> None:
             command = f.read().replace(b"\0", b" ").decode(errors="replace")[:200]
     except OSError:
         command = " ".join(sys.argv)[:200]
-    line = {"pid": os.getpid(), "event": event, "t": time.time(), "command": command}
+    line = {
+        "pid": os.getpid(),
+        "ppid": os.getppid(),
+        "event": event,
+        "t": time.time(),
+        "command": command,
+    }
     try:
         with open(os.path.join(directory, f"{os.getpid()}.jsonl"), "a") as f:
             f.write(json.dumps(line) + "\n")

@@ -175,7 +175,7 @@ logging.getLogger("asyncio").addFilter(_PendingTaskWatch())
 
 
 def census() -> dict[str, Any]:
-    """The run so far: processes that imported vLLM (by what they ran) and engine starts."""
+    """The run so far: processes that imported vLLM (by kind) and engine starts."""
     processes: dict[int, dict[str, Any]] = {}
     for path in Path(os.environ[_census.CENSUS_ENV]).glob("*.jsonl"):
         for line in path.read_text().splitlines():
@@ -185,28 +185,33 @@ def census() -> dict[str, Any]:
                 seen["command"] = event["command"]
             else:
                 seen["engines"] += 1
-    kinds: dict[str, int] = {}
-    for seen in processes.values():
-        kind = _process_kind(seen["command"], seen["engines"])
-        kinds[kind] = kinds.get(kind, 0) + 1
+    kinds: dict[str, list[int]] = {}
+    for pid, seen in processes.items():
+        counts = kinds.setdefault(_process_kind(pid, seen["command"], seen["engines"]), [0, 0])
+        counts[0] += 1
+        counts[1] += seen["engines"]
     return {
         "vllm_processes": len(processes),
         "engine_starts": sum(p["engines"] for p in processes.values()),
-        "by_kind": dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
+        "by_kind": dict(sorted(kinds.items(), key=lambda kv: -kv[1][0])),
     }
 
 
-def _process_kind(command: str, engines: int) -> str:
-    if "pytest" in command:
+def _process_kind(pid: int, command: str, engines: int) -> str:
+    if pid == os.getpid():
         return "pytest"
-    if "spawn_main" in command or "multiprocessing-fork" in command:
-        return "engine core" if engines else "worker or other spawned child"
+    if "spawn_main" in command:
+        return "engine core" if engines else "worker"
     if "ipykernel" in command:
         return "notebook kernel"
-    for name in ("probehook.cli", "examples/", "ray", "tests/"):
-        if name in command:
-            return name.strip("/.") + (" (hosting engines)" if engines else "")
-    return command.split(" ")[-1][:60] if command else "?"
+    if command.startswith("ray::"):
+        return "Ray actor"
+    if " serve " in command:
+        return "server"
+    if " capture " in command:
+        return "probehook capture"
+    scripts = [Path(word).name for word in command.split() if word.endswith(".py")]
+    return scripts[0] if scripts else command[:40]
 
 
 def _full_run(session: pytest.Session) -> bool:
@@ -240,7 +245,8 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         f"({_ENGINES_STARTED[0]} engines and servers by pytest's own process)"
     )
     terminalreporter.write_line(
-        "  by process: " + ", ".join(f"{k} {n}" for k, n in counted["by_kind"].items())
+        "  processes (engines started in them): "
+        + ", ".join(f"{kind} {n} ({e})" for kind, (n, e) in counted["by_kind"].items())
     )
     for over in _OVER_BUDGET:
         terminalreporter.write_line(
@@ -312,7 +318,9 @@ def background(
     session's first test; a module none of whose engine tests is selected starts nothing)."""
     items = request.session.items
     modules = {item.module.__name__: item.module for item in items}  # type: ignore[attr-defined]
-    if any(name in modules for name in BACKGROUND_MODULES):
+    if any(
+        i.module.__name__ in BACKGROUND_MODULES and i.get_closest_marker("engine") for i in items
+    ):  # type: ignore[attr-defined]
         from engine_layout import inspect_for_children
 
         inspect_for_children()

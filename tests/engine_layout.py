@@ -26,6 +26,9 @@ from typing import Any
 MULTIPROCESSING_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
 USERS_LAYOUT_ENV = {MULTIPROCESSING_ENV: "1"}
 """Environment entries for a child process whose engines run in the user's layout."""
+IN_PROCESS_ENV = {MULTIPROCESSING_ENV: "0"}
+"""Environment entries for a child started beside the tests (the background ones): it must
+not inherit :func:`users_layout`'s setting from a topology test running meanwhile."""
 
 
 def in_process_by_default() -> None:

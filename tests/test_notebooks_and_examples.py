@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import pytest
+from engine_layout import IN_PROCESS_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted(p.name for p in (ROOT / "notebooks").glob("*.ipynb"))
@@ -69,14 +70,16 @@ def _execute_notebook(name: str, directory: Path) -> subprocess.CompletedProcess
     """scripts/execute_notebooks.py --into: the notebook runs as ``make notebooks`` runs it,
     with ``directory`` as working directory, and its executed copy lands there."""
     script = str(ROOT / "scripts" / "execute_notebooks.py")
-    return _run([script, "--into", str(directory), str(ROOT / "notebooks" / name)])
+    # The kernel hosts its engines in-process, whatever the layout of the test running now.
+    env = {**os.environ, **IN_PROCESS_ENV}
+    return _run([script, "--into", str(directory), str(ROOT / "notebooks" / name)], env)
 
 
 def _run_examples(names: list[str], out: Path) -> dict[str, subprocess.CompletedProcess]:
     """tests/example_host.py runs ``names`` in one process; what each gave, by name."""
     # As a user runs them: vLLM's own log level and memory defaults, not the test suite's.
     unset = ("VLLM_LOGGING_LEVEL", "VLLM_CPU_KVCACHE_SPACE")
-    env = {k: v for k, v in os.environ.items() if k not in unset}
+    env = {k: v for k, v in os.environ.items() if k not in unset} | IN_PROCESS_ENV
     host = subprocess.run(
         [sys.executable, str(ROOT / "tests" / "example_host.py"), str(out), *names],
         env=env,

@@ -102,6 +102,17 @@ def _sum(vectors: dict[str, Any], steer: dict[str, float], layer: int) -> torch.
     return out
 
 
+def test_engine_processes_were_started_with_v1(steer_llm) -> None:
+    """In the user's layout the worker is a process of its own, started with probehook's V1
+    setting in its environment (moved here from test_vllm_paths.py: an in-process worker
+    shares the front end's environment, whose setting is restored after start-up)."""
+    import os
+
+    assert steer_llm.capture_info["runner_env"] == "0"
+    assert steer_llm.capture_info["runner"].startswith("vllm.v1.worker.cpu_model_runner")
+    assert "VLLM_USE_V2_MODEL_RUNNER" not in os.environ
+
+
 def test_64_combinations_in_one_batch_each_get_their_own_sum(steer_llm, vectors) -> None:
     """64 requests, each its own (vectors, scales), with n=2 on some, chunked prefill and
     preemption: every prompt row after layer 1 is the unsteered row plus that request's sum;

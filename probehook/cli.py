@@ -64,14 +64,15 @@ def cmd_capture(args: argparse.Namespace) -> None:
     )
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
     done = 0
-    with tqdm(total=len(prompts), desc="captured", unit="prompt") as bar:
+    # Shut down and closed on the way out, also when called as a function (probehook.cli.main)
+    with llm, tqdm(total=len(prompts), desc="captured", unit="prompt") as bar:
         for begin in range(0, len(prompts), args.batch_size):
             batch = prompts[begin : begin + args.batch_size]
             llm.generate(batch, params, use_tqdm=False)  # durable when it returns
             done += len(batch)
             bar.update(len(batch))
-    assert llm.store is not None
-    print(json.dumps(llm.store.info(), indent=2))
+        assert llm.store is not None
+        print(json.dumps(llm.store.info(), indent=2))
 
 
 def cmd_collect(args: argparse.Namespace) -> None:

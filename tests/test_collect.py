@@ -28,8 +28,9 @@ from engine_layout import USERS_LAYOUT_ENV
 from probehook.testing import hf_residual_stream
 
 # The topology set's capture-only replica and Ray replicas (tests/README.md): the first run's
-# engine core is its own process (it is killed alone), and each Ray replica's engine runs as
-# a user's would in its actor. The run killed with its whole process group runs in-process.
+# engine core and worker are processes of their own (the engine core is killed alone); the
+# two Ray replicas are actors of their own, each hosting its engine in-process, as does the
+# run killed with its whole process group.
 pytestmark = [pytest.mark.engine, pytest.mark.topology]
 
 
@@ -135,7 +136,7 @@ def test_collection_resumes_after_sigkills_and_finishes_on_two_ray_replicas(
         assert _stored(store) < len(prompts), "killed too late to test anything"
     before = _stored(store)
     log = tmp_path / "run-last.log"
-    run = _start([*command, "--replicas", "2"], log, USERS_LAYOUT_ENV)
+    run = _start([*command, "--replicas", "2"], log, {})
     assert run.wait(timeout=300) == 0, log.read_text()[-3000:]
     text = log.read_text()
     report = json.JSONDecoder().raw_decode(text[text.index('{\n  "store"') :])[0]

@@ -140,33 +140,16 @@ def test_cli_capture_and_info(llama_dir: Path, tmp_path: Path) -> None:
         "\n".join(json.dumps(p) for p in ["1+2=", {"prompt": "12+34="}, "5+5="]) + "\n"
     )
     store = tmp_path / "cli-store"
-    exe = Path(sys.executable).parent / "probehook"
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
-    capture = subprocess.run(
-        [
-            str(exe),
-            "capture",
-            "--model",
-            str(llama_dir),
-            "--layers",
-            "1,3",
-            "--prompts",
-            str(prompts),
-            "--store",
-            str(store),
-            "--prefill",
-            "--max-tokens",
-            "3",
-            "--eager",
-            "--max-model-len",
-            "128",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
+    from probehook.cli import main
+
+    # `probehook capture` in this process, its engine in-process (the console script runs in
+    # a child below, for `store info`: a process that imports no vLLM)
+    main(
+        ["capture", "--model", str(llama_dir), "--layers", "1,3", "--prompts", str(prompts)]
+        + ["--store", str(store), "--prefill", "--max-tokens", "3", "--eager"]
+        + ["--max-model-len", "128"]
     )
-    assert capture.returncode == 0, capture.stderr[-2000:]
+    exe = Path(sys.executable).parent / "probehook"
     reopened = ActivationStore.open(store)
     assert sorted(r.prompt for r in reopened.requests) == ["1+2=", "12+34=", "5+5="]
     assert all(len(r.hidden_states[3]) == 3 for r in reopened.requests)

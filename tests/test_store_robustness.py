@@ -241,6 +241,7 @@ def test_writer_never_closed_is_flushed_at_exit_and_on_collection(tmp_path: Path
     ActivationStore.for_writing(root, META).close()  # the lock was released
 
 
+@pytest.mark.slow  # nine child interpreters, about 15 s
 def test_exit_flush_finishes_before_h5py_tears_down(tmp_path: Path) -> None:
     """The SIGSEGV seen once at the exit of the child above: a store never closed was
     flushed by weakref's exit handler, which torch registers at import, before h5py's: so

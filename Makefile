@@ -26,7 +26,7 @@ demo: $(STAMP)
 
 # `make test`: lint and every test (what CI runs). `make test-fast`: the unit tests only, no
 # vLLM engine (tests marked `engine` are left out; tests/conftest.py fails an unmarked test
-# that starts one) and none of the few marked `slow`, about 2 minutes.
+# that starts one) and none of the few marked `slow`, about a minute.
 test: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .

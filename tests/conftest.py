@@ -3,7 +3,7 @@
 Tiers:
 
 - ``make test-fast`` (``pytest -m "not engine and not slow"``): the unit tests, no vLLM
-  engine, about 2 minutes on two cores (``slow``: the few unit tests over 10 s).
+  engine, about a minute on two cores (``slow``: the few unit tests over 10 s).
 - ``make test`` (what CI runs): lint and every test, engines included.
 
 A test that starts a vLLM engine (``LLM``, ``AsyncLLM``, a ``probehook serve`` process, an

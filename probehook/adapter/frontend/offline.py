@@ -141,12 +141,16 @@ class LLM(vllm.LLM):
         raise_on_engine_death(self.llm_engine.engine_core)
         self.capture_config, self.probes = plan.config, plan.probes
         infos = self.collective_rpc("probehook_start_recording", args=plan.recording_args())
+        # The session's callbacks hold the engine weakly: the finalizers below hold the
+        # session, so a callback holding this LLM (or its engine) would keep a dropped LLM's
+        # engine, and its processes, alive for good. While the LLM lives, so does its engine.
+        engine = weakref.ref(self.llm_engine)
         self.session, self.capture_info, self.store = setup.start(
             plan,
             model,
             infos,
-            rpc=lambda method, args: self.collective_rpc(method, args=args),
-            abort=lambda ids: self.llm_engine.abort_request(ids, internal=True),
+            rpc=lambda method, args: engine().collective_rpc(method, args=args),
+            abort=lambda ids: engine().abort_request(ids, internal=True),
             stop_token=setup.eos_token(self.get_tokenizer),
         )
         """Layers, hidden size, dtype and model runner class of the tapped worker."""
@@ -395,11 +399,13 @@ class LLM(vllm.LLM):
 
     def shutdown(self) -> None:
         """Stop the engine's processes now (instead of at garbage collection)."""
-        if self.store is not None:
-            self.store.close()
-        if self.session is not None:
-            self.session.close()
-        self.llm_engine.engine_core.shutdown()
+        try:
+            if self.store is not None:
+                self.store.close()
+        finally:  # a store that fails to close still lets the engine stop
+            if self.session is not None:
+                self.session.close()
+            self.llm_engine.engine_core.shutdown()
 
     def __enter__(self) -> LLM:
         return self

@@ -436,6 +436,11 @@ def test_reserved_xargs_key_and_info_route(client, server) -> None:
         client.completions.create(
             prompt="1+1=", extra_body={"vllm_xargs": {"probehook": "x"}}, **greedy()
         )
+    # The store record's key is probehook's too: a string there once failed inside generate.
+    with pytest.raises(openai.BadRequestError, match=r"vllm_xargs\['probehook_record'\]"):
+        client.completions.create(
+            prompt="1+1=", extra_body={"vllm_xargs": {"probehook_record": "x"}}, **greedy()
+        )
     with urllib.request.urlopen(f"{server.base_url}/probehook") as reply:
         info = json.load(reply)
     assert info["layers"] == [0, 3] and info["include_prefill"] is True

@@ -22,7 +22,7 @@ from vllm import SamplingParams
 from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
 from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
 
-from probehook.core.request_options import EXTRA_ARGS_KEY
+from probehook.core.request_options import EXTRA_ARGS_KEY, RECORD_KEY
 from probehook.core.transport import DTYPES
 from probehook.errors import CaptureConfigError
 from probehook.frontend.response_fields import (
@@ -114,11 +114,12 @@ class CaptureServing:
         """Put the request's probehook options into its ``vllm_xargs``; an error response
         (400) when they are bad, None when the request may go on."""
         engine: Any = self.engine_client  # type: ignore[attr-defined]
-        if EXTRA_ARGS_KEY in (request.vllm_xargs or {}):
-            return self._refuse(
-                f"vllm_xargs['{EXTRA_ARGS_KEY}'] is reserved: put probehook options in a "
-                f'top-level "{FIELD}" object of the request body.'
-            )
+        for key in (EXTRA_ARGS_KEY, RECORD_KEY):  # probehook's own: never from a client
+            if key in (request.vllm_xargs or {}):
+                return self._refuse(
+                    f"vllm_xargs['{key}'] is reserved: put probehook options in a "
+                    f'top-level "{FIELD}" object of the request body.'
+                )
         try:
             asked = (request.model_extra or {}).get(FIELD)
             options = request_options(self.capture_default if asked is None else asked)

@@ -159,6 +159,21 @@ class Graph:
                         found.append(frozenset(component))
         return found
 
+    def folders(self) -> Graph:
+        """The same imports, between the package's folders (``pkg.store``, ``pkg.adapter``; a
+        module at the top is its own): a circle of folders is a layering error even where no
+        module circle exists (store -> frontend -> probes -> store, say)."""
+        top = self.package  # its facade imports every folder; imports of it are refused apart
+        folded = object.__new__(Graph)
+        folded.package = top
+        folded.modules = {_folder(n): path for n, path in self.modules.items() if n != top}
+        folded.edges = {folder: set() for folder in folded.modules}
+        for name, targets in self.edges.items():
+            if name != top:
+                mine = _folder(name)
+                folded.edges[mine] |= {_folder(t) for t in targets} - {mine, top}
+        return folded
+
     def path_in(self, component: frozenset[str]) -> list[str]:
         """A shortest closed walk through ``component``'s first module, for the failure message."""
         start = min(component)
@@ -186,6 +201,10 @@ GRAPH = Graph()
 def _describe(graph: Graph, component: frozenset[str]) -> str:
     members = ", ".join(sorted(component))
     return f"{' -> '.join(graph.path_in(component))}  (component: {members})"
+
+
+def _folder(module: str) -> str:
+    return ".".join(module.split(".")[:2])
 
 
 def _layer(module: str) -> str:
@@ -252,6 +271,13 @@ def test_the_checks_catch_what_they_are_for(tmp_path: Path) -> None:
         "core/g.py": "from pkg.adapter import h\n",
         "adapter/__init__.py": "",
         "adapter/h.py": "from vllm import LLM\n",
+        # folders in a circle whose modules are not: store -> front -> store
+        "store/__init__.py": "",
+        "store/s1.py": "from pkg.front import f1\n",
+        "store/s2.py": "",
+        "front/__init__.py": "",
+        "front/f1.py": "",
+        "front/f2.py": "from pkg.store import s2\n",
     }
     for name, text in files.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
@@ -263,6 +289,7 @@ def test_the_checks_catch_what_they_are_for(tmp_path: Path) -> None:
         "pkg.core.b",
         "pkg.core.a",
     ]
+    assert graph.folders().cycles() == [frozenset({"pkg.front", "pkg.store"})]
     assert graph.top_imports == ["pkg.core.e:2 (pkg.thing)"]
     assert vllm_offenders(graph) == [
         "pkg.core.f (vllm at line 2)",
@@ -275,6 +302,14 @@ def test_no_import_circles() -> None:
     new = [component for component in found if component not in ALLOWED_CYCLES]
     assert not new, "import circles (move what both sides need to a module of its own):\n" + (
         "\n".join(_describe(GRAPH, component) for component in new)
+    )
+
+
+def test_no_folder_circles() -> None:
+    folders = GRAPH.folders()
+    found = folders.cycles()
+    assert not found, "folders importing each other in a circle (a layering error):\n" + (
+        "\n".join(_describe(folders, component) for component in found)
     )
 
 

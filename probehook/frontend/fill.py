@@ -32,9 +32,8 @@ import torch
 
 from probehook.capture_config import CaptureConfig
 from probehook.core.spans import completion_spans, score_config
-from probehook.core.stream_frames import failure_message
-from probehook.errors import CaptureError
 from probehook.outputs import OUTPUT_PROCESSORS
+from probehook.outputs.shapes import FailedCapture, completions, is_pooled
 
 if TYPE_CHECKING:
     from probehook.frontend.probe_set import ProbeSet
@@ -45,26 +44,6 @@ logger = logging.getLogger(__name__)
 
 RowFormat = tuple[int, torch.dtype]
 """(hidden size, dtype) of captured rows, as the workers report them."""
-
-
-class FailedCapture(dict):
-    """Stands in for the rows of a request whose capture failed: empty, and any lookup raises
-    :class:`~probehook.errors.CaptureError` with the reason, so the failure is never silent."""
-
-    def __init__(self, reason: str) -> None:
-        super().__init__()
-        self.reason = reason
-
-    def __getitem__(self, key: Any) -> Any:
-        raise CaptureError(self.reason)
-
-    def __repr__(self) -> str:
-        return f"FailedCapture({self.reason!r})"
-
-    @classmethod
-    def of_stream(cls, key: str, reason: str) -> FailedCapture:
-        """The failure of stream ``key``, as the worker reported it."""
-        return cls(failure_message(key, reason))
 
 
 class Need(NamedTuple):
@@ -493,16 +472,6 @@ def _gate_start(planned: OutputPlan, scored: Scored, probes: ProbeSet | None) ->
 # -- the shape of outputs ------------------------------------------------------------------
 
 
-def is_pooled(output: Any) -> bool:
-    """Whether ``output`` is a pooling model's (one ``outputs`` object, not completions)."""
-    return not isinstance(getattr(output, "outputs", None), list)
-
-
-def completions(output: Any) -> list[Any]:
-    """A generation output's completions; none for a pooling output."""
-    return [] if is_pooled(output) else list(output.outputs)
-
-
 def attributes_of(source: str, processors: Sequence[Any] | None = None) -> tuple[str, str]:
     """The (request, completion) attributes that rows of capture ``source`` fill: the
     output processor registered for that source decides (``processors``: the registry's,
@@ -594,12 +563,3 @@ def copy_captures(source: Any, target: Any) -> None:
     mirror_first_completion(target)
     target.store_id = getattr(source, "store_id", None)
     target.processor_errors = getattr(source, "processor_errors", None) or {}
-
-
-def failed(output: Any) -> bool:
-    """Whether any of an output's captures failed (:class:`FailedCapture`)."""
-    attributes = ("prefill_hidden_states", "prefill_probe_scores")
-    return any(isinstance(getattr(output, a), FailedCapture) for a in attributes) or any(
-        isinstance(c.hidden_states, FailedCapture) or isinstance(c.probe_scores, FailedCapture)
-        for c in completions(output)
-    )

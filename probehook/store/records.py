@@ -7,7 +7,7 @@ from typing import Any
 
 from probehook.capture_config import CaptureConfig
 from probehook.core.spans import completion_spans
-from probehook.frontend.fill import completions, failed, is_pooled
+from probehook.outputs.shapes import completions, failed, is_pooled
 from probehook.store.writer import PendingRequest, RowBlock
 
 logger = logging.getLogger(__name__)

@@ -150,6 +150,32 @@ def test_a_delta_stream_gets_each_row_once_and_the_whole_for_the_store() -> None
     assert whole.outputs[0].hidden_states[3][:, 0].tolist() == [3, 4, 5]
 
 
+def test_a_cumulative_output_that_grows_while_its_rows_are_awaited_gets_rows_for_every_token() -> (
+    None
+):
+    """vLLM grows a cumulative output's token list in place; its output handler can append a
+    token while the stream awaits the rows of the earlier ones (seen once in the suite: a
+    yield with 4 tokens and 3 rows). The rows must match the tokens the output holds."""
+
+    class Growing(Rows):
+        def __init__(self, output: Output) -> None:
+            super().__init__()
+            self.output, self.grown = output, False
+
+        async def take(self, source: str, key: str, lo: int, hi: int) -> torch.Tensor:
+            rows = await super().take(source, key, lo, hi)
+            if not self.grown:  # the next token arrives meanwhile
+                self.output.outputs[0].token_ids.append(10)
+                self.grown = True
+            return rows
+
+    output = Output([Completion(0, [7, 8])])
+    asyncio.run(stream("cumulative", Growing(output)).fill(output))
+    assert len(output.outputs[0].token_ids) == 3
+    assert output.outputs[0].hidden_states[0][:, 0].tolist() == [3, 4, 5]
+    assert output.outputs[0].hidden_states[3][:, 0].tolist() == [3, 4, 5]
+
+
 def test_a_failed_stream_fails_its_slots_and_names_the_reason() -> None:
     failing = stream("cumulative", Rows(fail="T/0"))
     output = Output([Completion(0, [7])], finished=True)

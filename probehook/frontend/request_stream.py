@@ -34,6 +34,7 @@ from probehook.frontend.fill import (
 from probehook.frontend.session import CaptureSession
 from probehook.frontend.stream_receiver import Receiver
 from probehook.frontend.tracked_request import TrackedRequest
+from probehook.outputs.shapes import completions
 from probehook.store.records import store_filled
 
 Kind = Literal["cumulative", "delta", "final"]
@@ -86,9 +87,18 @@ class RequestStream:
         return whole
 
     async def _fill(self, output: Any, progress: Progress | None) -> None:
-        reset(output, self.request)
-        planned = plan(output, self.request, progress)
-        apply(planned, await self._take(planned), self.session.probes, self.session.row_format)
+        # vLLM grows a cumulative output's token list in place, and its output handler may
+        # append a token while the rows are awaited: plan again until no token came in
+        # meanwhile (no await between the last check and apply), so rows match tokens. A
+        # delta output is never grown, and its plan advances the stream's progress: once.
+        while True:
+            tokens = [len(c.token_ids) for c in completions(output)]
+            reset(output, self.request)
+            planned = plan(output, self.request, progress)
+            got = await self._take(planned)
+            if self.kind == "delta" or tokens == [len(c.token_ids) for c in completions(output)]:
+                break
+        apply(planned, got, self.session.probes, self.session.row_format)
 
     async def _take(self, planned: OutputPlan) -> dict[Need, Any]:
         """Each need's rows from the receiver, as values (a failed stream: FailedCapture)."""

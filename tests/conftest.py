@@ -98,7 +98,11 @@ def _quick_engine_teardown() -> None:
 
 _quick_engine_teardown()
 
-from engine_layout import in_process_by_default, in_users_layout  # noqa: E402
+from engine_layout import (  # noqa: E402
+    MULTIPROCESSING_ENV,
+    in_process_by_default,
+    in_users_layout,
+)
 
 in_process_by_default()
 
@@ -146,7 +150,7 @@ def _engine_guard() -> None:
         return in_users_layout()  # its engine core has its own process in either layout
 
     def server(self, argv, log, env=None, program="probehook") -> bool:  # noqa: ANN001
-        return (env or {}).get("VLLM_ENABLE_V1_MULTIPROCESSING", "0") != "0"
+        return (env or {}).get(MULTIPROCESSING_ENV, "0") != "0"
 
     EngineCoreClient.make_client = staticmethod(guarded(EngineCoreClient.make_client, offline))
     EngineCoreClient.make_async_mp_client = staticmethod(
@@ -229,9 +233,11 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     gc.collect()  # the finalisers of loops the tests dropped run now, not at exit
     if _PendingTaskWatch.destroyed and exitstatus == 0:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
-    if _full_run(session) and census()["vllm_processes"] > VLLM_PROCESS_BUDGET:
-        _OVER_BUDGET.append(census()["vllm_processes"])
-        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    if _full_run(session):
+        counted = census()["vllm_processes"]
+        if counted > VLLM_PROCESS_BUDGET:
+            _OVER_BUDGET.append(counted)
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 _OVER_BUDGET: list[int] = []

@@ -34,12 +34,13 @@ not inherit :func:`users_layout`'s setting from a topology test running meanwhil
 def in_process_by_default() -> None:
     """Engines built in this process and its children run in-process from now on.
 
-    Two things an in-process ``EngineCore`` does to the process that hosts it are undone,
-    because that process is pytest's and goes on to build other engines: vLLM caches every
-    ``vllm.envs`` value once an engine core is up (later engines, and
-    :func:`users_layout`, would read the first engine's environment), and it freezes the
-    garbage collector's heap (everything alive then would never be collected, and the
-    session's pending-task check collects)."""
+    What an in-process ``EngineCore`` does to the process that hosts it is undone where that
+    process goes on to build other engines: vLLM caches every ``vllm.envs`` value once an
+    engine core is up (later engines, and :func:`users_layout`, would read the first
+    engine's environment); it freezes the garbage collector's heap (everything alive then
+    would never be collected, and the session's pending-task check collects); and its
+    shutdown tears down the process's parallel groups (:func:`_share_parallel_groups`).
+    Model classes are inspected in-process (:func:`inspect_models_in_process`)."""
     import vllm.v1.engine.core as core
 
     os.environ[MULTIPROCESSING_ENV] = "0"

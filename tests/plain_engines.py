@@ -24,6 +24,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from engine_layout import IN_PROCESS_ENV
+
 ROOT = Path(__file__).resolve().parents[1]
 SEGMENTER_IMAGE = (8, 16, 6)
 """Height, width and seed of the image the plain segmenter masks (see :func:`image`)."""
@@ -110,7 +112,7 @@ def clean_env() -> dict[str, str]:
     from probehook.adapter.plugin import ACTIVE_ENV
 
     env = {k: v for k, v in os.environ.items() if k != ACTIVE_ENV}
-    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core and worker in the one process
+    env.update(IN_PROCESS_ENV)  # engine core and worker in the one process
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     return env
 
@@ -137,12 +139,11 @@ if __name__ == "__main__":
     # First, while nothing of probehook's is loaded here, and in the user's layout (the
     # topology set, tests/README.md): probehook's plugin loads in the spawned engine core and
     # worker, as in a user's plain vLLM, and must leave them plain.
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
-    report = {"vllm": _plain_vllm(tiny)}
-    from engine_layout import inspect_models_in_process
+    from engine_layout import inspect_models_in_process, users_layout  # nothing of probehook's
 
+    with users_layout():  # the rest in-process (clean_env)
+        report = {"vllm": _plain_vllm(tiny)}
     inspect_models_in_process()
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the rest in-process
     report["probehook_llm"] = _plain_probehook_llm(tiny)
     report["segmenter"] = _plain_segmenter()
     print("REPORT " + json.dumps(report), flush=True)

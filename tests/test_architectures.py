@@ -34,6 +34,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from engine_layout import IN_PROCESS_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ["1+2=", "12+34=56. 7+"]
@@ -168,7 +169,7 @@ def start_in_background(
 
 
 def _run_subprocess(spec: Path, out: Path, dirs: dict[str, Path]) -> SimpleNamespace:
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    env = {**os.environ, **IN_PROCESS_ENV}
     started = time.perf_counter()
     proc = subprocess.run(
         [sys.executable, __file__, str(spec), str(out)],

@@ -92,11 +92,11 @@ class RequestStream:
         # meanwhile (no await between the last check and apply), so rows match tokens. A
         # delta output is never grown, and its plan advances the stream's progress: once.
         while True:
-            tokens = [len(c.token_ids) for c in completions(output)]
+            tokens = _token_counts(output)
             reset(output, self.request)
             planned = plan(output, self.request, progress)
             got = await self._take(planned)
-            if self.kind == "delta" or tokens == [len(c.token_ids) for c in completions(output)]:
+            if self.kind == "delta" or _token_counts(output) == tokens:
                 break
         apply(planned, got, self.session.probes, self.session.row_format)
 
@@ -113,3 +113,8 @@ class RequestStream:
                 continue
             got[need] = value_of(need.source, rows, self.request, self.session.probes)
         return got
+
+
+def _token_counts(output: Any) -> list[int]:
+    """How many tokens each completion of ``output`` holds now."""
+    return [len(c.token_ids) for c in completions(output)]

@@ -38,7 +38,7 @@ def test_index_follows_batch_metadata_and_phases() -> None:
     }
     # r0: 3 prompt tokens; r1: 2 tokens; r2: its prompt (2) plus its first decode position.
     query_start = np.array([0, 3, 5, 8])
-    step.prepare(["r0", "r1", "r2"], query_start, np.array([0, 0, 0]), plans.get, set(plans))
+    step.prepare(["r0", "r1", "r2"], query_start, np.array([0, 0, 0]), plans.get)
     index = step.index[:8].tolist()
     s0, s2 = plans["r0"].slot, plans["r2"].slot
     assert s0 and s2 and s0 != s2
@@ -48,7 +48,7 @@ def test_index_follows_batch_metadata_and_phases() -> None:
     torch.testing.assert_close(step.tables[1][s2], -torch.arange(HIDDEN, dtype=torch.float32))
     torch.testing.assert_close(step.tables[2][s2], torch.ones(HIDDEN))
     # The next step has no steered token: the index is cleared, row 0 stays zero.
-    step.prepare(["r1"], np.array([0, 1]), np.array([2]), plans.get, set(plans))
+    step.prepare(["r1"], np.array([0, 1]), np.array([2]), plans.get)
     assert step.index[:8].tolist() == [0] * 8
     assert step.tables[1][0].abs().sum() == 0
 
@@ -56,7 +56,7 @@ def test_index_follows_batch_metadata_and_phases() -> None:
 def test_the_op_adds_each_tokens_row() -> None:
     step = _engine()
     plan = RequestSteering((("a", 1.0),), 1, 3, prompt_len=3)  # positions 1, 2 only
-    step.prepare(["r"], np.array([0, 4]), np.array([0]), {"r": plan}.get, {"r"})
+    step.prepare(["r"], np.array([0, 4]), np.array([0]), {"r": plan}.get)
     hidden = torch.zeros(4, HIDDEN)
     steer(hidden, step.index, step.tables[1])
     assert hidden[:, 0].tolist() == [0.0, 1.0, 1.0, 0.0]
@@ -65,14 +65,31 @@ def test_the_op_adds_each_tokens_row() -> None:
 def test_slots_are_freed_at_finish_and_reclaimed_from_departed_requests() -> None:
     step = _engine(slots=3)  # two usable slots
     plans = {f"r{i}": RequestSteering((("a", float(i)),), 0, OPEN, prompt_len=1) for i in range(4)}
-    step.prepare(["r0", "r1"], np.array([0, 1, 2]), np.array([0, 0]), plans.get, {"r0", "r1"})
+    step.prepare(["r0", "r1"], np.array([0, 1, 2]), np.array([0, 0]), plans.get)
     step.finish(["r0"])
-    step.prepare(["r1", "r2"], np.array([0, 1, 2]), np.array([1, 0]), plans.get, {"r1", "r2"})
+    step.prepare(["r1", "r2"], np.array([0, 1, 2]), np.array([1, 0]), plans.get)
     assert {plans["r1"].slot, plans["r2"].slot} == {1, 2}
     # r1 left the batch (preempted): its slot goes to r3, and r1 gets one back on return.
-    step.prepare(["r2", "r3"], np.array([0, 1, 2]), np.array([1, 0]), plans.get, {"r2", "r3"})
-    assert plans["r1"].slot == 0 and plans["r3"].slot
+    step.prepare(["r2", "r3"], np.array([0, 1, 2]), np.array([1, 0]), plans.get)
+    assert plans["r1"].slot == 0 and plans["r3"].slot and step.reclaimed == 1
     torch.testing.assert_close(step.tables[1][plans["r3"].slot], torch.full((HIDDEN,), 3.0))
+    # r1 returns after its vector left the bank: it is steered by the sum it had.
+    step.finish(["r3"])
+    step.bank.remove("a")
+    step.prepare(["r2", "r1"], np.array([0, 1, 2]), np.array([2, 1]), plans.get)
+    torch.testing.assert_close(step.tables[1][plans["r1"].slot], torch.full((HIDDEN,), 1.0))
+
+
+def test_a_request_that_cannot_get_a_row_runs_unsteered_and_the_step_goes_on() -> None:
+    step = _engine()
+    plans = {
+        "ok": RequestSteering((("a", 1.0),), 0, OPEN, prompt_len=1),
+        "bad": RequestSteering((("gone", 1.0),), 0, OPEN, prompt_len=1),  # skipped the checks
+    }
+    step.prepare(["bad", "ok"], np.array([0, 1, 2]), np.array([0, 0]), plans.get)
+    assert step.failures == 1 and step.states["bad"] is None
+    assert len(step._free) == 2  # 3 usable rows: "ok" holds one, the failed one came back
+    assert step.index[:2].tolist() == [0, plans["ok"].slot] and plans["ok"].slot
 
 
 def test_a_gate_steers_from_the_position_after_its_crossing_row() -> None:
@@ -80,21 +97,21 @@ def test_a_gate_steers_from_the_position_after_its_crossing_row() -> None:
     plan = RequestSteering((("a", 1.0),), None, OPEN, prompt_len=3, gate=Gate(0, 0.5, "above"))
     plans = {"r": plan}
     # Prefill of 3 tokens: the last row (position 2 = decode row 0) scores 0.2: no crossing.
-    step.prepare(["r"], np.array([0, 3]), np.array([0]), plans.get, {"r"})
+    step.prepare(["r"], np.array([0, 3]), np.array([0]), plans.get)
     step.check_gates(torch.tensor([[[0.9], [0.1], [0.2]]]), np.array([2]))
     assert plan.lo is None and step.index[:3].tolist() == [0, 0, 0]
     # Position 3 scores 0.7: steering starts at position 4.
-    step.prepare(["r"], np.array([0, 1]), np.array([3]), plans.get, {"r"})
+    step.prepare(["r"], np.array([0, 1]), np.array([3]), plans.get)
     step.check_gates(torch.tensor([[[0.7]]]), np.array([0]))
     assert plan.lo == 4
-    step.prepare(["r"], np.array([0, 1]), np.array([4]), plans.get, {"r"})
+    step.prepare(["r"], np.array([0, 1]), np.array([4]), plans.get)
     assert step.index[0].item() == plan.slot != 0
 
 
 def test_a_prompt_row_never_opens_a_gate() -> None:
     step = _engine()
     plan = RequestSteering((("a", 1.0),), None, OPEN, prompt_len=5, gate=Gate(0, 0.5, "above"))
-    step.prepare(["r"], np.array([0, 2]), np.array([0]), {"r": plan}.get, {"r"})  # chunk 0..1
+    step.prepare(["r"], np.array([0, 2]), np.array([0]), {"r": plan}.get)  # chunk 0..1
     step.check_gates(torch.tensor([[[0.0], [0.9]]]), np.array([1]))
     assert plan.lo is None
 

@@ -11,8 +11,11 @@ Three kinds of buffers, all allocated when the model is loaded (before vLLM comp
 The steering op (``probehook.worker.steer_op``) reads the index and the tables inside the
 compiled graph. Before each forward pass :meth:`StepSteering.prepare` writes the index from the
 runner's batch metadata (request order, query offsets, computed positions), the same way the
-recorder attributes rows, so continuous batching, chunked prefill and preemption need nothing
-special: steering is a function of (request, position).
+recorder attributes rows, so continuous batching and chunked prefill need nothing special:
+steering is a function of (request, position). A preempted request stays in the runner's
+requests while it waits; when the table runs out, the rows of requests outside the step's batch
+are set aside and given back on their return (the table has ``max_num_seqs + 1`` rows, so this
+always frees one).
 
 No vLLM imports: ``probehook.adapter`` feeds plain arrays.
 """
@@ -21,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Container, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,6 +66,9 @@ class RequestSteering:
     gate: Gate | None = None
     slot: int = 0
     """Its row in the tables (0: none assigned yet)."""
+    saved: dict[int, torch.Tensor] | None = None
+    """Its table rows while it waits without a slot (preempted): restored on its return, so
+    a vector removed meanwhile still steers it as before."""
 
 
 def phase_range(phase: str, prompt_len: int) -> tuple[int, int]:
@@ -148,6 +154,8 @@ class StepSteering:
     _free: list[int] = field(init=False)
     _step: tuple[Sequence[str], np.ndarray, np.ndarray] | None = None
     steps_steered: int = 0
+    reclaimed: int = 0  # rows taken from requests outside the step (preempted), for the stats
+    failures: int = 0  # requests that ran unsteered because they could not get a row
     prepare_ns: int = 0  # host time spent writing indexes and tables (for the benchmark)
 
     def __post_init__(self) -> None:
@@ -165,7 +173,6 @@ class StepSteering:
         query_start: np.ndarray,
         num_computed: np.ndarray,
         plan_for: Callable[[str], RequestSteering | None],
-        live: Container[str],
     ) -> None:
         """Write this step's index (before the forward pass)."""
         started = time.perf_counter_ns()
@@ -190,8 +197,8 @@ class StepSteering:
             if not steered:
                 host[:upto] = 0
                 steered = True
-            if state.slot == 0:  # type: ignore[union-attr]
-                self._assign(state, live)  # type: ignore[arg-type]
+            if state.slot == 0 and not self._assign(req_id, state, req_ids):  # type: ignore[union-attr]
+                continue
             host[start + a : start + b] = state.slot  # type: ignore[union-attr]
         # Views of the runner's arrays: check_gates reads them in this same step.
         self._step = (req_ids, query_start[: n + 1], num_computed[:n])
@@ -210,26 +217,52 @@ class StepSteering:
         if self.index.device.type != "cpu":
             self.index[:count].copy_(torch.from_numpy(self._host[:count]), non_blocking=True)
 
-    def _assign(self, state: RequestSteering, live: Container[str]) -> None:
-        if not self._free:
-            self._reclaim(live)
-        slot = self._free.pop()
-        for layer, table in self.tables.items():
-            combined = self.bank.combine(layer, state.terms)
-            if combined is None:
-                table[slot].zero_()
-            else:
-                table[slot].copy_(combined)
-        state.slot = slot
+    def _assign(self, req_id: str, state: RequestSteering, batch: Sequence[str]) -> bool:
+        """Give a request a table row; False (the request runs unsteered, with an error in
+        the log and the stats) when that fails: it runs inside the step, where an exception
+        would end the engine and every request in it."""
+        slot = 0
+        try:
+            if not self._free:
+                self._reclaim(batch)
+            slot = self._free.pop()
+            for layer, table in self.tables.items():
+                if state.saved is not None:
+                    table[slot].copy_(state.saved[layer])
+                    continue
+                combined = self.bank.combine(layer, state.terms)
+                if combined is None:
+                    table[slot].zero_()
+                else:
+                    table[slot].copy_(combined)
+        except Exception as e:  # noqa: BLE001 - one request's failure must not end the engine
+            logger.error("probehook: request %s runs unsteered: %s", req_id, e)
+            if slot:
+                self._free.append(slot)
+            self.states[req_id] = None
+            self.failures += 1
+            return False
+        state.slot, state.saved = slot, None
+        return True
 
-    def _reclaim(self, live: Container[str]) -> None:
-        # Slots of requests that left the batch (preempted): they get a new one if they return.
+    def _reclaim(self, batch: Sequence[str]) -> None:
+        # The batch holds at most max_num_seqs requests and the table has one row more, so
+        # freeing the rows of every request outside this step's batch (preempted ones, which
+        # stay in the runner's requests while they wait) always frees one. Their rows are
+        # kept aside and restored when they return.
+        in_batch = set(batch)
         for req_id, state in self.states.items():
-            if state is not None and state.slot and req_id not in live:
+            if state is not None and state.slot and req_id not in in_batch:
+                state.saved = {layer: t[state.slot].clone() for layer, t in self.tables.items()}
                 self._free.append(state.slot)
                 state.slot = 0
+                self.reclaimed += 1
         if not self._free:
-            raise RuntimeError("probehook: no free steering slot")  # slots > max_num_seqs
+            rows = next(iter(self.tables.values())).shape[0] - 1
+            raise RuntimeError(
+                f"no free steering row: {len(in_batch)} requests in this step, {rows} rows "
+                "(the table is built with max_num_seqs + 1)"
+            )
 
     def check_gates(self, rows: torch.Tensor | None, last_row: np.ndarray | None) -> None:
         """After this step's probe scores: start the steering of requests whose gate crossed

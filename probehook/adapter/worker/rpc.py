@@ -265,6 +265,10 @@ class ProbehookWorkerExtension:
             "steps": hook.steps,
             "steps_steered": getattr(steer, "steps_steered", 0),
             "steer_prepare_ns": getattr(steer, "prepare_ns", 0),
+            # Rows taken from steered requests waiting outside the batch (preempted), and
+            # requests that ran unsteered because no row could be given (never expected).
+            "steering_slots_reclaimed": getattr(steer, "reclaimed", 0),
+            "steering_failures": getattr(steer, "failures", 0),
             **_compilations(),
             "forwards": hook.forwards,
             "step_ns": hook.step_ns,

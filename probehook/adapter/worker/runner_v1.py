@@ -67,7 +67,6 @@ def prepare_steering(
         runner.query_start_loc.np[: num_reqs + 1],
         batch.num_computed_tokens_cpu[:num_reqs],
         plan_for,
-        runner.requests,
     )
 
 

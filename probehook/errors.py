@@ -24,6 +24,9 @@ class CaptureError(ProbehookError, RuntimeError):
 class StoreError(ProbehookError, OSError):
     """The activation store cannot be written or read (disk full, permissions, corruption)."""
 
+    lost: tuple[str, ...] = ()
+    """After a write error: the store ids of the requests it dropped (added, not durable)."""
+
 
 class StoreLockedError(StoreError):
     """Another writer holds the store's ``writer.lock``: one writer at a time may append."""

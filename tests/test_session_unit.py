@@ -234,3 +234,40 @@ def test_offline_fill_asks_one_export_for_every_output(monkeypatch: pytest.Monke
     assert pooled[0].hidden_states[0][:, 0].tolist() == [0, 1, 2]  # its part of the batch
     assert isinstance(pooled[1].prefill_hidden_states, fill.FailedCapture)
     assert "over the limit" in pooled[1].capture_error
+
+
+def test_a_stream_stores_on_its_store_thread_while_the_event_loop_goes_on() -> None:
+    """A server's store waits on the disk (backpressure when its writer falls behind, the
+    first fsync of a run): the add runs on the engine's store thread, and every other stream
+    on the event loop goes on meanwhile (issue 37, item 2)."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    released = threading.Event()
+    threads: list[str] = []
+
+    class SlowDisk:
+        def add(self, pending: object) -> str:
+            threads.append(threading.current_thread().name)
+            assert released.wait(10), "the event loop never got to release the disk"
+            return "run-r"
+
+    async def scenario() -> list[int]:
+        ticks: list[int] = []
+        stored = stream("cumulative", Rows())
+        stored.session.store = SlowDisk()
+        stored.request.sampling = {}
+        stored.store_thread = ThreadPoolExecutor(1, thread_name_prefix="store")
+        output = Output([Completion(0, [7, 8])], finished=True)
+        filling = asyncio.ensure_future(stored.fill(output))
+        for tick in range(3):  # the loop runs while the add waits on the "disk"
+            await asyncio.sleep(0.01)
+            ticks.append(tick)
+        released.set()
+        await filling
+        stored.store_thread.shutdown()
+        assert output.store_id == "run-r"
+        return ticks
+
+    assert asyncio.run(scenario()) == [0, 1, 2]
+    assert threads and threads[0].startswith("store")

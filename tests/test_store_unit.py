@@ -142,15 +142,15 @@ def test_an_add_during_a_flush_stays_counted_for_the_next_one(tmp_path: Path) ->
     store = ActivationStore.for_writing(tmp_path / "s", META)
     store.add(fake_request(0))
     writer = store._require_writer()
-    flush = writer.flush
+    wait = writer.wait
 
-    def flush_while_another_add_arrives() -> None:
-        flush()
+    def wait_while_another_add_arrives(barrier) -> None:
+        wait(barrier)
         store.add(fake_request(1))  # between the writer's flush and the store's bookkeeping
 
-    writer.flush = flush_while_another_add_arrives
+    writer.wait = wait_while_another_add_arrives
     store.flush()
-    writer.flush = flush
+    writer.wait = wait
     assert store.unflushed == 1
     store.flush()
     assert store.unflushed == 0 and {"r0", "r1"} <= {r.request_id for r in store.requests}

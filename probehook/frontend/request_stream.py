@@ -17,7 +17,9 @@ This module knows nothing about vLLM.
 
 from __future__ import annotations
 
+import asyncio
 import copy
+from concurrent.futures import Executor
 from typing import Any, Literal
 
 from probehook.core.stream_frames import StreamFailed
@@ -44,9 +46,17 @@ class RequestStream:
     """Per-request state of a stream: what earlier outputs held, whether it was stored."""
 
     def __init__(
-        self, session: CaptureSession, receiver: Receiver, request: TrackedRequest, kind: Kind
+        self,
+        session: CaptureSession,
+        receiver: Receiver,
+        request: TrackedRequest,
+        kind: Kind,
+        store_thread: Executor | None = None,
     ):
         self.session = session
+        self.store_thread = store_thread
+        """Where the store add runs (its backpressure and first fsync wait on the disk: never
+        on the event loop). None: in the caller, as offline."""
         self.receiver = receiver
         self.request = request
         self.kind = kind
@@ -70,7 +80,13 @@ class RequestStream:
         if output.finished and self.session.store is not None and not self.stored:
             whole = await self._whole(output) if delta else output
             self.stored = True
-            store_filled(self.session.store, whole, self.request)
+            store = self.session.store
+            if self.store_thread is None:
+                store_filled(store, whole, self.request)
+            else:
+                await asyncio.get_running_loop().run_in_executor(
+                    self.store_thread, store_filled, store, whole, self.request
+                )
             output.store_id = getattr(whole, "store_id", None)
 
     async def _whole(self, output: Any) -> Any:

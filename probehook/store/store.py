@@ -77,6 +77,10 @@ class ActivationStore(StoreReader):
         self._lock: WriterLock | None = None
         self._adding: set[str] = set()  # store ids added since the last flush
         self._finalizer: weakref.finalize | None = None
+        # One adder and one flusher may run in two threads (a server adds on its store thread
+        # while its periodic flush runs in another): the bookkeeping below is theirs in turn.
+        # A flush holds it only to start and to take what it committed, not while it waits.
+        self._write_lock = threading.RLock()
 
     # -- opening for writing ------------------------------------------------------------------
 
@@ -171,6 +175,10 @@ class ActivationStore(StoreReader):
 
     def begin_run(self, info: dict[str, Any]) -> str:
         """Record a new run (``info``: what it captures, under ``"capture"``); return its id."""
+        with self._write_lock:
+            return self._begin_run(info)
+
+    def _begin_run(self, info: dict[str, Any]) -> str:
         run_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
         record = {"kind": "run", "run_id": run_id, "started": time.time(), **info}
         try:
@@ -189,9 +197,13 @@ class ActivationStore(StoreReader):
     def add(self, request: PendingRequest) -> str:
         """Queue a request for writing; return its store id (``<run id>-<request id>``),
         unique across every run appended to this store. A run is begun if none was."""
+        with self._write_lock:
+            return self._add(request)
+
+    def _add(self, request: PendingRequest) -> str:
         writer = self._require_writer()
         if self._run_id is None:
-            self.begin_run({})
+            self._begin_run({})
         record = request.record
         request_id = record.get("request_id", record["id"])
         store_id = f"{self._run_id}-{request_id}"
@@ -220,13 +232,20 @@ class ActivationStore(StoreReader):
         flush that were not committed are not in the store (the error names them); every
         earlier one is, and later adds work again once the cause is fixed."""
         writer = self._require_writer()
-        # A server flushes from a thread while its event loop goes on adding: only what was
-        # added before this flush began is known to be in it. Later adds stay counted, so the
-        # next flush commits them (they used to be wiped here and waited for close()).
-        began, adding = self.unflushed, set(self._adding)
+        # A server flushes from a thread while another goes on adding: only what was added
+        # before this flush began is known to be in it. Later adds stay counted, so the next
+        # flush commits them (they used to be wiped here and waited for close()).
+        with self._write_lock:
+            began, adding = self.unflushed, set(self._adding)
+            barrier = writer.start_flush()
+        writer.wait(barrier)
+        with self._write_lock:
+            self._finish_flush(writer, began, adding)
+
+    def _finish_flush(self, writer: ShardWriter, began: int, adding: set[str]) -> None:
         failed = True
         try:
-            writer.flush()
+            writer.raise_if_failed()
             failed = False
         finally:
             # Shards committed before an error are durable: take them either way.
@@ -258,6 +277,10 @@ class ActivationStore(StoreReader):
         self._adding.clear()
 
     def close(self) -> None:
+        with self._write_lock:
+            self._close()
+
+    def _close(self) -> None:
         if self._finalizer is not None:
             self._finalizer.detach()
             _ABANDONED_AT_EXIT.discard(self._finalizer)

@@ -119,13 +119,15 @@ class ShardWriter:
         self._datasets: dict[str, DatasetAppender] = {}
         self._renamed: Path | None = None  # a renamed shard whose manifest lines are not in
         self._committed: list[dict[str, Any]] = []
+        self._committed_lock = threading.Lock()
+        self._report_lock = threading.Lock()  # an error is reported by one caller, once
         self._thread = threading.Thread(target=self._run, name="probehook-store", daemon=True)
         self._thread.start()
 
     # -- caller side ------------------------------------------------------------------------
 
     def submit(self, request: PendingRequest) -> None:
-        self._raise_if_failed()
+        self.raise_if_failed()
         size = request.nbytes
         with self._cond:
             while (
@@ -136,21 +138,31 @@ class ShardWriter:
                 self._cond.wait(timeout=1.0)
             if self._error is None:
                 self._queued_bytes += size
-        self._raise_if_failed()  # outside the condition: reporting drains the queue
+        self.raise_if_failed()  # outside the condition: reporting drains the queue
         self._queue.put(request)
 
     def flush(self) -> None:
         """Block until everything submitted is in a committed shard and the manifest."""
-        self._barrier(commit=True)
-        self._raise_if_failed()
+        self.wait(self.start_flush())
+        self.raise_if_failed()
 
-    def _barrier(self, *, commit: bool) -> None:
-        """Wait until the writer thread has handled everything queued before this call."""
-        barrier = _Barrier(commit)
+    def start_flush(self) -> _Barrier:
+        """Queue a commit of everything submitted so far; :meth:`wait` for it (submits may go
+        on meanwhile: they are not in it)."""
+        barrier = _Barrier(commit=True)
         self._queue.put(barrier)
+        return barrier
+
+    def wait(self, barrier: _Barrier) -> None:
+        """Wait until the writer thread has handled everything queued before ``barrier``."""
         while not barrier.done.wait(timeout=1.0):
             if not self._thread.is_alive():
                 break
+
+    def _barrier(self, *, commit: bool) -> None:
+        barrier = _Barrier(commit)
+        self._queue.put(barrier)
+        self.wait(barrier)
 
     def append_manifest(self, records: list[dict[str, Any]]) -> None:
         """Append ``records`` and fsync. On failure (disk full) the manifest is cut back to
@@ -192,7 +204,8 @@ class ShardWriter:
 
     def take_committed(self) -> list[dict[str, Any]]:
         """Request records committed since the last call (call after ``flush``)."""
-        committed, self._committed = self._committed, []
+        with self._committed_lock:  # the writer thread commits full shards at any time
+            committed, self._committed = self._committed, []
         return committed
 
     def close(self) -> None:
@@ -204,16 +217,23 @@ class ShardWriter:
                 self._queue.put(_STOP)
                 self._thread.join()
 
-    def _raise_if_failed(self) -> None:
+    def raise_if_failed(self) -> None:
+        """Report a write error, once: of callers in several threads, one raises it."""
         if self._error is None:
             return
-        # Drop whatever was queued before this report, so the writer is clean afterwards.
-        self._barrier(commit=False)
-        error, lost = self._error, self._lost
-        self._error, self._lost = None, []
+        with self._report_lock:
+            if self._error is None:
+                return  # another thread reported it while this one waited
+            # Drop whatever was queued before this report, so the writer is clean afterwards.
+            self._barrier(commit=False)
+            error, lost = self._error, self._lost
+            self._error, self._lost = None, []
+        self._report(error, lost)
+
+    def _report(self, error: BaseException, lost: list[str]) -> None:
         shown = ", ".join(lost[:5]) + (f" and {len(lost) - 5} more" if len(lost) > 5 else "")
         full = isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT)
-        raise StoreError(
+        report = StoreError(
             f"Writing the activation store at {self.root} failed: {error}. "
             + ("The disk is full. " if full else "")
             + "Requests acknowledged before this error (returned by generate(), or added "
@@ -224,7 +244,9 @@ class ShardWriter:
                 else "nothing else was lost. "
             )
             + "The store stays appendable: free space (or fix the cause) and add them again."
-        ) from error
+        )
+        report.lost = tuple(lost)
+        raise report from error
 
     # -- writer thread ----------------------------------------------------------------------
 
@@ -333,7 +355,8 @@ class ShardWriter:
         requests = [{"kind": "request", "shard": final.name, **r} for r in self._shard_requests]
         self.append_manifest([shard, *requests])
         _stage("committed")
-        self._committed.extend(requests)
+        with self._committed_lock:
+            self._committed.extend(requests)
         self._shard_requests = []
         self._shard_bytes_written = 0
 

@@ -17,6 +17,7 @@ import os
 import uuid
 import weakref
 from collections.abc import AsyncGenerator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from vllm import PoolingParams, SamplingParams
@@ -86,6 +87,8 @@ class AsyncLLM(VllmAsyncLLM):
         self.capture_config: CaptureConfig | None = None
         self.session: CaptureSession | None = None
         self.store: ActivationStore | None = None
+        self.store_thread: ThreadPoolExecutor | None = None
+        """The one thread that adds to and flushes the store (None without a store)."""
         self.probes: ProbeSet | None = None
         self._receiver: Receiver | None = None
         self._capturing: asyncio.Future | None = None
@@ -226,8 +229,13 @@ class AsyncLLM(VllmAsyncLLM):
         self.capture_info: dict[str, Any] = info
         """Layers, hidden size, dtype and model runner class of the tapped worker."""
         self.session, self.store, self._receiver = capture, store, receiver
+        closers = [receiver.close, capture.close]
+        if store is not None:
+            # The store's disk waits (backpressure, fsync) never run on the event loop: adds
+            # and the server's periodic flush run on this one thread, in order.
+            self.store_thread = ThreadPoolExecutor(1, thread_name_prefix="probehook-store-adds")
+            closers += [self.store_thread.shutdown, store.close]
         # Finalizers, not __del__: they also run at interpreter exit, before modules go.
-        closers = [receiver.close, capture.close] + ([store.close] if store is not None else [])
         self._closers = [weakref.finalize(self, close) for close in closers]
 
     # -- the request path -------------------------------------------------------------------
@@ -281,7 +289,11 @@ class AsyncLLM(VllmAsyncLLM):
         prompt = with_cache_salt(prompt, self.session.cache_salt(tagged))
         kind = KINDS[params.output_kind]
         captures = tracked is not None and tracked.config is not None
-        stream = RequestStream(self.session, self._receiver, tracked, kind) if captures else None
+        stream = (
+            RequestStream(self.session, self._receiver, tracked, kind, self.store_thread)
+            if captures
+            else None
+        )
         if stream is not None:
             self._streams[request_id] = stream
             self._receiver.expect(stream.request.tag)

@@ -324,9 +324,10 @@ async def serve(args: argparse.Namespace, capture: dict[str, Any]) -> None:
 
 
 async def _flush_store(engine: Any, interval: float) -> None:
-    """Commit stored requests every ``interval`` seconds, off the event loop, so that a crash
-    loses at most the last interval's records. Stops once the engine shuts down (its store's
-    close commits the rest)."""
+    """Commit stored requests every ``interval`` seconds, off the event loop (on the engine's
+    store thread, after the adds queued there), so that a crash loses at most the last
+    interval's records. Stops once the engine shuts down (its store's close commits the
+    rest)."""
     loop = asyncio.get_running_loop()
     while True:
         await asyncio.sleep(interval)
@@ -334,7 +335,7 @@ async def _flush_store(engine: Any, interval: float) -> None:
         if getattr(engine, "_shut_down", False) or store is None:
             return
         if store.unflushed:
-            await loop.run_in_executor(None, store.flush)
+            await loop.run_in_executor(engine.store_thread, store.flush)
 
 
 def _describe(engine: Any, limit: int, default: dict[str, Any] | None = None) -> Any:

@@ -418,6 +418,37 @@ def test_front_end_believes_v1_and_beam_search_is_refused(engine, loop, monkeypa
         loop.run_until_complete(collect(engine, "1+1=", beam))
 
 
+def test_uncaptured_requests_leave_the_workers_tables_bounded(engine, loop) -> None:
+    """A server captures only the requests that opt in, and an ``AsyncLLM`` never calls the
+    export RPC that used to prune the worker's per-request table: every request it ran left
+    an entry there (issue 37, item 3; 10,000 here before the fix). Bounded now by the
+    engine's requests, whatever the number run."""
+    from probehook.worker.recorder import DEPARTED_SLACK
+
+    requests, max_num_seqs = 10_000, engine.vllm_config.scheduler_config.max_num_seqs
+
+    async def main() -> tuple[dict, dict]:
+        before = await engine.stats()
+        engine.capture_unmarked = False  # the server's setting
+        try:
+            gate = asyncio.Semaphore(512)  # a bounded client
+
+            async def one(i: int) -> None:
+                async with gate:
+                    async for _ in engine.generate(f"{i % 97}+1=", greedy(1)):
+                        pass
+
+            await asyncio.gather(*(one(i) for i in range(requests)))
+        finally:
+            engine.capture_unmarked = True
+        return before, await engine.stats()
+
+    before, after = loop.run_until_complete(main())
+    assert after["tracked_requests"] <= 2 * (2 * max_num_seqs + DEPARTED_SLACK), (before, after)
+    assert after["steering_states"] <= max_num_seqs
+    assert after["pending_requests"] == before["pending_requests"]
+
+
 def test_shutdown_commits_what_was_stored(engine, loop, store_dir) -> None:
     """Requests stored since the last flush are committed by shutdown, with no flush by the
     user. It shuts the module's engine down, so it is the module's last test (a test after it

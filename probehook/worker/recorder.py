@@ -21,7 +21,7 @@ This module knows nothing about vLLM; ``probehook.adapter`` feeds it plain array
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Container, Iterable, Sequence
+from collections.abc import Callable, Collection, Container, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
@@ -31,6 +31,9 @@ import torch
 from probehook.core.spans import OPEN, KeepPlan, Span
 
 MIN_CAPACITY = 16
+DEPARTED_SLACK = 256
+"""Entries of departed requests :meth:`StepRecorder.bound` lets accumulate beyond twice the
+live ones before it drops them."""
 
 
 class RequestPlan(NamedTuple):
@@ -678,6 +681,15 @@ class StepRecorder:
         for key in dropped:
             del self.held[key]
         return len(doomed) + len(dropped)
+
+    def bound(self, live_req_ids: Collection[str]) -> None:
+        """Keep the per-engine-request table bounded between exports: once it holds more
+        than twice the engine's requests (plus :data:`DEPARTED_SLACK`), drop the entries of
+        those that left. A front end that never exports (``AsyncLLM``, a server whose
+        requests mostly capture nothing) would otherwise leave one entry per request ever
+        run. Amortised: one pass per ``DEPARTED_SLACK`` requests or more."""
+        if len(self.rows_by_req) > 2 * len(live_req_ids) + DEPARTED_SLACK:
+            self.forget_departed(live_req_ids)
 
     def forget_departed(self, live_req_ids: Iterable[str]) -> None:
         """Drop per-engine-request entries of requests that have left the engine.

@@ -460,6 +460,7 @@ class StepHook:
         """Probe scores, once the front end sent its probes (``probehook_start_recording``)."""
         self.on_step: Callable[[], None] | None = None
         self.before_forward: Callable[[Any], None] | None = None
+        self.on_schedule: Callable[[Any], None] | None = None
         self.armed = False
         self.steps = 0  # execute_model calls since install_on (for the benchmark)
         self.step_ns = 0  # their wall time
@@ -473,12 +474,15 @@ class StepHook:
         runner: Any,
         on_step: Callable[[], None],
         before_forward: Callable[[Any], None] | None = None,
+        on_schedule: Callable[[Any], None] | None = None,
     ) -> None:
         """Patch ``runner`` so that ``on_step`` records once per forward pass;
         ``before_forward`` (steering) is called with the step's scheduler output after the
-        runner prepared the batch, right before the model runs. Installed once: a second call
-        only replaces the callbacks."""
+        runner prepared the batch, right before the model runs; ``on_schedule`` with every
+        scheduler output, forward pass or not (one with no tokens may still finish
+        requests). Installed once: a second call only replaces the callbacks."""
         self.before_forward = before_forward
+        self.on_schedule = on_schedule
         if self.on_step is not None:
             self.on_step = on_step
             return
@@ -489,6 +493,8 @@ class StepHook:
         def execute_model(*args: Any, **kwargs: Any) -> Any:
             scheduled = args[0] if args else kwargs.get("scheduler_output")
             scheduled_now[0] = scheduled
+            if self.on_schedule is not None and scheduled is not None:
+                self.on_schedule(scheduled)
             if getattr(scheduled, "total_num_scheduled_tokens", 0) > 0:
                 self.forwards += 1
             self.armed = True

@@ -84,12 +84,14 @@ class ProbehookWorkerExtension:
 
         steer = _steering(hook, steering) if hook.steering is not None else None
         self._probehook_steering = steer
-        before_forward = None
+        before_forward = on_schedule = None
         if steer is not None:
             steer_plan = runner_v1.steering_factory(runner, steer.bank.rows.__contains__)
 
-            def before_forward(scheduled: Any) -> None:
+            def on_schedule(scheduled: Any) -> None:
                 steer.finish(getattr(scheduled, "finished_req_ids", None) or ())
+
+            def before_forward(scheduled: Any) -> None:
                 runner_v1.prepare_steering(runner, steer, steer_plan)
 
         scorer = hook.scorer
@@ -100,8 +102,9 @@ class ProbehookWorkerExtension:
                 steer.check_gates(scorer.step_rows.rows, scorer.step_rows.last_row)
             for recorder, _ in recorders:
                 _publish(recorder, self._probehook_publisher, runner.requests)
+                recorder.bound(runner.requests)
 
-        hook.install_on(runner, on_step, before_forward)
+        hook.install_on(runner, on_step, before_forward, on_schedule)
         if not _reports(self):
             return None
         return {
@@ -255,6 +258,9 @@ class ProbehookWorkerExtension:
             "steps_recorded": max((r.steps_recorded for r in recorders), default=0),
             "pending_requests": sum(r.pending() for r in recorders),
             "pending_scores": hook.scorer.pending() if hook.scorer is not None else 0,
+            # Per-engine-request entries: bounded between exports (an AsyncLLM never exports).
+            "tracked_requests": sum(len(r.rows_by_req) for r in recorders),
+            "steering_states": len(steer.states) if steer is not None else 0,
             "retained_bytes": sum(r.retained_bytes() for r in recorders),
             "record_ns": sum(r.record_ns for r in recorders),
             "export_ns": sum(r.export_ns for r in recorders),

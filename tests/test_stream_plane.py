@@ -150,3 +150,67 @@ def test_out_of_order_rows_are_refused() -> None:
     stream.add(4, torch.zeros(1, 2, HIDDEN))
     with pytest.raises(CaptureError, match="out of order"):
         stream.add(7, torch.zeros(1, 1, HIDDEN))
+
+
+def test_a_dead_receiver_thread_fails_its_waiters_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The receiver's thread ending on an error nobody expected must fail every waiter with
+    the cause, at once and later, instead of leaving them to sit out the 120 s deadline
+    (issue 37, item 4)."""
+
+    def broken(frames: list) -> None:
+        raise MemoryError("staged: the receiver thread dies here")
+
+    monkeypatch.setattr(stream_receiver, "decode", broken)
+    with tempfile.TemporaryDirectory() as directory:
+        receiver = stream_receiver.Receiver(directory)
+        publisher = stream_publisher.Publisher(receiver.address)
+        receiver.expect("T")
+        try:
+
+            async def main() -> None:
+                waiting = asyncio.ensure_future(receiver.take("hidden", "T/0", 0, 1))
+                await asyncio.sleep(0.1)
+                chunk = np.zeros((1, 1, HIDDEN), dtype=np.float32)
+                publisher.send(
+                    stream_frames.encode("hidden", [("T/0", 0, chunk, None)], torch.float32)
+                )
+                with pytest.raises(CaptureError, match="staged: the receiver thread dies"):
+                    await asyncio.wait_for(waiting, 10)
+                with pytest.raises(CaptureError, match="receiver"):  # and any later wait
+                    await asyncio.wait_for(receiver.take("hidden", "T/0", 0, 1), 10)
+
+            asyncio.run(main())
+        finally:
+            publisher.close()
+            receiver.close()
+
+
+def test_the_publisher_never_blocks_the_step_when_the_front_end_falls_behind() -> None:
+    """A front end that stops reading fills the socket's high-water mark; the worker's send
+    must still return at once (the engine's step calls it), and every message must arrive,
+    in order, once the front end reads again (issue 37, item 4)."""
+    import threading
+
+    import zmq
+
+    with tempfile.TemporaryDirectory() as directory:
+        address = f"ipc://{directory}/s"
+        context = zmq.Context()
+        pull = context.socket(zmq.PULL)
+        pull.setsockopt(zmq.RCVHWM, 1)
+        pull.bind(address)
+        publisher = stream_publisher.Publisher(address, high_water_mark=1)
+        try:
+            messages = [[f"m{i}".encode(), b"x" * 64] for i in range(200)]
+            sending = threading.Thread(target=lambda: [publisher.send(m) for m in messages])
+            sending.start()
+            sending.join(timeout=10)
+            assert not sending.is_alive(), "send blocked on a front end that does not read"
+            got = [pull.recv_multipart()[0].decode() for _ in messages]
+            assert got == [f"m{i}" for i in range(200)]
+        finally:
+            publisher.close()
+            pull.close(0)
+            context.term()

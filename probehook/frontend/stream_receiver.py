@@ -81,11 +81,25 @@ class Receiver:
         self._waiters: dict[tuple[str, str], list[tuple[asyncio.AbstractEventLoop, Any]]] = {}
         self._lock = threading.Lock()
         self._closed = threading.Event()
+        self._died: str | None = None  # why the thread stopped, if it stopped on an error
         self.received_bytes = 0
         self._thread = threading.Thread(target=self._run, name="probehook-stream", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
+        try:
+            self._drain()
+        except Exception as e:
+            # Nothing will arrive any more: every waiter, now and later, fails with the cause.
+            logger.error("probehook: the stream receiver stopped: %r", e)
+            with self._lock:
+                self._died = f"{type(e).__name__}: {e}"
+                woken = [w for waiters in self._waiters.values() for w in waiters]
+                self._waiters.clear()
+            for loop, future in woken:
+                loop.call_soon_threadsafe(_wake, future)
+
+    def _drain(self) -> None:
         import zmq
 
         poller = zmq.Poller()
@@ -131,6 +145,12 @@ class Receiver:
         name = (source, key)
         while True:
             with self._lock:
+                if self._died is not None:
+                    raise CaptureError(
+                        f"Stream {key} ({source}): the front end's stream receiver stopped "
+                        f"({self._died}), so no rows can arrive. This is a probehook bug: "
+                        "please report it; restart the engine to capture again."
+                    )
                 stream = self._streams.get(name)
                 if stream is not None and stream.error is not None:
                     raise StreamFailed(failure_message(key, stream.error))

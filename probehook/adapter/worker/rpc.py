@@ -261,6 +261,8 @@ class ProbehookWorkerExtension:
             # Per-engine-request entries: bounded between exports (an AsyncLLM never exports).
             "tracked_requests": sum(len(r.rows_by_req) for r in recorders),
             "steering_states": len(steer.states) if steer is not None else 0,
+            # Stream messages the step handed over that the front end has not taken yet.
+            "stream_backlog": publisher.backlog if publisher is not None else 0,
             "retained_bytes": sum(r.retained_bytes() for r in recorders),
             "record_ns": sum(r.record_ns for r in recorders),
             "export_ns": sum(r.export_ns for r in recorders),

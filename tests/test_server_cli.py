@@ -132,3 +132,52 @@ def test_inline_vectors_are_refused_unless_the_server_allows_them() -> None:
     with pytest.raises(CaptureConfigError, match=r"--allow-inline-steering.*\['up'\]"):
         asyncio.run(handler._acquire_inline(request))
     assert asyncio.run(handler._acquire_inline(SimpleNamespace(model_extra={}))) == []
+
+
+def test_a_stream_never_started_still_gives_its_inline_vectors_back() -> None:
+    """A client gone before its streamed response began: the response's generator is never
+    iterated, so its ``finally`` never runs; the request's inline vectors must still leave
+    the bank when the generator is dropped, or each such request holds a bank row for good
+    (issue 37, item 4)."""
+    import asyncio
+    import gc
+    from types import SimpleNamespace
+
+    from probehook.adapter.server.serving import CaptureServing
+
+    released: list[str] = []
+
+    class Engine:
+        steering: dict = {}
+
+        async def acquire_inline_steering(self, vector: object) -> str:
+            return "inline:mine"
+
+        async def release_inline_steering(self, name: str) -> None:
+            released.append(name)
+
+        def check_request(self, params: object) -> None:
+            return None
+
+    handler = CaptureServing()
+    handler.engine_client = Engine()
+    handler.allow_inline_steering = True
+    body = {"probehook": {"steer": {"mine": 1.0}, "steer_vectors": {"mine": {"2": [1.0]}}}}
+    request = SimpleNamespace(model_extra=body, vllm_xargs=None, n=1)
+
+    async def stream() -> object:
+        yield "data: never sent\n\n"
+
+    async def run() -> object:
+        return stream()
+
+    async def main() -> None:
+        result = await handler._run(request, 1, run)
+        assert released == []  # the stream holds its vector while it may still run
+        del result
+        gc.collect()
+        for _ in range(3):
+            await asyncio.sleep(0)
+
+    asyncio.run(main())
+    assert released == ["inline:mine"]

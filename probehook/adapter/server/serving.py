@@ -14,7 +14,9 @@ constructor arguments are not repeated here) for subclasses that:
 
 from __future__ import annotations
 
+import asyncio
 import inspect
+import weakref
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -75,8 +77,10 @@ class CaptureServing:
         except BaseException:
             await release()
             raise
-        if not inspect.isasyncgen(result):  # a stream releases when its generator ends
+        if not inspect.isasyncgen(result):
             await release()
+        else:  # a stream releases when its generator ends, or is dropped without starting
+            _release_when_dropped(result, release)
         return result
 
     async def _acquire_inline(self, request: Any) -> list[str]:
@@ -236,6 +240,27 @@ class CaptureChatServing(CaptureServing, OpenAIServingChat):
         response = await super().chat_completion_full_generator(request, source, *args, **kwargs)
         _annotate(response, fields)
         return response
+
+
+def _release_when_dropped(stream: Any, release: Callable[[], Awaitable[None]]) -> None:
+    """A stream never iterated (its client left before the response began) never runs its
+    ``finally``: release when the generator is collected. ``release`` runs once, whichever
+    comes first."""
+    loop = asyncio.get_running_loop()
+
+    def start() -> None:
+        task = loop.create_task(release())
+        _RELEASING.add(task)  # held until done: the loop keeps only a weak reference
+        task.add_done_callback(_RELEASING.discard)
+
+    def dropped() -> None:
+        if not loop.is_closed():
+            loop.call_soon_threadsafe(start)
+
+    weakref.finalize(stream, dropped)
+
+
+_RELEASING: set[asyncio.Task] = set()
 
 
 async def _release(request: Any) -> None:

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from probehook.store import ActivationStore
+
 pytestmark = pytest.mark.engine
 
 
@@ -23,7 +25,7 @@ def test_dropped_llm_is_released_and_its_store_committed(
 ) -> None:
     from helpers import random_probes, reference_steering
 
-    from probehook import LLM, ActivationStore, SamplingParams
+    from probehook import LLM, SamplingParams
 
     store = tmp_path / "store"
     llm = LLM(
@@ -75,3 +77,86 @@ def test_shutdown_stops_the_engine_when_the_store_fails_to_close(
         llm.shutdown()
     assert stopped == [1]  # the engine stopped all the same
     close()
+
+
+def test_dropped_async_llm_is_released_and_a_failed_start_leaks_nothing(
+    llama_dir: Path, tmp_path: Path, engine_defaults: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``AsyncLLM`` (its engine core is a process of its own, whatever the layout):
+
+    - a capture start whose stream connect fails leaves nothing open (the store's lock, the
+      spool, the receiver thread; issue 37, item 4), and a later request starts it again;
+    - dropped with capture, probes, steering and a store, the engine is collected, its engine
+      core process ends and its store is committed and unlocked (item 8)."""
+    import asyncio
+    import threading
+
+    import psutil
+    from helpers import random_probes, reference_steering
+
+    from probehook import AsyncLLM, SamplingParams
+    from probehook.adapter.frontend import setup
+
+    store = tmp_path / "store"
+    started: list[tuple] = []
+    start = setup.start
+    monkeypatch.setattr(
+        setup, "start", lambda *a, **k: started.append(start(*a, **k)) or started[-1]
+    )  # noqa: E501
+
+    def receivers() -> int:
+        return sum(t.name == "probehook-stream" for t in threading.enumerate())
+
+    children_before = {p.pid for p in psutil.Process().children(recursive=True)}
+
+    async def main() -> tuple[weakref.ref, set[int]]:
+        engine = AsyncLLM(
+            str(llama_dir),
+            layers=[0, 3],
+            include_prefill=True,
+            enforce_eager=True,
+            probes=random_probes(128),
+            steering={"up": reference_steering()},
+            store=store,
+            **engine_defaults,
+        )
+        core = {  # vLLM names its engine core process (not multiprocessing's resource tracker)
+            p.pid
+            for p in psutil.Process().children(recursive=True)
+            if p.pid not in children_before and p.name().startswith("VLLM::")
+        }
+        rpc, threads = engine.collective_rpc, receivers()
+
+        async def connect_fails(method: str, *args: object, **kwargs: object) -> object:
+            if method == "probehook_stream_connect":
+                raise RuntimeError("staged: the stream connect fails")
+            return await rpc(method, *args, **kwargs)
+
+        engine.collective_rpc = connect_fails
+        with pytest.raises(RuntimeError, match="staged"):
+            await engine.start_capture()
+        ((session, _, _),) = started
+        assert not any(d.exists() for d in session.spool.dirs)
+        assert receivers() == threads
+        ActivationStore.for_writing(store, ActivationStore.open(store).meta).close()  # unlocked
+        del engine.collective_rpc
+        params = SamplingParams(
+            max_tokens=3, temperature=0, extra_args={"probehook": {"steer": {"up": 1.0}}}
+        )
+        async for out in engine.generate("1+2=", params):  # noqa: B007 - the last one
+            pass
+        assert out.probe_scores and out.store_id is not None
+        front_end = weakref.ref(engine)
+        del engine, out
+        gc.collect()
+        return front_end, core
+
+    front_end, core = asyncio.run(main())
+    gc.collect()
+    assert front_end() is None, "something of probehook's still holds the dropped AsyncLLM"
+    assert core, "the engine core process was not found"
+    gone, alive = psutil.wait_procs([psutil.Process(pid) for pid in core], timeout=30)
+    assert not alive, f"engine core processes {alive} outlived their AsyncLLM"
+    reopened = ActivationStore.for_writing(store, ActivationStore.open(store).meta)  # unlocked
+    assert len(list(reopened.requests)) == 1
+    reopened.close()

@@ -12,6 +12,7 @@ between engine steps, so one per step would stall generation.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import os
 import uuid
@@ -211,7 +212,13 @@ class AsyncLLM(VllmAsyncLLM):
             return
         if self._capturing is None:
             self._capturing = asyncio.ensure_future(self._start_capture())
-        await asyncio.shield(self._capturing)
+        starting = self._capturing
+        try:
+            await asyncio.shield(starting)
+        except BaseException:
+            if starting.done() and self._capturing is starting:
+                self._capturing = None  # it failed (and cleaned up): the next request retries
+            raise
 
     async def _start_capture(self) -> None:
         plan = self._plan
@@ -224,8 +231,18 @@ class AsyncLLM(VllmAsyncLLM):
             abort=lambda ids: None,  # streams abort through AsyncLLM.abort
             stop_token=setup.eos_token(self.get_tokenizer),
         )
-        receiver = Receiver(capture.spool.dirs[0])
-        await self.collective_rpc("probehook_stream_connect", args=(receiver.address,))
+        receiver = None
+        try:
+            receiver = Receiver(capture.spool.dirs[0])
+            await self.collective_rpc("probehook_stream_connect", args=(receiver.address,))
+        except BaseException:
+            # Nothing of a failed start stays open: the receiver's thread, the spool, the
+            # store's writer and its lock.
+            closers = [capture.close] + ([store.close] if store is not None else [])
+            for close in ([receiver.close] if receiver is not None else []) + closers:
+                with contextlib.suppress(Exception):
+                    close()
+            raise
         self.capture_info: dict[str, Any] = info
         """Layers, hidden size, dtype and model runner class of the tapped worker."""
         self.session, self.store, self._receiver = capture, store, receiver

@@ -63,9 +63,23 @@ def _plain_vllm(model: str) -> dict[str, Any]:
 
     with plugin.active():
         report["active_env"] = os.environ.get(plugin.ACTIVE_ENV)
-        report["active_registers"] = "probehook" in _LOAD_FORMAT_TO_MODEL_LOADER
+        # In the user's layout the model loads in the engine's own processes: the user's
+        # process neither registers the loader nor imports the worker's code.
+        report["active_registers_here"] = "probehook" in _LOAD_FORMAT_TO_MODEL_LOADER
+        report["worker_code_here"] = [m for m in _probehook_modules() if ".worker" in m]
     report["restored"] = plugin.ACTIVE_ENV not in os.environ
     return report
+
+
+def _activate_in_process() -> bool:
+    """Whether probehook's engine setup registers the loader in this process when the engine
+    core runs here (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, which this subprocess sets)."""
+    from vllm.model_executor.model_loader import _LOAD_FORMAT_TO_MODEL_LOADER
+
+    from probehook.adapter import plugin
+
+    with plugin.active():
+        return "probehook" in _LOAD_FORMAT_TO_MODEL_LOADER
 
 
 def _plain_probehook_llm(model: str) -> dict[str, Any]:
@@ -144,6 +158,7 @@ if __name__ == "__main__":
     with users_layout():  # the rest in-process (clean_env)
         report = {"vllm": _plain_vllm(tiny)}
     inspect_models_in_process()
+    report["vllm"]["active_registers_in_process"] = _activate_in_process()
     report["probehook_llm"] = _plain_probehook_llm(tiny)
     report["segmenter"] = _plain_segmenter()
     print("REPORT " + json.dumps(report), flush=True)

@@ -211,12 +211,15 @@ def _layer(module: str) -> str:
     return module.split(".")[1] if "." in module else ""
 
 
-def _reached(graph: Graph, start: str) -> dict[str, str]:
-    """Every module ``start`` imports, directly or not, each with the module that imports it."""
+def _reached(graph: Graph, start: str, not_through: str | None = None) -> dict[str, str]:
+    """Every module ``start`` imports, directly or not, each with the module that imports it
+    (``not_through``: a module whose own imports are not followed)."""
     via = {start: start}
     todo = [start]
     while todo:
         node = todo.pop()
+        if node == not_through:
+            continue
         for child in sorted(graph.edges[node]):
             if child not in via:
                 via[child] = node
@@ -331,3 +334,22 @@ def test_no_imports_of_the_top_package() -> None:
 def test_no_vllm_in_the_layers_without_it() -> None:
     offenders = vllm_offenders(GRAPH)
     assert not offenders, "vllm imported by a layer that runs without it:\n" + "\n".join(offenders)
+
+
+FRONT_END = ("probehook.frontend", "probehook.adapter.frontend", "probehook.adapter.server")
+WORKER = ("probehook.worker", "probehook.adapter.worker")
+ENTRY_POINT = "probehook.adapter.plugin"
+"""vLLM's entry point: it imports the worker's loader in the processes that load the model."""
+
+
+def test_the_front_end_never_imports_the_workers_code() -> None:
+    """The user's process checks models and builds engine arguments from ``probehook.core``;
+    the worker's modules (its custom ops, the loader) load only where the model does, through
+    the plugin (issue 37, item 6: engine_config imported the loader for a table and keys)."""
+    offenders = []
+    for module in sorted(m for m in GRAPH.modules if m.startswith(FRONT_END)):
+        via = _reached(GRAPH, module, not_through=ENTRY_POINT)
+        worker = sorted(r for r in via if r.startswith(WORKER))
+        if worker:
+            offenders.append(" -> ".join(_chain(via, worker[0])))
+    assert not offenders, "front-end modules importing the worker's:\n" + "\n".join(offenders)

@@ -58,13 +58,19 @@ def test_two_llms_in_one_process_capture_their_own_rows(
 def test_tensor_parallel_2_matches_tp_1(
     eager_llm, llama_dir: Path, engine_defaults: dict, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Also: the workers find probehook's loader without inheriting ``PROBEHOOK_ENGINE``
+    (withheld here), as under vLLM's Ray executor, which passes its workers only ``VLLM_``
+    variables (issue 37, item 7; vLLM's CPU platform refuses the Ray executor, so this is the
+    closest this machine runs: separate worker processes that did not inherit it)."""
     from engine_layout import users_layout
     from helpers import assert_scores_match_rows, random_probes
 
     from probehook import LLM, SamplingParams, SteeringVector
+    from probehook.adapter import plugin
 
     # vLLM's CPU backend needs one core per TP worker named explicitly.
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    monkeypatch.setattr(plugin, "ACTIVE_ENV", "PROBEHOOK_ENGINE_WITHHELD_IN_THIS_TEST")
     direction = torch.randn(128, generator=torch.Generator().manual_seed(3))
     up = SteeringVector({2: direction / direction.norm() * 5.0})
     with users_layout():

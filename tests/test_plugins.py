@@ -91,6 +91,10 @@ def test_plain_vllm_engine_stays_plain(plain_engines: dict) -> None:
     assert set(report["modules"]) <= allowed, sorted(set(report["modules"]) - allowed)
     assert "probehook" not in report["load_formats"]
     assert report["archs"] == ["ProbehookTinySegmenter"]  # the models plugin ran, lazily
-    # ... and probehook's own engine setup does activate the loader, for its block only
-    assert report["active_env"] == "1" and report["active_registers"], report
+    # ... and probehook's own engine setup does activate the loader, for its block only: in
+    # the engine's processes (the environment they inherit), and in this one only where the
+    # engine core runs in it (issue 37, item 6: the worker's code stays out of the user's)
+    assert report["active_env"] == "1", report
+    assert not report["active_registers_here"] and report["worker_code_here"] == [], report
+    assert report["active_registers_in_process"], report
     assert report["restored"], report

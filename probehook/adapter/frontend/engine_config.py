@@ -16,8 +16,9 @@ from collections.abc import Iterator
 from typing import Any
 
 from probehook.adapter import plugin
-from probehook.adapter.worker import loader
 from probehook.capture_config import CaptureConfig
+from probehook.core import architectures as known
+from probehook.core import loader_keys
 from probehook.errors import CaptureConfigError, UnsupportedModelError
 
 logger = logging.getLogger(__name__)
@@ -25,36 +26,36 @@ logger = logging.getLogger(__name__)
 
 def check_architecture(model_config: Any) -> None:
     """Refuse, before the engine starts, a model whose layers probehook cannot find: one that
-    is neither tested (``loader.TESTED_ARCHITECTURES``) nor declares its layer path."""
+    is neither tested (``known.TESTED_ARCHITECTURES``) nor declares its layer path."""
     architectures = list(model_config.architectures or [])
     using_backend = getattr(model_config, "using_transformers_backend", lambda: False)()
     if using_backend:
         # Which backend class vLLM will build (multimodal / pooling ones are not tested).
         backend_cls = model_config._get_transformers_backend_cls()
-        if backend_cls in loader.TRANSFORMERS_BACKEND_CLASSES:
+        if backend_cls in known.TRANSFORMERS_BACKEND_CLASSES:
             return
         raise UnsupportedModelError(
             f"probehook cannot tap {architectures or '(none listed)'} through vLLM's "
             f"Transformers backend class {backend_cls}: only "
-            f"{' / '.join(loader.TRANSFORMERS_BACKEND_CLASSES)} are tested. "
-            f"{loader.supported_message()}"
+            f"{' / '.join(known.TRANSFORMERS_BACKEND_CLASSES)} are tested. "
+            f"{known.supported_message()}"
         )
-    if any(arch in loader.TESTED_ARCHITECTURES for arch in architectures):
+    if any(arch in known.TESTED_ARCHITECTURES for arch in architectures):
         return
     model_cls = _model_class(model_config)
-    declared = loader.declared_layer_path(model_cls) if model_cls is not None else None
+    declared = known.declared_layer_path(model_cls) if model_cls is not None else None
     if declared is not None:
         logger.info(
             "probehook: %s declares its layer path %r (%s = ...); not among the tested "
             "architectures.",
             model_cls.__name__,  # type: ignore[union-attr]
             declared,
-            loader.LAYER_PATH_ATTRIBUTE,
+            known.LAYER_PATH_ATTRIBUTE,
         )
         return
     raise UnsupportedModelError(
         f"probehook cannot tap architecture {architectures or '(none listed)'}: its layers are "
-        f"not known and its model class does not declare them. {loader.supported_message()}"
+        f"not known and its model class does not declare them. {known.supported_message()}"
     )
 
 
@@ -308,7 +309,7 @@ def capture_engine_kwargs(
             "load the model without taps. Add 'probehook' to VLLM_PLUGINS or unset it."
         )
     inner_format = kwargs.get("load_format", "auto")
-    if inner_format == loader.LOAD_FORMAT:
+    if inner_format == loader_keys.LOAD_FORMAT:
         raise CaptureConfigError(
             f"load_format={inner_format!r} is set by probehook itself; pass the format of your "
             "weights (default 'auto')."
@@ -319,17 +320,17 @@ def capture_engine_kwargs(
             f"model_loader_extra_config of type {type(extra).__name__} is not supported with "
             "capture; pass a dict."
         )
-    kwargs["load_format"] = loader.LOAD_FORMAT
-    kwargs["model_loader_extra_config"] = {**extra, loader.LOADER_EXTRA_KEY: inner_format}
+    kwargs["load_format"] = loader_keys.LOAD_FORMAT
+    kwargs["model_loader_extra_config"] = {**extra, loader_keys.LOADER_EXTRA_KEY: inner_format}
     additional = dict(kwargs.get("additional_config") or {})
     # additional_config is part of vLLM's compile-cache hash: taps never share a cache entry
     # with a different tap set or with an untapped engine.
     tap_layers = sorted({*capture.layers, *probe_layers})
-    additional[loader.ADDITIONAL_CONFIG_KEY] = {
+    additional[loader_keys.ADDITIONAL_CONFIG_KEY] = {
         **capture.to_dict(),
-        loader.TAP_LAYERS_KEY: tap_layers,
-        loader.STEER_LAYERS_KEY: sorted(steer_layers),
-        loader.EXIT_AFTER_KEY: exit_after,
+        loader_keys.TAP_LAYERS_KEY: tap_layers,
+        loader_keys.STEER_LAYERS_KEY: sorted(steer_layers),
+        loader_keys.EXIT_AFTER_KEY: exit_after,
     }
     kwargs["additional_config"] = additional
     kwargs["worker_extension_cls"] = WORKER_EXTENSION

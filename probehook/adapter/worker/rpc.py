@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from probehook.adapter.worker import probe_registry, runner_v1
-from probehook.adapter.worker.loader import StepHook, step_hook
+from probehook.adapter.worker.loader import StepHook, register_loader, step_hook
 from probehook.core.probe_spec import ProbeSpec
 from probehook.core.request_options import EXTRA_ARGS_KEY, PLAN_KEY
 from probehook.core.spans import Span
@@ -33,6 +33,12 @@ MAX_MISSING_REPORTED = 8
 MAX_CACHED_PLANS = 4096
 PlanFor = Callable[[str], RequestPlan | None]
 SOURCES = ("hidden", "scores")
+
+
+# vLLM imports this class (``worker_extension_cls``) in every worker of a probehook engine,
+# before the model loads, whatever the executor: the loader is known there even where the
+# plugin's PROBEHOOK_ENGINE was not inherited (vLLM's Ray executor passes only VLLM_ variables).
+register_loader()
 
 
 def _hook(worker: Any) -> StepHook:

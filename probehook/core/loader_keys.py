@@ -1,0 +1,18 @@
+"""The names the front end's engine config and the worker's model loader share: the load format
+probehook selects and the keys of the capture settings it carries to the workers (in
+``model_loader_extra_config`` and ``additional_config``). No imports: both sides read them."""
+
+LOAD_FORMAT = "probehook"
+"""The load format probehook.LLM selects; it wraps the user's own load format."""
+LOADER_EXTRA_KEY = "probehook_inner_load_format"
+"""Key in ``model_loader_extra_config`` naming the user's load format."""
+ADDITIONAL_CONFIG_KEY = "probehook"
+"""Key in ``additional_config`` holding the engine's CaptureConfig."""
+TAP_LAYERS_KEY = "tap_layers"
+"""Key in the capture settings: every tapped layer (captured layers plus probes' layers)."""
+STEER_LAYERS_KEY = "steer_layers"
+"""Key in the capture settings: the layers that get a steering op (part of the compile-cache
+key; the vectors are not)."""
+EXIT_AFTER_KEY = "exit_after"
+"""Key in the capture settings: a capture-only engine's deepest tapped layer, after which the
+model stops (part of the compile-cache key; None: every layer runs)."""

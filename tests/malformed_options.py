@@ -185,3 +185,49 @@ CORRUPTIONS: list[tuple[str, Any]] = [
     ("monitors", [{"probe": "truth", "threshold": 0.5, "column": 0, "action": "steer"}]),
     ("zzz", 1),
 ]
+
+
+def malformed_inline_vectors(hidden: int, layer: int) -> list[Any]:
+    """``steer_vectors`` values a JSON body can carry that a server allowing inline vectors
+    must refuse with a 400 (``hidden``: the model's width; ``layer``: a steered layer)."""
+    good = [0.5] * hidden
+    key = str(layer)
+    vectors: list[Any] = [
+        None,
+        "v",
+        1,
+        1.5,
+        True,
+        [],
+        ["v"],
+        [good],
+        {},  # not an object of named vectors
+        {"v": None},
+        {"v": "x"},
+        {"v": 1},
+        {"v": []},
+        {"v": [good]},
+        {"v": {}},  # not layer maps
+        {"": {key: good}},  # an empty name
+    ]
+    for bad_key in ("x", "", "-1", "1.5", "1e3", " ", "99", "0x2", "true"):
+        vectors.append({"v": {bad_key: good}})
+    for bad in (
+        [],
+        good[:-1],
+        good + [0.5],
+        ["0.5"] * hidden,
+        [None] * hidden,
+        [True] * hidden,
+        [[0.5]] * hidden,
+        [{}] * hidden,
+        [1e308] * hidden,  # 1e308: finite, not in float32
+        "0.5",
+        0.5,
+        {"0": 0.5},
+    ):
+        vectors.append({"v": {key: bad}})
+    vectors.append({f"v{i}": {key: good} for i in range(9)})  # too many
+    for value in vectors:
+        json.dumps(value, allow_nan=False)  # a JSON body can carry it
+    return vectors

@@ -563,6 +563,38 @@ def test_bad_inline_vectors_are_400s(client, server, vectors, message) -> None:
         assert json.load(reply)["steering"]["inline_in_use"] == 0
 
 
+def test_malformed_inline_vectors_and_reserved_xargs_storm(server) -> None:
+    """Every malformed ``steer_vectors`` value a JSON body can carry is a 400 on both routes
+    and leaves the bank as it was; so is every malformed value under a reserved
+    ``vllm_xargs`` key (issue 37: the fuzz reaches the server's body and vllm_xargs)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from helpers import post_json
+    from malformed_options import malformed, malformed_inline_vectors
+
+    chat = {"messages": [{"role": "user", "content": "1+1="}]}
+    routes = (("/v1/completions", {"prompt": "1+1="}), ("/v1/chat/completions", chat))
+    bodies = []
+    for vectors in malformed_inline_vectors(hidden=128, layer=2):
+        inline = {"steer": {"v": 1.0}, "steer_vectors": vectors}
+        bodies += [
+            ({"model": "tiny", "max_tokens": 2, "probehook": inline, **r}, p) for p, r in routes
+        ]
+    for value in malformed(json_only=True)[::3]:
+        for key in ("probehook", "probehook_record"):
+            xargs = {"vllm_xargs": {key: value}}
+            bodies.append(
+                ({"model": "tiny", "max_tokens": 2, "prompt": "1+1=", **xargs}, routes[0][0])
+            )
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(lambda b: post_json(server.port, b[1], b[0]), bodies))
+    for body, (status, answer) in zip(bodies, answers, strict=True):
+        assert status == 400, (body, answer)
+    with urllib.request.urlopen(f"{server.base_url}/probehook") as reply:
+        steering = json.load(reply)["steering"]
+    assert steering["inline_in_use"] == 0 and list(steering["vectors"]) == ["up"]
+
+
 def test_inline_infinity_is_a_400(server) -> None:
     raw = b'{"model": "tiny", "prompt": "1+1=", "max_tokens": 2, "probehook": {"steer": '
     raw += b'{"mine": 1.0}, "steer_vectors": {"mine": {"2": [1e999' + b", 0.0" * 127 + b"]}}}}"

@@ -14,10 +14,13 @@ into a KV cache that holds about one and a half requests.
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 pytestmark = pytest.mark.engine
 
@@ -27,13 +30,12 @@ GAP = 12  # steps between arrivals
 PROMPTS = ["1+2=", "3+4=", "5+6=", "7+8=", "2+2=", "9+1="]
 
 
-def _params(steer: bool) -> Any:
+def _params(steer: bool, **kwargs: Any) -> Any:
     from probehook import SamplingParams
 
     options = {"steer": {"up": 3.0}} if steer else {}
-    return SamplingParams(
-        max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, extra_args={"probehook": options}
-    )
+    settings = {"max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True, **kwargs}
+    return SamplingParams(**settings, extra_args={"probehook": options})
 
 
 def _staged(llm: Any, params: list[Any]) -> dict[str, Any]:
@@ -53,9 +55,10 @@ def _staged(llm: Any, params: list[Any]) -> dict[str, Any]:
     return finished
 
 
-def test_steered_requests_survive_preemption_by_more_urgent_arrivals(
-    llama_dir: Path, engine_defaults: dict
-) -> None:
+@pytest.fixture(scope="module")
+def steered(llama_dir: Path, engine_defaults: dict) -> Iterator[Any]:
+    """In-process, steering "up" at layer 2, capturing layer 3, priority scheduling, two
+    requests at a time in a KV cache of 160 tokens (one request of about 105 and a half)."""
     from helpers import reference_steering
 
     from probehook import LLM
@@ -67,24 +70,100 @@ def test_steered_requests_survive_preemption_by_more_urgent_arrivals(
         steering={"up": reference_steering()},
         scheduling_policy="priority",
         max_num_seqs=2,
-        num_gpu_blocks_override=5,  # 160 tokens: one request (about 105) and a half
+        num_gpu_blocks_override=5,
         block_size=32,
         enable_prefix_caching=False,
         **{**engine_defaults, "max_model_len": 128},
     )
-    with llm:
-        staged = _staged(llm, [_params(True)] * REQUESTS)
-        stats = llm.collective_rpc("probehook_stats")[0]
-        # The scenario happened: steered requests were preempted while others ran.
-        assert stats["steering_slots_reclaimed"] > 0, stats
-        assert sorted(staged) == sorted(PROMPTS)
-        # Each steered request generated what it generates alone (no preemption): a request
-        # that got its slot back after waiting is steered by the same sum as before.
-        alone = {p: llm.generate([p], _params(True), use_tqdm=False)[0] for p in PROMPTS}
-        plain = llm.generate(PROMPTS[:1], _params(False), use_tqdm=False)[0]
-        for prompt in PROMPTS:
-            tokens = list(staged[prompt].outputs[0].token_ids)
-            assert len(tokens) == MAX_TOKENS
-            assert tokens == list(alone[prompt].outputs[0].token_ids), prompt
-            assert staged[prompt].hidden_states[3].shape[0] == MAX_TOKENS
-        assert list(plain.outputs[0].token_ids) != list(alone[PROMPTS[0]].outputs[0].token_ids)
+    yield llm
+    llm.shutdown()
+
+
+def test_steered_requests_survive_preemption_by_more_urgent_arrivals(steered: Any) -> None:
+    llm = steered
+    staged = _staged(llm, [_params(True)] * REQUESTS)
+    stats = llm.collective_rpc("probehook_stats")[0]
+    # The scenario happened: steered requests were preempted while others ran.
+    assert stats["steering_slots_reclaimed"] > 0, stats
+    assert stats["steering_failures"] == 0, stats
+    assert sorted(staged) == sorted(PROMPTS)
+    # Each steered request generated what it generates alone (no preemption): a request
+    # that got its slot back after waiting is steered by the same sum as before.
+    alone = {p: llm.generate([p], _params(True), use_tqdm=False)[0] for p in PROMPTS}
+    plain = llm.generate(PROMPTS[:1], _params(False), use_tqdm=False)[0]
+    for prompt in PROMPTS:
+        tokens = list(staged[prompt].outputs[0].token_ids)
+        assert len(tokens) == MAX_TOKENS
+        assert tokens == list(alone[prompt].outputs[0].token_ids), prompt
+        assert staged[prompt].hidden_states[3].shape[0] == MAX_TOKENS
+    assert list(plain.outputs[0].token_ids) != list(alone[PROMPTS[0]].outputs[0].token_ids)
+
+
+STEERING_CORRUPTIONS = [
+    # (key, value) set in a valid wire of a steered request, past the front end: what a path
+    # that skipped it could send the worker
+    ("steer", "up"),
+    ("steer", ["up"]),
+    ("steer", {"up": "x"}),
+    ("steer", {"up": float("nan")}),
+    ("steer", {"up": [1.0]}),
+    ("steer", {"gone": 1.0}),  # a vector the bank does not hold
+    ("steer", {"": 1.0}),
+    ("steer_phase", "middle"),
+    ("steer_phase", None),
+    ("monitors", [{"probe": "truth", "threshold": 0.5, "column": 0, "action": "steer"}]),
+    (
+        "monitors",
+        [{"probe": "g", "threshold": 0.5, "column": 0, "action": "steer", "steer": {"gone": 1}}],
+    ),
+]
+
+
+def test_a_corrupt_steering_wire_fails_its_request_alone(steered: Any, monkeypatch) -> None:
+    """Steering wires the front end would never write, each between two good steered
+    requests in one batch: the engine never raises in the step, the corrupt request ends
+    with its capture failed and the reason named, its neighbours are steered as alone."""
+    from probehook import CaptureError
+
+    llm = steered
+    prompts = [f"{i}+{i % 7}=" for i in range(2 * len(STEERING_CORRUPTIONS) + 1)]
+    short = dict(max_tokens=4)
+    reference = {
+        p: llm.generate([p], _params(True, **short), use_tqdm=False)[0] for p in prompts[::2]
+    }
+    session = llm.session
+    real_tag, real_register = session.tag, session.register
+    swapped: dict[int, tuple[Any, Any]] = {}
+
+    def tag(params: Any, stream: bool = False) -> Any:
+        good = real_tag(params, stream)
+        i = params.seed
+        if i % 2 == 0:
+            return good
+        key, value = STEERING_CORRUPTIONS[i // 2]
+        bad = copy.copy(good)
+        bad.extra_args = {"probehook": {**good.extra_args["probehook"], key: value}}
+        swapped[id(bad)] = (bad, good)
+        return bad
+
+    def good(params: Any) -> Any:
+        pair = swapped.get(id(params))
+        return pair[1] if pair else params
+
+    salt = session.cache_salt
+    monkeypatch.setattr(session, "tag", tag)
+    monkeypatch.setattr(session, "register", lambda r, e, p: real_register(r, e, good(p)))
+    monkeypatch.setattr(session, "cache_salt", lambda params: salt(good(params)))
+    params = [_params(True, seed=i, **short) for i in range(len(prompts))]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    monkeypatch.undo()
+    for out in outs:
+        i = prompts.index(out.prompt)
+        assert len(out.outputs[0].token_ids) == 4
+        if i % 2 == 0:
+            want = reference[out.prompt]
+            assert list(out.outputs[0].token_ids) == list(want.outputs[0].token_ids), i
+            torch.testing.assert_close(out.hidden_states[3], want.hidden_states[3])
+            continue
+        with pytest.raises(CaptureError, match="could not read this request's probehook"):
+            out.hidden_states[3]

@@ -69,12 +69,14 @@ class ProbehookWorkerExtension:
         hook = _hook(self)
         runner = self.model_runner  # type: ignore[attr-defined]
         runner_v1.check_runner(runner)
+        steer = _steering(hook, steering) if hook.steering is not None else None
+        steerable = steer.bank.rows.__contains__ if steer is not None else None
         recorders = []
         two = hook.recorder is not None and _reports(self) and bool(probes)
         signatures: dict[str, Any] | None = {} if two else None
         if hook.recorder is not None and _reports(self):
             hook.recorder.limit_bytes = int(limit_bytes)
-            plans = runner_v1.plan_factory(runner, hook.config)
+            plans = runner_v1.plan_factory(runner, hook.config, steerable=steerable)
             recorders.append((hook.recorder, _reuse_plans(runner, plans, signatures)))
         if probes:
             bank = ProbeBank([ProbeSpec.from_wire(p) for p in probes], _device(hook))
@@ -82,13 +84,12 @@ class ProbehookWorkerExtension:
                 [hook.buffers[layer] for layer in bank.layers], bank.layers, transform=bank
             )
             hook.scorer.keep_step_rows = True  # monitors read this step's scores
-            plans = runner_v1.plan_factory(runner, hook.config, True)
+            plans = runner_v1.plan_factory(runner, hook.config, True, steerable)
             recorders.append((hook.scorer, _reuse_plans(runner, plans, signatures)))
             probe_registry.register(self.vllm_config, hook, bank)  # type: ignore[attr-defined]
         if getattr(self, "_probehook_publisher", None) is None:
             self._probehook_publisher = Publisher(None)  # until a stream connects
 
-        steer = _steering(hook, steering) if hook.steering is not None else None
         self._probehook_steering = steer
         before_forward = on_schedule = None
         if steer is not None:

@@ -95,7 +95,7 @@ def steering_factory(
             else:
                 terms, gate = wire.steer, None
                 lo, hi = phase_range(wire.steer_phase, prompt_len)
-            unknown = [name for name, _ in terms if not known(name)]
+            unknown = unsteerable(wire, known)
             if unknown:
                 raise CaptureConfigError(f"unknown steering vector(s) {unknown}")
             return RequestSteering(tuple(terms), lo, hi, prompt_len, gate)
@@ -106,11 +106,27 @@ def steering_factory(
     return plan_for
 
 
-def plan_factory(runner: Any, engine_config: CaptureConfig, scores: bool = False) -> PlanFor:
+def unsteerable(wire: RequestWire, known: Callable[[str], bool]) -> list[str]:
+    """The vectors a request's steering (its own, or a gate's) names that the bank lacks."""
+    terms = list(wire.steer or ())
+    for gate in wire.monitors:
+        if gate.monitor.action == "steer":
+            terms += list(gate.monitor.steer or ())
+    return sorted({name for name, _ in terms if not known(name)})
+
+
+def plan_factory(
+    runner: Any,
+    engine_config: CaptureConfig,
+    scores: bool = False,
+    steerable: Callable[[str], bool] | None = None,
+) -> PlanFor:
     """Builds the keep plan of a request the first time a recorder sees it: its hidden rows,
     or with ``scores`` its probe scores. Never raises: it runs inside the step hook, where an
     exception ends the engine for every request, so a request whose options cannot be read
-    gets a failed capture (its outputs carry the reason) and the others go on."""
+    gets a failed capture (its outputs carry the reason) and the others go on. ``steerable``
+    (a steering engine's bank): a request that names a vector the bank lacks runs unsteered,
+    so its capture fails too, naming them."""
 
     def plan_for(req_id: str) -> RequestPlan | None:
         raw = None
@@ -118,6 +134,14 @@ def plan_factory(runner: Any, engine_config: CaptureConfig, scores: bool = False
             state = runner.requests.get(req_id)
             params = request_params(state)
             raw = extra_options(params).get(EXTRA_ARGS_KEY)
+            if steerable is not None:
+                wire = RequestWire.from_wire(raw)
+                unknown = unsteerable(wire, steerable) if wire is not None else []
+                if unknown:
+                    raise CaptureConfigError(
+                        f"it names steering vector(s) {unknown}, which the engine's bank does "
+                        "not hold, so it ran unsteered"
+                    )
             return _plan(req_id, state, params, raw, engine_config, scores)
         except Exception as e:  # noqa: BLE001 - one bad request must not end the engine
             return _failed_plan(req_id, raw, scores, f"{type(e).__name__}: {e}")

@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast lint format bench notebooks venv clean compat
+.PHONY: demo test test-fast lint format bench soak notebooks venv clean compat
 
 venv: $(STAMP)
 
@@ -53,6 +53,11 @@ bench: $(STAMP)
 	VLLM_CPU_KVCACHE_SPACE=1 $(PY) benchmarks/steering.py
 	VLLM_CPU_KVCACHE_SPACE=1 $(PY) benchmarks/collect.py
 	$(PY) benchmarks/store_lanes.py
+
+# 30 minutes of mixed requests against `probehook serve` with a store: memory, descriptors,
+# requests lost, the store's fsck (benchmarks/results/soak.md). Not part of `make bench`.
+soak: $(STAMP)
+	VLLM_CPU_KVCACHE_SPACE=1 $(PY) benchmarks/soak.py --minutes 30
 
 # Static check that vLLM $(VLLM) (e.g. 0.33.0; empty: the installed one) has every module, name
 # and attribute the adapter uses; downloads its wheel's sources to ~/.cache/probehook. Not part

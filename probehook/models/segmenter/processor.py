@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from einops import rearrange
 
 from probehook.models.segmenter.codec import CLASSES, SegmenterSpec, load_spec, pixels_to_ids
 from probehook.outputs.registry import OnePassProcessor
@@ -163,11 +164,12 @@ class SegmentationImage(OnePassProcessor):
         rows, cols = self.grid(parsed)
         if len(outputs) != rows * cols:
             raise ValueError(f"expected {rows * cols} patch outputs, got {len(outputs)}")
-        mask = np.zeros((rows * p, cols * p), dtype=np.uint8)
-        for index, output in enumerate(outputs):
-            scores = np.asarray(output.outputs.data.float())  # [p * p, classes]
-            r, c = divmod(index, cols)
-            mask[r * p : (r + 1) * p, c * p : (c + 1) * p] = scores.argmax(-1).reshape(p, p)
+        # Each patch's class per pixel, [patches, p * p] in row-major patch order, tiled back
+        # into the image's grid.
+        labels = np.stack([np.asarray(o.outputs.data.float()).argmax(-1) for o in outputs])
+        mask = rearrange(
+            labels.astype(np.uint8), "(r c) (ph pw) -> (r ph) (c pw)", r=rows, c=cols, ph=p, pw=p
+        )
         height, width = parsed.pixels.shape[:2]
         mask = mask[:height, :width]
         encoded = render(mask, parsed.fmt)

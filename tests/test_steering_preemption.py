@@ -167,3 +167,47 @@ def test_a_corrupt_steering_wire_fails_its_request_alone(steered: Any, monkeypat
             continue
         with pytest.raises(CaptureError, match="could not read this request's probehook"):
             out.hidden_states[3]
+
+
+def test_a_request_the_worker_cannot_steer_fails_alone(steered: Any) -> None:
+    """Whatever goes wrong while the worker gives a request its steering (staged here: the
+    bank's sum raises for one scale) fails that request's capture with the reason, and the
+    step, the engine and the other requests go on (issue 37, item 1)."""
+    from probehook import CaptureError
+
+    llm = steered
+
+    def break_sums(worker: Any) -> None:  # runs in the worker: this process (in-process)
+        bank = worker._probehook_steering.bank
+        combine = type(bank).combine
+
+        def failing(layer: int, terms: Any) -> Any:
+            if any(scale == 7.0 for _, scale in terms):
+                raise RuntimeError("staged: this sum cannot be made")
+            return combine(bank, layer, terms)
+
+        bank.combine = failing
+
+    def mend(worker: Any) -> None:
+        del worker._probehook_steering.bank.combine
+
+    prompts = ["1+2=", "3+4=", "5+6="]
+    short = {"max_tokens": 4}
+    alone = {p: llm.generate([p], _params(True, **short), use_tqdm=False)[0] for p in prompts}
+    before = llm.collective_rpc("probehook_stats")[0]["steering_failures"]
+    llm.collective_rpc(break_sums)
+    try:
+        bad = _params(True, **short)
+        bad.extra_args["probehook"]["steer"] = {"up": 7.0}
+        params = [_params(True, **short), bad, _params(True, **short)]
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        llm.collective_rpc(mend)
+    assert llm.collective_rpc("probehook_stats")[0]["steering_failures"] == before + 1
+    for i, out in enumerate(outs):
+        assert len(out.outputs[0].token_ids) == 4
+        if i == 1:
+            with pytest.raises(CaptureError, match="could not steer it .*staged: this sum"):
+                out.hidden_states[3]
+            continue
+        assert list(out.outputs[0].token_ids) == list(alone[out.prompt].outputs[0].token_ids)

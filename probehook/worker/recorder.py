@@ -682,6 +682,18 @@ class StepRecorder:
             del self.held[key]
         return len(doomed) + len(dropped)
 
+    def fail_request(self, req_id: str, reason: str) -> None:
+        """Fail the capture of an engine request this recorder keeps rows for (the step could
+        not do what the request asked, e.g. steer it); a stream reports it at once."""
+        rows = self.rows_by_req.get(req_id)
+        if type(rows) is OnePass:
+            rows = self._rows_of(req_id, rows.plan)
+        if rows is None or rows.error is not None:
+            return
+        rows.fail(reason)
+        if rows.stream:
+            self._touched[id(rows)] = rows
+
     def bound(self, live_req_ids: Collection[str]) -> None:
         """Keep the per-engine-request table bounded between exports: once it holds more
         than twice the engine's requests (plus :data:`DEPARTED_SLACK`), drop the entries of

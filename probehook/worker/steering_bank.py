@@ -156,6 +156,9 @@ class StepSteering:
     steps_steered: int = 0
     reclaimed: int = 0  # rows taken from requests outside the step (preempted), for the stats
     failures: int = 0  # requests that ran unsteered because they could not get a row
+    failed: dict[str, str] = field(default_factory=dict)
+    """Why each such request runs unsteered, by engine request id, until :meth:`take_failed`
+    (the worker fails their captures with it)."""
     prepare_ns: int = 0  # host time spent writing indexes and tables (for the benchmark)
 
     def __post_init__(self) -> None:
@@ -241,6 +244,7 @@ class StepSteering:
                 self._free.append(slot)
             self.states[req_id] = None
             self.failures += 1
+            self.failed[req_id] = f"{type(e).__name__}: {e}"
             return False
         state.slot, state.saved = slot, None
         return True
@@ -263,6 +267,11 @@ class StepSteering:
                 f"no free steering row: {len(in_batch)} requests in this step, {rows} rows "
                 "(the table is built with max_num_seqs + 1)"
             )
+
+    def take_failed(self) -> dict[str, str]:
+        """The requests that could not be steered since the last call, with the reasons."""
+        failed, self.failed = self.failed, {}
+        return failed
 
     def check_gates(self, rows: torch.Tensor | None, last_row: np.ndarray | None) -> None:
         """After this step's probe scores: start the steering of requests whose gate crossed

@@ -105,6 +105,10 @@ class ProbehookWorkerExtension:
 
         def on_step() -> None:
             runner_v1.record_step(runner, recorders)
+            if steer is not None and steer.failed:  # fail those requests alone, named
+                for req_id, reason in steer.take_failed().items():
+                    for recorder, _ in recorders:
+                        recorder.fail_request(req_id, f"probehook could not steer it ({reason})")
             if steer is not None and scorer is not None and scorer.step_rows is not None:
                 steer.check_gates(scorer.step_rows.rows, scorer.step_rows.last_row)
             for recorder, _ in recorders:

@@ -103,3 +103,20 @@ def test_a_write_error_is_reported_once_and_names_what_was_lost(
     later = again.add(fake_request(ADDS))
     again.close()
     assert later in {r.store_id for r in ActivationStore.open(path).requests}
+
+
+def test_a_writer_without_an_index_keeps_ids_not_records(tmp_path: Path) -> None:
+    """``probehook serve``'s store (``keep_index=False``): what it commits stays out of its
+    in-memory records, which grew by about 4 KB a request in a 30-minute soak (issue 37); the
+    ids it wrote still refuse a duplicate, and the store on disk has everything."""
+    from probehook.errors import DuplicateStoreIdError
+
+    path = tmp_path / "s"
+    store = ActivationStore.for_writing(path, META, keep_index=False)
+    ids = [store.add(fake_request(i, prompt_len=1, n_out=1)) for i in range(50)]
+    store.flush()
+    assert len(store) == 0 and store._records == {}  # nothing of the records is held
+    with pytest.raises(DuplicateStoreIdError):
+        store.add(fake_request(7, prompt_len=1, n_out=1))
+    store.close()
+    assert {r.store_id for r in ActivationStore.open(path).requests} == set(ids)

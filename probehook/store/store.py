@@ -76,6 +76,8 @@ class ActivationStore(StoreReader):
         self._run_id: str | None = None
         self._lock: WriterLock | None = None
         self._adding: set[str] = set()  # store ids added since the last flush
+        self._keep_index = True  # committed records join what this object reads
+        self._written: set[str] = set()  # without the index: the ids committed (duplicates)
         self._finalizer: weakref.finalize | None = None
         # One adder and one flusher may run in two threads (a server adds on its store thread
         # while its periodic flush runs in another): the bookkeeping below is theirs in turn.
@@ -95,6 +97,7 @@ class ActivationStore(StoreReader):
         max_queue_bytes: int = 256 << 20,
         legacy_fingerprint: str | None = None,
         lane: str | None = None,
+        keep_index: bool = True,
     ) -> ActivationStore:
         """Create a store, or open one to append a run of the same model and hidden size.
 
@@ -112,6 +115,11 @@ class ActivationStore(StoreReader):
 
         ``legacy_fingerprint``: this run's fingerprint v1, checked only against a store written
         before fingerprint v2 (see :meth:`check_appendable`).
+
+        ``keep_index=False``: a writer that runs for long and is not read through (``probehook
+        serve``'s): what it commits does not join the records this object reads (it reads the
+        store as it was when opened; open the store again to read the rest), only the ids, for
+        the duplicate check: about 100 bytes a request instead of the whole record.
         """
         root = Path(path)
         lane = ROOT_LANE if lane is None else check_lane_name(lane)
@@ -139,6 +147,7 @@ class ActivationStore(StoreReader):
             repair_for_append(directory, store_root=root)
             store = cls.open(root)
             store._lane = lane
+            store._keep_index = keep_index
             later = set(store.lanes[store.lanes.index(lane) + 1 :])
             store._appends_at_end = not later or not any(
                 split_shard_key(r["shard"])[0] in later for r in store._records.values()
@@ -207,7 +216,7 @@ class ActivationStore(StoreReader):
         record = request.record
         request_id = record.get("request_id", record["id"])
         store_id = f"{self._run_id}-{request_id}"
-        if store_id in self._records or store_id in self._adding:
+        if store_id in self._records or store_id in self._adding or store_id in self._written:
             raise DuplicateStoreIdError(
                 f"Store id {store_id!r} (request_id {request_id!r} of run {self._run_id}) is "
                 f"already in the activation store at {self.root}; a second record with it "
@@ -250,6 +259,9 @@ class ActivationStore(StoreReader):
         finally:
             # Shards committed before an error are durable: take them either way.
             for record in writer.take_committed():
+                if not self._keep_index:
+                    self._written.add(record["id"])
+                    continue
                 if self._lane:  # the manifest names the shard within its lane
                     record = {**record, "shard": shard_key(self._lane, record["shard"])}
                 if self._item_ids is not None:

@@ -129,6 +129,9 @@ def capture_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         monitors=monitors or None,
         include_prefill=args.include_prefill,
         store=args.store,
+        # A server runs for weeks and nobody reads its store through it: it keeps the ids of
+        # what it wrote (for the duplicate check), not every record (4 KB each in the soak).
+        store_options={"keep_index": False} if args.store else None,
         steering=steering or None,
         steering_layers=steering_layers,
         steering_capacity=args.steering_capacity,

@@ -61,10 +61,13 @@ def body_of(kind: str, i: int) -> tuple[str, dict[str, Any], bool]:
     return "/v1/completions", body, kind in ("inline", "stream", "abort")
 
 
-async def one(client: Any, kind: str, i: int) -> tuple[str, str | None]:
+async def one(client: Any, kind: str, i: int, plain: bool = False) -> tuple[str, str | None]:
     """Send request ``i``; returns (outcome, the request id the store files it under when it
-    captured rows and finished)."""
+    captured rows and finished). ``plain``: the server is plain vLLM (the same requests,
+    without the probehook field, and nothing to check beyond the answer)."""
     route, body, streamed = body_of(kind, i)
+    if plain:
+        body.pop("probehook", None)
     if streamed:
         body["stream"] = True
         async with client.stream("POST", route, json=body) as response:
@@ -79,13 +82,15 @@ async def one(client: Any, kind: str, i: int) -> tuple[str, str | None]:
                 if line == "data: [DONE]":
                     break
                 first_id = first_id or json.loads(line[6:]).get("id")
-        stored = f"{first_id}-0" if kind == "stream" else None
+        stored = f"{first_id}-0" if kind == "stream" and not plain else None
         return "ok", stored
     response = await client.post(route, json=body)
     if response.status_code != 200:
         message = response.json().get("error", {}).get("message", "")[:120]
         return f"{kind}: http {response.status_code}: {message}", None
     answer = response.json()
+    if plain:
+        return "ok", None
     field = answer["choices"][0].get("probehook") or {}
     if kind in ("capture", "steered", "chat") and "3" not in field.get("hidden_states", {}):
         return "missing rows", None
@@ -115,7 +120,7 @@ def sample(root_pid: int) -> dict[str, dict[str, float]]:
 
 
 async def drive(
-    base_url: str, pid: int, minutes: float, rate: float, bound: int
+    base_url: str, pid: int, minutes: float, rate: float, bound: int, plain: bool = False
 ) -> tuple[Counter, list[str], list[dict]]:
     import httpx
 
@@ -128,7 +133,7 @@ async def drive(
 
         async def run(kind: str, i: int) -> None:
             try:
-                outcome, request_id = await one(client, kind, i)
+                outcome, request_id = await one(client, kind, i, plain)
             except Exception as e:  # noqa: BLE001 - counted as lost
                 outcome, request_id = f"{type(e).__name__}", None
             finally:
@@ -164,11 +169,42 @@ async def drive(
     return outcomes, stored, samples
 
 
+def report_plain(name: str, args: Any, outcomes: Counter, samples: list[dict]) -> None:
+    start, end = samples[0]["processes"], samples[-1]["processes"]
+    minutes = samples[-1]["t_s"] / 60
+    lines = [
+        f"Plain `vllm serve`, the same requests without the probehook field: {args.minutes:g} "
+        f"min at {args.rate:g}/s. Requests: {dict(outcomes)}.",
+        "",
+        "| process | RSS MiB start | RSS MiB end | MiB a minute | fds start | fds end |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for key, first in start.items():
+        last = end.get(key, {"rss_mib": float("nan"), "fds": -1})
+        slope = (last["rss_mib"] - first["rss_mib"]) / minutes
+        lines.append(
+            f"| {key.split(' ', 1)[1]} | {first['rss_mib']:.0f} | {last['rss_mib']:.0f} | "
+            f"{slope:.2f} | {first['fds']} | {last['fds']} |"
+        )
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / f"{name}.json").write_text(
+        json.dumps({"requests": dict(outcomes), "samples": samples}, indent=2)
+    )
+    (RESULTS / f"{name}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--minutes", type=float, default=30.0)
     parser.add_argument("--rate", type=float, default=8.0, help="requests per second")
     parser.add_argument("--bound", type=int, default=16, help="most requests in flight")
+    parser.add_argument(
+        "--plain-vllm",
+        action="store_true",
+        help="soak plain `vllm serve` with the same requests (no probehook field), to tell "
+        "vLLM's own growth from probehook's; writes soak_vllm.json / .md",
+    )
     args = parser.parse_args()
 
     import torch
@@ -191,7 +227,12 @@ def main() -> None:
     argv += ["--store", str(store), "--store-flush-interval", "1", "--served-model-name", "tiny"]
     argv += ["--chat-template", str(work / "chat.jinja")]
     argv += ["--dtype", "float32", "--disable-log-stats", "--disable-uvicorn-access-log"]
-    server = ServerProcess(argv, work / "server.log")
+    if args.plain_vllm:
+        plain = [str(tiny_model_path()), "--served-model-name", "tiny", "--dtype", "float32"]
+        plain += ["--chat-template", str(work / "chat.jinja"), "--disable-log-stats"]
+        server = ServerProcess(plain, work / "server.log", program="vllm")
+    else:
+        server = ServerProcess(argv, work / "server.log")
     try:
         server.wait(1200)
         outcomes, stored, samples = asyncio.run(
@@ -201,10 +242,15 @@ def main() -> None:
                 args.minutes,
                 args.rate,
                 args.bound,
+                args.plain_vllm,
             )
         )
     finally:
         server.stop()  # graceful: the store's close commits the rest
+    if args.plain_vllm:
+        name = "soak_vllm"
+        report_plain(name, args, outcomes, samples)
+        return
     found = {r.request_id for r in ActivationStore.open(store).requests}
     missing = sorted(set(stored) - found)
     report = fsck(store)
@@ -229,14 +275,16 @@ def main() -> None:
         f"missing: {len(missing)}. **Lost: {lost}.** Store fsck: "
         f"{'ok' if report.ok else 'NOT OK'} ({report.requests} requests).",
         "",
-        "| process | RSS MiB start | RSS MiB end | fds start | fds end |",
-        "| --- | --- | --- | --- | --- |",
+        "| process | RSS MiB start | RSS MiB end | MiB a minute | fds start | fds end |",
+        "| --- | --- | --- | --- | --- | --- |",
     ]
+    minutes = samples[-1]["t_s"] / 60
     for name, first in start.items():
         last = end.get(name, {"rss_mib": float("nan"), "fds": -1})
+        slope = (last["rss_mib"] - first["rss_mib"]) / minutes
         lines.append(
             f"| {name.split(' ', 1)[1]} | {first['rss_mib']:.0f} | {last['rss_mib']:.0f} | "
-            f"{first['fds']} | {last['fds']} |"
+            f"{slope:.2f} | {first['fds']} | {last['fds']} |"
         )
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "soak.json").write_text(json.dumps(result, indent=2, default=str))

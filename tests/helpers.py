@@ -270,3 +270,35 @@ def reference_steering() -> Any:
 
     direction = torch.randn(128, generator=torch.Generator().manual_seed(5))
     return SteeringVector({2: direction / direction.norm() * 6.0}, name="up")
+
+
+def corrupt_wires_past_the_front_end(
+    session: Any, monkeypatch: Any, corruptions: list[tuple[str, Any]]
+) -> None:
+    """From now on (until ``monkeypatch.undo()``), a request whose ``SamplingParams.seed`` is
+    odd reaches vLLM with ``corruptions[seed // 2]`` set in its probehook wire, a wire the
+    front end would never write; the session itself keeps and reads the good one (what a path
+    that skipped the front end would send the worker). Even seeds are left alone."""
+    import copy
+
+    real_tag, real_register, real_salt = session.tag, session.register, session.cache_salt
+    swapped: dict[int, tuple[Any, Any]] = {}
+
+    def tag(params: Any, stream: bool = False) -> Any:
+        good = real_tag(params, stream)
+        i = params.seed  # which request this is (vLLM may add them in any order)
+        if i % 2 == 0:
+            return good
+        key, value = corruptions[i // 2]
+        bad = copy.copy(good)
+        bad.extra_args = {"probehook": {**good.extra_args["probehook"], key: value}}
+        swapped[id(bad)] = (bad, good)  # the bad one stays alive while it is in the map
+        return bad
+
+    def good(params: Any) -> Any:
+        pair = swapped.get(id(params))
+        return pair[1] if pair else params
+
+    monkeypatch.setattr(session, "tag", tag)
+    monkeypatch.setattr(session, "register", lambda r, e, p: real_register(r, e, good(p)))
+    monkeypatch.setattr(session, "cache_salt", lambda params: real_salt(good(params)))

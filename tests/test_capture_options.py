@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 
 import pytest
@@ -137,6 +136,7 @@ def test_a_corrupt_wire_past_the_front_end_fails_its_request_alone(eager_llm, mo
     """Wire objects the front end would never write, injected between the session and vLLM
     (the session registers the good one, the worker receives the bad one): each such request
     gets a failed capture with the reason, the requests between them are served normally."""
+    from helpers import corrupt_wires_past_the_front_end
     from malformed_options import CORRUPTIONS
 
     from probehook import CaptureError
@@ -144,27 +144,7 @@ def test_a_corrupt_wire_past_the_front_end_fails_its_request_alone(eager_llm, mo
     corruptions = [(k, v) for k, v in CORRUPTIONS if k != "tag"]  # tag: nobody collects
     prompts = [f"{i}+{2 * i}=" for i in range(2 * len(corruptions) + 1)]
     reference = eager_llm.generate(prompts[::2], _params(...), use_tqdm=False)
-    session = eager_llm.session
-    real_tag, real_register = session.tag, session.register
-    registered: dict[int, object] = {}
-
-    def tag(params, stream=False):
-        good = real_tag(params, stream)
-        i = params.seed  # which prompt this is (vLLM may add them in any order)
-        if i % 2 == 0:
-            return good
-        key, value = corruptions[i // 2]
-        bad = copy.copy(good)
-        bad.extra_args = {"probehook": {**good.extra_args["probehook"], key: value}}
-        registered[id(bad)] = (bad, good)
-        return bad
-
-    def register(request_id, engine_id, params):
-        bad_good = registered.get(id(params))
-        real_register(request_id, engine_id, bad_good[1] if bad_good else params)
-
-    monkeypatch.setattr(session, "tag", tag)
-    monkeypatch.setattr(session, "register", register)
+    corrupt_wires_past_the_front_end(eager_llm.session, monkeypatch, corruptions)
     params = [_params(..., seed=i) for i in range(len(prompts))]
     outs = eager_llm.generate(prompts, params, use_tqdm=False)
     monkeypatch.undo()

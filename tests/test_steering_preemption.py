@@ -14,7 +14,6 @@ into a KV cache that holds about one and a half requests.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -123,6 +122,8 @@ def test_a_corrupt_steering_wire_fails_its_request_alone(steered: Any, monkeypat
     """Steering wires the front end would never write, each between two good steered
     requests in one batch: the engine never raises in the step, the corrupt request ends
     with its capture failed and the reason named, its neighbours are steered as alone."""
+    from helpers import corrupt_wires_past_the_front_end
+
     from probehook import CaptureError
 
     llm = steered
@@ -131,29 +132,7 @@ def test_a_corrupt_steering_wire_fails_its_request_alone(steered: Any, monkeypat
     reference = {
         p: llm.generate([p], _params(True, **short), use_tqdm=False)[0] for p in prompts[::2]
     }
-    session = llm.session
-    real_tag, real_register = session.tag, session.register
-    swapped: dict[int, tuple[Any, Any]] = {}
-
-    def tag(params: Any, stream: bool = False) -> Any:
-        good = real_tag(params, stream)
-        i = params.seed
-        if i % 2 == 0:
-            return good
-        key, value = STEERING_CORRUPTIONS[i // 2]
-        bad = copy.copy(good)
-        bad.extra_args = {"probehook": {**good.extra_args["probehook"], key: value}}
-        swapped[id(bad)] = (bad, good)
-        return bad
-
-    def good(params: Any) -> Any:
-        pair = swapped.get(id(params))
-        return pair[1] if pair else params
-
-    salt = session.cache_salt
-    monkeypatch.setattr(session, "tag", tag)
-    monkeypatch.setattr(session, "register", lambda r, e, p: real_register(r, e, good(p)))
-    monkeypatch.setattr(session, "cache_salt", lambda params: salt(good(params)))
+    corrupt_wires_past_the_front_end(llm.session, monkeypatch, STEERING_CORRUPTIONS)
     params = [_params(True, seed=i, **short) for i in range(len(prompts))]
     outs = llm.generate(prompts, params, use_tqdm=False)
     monkeypatch.undo()

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from probehook.capture_config import CaptureConfig
+from probehook.core.export_wire import BatchReport, ExportReply, SpanReport
 from probehook.errors import CaptureConfigError, CaptureError
 from probehook.frontend import fill
 from probehook.frontend.request_stream import RequestStream
@@ -207,15 +208,13 @@ def test_offline_fill_asks_one_export_for_every_output(monkeypatch: pytest.Monke
         asked.append(args)
         _, requests, *batches = args
         spans = [
-            {"key": r["key"], "source": r["source"], "tensor_index": 0, "num_missing": 0}
+            SpanReport(r["key"], r["source"], lo, hi, tensor_index=0)
             for r in requests
-            for _ in r["spans"]
+            for lo, hi in r["spans"]
         ]
-        reports = [{"tensor_index": 0, "incomplete": []} for _ in (batches[0] if batches else [])]
+        reports = [BatchReport(0) for _ in (batches[0] if batches else [])]
         failures = {"hidden:T1/0": "over the limit"}
-        return [
-            {"entries": [1], "path": "x", "failures": failures, "spans": spans, "batches": reports}
-        ]
+        return [ExportReply("x", [1], spans, failures, reports).to_wire()]
 
     capture = CaptureSession(tracked().config, rpc=rpc, abort=lambda ids: None)
     monkeypatch.setattr(capture.spool, "owns", lambda path: True)
@@ -271,3 +270,21 @@ def test_a_stream_stores_on_its_store_thread_while_the_event_loop_goes_on() -> N
 
     assert asyncio.run(scenario()) == [0, 1, 2]
     assert threads and threads[0].startswith("store")
+
+
+def test_the_export_messages_round_trip() -> None:
+    """Each export message reads back what it wrote (the one definition both sides use)."""
+    from probehook.core.export_wire import BatchAsk, StreamAsk
+
+    ask = StreamAsk("T/0", "scores", ["scores"], [[0, 4], [4, 6]], final=False)
+    assert StreamAsk.from_wire(ask.to_wire()) == ask
+    batch = BatchAsk("hidden", [0, 3], ["A/0", "B/0"], [0, 3, 1, 5])
+    assert BatchAsk.from_wire(batch.to_wire()) == batch and batch.pairs() == [(0, 3), (1, 5)]
+    reply = ExportReply(
+        "p",
+        [{"shape": [2, 3]}],
+        [SpanReport("T/0", "hidden", 0, 4, 0, 1, [2])],
+        {"scores:U/0": "over the limit"},
+        [BatchReport(1, [(0, 2, [5, 6])])],
+    )
+    assert ExportReply.from_wire(reply.to_wire()) == reply

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from probehook.capture_config import CaptureConfig
+from probehook.core.export_wire import BatchAsk, BatchReport, SpanReport, stream_id
 from probehook.core.spans import completion_spans, score_config
 from probehook.outputs import OUTPUT_PROCESSORS
 from probehook.outputs.shapes import FailedCapture, completions, is_pooled
@@ -266,26 +267,14 @@ def batch_values(
     return values
 
 
-@dataclasses.dataclass(slots=True)
-class PooledBatch:
+@dataclasses.dataclass
+class PooledBatch(BatchAsk):
     """The final spans of many pooled outputs from one source and layer set: asked in one
-    export (:meth:`wire`), answered with one tensor (:meth:`PooledFill.apply`)."""
+    export (a :class:`~probehook.core.export_wire.BatchAsk`), answered with one tensor
+    (:meth:`PooledFill.apply`)."""
 
-    source: str
-    layers: list[Any]
-    keys: list[str] = dataclasses.field(default_factory=list)
-    spans: list[int] = dataclasses.field(default_factory=list)
-    """``lo, hi`` of each item, flat."""
     targets: list[tuple[Any, TrackedRequest, str]] = dataclasses.field(default_factory=list)
     """Each item's (output, request, attribute)."""
-
-    def wire(self) -> dict[str, Any]:
-        return {
-            "source": self.source,
-            "layers": self.layers,
-            "keys": self.keys,
-            "spans": self.spans,
-        }
 
 
 class PooledFill:
@@ -327,7 +316,7 @@ class PooledFill:
     def apply(
         self,
         tensors: Sequence[torch.Tensor],
-        reports: Sequence[dict[str, Any]],
+        reports: Sequence[BatchReport],
         failures: Mapping[str, str],
         probes: ProbeSet | None,
         row_format: RowFormat,
@@ -339,12 +328,12 @@ class PooledFill:
             spans = batch.spans
             sizes = [spans[i + 1] - spans[i] for i in range(0, len(spans), 2)]
             requests = [request for _, request, _ in batch.targets]
-            tensor = tensors[report["tensor_index"]]
+            tensor = tensors[report.tensor_index]
             values = batch_values(batch.source, batch.layers, tensor, sizes, requests, probes)
             for (output, _, attribute), value in zip(batch.targets, values, strict=True):
                 setattr(output, attribute, value)
             for index, key in enumerate(batch.keys) if failures else ():
-                reason = failures.get(f"{batch.source}:{key}")
+                reason = failures.get(stream_id(batch.source, key))
                 if reason is not None:
                     failure = FailedCapture.of_stream(key, reason)
                     logger.error("probehook: %s", failure.reason)
@@ -356,23 +345,14 @@ class PooledFill:
         for output, _ in self.filled:
             mirror_first_completion(output)
 
-    def incomplete(self, reports: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-        """The export's incomplete batch items, as span reports (key, source, lo, hi,
-        missing)."""
+    def incomplete(self, reports: Sequence[BatchReport]) -> list[SpanReport]:
+        """The export's incomplete batch items, as span reports."""
         broken = []
         for batch, report in zip(self.batches.values(), reports, strict=True):
-            for index, num_missing, missing in report["incomplete"]:
+            for index, num_missing, missing in report.incomplete:
                 lo, hi = batch.spans[2 * index], batch.spans[2 * index + 1]
-                broken.append(
-                    {
-                        "key": batch.keys[index],
-                        "source": batch.source,
-                        "num_missing": num_missing,
-                        "missing": missing,
-                        "lo": lo,
-                        "hi": hi,
-                    }
-                )
+                key = batch.keys[index]
+                broken.append(SpanReport(key, batch.source, lo, hi, -1, num_missing, missing))
         return broken
 
 

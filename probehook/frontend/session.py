@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from probehook.capture_config import CaptureConfig
+from probehook.core.export_wire import ExportReply, SpanReport, StreamAsk, stream_id
 from probehook.core.request_options import (
     EXTRA_ARGS_KEY,
     PLAN_KEY,
@@ -389,8 +390,8 @@ class CaptureSession:
         ``pooled`` (batched per source and layer set, one tensor each, set on the outputs
         here) from the workers in one export. Returns each need of ``plans``' value, or a
         :class:`FailedCapture`."""
-        requests: list[dict[str, Any]] = []
-        asked: list[tuple[list[Need], TrackedRequest]] = []  # per export request
+        asks: list[StreamAsk] = []
+        asked: list[tuple[list[Need], TrackedRequest]] = []  # per ask
         by_stream: dict[tuple[str, str], int] = {}
         for planned in plans:
             request = planned.request
@@ -398,46 +399,38 @@ class CaptureSession:
             for need in planned.needs():
                 index = by_stream.get((need.source, need.key))
                 if index is None:
-                    index = by_stream[(need.source, need.key)] = len(requests)
+                    index = by_stream[(need.source, need.key)] = len(asks)
                     layers = request.config.layers if need.source == "hidden" else SCORES_LAYERS
-                    requests.append(
-                        {
-                            "key": need.key,
-                            "source": need.source,
-                            "spans": [],
-                            "layers": list(layers),
-                            "final": True,
-                        }
-                    )
+                    asks.append(StreamAsk(need.key, need.source, list(layers)))
                     asked.append(([], request))
-                requests[index]["spans"].append([need.lo, need.hi])
+                asks[index].spans.append([need.lo, need.hi])
                 asked[index][0].append(need)
-        args: tuple = (self.spool.new_paths(), requests)
+        args: tuple = (self.spool.new_paths(), [a.to_wire() for a in asks])
         if pooled.batches:
-            args = (*args, [b.wire() for b in pooled.batches.values()])
-        reply = next(r for r in self._rpc("probehook_export", args) if r is not None)
+            args = (*args, [b.to_wire() for b in pooled.batches.values()])
+        wire = next(r for r in self._rpc("probehook_export", args) if r is not None)
+        reply = ExportReply.from_wire(wire)
         tensors: list[torch.Tensor] = []
-        if reply["entries"]:
-            if not self.spool.owns(reply["path"]):
-                raise CaptureError(f"The worker answered with a path outside the spool: {reply}")
-            tensors = read_tensors(reply["path"], reply["entries"])
-        failures: dict[str, str] = reply["failures"]
-        by_key: dict[str, list[dict[str, Any]]] = {}
-        for span in reply["spans"]:
-            by_key.setdefault(f"{span['source']}:{span['key']}", []).append(span)
-        batch_reports = reply.get("batches") or []
-        _check_complete(by_key, failures, pooled.incomplete(batch_reports))
+        if reply.entries:
+            if reply.path is None or not self.spool.owns(reply.path):
+                raise CaptureError(f"The worker answered with a path outside the spool: {wire}")
+            tensors = read_tensors(reply.path, reply.entries)
+        failures = reply.failures
+        by_stream_id: dict[str, list[SpanReport]] = {}
+        for span in reply.spans:
+            by_stream_id.setdefault(stream_id(span.source, span.key), []).append(span)
+        _check_complete(by_stream_id, failures, pooled.incomplete(reply.batches))
         got: dict[Need, Any] = {}
-        for (needs, request), wired in zip(asked, requests, strict=True):
-            key = f"{wired['source']}:{wired['key']}"
-            if key in failures:
-                failure = FailedCapture.of_stream(wired["key"], failures[key])
+        for (needs, request), ask in zip(asked, asks, strict=True):
+            name = stream_id(ask.source, ask.key)
+            if name in failures:
+                failure = FailedCapture.of_stream(ask.key, failures[name])
                 got.update((need, failure) for need in needs)
                 continue
-            for need, span in zip(needs, by_key.get(key, []), strict=True):
-                tensor = tensors[span["tensor_index"]]
+            for need, span in zip(needs, by_stream_id.get(name, []), strict=True):
+                tensor = tensors[span.tensor_index]
                 got[need] = value_of(need.source, tensor, request, self.probes)
-        pooled.apply(tensors, batch_reports, failures, self.probes, self.row_format)
+        pooled.apply(tensors, reply.batches, failures, self.probes, self.row_format)
         return got
 
     # -- requests that will never be collected --------------------------------------------
@@ -481,19 +474,19 @@ def marked(params: Any) -> bool:
 
 
 def _check_complete(
-    by_key: dict[str, list[dict[str, Any]]],
+    by_stream_id: dict[str, list[SpanReport]],
     failures: dict[str, str],
-    pooled_incomplete: Sequence[dict[str, Any]],
+    pooled_incomplete: Sequence[SpanReport],
 ) -> None:
     """Raise if the export left rows out of a span of a stream that did not fail."""
-    spans = [s for key, spans in by_key.items() if key not in failures for s in spans]
-    spans += [s for s in pooled_incomplete if f"{s['source']}:{s['key']}" not in failures]
-    broken = [s for s in spans if s["num_missing"]]
+    spans = [s for name, spans in by_stream_id.items() if name not in failures for s in spans]
+    spans += [s for s in pooled_incomplete if stream_id(s.source, s.key) not in failures]
+    broken = [s for s in spans if s.num_missing]
     if broken:
         s = broken[0]
         raise CaptureError(
-            f"Stream {s['key']} is missing {s['num_missing']} captured {s['source']} "
-            f"row(s) at positions {s['missing']} (asked for {s['lo']}..{s['hi'] - 1}); "
+            f"Stream {s.key} is missing {s.num_missing} captured {s.source} "
+            f"row(s) at positions {s.missing} (asked for {s.lo}..{s.hi - 1}); "
             f"{len(broken)} span(s) are incomplete in all. This is a probehook bug: "
             "please report it with the engine arguments."
         )

@@ -18,6 +18,14 @@ from typing import Any
 
 from probehook.adapter.worker import probe_registry, runner_v1
 from probehook.adapter.worker.loader import StepHook, register_loader, step_hook
+from probehook.core.export_wire import (
+    BatchAsk,
+    BatchReport,
+    ExportReply,
+    SpanReport,
+    StreamAsk,
+    stream_id,
+)
 from probehook.core.probe_spec import ProbeSpec
 from probehook.core.request_options import EXTRA_ARGS_KEY, PLAN_KEY
 from probehook.core.spans import Span
@@ -140,68 +148,55 @@ class ProbehookWorkerExtension:
     ) -> dict | None:
         """Hand over the asked spans of each stream; free them (and forget final streams).
 
-        Each request is ``{"key", "source": "hidden"|"scores", "spans": [[lo, hi], ...],
-        "layers": [...], "final": bool}``; score requests name the slot ``"scores"``.
-
-        Each batch asks one final span of many streams at once (finished pooling requests):
-        ``{"source", "layers", "keys": [...], "spans": [lo, hi, lo, hi, ...]}``; its spans
-        come back back to back in one tensor, ``{"tensor_index", "incomplete": [[item,
-        number missing, first missing positions], ...]}`` in the reply's ``batches``.
-        """
+        ``requests``: :class:`~probehook.core.export_wire.StreamAsk` wires (score requests
+        name the slot ``"scores"``); ``batches``: :class:`~probehook.core.export_wire.BatchAsk`
+        wires, one final span of many streams each, whose spans come back back to back in one
+        tensor. Returns an :class:`~probehook.core.export_wire.ExportReply` wire (rank 0)."""
         started = time.perf_counter_ns()
         hook = _hook(self)
-        tensors = []
-        reports = []
-        failures: dict[str, str] = {}
-        for request in requests:
-            source = request.get("source", "hidden")
-            if source == "hidden" and not _reports(self):
+        tensors: list[Any] = []
+        reply = ExportReply()
+        for ask in map(StreamAsk.from_wire, requests):
+            if ask.source == "hidden" and not _reports(self):
                 continue  # only rank 0 records rows; the other ranks free their scores
-            recorder = _recorder(hook, source)
+            recorder = _recorder(hook, ask.source)
             if recorder is None:
-                raise ValueError(f"export from {source!r}, which this engine does not record")
-            spans = [Span(int(lo), int(hi)) for lo, hi in request["spans"]]
-            got, exported, error = recorder.export(
-                request["key"], spans, request["layers"], bool(request.get("final", True))
-            )
+                raise ValueError(f"export from {ask.source!r}, which this engine does not record")
+            spans = [Span(lo, hi) for lo, hi in ask.spans]
+            got, exported, error = recorder.export(ask.key, spans, ask.layers, ask.final)
             if error is not None:
-                failures[f"{source}:{request['key']}"] = error
-            for item in exported:
-                reports.append(
-                    {
-                        "key": request["key"],
-                        "source": source,
-                        "tensor_index": len(tensors) + item.tensor_index,
-                        "lo": item.lo,
-                        "hi": item.hi,
-                        "num_missing": len(item.missing),
-                        "missing": item.missing[:MAX_MISSING_REPORTED],
-                    }
+                reply.failures[stream_id(ask.source, ask.key)] = error
+            reply.spans += [
+                SpanReport(
+                    ask.key,
+                    ask.source,
+                    item.lo,
+                    item.hi,
+                    len(tensors) + item.tensor_index,
+                    len(item.missing),
+                    item.missing[:MAX_MISSING_REPORTED],
                 )
+                for item in exported
+            ]
             tensors.extend(got)
-        batch_reports = []
-        for batch in batches or ():
-            source = batch["source"]
-            if source == "hidden" and not _reports(self):
+        for batch in map(BatchAsk.from_wire, batches or ()):
+            if batch.source == "hidden" and not _reports(self):
                 continue
-            recorder = _recorder(hook, source)
+            recorder = _recorder(hook, batch.source)
             if recorder is None:
-                raise ValueError(f"export from {source!r}, which this engine does not record")
-            flat = batch["spans"]
-            spans = [Span(int(flat[i]), int(flat[i + 1])) for i in range(0, len(flat), 2)]
-            tensor, incomplete, failed = recorder.export_final(
-                batch["keys"], spans, batch["layers"]
-            )
+                raise ValueError(f"export from {batch.source!r}, which this engine does not record")
+            spans = [Span(lo, hi) for lo, hi in batch.pairs()]
+            tensor, incomplete, failed = recorder.export_final(batch.keys, spans, batch.layers)
             for key, error in failed.items():
-                failures[f"{source}:{key}"] = error
-            batch_reports.append(
-                {
-                    "tensor_index": len(tensors),
-                    "incomplete": [
-                        [index, len(missing), missing[:MAX_MISSING_REPORTED]]
-                        for index, missing in incomplete
+                reply.failures[stream_id(batch.source, key)] = error
+            reply.batches.append(
+                BatchReport(
+                    len(tensors),
+                    [
+                        (i, len(missing), missing[:MAX_MISSING_REPORTED])
+                        for i, missing in incomplete
                     ],
-                }
+                )
             )
             tensors.append(tensor)
         live = runner_v1.live_request_ids(self.model_runner)  # type: ignore[attr-defined]
@@ -211,20 +206,15 @@ class ProbehookWorkerExtension:
         if not _reports(self):
             return None
         written = time.perf_counter_ns()
-        path, entries = write_tensors_with_fallback(paths, tensors) if tensors else (None, [])
+        if tensors:
+            reply.path, reply.entries = write_tensors_with_fallback(paths, tensors)
         self._probehook_write_ns = getattr(self, "_probehook_write_ns", 0) + (
             time.perf_counter_ns() - written
         )
         self._probehook_export_rpc_ns = getattr(self, "_probehook_export_rpc_ns", 0) + (
             time.perf_counter_ns() - started
         )
-        return {
-            "path": path,
-            "entries": entries,
-            "spans": reports,
-            "failures": failures,
-            "batches": batch_reports,
-        }
+        return reply.to_wire()
 
     def probehook_steering_add(self, name: str, wire: dict[str, Any]) -> bool:
         """Put a vector into this worker's bank (every rank holds the whole stream, so every

@@ -1,5 +1,5 @@
 """The ``probehook`` command line: ``probehook capture ...``, ``probehook serve MODEL ...`` and
-``probehook store info | fsck | compact PATH``."""
+``probehook store info | fsck | compact | export PATH``."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ probehook: vLLM generation with residual-stream capture, activation stores and p
   probehook capture --model MODEL --layers 1,3 --prompts FILE --store DIR
   probehook capture --model MODEL --layers 6 --prompts FILE --store DIR --replicas 2
   probehook store info | fsck | compact DIR
+  probehook store export DIR OUT --format saelens|safetensors ...
 """
 
 
@@ -157,6 +158,67 @@ def cmd_store_fsck(args: argparse.Namespace) -> None:
         raise SystemExit(1)
 
 
+EXPORT_FLAGS = {  # option -> its flag: what a format may take on the command line
+    "layer": "--layer",
+    "layers": "--layers",
+    "context_size": "--context-size",
+    "phase": "--phase",
+    "packing": "--packing",
+    "hook_name": "--hook-name",
+    "shard_tokens": "--shard-tokens",
+    "dtype": "--dtype",
+}
+
+
+def cmd_store_export(args: argparse.Namespace) -> None:
+    """``store.export`` from the shell: the options come from flags, checked here first so
+    that every error names a flag."""
+    import inspect
+
+    import torch
+
+    from probehook.errors import StoreError, StoreFormatError
+    from probehook.store import ActivationStore
+    from probehook.store.export import EXPORT_OPTIONS, export_saelens, export_safetensors
+
+    options: dict[str, Any] = {
+        name: getattr(args, name) for name in EXPORT_FLAGS if getattr(args, name) is not None
+    }
+    try:
+        store = ActivationStore.open(args.path)
+    except (StoreError, StoreFormatError) as e:
+        raise SystemExit(f"error: {e}") from e
+    if "layers" in options:
+        layers = parse_layers(options["layers"])
+        options["layers"] = list(store.layers) if isinstance(layers, str) else list(layers)
+    if "dtype" in options:
+        dtype = getattr(torch, options["dtype"], None)
+        if not isinstance(dtype, torch.dtype):
+            raise SystemExit(f"error: --dtype {options['dtype']!r} is not a torch dtype")
+        options["dtype"] = dtype
+    writer = {"saelens": export_saelens, "safetensors": export_safetensors}[args.format]
+    accepted = inspect.signature(writer).parameters
+    wrong = [EXPORT_FLAGS[name] for name in options if name not in accepted]
+    if wrong:
+        takes = [EXPORT_FLAGS[n] for n in EXPORT_FLAGS if n in accepted]
+        raise SystemExit(f"error: --format {args.format} takes no {wrong}; it takes {takes}")
+    missing = [
+        f"{EXPORT_FLAGS[name]} ({meaning})"
+        for name, meaning in EXPORT_OPTIONS[args.format].items()
+        if name not in options
+    ]
+    if missing:
+        raise SystemExit(f"error: --format {args.format} needs {'; '.join(missing)}")
+    try:
+        written = store.export(args.out, args.format, **options)
+    except (StoreError, StoreFormatError, ValueError, TypeError) as e:
+        raise SystemExit(f"error: {e}") from e
+    if isinstance(written, list):
+        print(f"{len(written)} shard(s) in {args.out}")
+    else:
+        print(written)
+
+
 def cmd_store_compact(args: argparse.Namespace) -> None:
     from probehook.errors import StoreError, StoreFormatError
     from probehook.store.format import lane_label
@@ -259,6 +321,25 @@ def main(argv: list[str] | None = None) -> None:
         "written is reported and skipped)",
     )
     check.set_defaults(func=cmd_store_fsck)
+    out = store_sub.add_parser(
+        "export",
+        help="write a store in a format training tools read: saelens (cached activations) or "
+        "safetensors (vLLM's hidden-state layout); see docs/exports.md",
+    )
+    out.add_argument("path", help="the store")
+    out.add_argument("out", help="the folder to write")
+    out.add_argument("--format", required=True, choices=["saelens", "safetensors"])
+    out.add_argument("--layer", type=int, help="saelens: the layer whose rows to export")
+    out.add_argument("--context-size", type=int, help="saelens: tokens per context (e.g. 128)")
+    out.add_argument("--hook-name", help="saelens: the column name (default from the layer)")
+    out.add_argument("--packing", choices=["concat", "request"], help="saelens: how contexts fill")
+    out.add_argument("--layers", help="safetensors: layers to stack, e.g. 3 or 0,3")
+    out.add_argument("--shard-tokens", type=int, help="safetensors: tokens per shard")
+    out.add_argument("--dtype", help="safetensors: convert rows, e.g. float32")
+    out.add_argument(
+        "--phase", choices=["prefill", "decode", "all"], help="which rows (default prefill)"
+    )
+    out.set_defaults(func=cmd_store_export)
     merge = store_sub.add_parser("compact", help="merge small shards into large ones")
     merge.add_argument("path")
     merge.add_argument(

@@ -525,3 +525,71 @@ def test_store_export_method_picks_the_format(f32_store, tmp_path: Path) -> None
         assert all(torch.equal(left[k], right[k]) for k in left)
     with pytest.raises(ValueError, match=r"format='hdf5'.*\['saelens', 'safetensors'\]"):
         f32_store.export(tmp_path / "c", "hdf5")
+
+
+def test_export_options_are_named_when_missing_or_wrong(f32_store, tmp_path: Path) -> None:
+    """Without its options an export used to raise Python's own TypeError from inside
+    export_saelens(); now each missing option is named with its meaning and an example, and an
+    option the format does not take is named with those it does (issue 38, store)."""
+    with pytest.raises(TypeError, match=r"needs layer= \(the layer.*context_size= \(tokens"):
+        f32_store.export(tmp_path / "a", format="saelens")
+    with pytest.raises(TypeError, match=r"layers are \[1, 3\].*layer=1, context_size=128"):
+        f32_store.export(tmp_path / "a", format="saelens", layer=1)
+    with pytest.raises(TypeError, match=r"needs layers= \(the layers to stack"):
+        f32_store.export(tmp_path / "a", format="safetensors")
+    with pytest.raises(TypeError, match=r"takes no option\(s\) \['context_size'\]"):
+        f32_store.export(tmp_path / "a", format="safetensors", layers=[1], context_size=8)
+    assert not (tmp_path / "a").exists()
+
+
+def test_cli_store_export_writes_what_the_method_writes(f32_store, tmp_path: Path, capsys) -> None:
+    from safetensors.torch import load_file
+
+    from probehook.cli import main
+
+    root = str(f32_store.root)
+    main(
+        [
+            "store",
+            "export",
+            root,
+            str(tmp_path / "cli"),
+            "--format",
+            "safetensors",
+            "--layers",
+            "1,3",
+        ]
+    )
+    direct = f32_store.export(tmp_path / "py", "safetensors", layers=[1, 3])
+    shards = sorted((tmp_path / "cli").glob("*.safetensors"))
+    assert [p.name for p in shards] == [p.name for p in direct]
+    for a, b in zip(shards, direct, strict=True):
+        left, right = load_file(a), load_file(b)
+        assert all(torch.equal(left[k], right[k]) for k in right)
+    main(
+        [
+            "store",
+            "export",
+            root,
+            str(tmp_path / "sae"),
+            "--format",
+            "saelens",
+            "--layer",
+            "3",
+            "--context-size",
+            "4",
+            "--phase",
+            "all",
+        ]
+    )
+    assert (tmp_path / "sae" / "dataset_info.json").exists()
+    for argv, message in [
+        (["--format", "saelens", "--layer", "3"], r"needs --context-size \(tokens per context"),
+        (
+            ["--format", "safetensors", "--layers", "1", "--packing", "concat"],
+            r"takes no \['--packing'\]",
+        ),
+        (["--format", "safetensors", "--layers", "1", "--dtype", "float99"], "not a torch dtype"),
+    ]:
+        with pytest.raises(SystemExit, match=message):
+            main(["store", "export", root, str(tmp_path / "x"), *argv])

@@ -397,6 +397,47 @@ def _source(store: StoreReader) -> dict[str, Any]:
 # -- SAELens --------------------------------------------------------------------------------
 
 
+EXPORT_OPTIONS: dict[str, dict[str, str]] = {
+    # format -> the options it needs, each with what it means (the first line of every error)
+    "saelens": {
+        "layer": "the layer whose rows become the activations",
+        "context_size": "tokens per context, as SAELens's context_size (e.g. 128)",
+    },
+    "safetensors": {"layers": "the layers to stack per token, in order (e.g. [3])"},
+}
+
+
+def check_export_options(format: str, options: dict[str, Any], layers: Sequence[int]) -> None:
+    """Refuse, before anything is written, an unknown format, a missing option (naming each
+    and its meaning) or one the format does not take (naming those it does)."""
+    import inspect
+
+    if format not in EXPORT_OPTIONS:
+        raise ValueError(
+            f"format={format!r} is not an export format; choose one of {sorted(EXPORT_OPTIONS)}."
+        )
+    writer = {"saelens": export_saelens, "safetensors": export_safetensors}[format]
+    accepted = [n for n in inspect.signature(writer).parameters if n not in ("store", "path")]
+    unknown = sorted(set(options) - set(accepted))
+    if unknown:
+        raise TypeError(
+            f"export format {format!r} takes no option(s) {unknown}; its options are {accepted}."
+        )
+    missing = [name for name in EXPORT_OPTIONS[format] if name not in options]
+    if missing:
+        needs = "; ".join(f"{name}= ({EXPORT_OPTIONS[format][name]})" for name in missing)
+        example = {
+            "layer": layers[0] if layers else 0,
+            "context_size": 128,
+            "layers": list(layers[:1]),
+        }
+        shown = ", ".join(f"{n}={example[n]!r}" for n in EXPORT_OPTIONS[format])
+        raise TypeError(
+            f"export format {format!r} needs {needs}. This store's layers are {list(layers)}. "
+            f"For example: store.export(path, format={format!r}, {shown})."
+        )
+
+
 def export_saelens(
     store: StoreReader | str | os.PathLike[str],
     path: str | os.PathLike[str],

@@ -23,7 +23,7 @@ import torch
 
 from probehook.errors import DuplicateStoreIdError, StoreError, StoreFormatError
 from probehook.store.appendable import check_appendable
-from probehook.store.export import export_saelens, export_safetensors
+from probehook.store.export import check_export_options, export_saelens, export_safetensors
 from probehook.store.format import (
     DEFAULT_SHARD_BYTES,
     FORMAT_NAME,
@@ -333,11 +333,8 @@ class ActivationStore(StoreReader):
         returns the folder) or ``"safetensors"`` (shards of ``token_ids`` and
         ``hidden_states [tokens, layers, hidden]`` in the layout of vLLM's hidden-state
         extraction: ``layers=``; returns the shard paths). See docs/exports.md."""
+        check_export_options(format, options, self.layers)
         writers = {"saelens": export_saelens, "safetensors": export_safetensors}
-        if format not in writers:
-            raise ValueError(
-                f"format={format!r} is not an export format; choose one of {sorted(writers)}."
-            )
         return writers[format](self, path, **options)
 
     def to_hf_dataset(

@@ -214,3 +214,19 @@ def test_the_publisher_never_blocks_the_step_when_the_front_end_falls_behind() -
             publisher.close()
             pull.close(0)
             context.term()
+
+
+def test_a_recorder_answers_for_its_own_source_only() -> None:
+    """The worker finds a source's recorder by the source each recorder keeps: an export of a
+    source the engine does not record finds none (it used to reach the probe scorer, whatever
+    it named), and stream messages carry the recorder's own source (issue 38, first reshape)."""
+    from types import SimpleNamespace
+
+    from probehook.adapter.worker.rpc import _recorder
+
+    rows = StepRecorder([torch.zeros(4, HIDDEN)], layers=(0,))
+    scores = StepRecorder([torch.zeros(4, HIDDEN)], layers=(0,), source="scores")
+    hook = SimpleNamespace(recorder=rows, scorer=scores)
+    assert _recorder(hook, "hidden") is rows and _recorder(hook, "scores") is scores
+    assert _recorder(hook, "sae_features") is None
+    assert _recorder(SimpleNamespace(recorder=rows, scorer=None), "scores") is None

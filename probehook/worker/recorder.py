@@ -297,9 +297,13 @@ class StepRecorder:
         layers: Sequence[int],
         limit_bytes: int = 0,
         transform: RowTransform | None = None,
+        source: str = "hidden",
     ) -> None:
         if len(buffers) != len(layers):
             raise ValueError(f"{len(buffers)} buffers for {len(layers)} layers")
+        self.source = source
+        """The capture source this recorder keeps (``"hidden"`` rows, probe ``"scores"``):
+        what exports ask it by, and what its stream messages are labelled."""
         self.buffers = list(buffers)
         self.layers = tuple(layers)
         self.transform = transform

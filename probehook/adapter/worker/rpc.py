@@ -40,7 +40,6 @@ from probehook.worker.transport_writer import write_tensors_with_fallback
 MAX_MISSING_REPORTED = 8
 MAX_CACHED_PLANS = 4096
 PlanFor = Callable[[str], RequestPlan | None]
-SOURCES = ("hidden", "scores")
 
 
 # vLLM imports this class (``worker_extension_cls``) in every worker of a probehook engine,
@@ -59,7 +58,8 @@ def _reports(worker: Any) -> bool:
 
 
 def _recorder(hook: StepHook, source: str) -> StepRecorder | None:
-    return hook.recorder if source == "hidden" else hook.scorer
+    """The recorder of ``source`` (None: this engine records no such source)."""
+    return next((r for r in (hook.recorder, hook.scorer) if r and r.source == source), None)
 
 
 class ProbehookWorkerExtension:
@@ -89,7 +89,10 @@ class ProbehookWorkerExtension:
         if probes:
             bank = ProbeBank([ProbeSpec.from_wire(p) for p in probes], _device(hook))
             hook.scorer = StepRecorder(
-                [hook.buffers[layer] for layer in bank.layers], bank.layers, transform=bank
+                [hook.buffers[layer] for layer in bank.layers],
+                bank.layers,
+                transform=bank,
+                source="scores",
             )
             hook.scorer.keep_step_rows = True  # monitors read this step's scores
             plans = runner_v1.plan_factory(runner, hook.config, True, steerable)
@@ -399,10 +402,9 @@ def _plan_signature(raw: Any, req_id: str, state: Any, params: Any) -> tuple | N
 
 
 def _publish(recorder: StepRecorder, publisher: Publisher, live: Any) -> None:
-    source = "scores" if recorder.transform is not None else "hidden"
     chunks = recorder.take_streamed(live)
     if chunks:  # one message for every stream of the step
-        publisher.send(encode(source, chunks, recorder.row_dtype))
+        publisher.send(encode(recorder.source, chunks, recorder.row_dtype))
 
 
 def _compilations() -> dict[str, int]:

@@ -75,8 +75,9 @@ def test_a_flusher_racing_many_adds_loses_nothing(tmp_path: Path) -> None:
 def test_a_write_error_is_reported_once_and_names_what_was_lost(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The disk fills once, mid-race: one of the two threads reports it, once, naming every
-    acknowledged request that is not on disk; every other acknowledged request is."""
+    """The disk fills once, mid-race: it is reported once (by one of the two threads, or by
+    close() when the writer meets it after both stopped), naming every acknowledged request
+    that is not on disk; every other acknowledged request is."""
     write = ShardWriter._write
 
     def disk_full_once(self: ShardWriter, request: PendingRequest) -> None:
@@ -88,7 +89,10 @@ def test_a_write_error_is_reported_once_and_names_what_was_lost(
     path = tmp_path / "s"
     store = ActivationStore.for_writing(path, META, shard_bytes=32 << 10)
     acked, errors = _race(store, ADDS)
-    store.close()
+    try:
+        store.close()  # the writer may meet the full disk after both threads stopped
+    except StoreError as e:
+        errors.append(e)
     monkeypatch.undo()
     assert len(errors) == 1, [str(e)[:200] for e in errors]
     (error,) = errors

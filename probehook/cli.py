@@ -173,13 +173,11 @@ EXPORT_FLAGS = {  # option -> its flag: what a format may take on the command li
 def cmd_store_export(args: argparse.Namespace) -> None:
     """``store.export`` from the shell: the options come from flags, checked here first so
     that every error names a flag."""
-    import inspect
-
     import torch
 
     from probehook.errors import StoreError, StoreFormatError
     from probehook.store import ActivationStore
-    from probehook.store.export import EXPORT_OPTIONS, export_saelens, export_safetensors
+    from probehook.store.export import EXPORT_OPTIONS, export_option_names
 
     options: dict[str, Any] = {
         name: getattr(args, name) for name in EXPORT_FLAGS if getattr(args, name) is not None
@@ -196,8 +194,7 @@ def cmd_store_export(args: argparse.Namespace) -> None:
         if not isinstance(dtype, torch.dtype):
             raise SystemExit(f"error: --dtype {options['dtype']!r} is not a torch dtype")
         options["dtype"] = dtype
-    writer = {"saelens": export_saelens, "safetensors": export_safetensors}[args.format]
-    accepted = inspect.signature(writer).parameters
+    accepted = export_option_names(args.format)
     wrong = [EXPORT_FLAGS[name] for name in options if name not in accepted]
     if wrong:
         takes = [EXPORT_FLAGS[n] for n in EXPORT_FLAGS if n in accepted]

@@ -407,17 +407,27 @@ EXPORT_OPTIONS: dict[str, dict[str, str]] = {
 }
 
 
+def export_writer(format: str) -> Any:
+    """The function that writes ``format`` (a key of :data:`EXPORT_OPTIONS`)."""
+    return {"saelens": export_saelens, "safetensors": export_safetensors}[format]
+
+
+def export_option_names(format: str) -> list[str]:
+    """Every option ``format``'s writer takes, in its signature's order."""
+    import inspect
+
+    names = inspect.signature(export_writer(format)).parameters
+    return [name for name in names if name not in ("store", "path")]
+
+
 def check_export_options(format: str, options: dict[str, Any], layers: Sequence[int]) -> None:
     """Refuse, before anything is written, an unknown format, a missing option (naming each
     and its meaning) or one the format does not take (naming those it does)."""
-    import inspect
-
     if format not in EXPORT_OPTIONS:
         raise ValueError(
             f"format={format!r} is not an export format; choose one of {sorted(EXPORT_OPTIONS)}."
         )
-    writer = {"saelens": export_saelens, "safetensors": export_safetensors}[format]
-    accepted = [n for n in inspect.signature(writer).parameters if n not in ("store", "path")]
+    accepted = export_option_names(format)
     unknown = sorted(set(options) - set(accepted))
     if unknown:
         raise TypeError(

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import atexit
 import errno
+import functools
 import logging
 import os
 import threading
 import time
 import uuid
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -23,7 +24,7 @@ import torch
 
 from probehook.errors import DuplicateStoreIdError, StoreError, StoreFormatError
 from probehook.store.appendable import check_appendable
-from probehook.store.export import check_export_options, export_saelens, export_safetensors
+from probehook.store.export import check_export_options, export_writer
 from probehook.store.format import (
     DEFAULT_SHARD_BYTES,
     FORMAT_NAME,
@@ -53,6 +54,18 @@ if TYPE_CHECKING:
 __all__ = ["ActivationStore", "DuplicateStoreIdError", "LayerMatrix", "StoredRequest"]
 
 logger = logging.getLogger(__name__)
+
+
+def _locked(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Run a writing method holding the store's write lock (re-entrant: ``add`` may begin a
+    run)."""
+
+    @functools.wraps(method)
+    def locked(self: ActivationStore, *args: Any, **kwargs: Any) -> Any:
+        with self._write_lock:
+            return method(self, *args, **kwargs)
+
+    return locked
 
 
 class ActivationStore(StoreReader):
@@ -182,12 +195,9 @@ class ActivationStore(StoreReader):
 
     # -- writing ------------------------------------------------------------------------------
 
+    @_locked
     def begin_run(self, info: dict[str, Any]) -> str:
         """Record a new run (``info``: what it captures, under ``"capture"``); return its id."""
-        with self._write_lock:
-            return self._begin_run(info)
-
-    def _begin_run(self, info: dict[str, Any]) -> str:
         run_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
         record = {"kind": "run", "run_id": run_id, "started": time.time(), **info}
         try:
@@ -203,16 +213,13 @@ class ActivationStore(StoreReader):
         self._run_id = run_id
         return run_id
 
+    @_locked
     def add(self, request: PendingRequest) -> str:
         """Queue a request for writing; return its store id (``<run id>-<request id>``),
         unique across every run appended to this store. A run is begun if none was."""
-        with self._write_lock:
-            return self._add(request)
-
-    def _add(self, request: PendingRequest) -> str:
         writer = self._require_writer()
         if self._run_id is None:
-            self._begin_run({})
+            self.begin_run({})
         record = request.record
         request_id = record.get("request_id", record["id"])
         store_id = f"{self._run_id}-{request_id}"
@@ -288,11 +295,8 @@ class ActivationStore(StoreReader):
         self.unflushed = 0
         self._adding.clear()
 
+    @_locked
     def close(self) -> None:
-        with self._write_lock:
-            self._close()
-
-    def _close(self) -> None:
         if self._finalizer is not None:
             self._finalizer.detach()
             _ABANDONED_AT_EXIT.discard(self._finalizer)
@@ -334,8 +338,7 @@ class ActivationStore(StoreReader):
         ``hidden_states [tokens, layers, hidden]`` in the layout of vLLM's hidden-state
         extraction: ``layers=``; returns the shard paths). See docs/exports.md."""
         check_export_options(format, options, self.layers)
-        writers = {"saelens": export_saelens, "safetensors": export_safetensors}
-        return writers[format](self, path, **options)
+        return export_writer(format)(self, path, **options)
 
     def to_hf_dataset(
         self,

@@ -690,10 +690,8 @@ class StepRecorder:
         """Fail the capture of an engine request this recorder keeps rows for (the step could
         not do what the request asked, e.g. steer it); a stream reports it at once."""
         rows = self.rows_by_req.get(req_id)
-        if type(rows) is OnePass:
-            rows = self._rows_of(req_id, rows.plan)
-        if rows is None or rows.error is not None:
-            return
+        if type(rows) is not RequestRows or rows.error is not None:
+            return  # none kept (a one-pass request is never steered)
         rows.fail(reason)
         if rows.stream:
             self._touched[id(rows)] = rows

@@ -231,27 +231,26 @@ class AsyncLLM(VllmAsyncLLM):
             abort=lambda ids: None,  # streams abort through AsyncLLM.abort
             stop_token=setup.eos_token(self.get_tokenizer),
         )
-        receiver = None
+        closers = [capture.close] + ([store.close] if store is not None else [])
         try:
             receiver = Receiver(capture.spool.dirs[0])
+            closers.insert(0, receiver.close)
             await self.collective_rpc("probehook_stream_connect", args=(receiver.address,))
         except BaseException:
             # Nothing of a failed start stays open: the receiver's thread, the spool, the
             # store's writer and its lock.
-            closers = [capture.close] + ([store.close] if store is not None else [])
-            for close in ([receiver.close] if receiver is not None else []) + closers:
+            for close in closers:
                 with contextlib.suppress(Exception):
                     close()
             raise
         self.capture_info: dict[str, Any] = info
         """Layers, hidden size, dtype and model runner class of the tapped worker."""
         self.session, self.store, self._receiver = capture, store, receiver
-        closers = [receiver.close, capture.close]
         if store is not None:
             # The store's disk waits (backpressure, fsync) never run on the event loop: adds
             # and the server's periodic flush run on this one thread, in order.
             self.store_thread = ThreadPoolExecutor(1, thread_name_prefix="probehook-store-adds")
-            closers += [self.store_thread.shutdown, store.close]
+            closers.insert(-1, self.store_thread.shutdown)  # before the store closes
         # Finalizers, not __del__: they also run at interpreter exit, before modules go.
         self._closers = [weakref.finalize(self, close) for close in closers]
 

@@ -134,15 +134,7 @@ def plan_factory(
             state = runner.requests.get(req_id)
             params = request_params(state)
             raw = extra_options(params).get(EXTRA_ARGS_KEY)
-            if steerable is not None:
-                wire = RequestWire.from_wire(raw)
-                unknown = unsteerable(wire, steerable) if wire is not None else []
-                if unknown:
-                    raise CaptureConfigError(
-                        f"it names steering vector(s) {unknown}, which the engine's bank does "
-                        "not hold, so it ran unsteered"
-                    )
-            return _plan(req_id, state, params, raw, engine_config, scores)
+            return _plan(req_id, state, params, raw, engine_config, scores, steerable)
         except Exception as e:  # noqa: BLE001 - one bad request must not end the engine
             return _failed_plan(req_id, raw, scores, f"{type(e).__name__}: {e}")
 
@@ -156,10 +148,17 @@ def _plan(
     raw: Any,
     engine_config: CaptureConfig,
     scores: bool,
+    steerable: Callable[[str], bool] | None = None,
 ) -> RequestPlan | None:
     wire = RequestWire.from_wire(raw)
     if wire is None:
         return None  # not submitted through probehook: nobody will collect it
+    unknown = unsteerable(wire, steerable) if steerable is not None else []
+    if unknown:
+        raise CaptureConfigError(
+            f"it names steering vector(s) {unknown}, which the engine's bank does not hold, "
+            "so it ran unsteered"
+        )
     if scores and not wire.probes:
         return None  # the front end lists the probes a request gets; none here
     # The front end narrowed the config; narrowing it again checks that it names only layers

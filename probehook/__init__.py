@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from probehook.frontend.fill import FailedCapture
     from probehook.outputs.array_codec import decode_array
     from probehook.probes import LinearProbe
+    from probehook.saes import SAE, SAEFeatures
     from probehook.steering import SteeringVector
     from probehook.store import ActivationStore, LayerMatrix, StoredRequest
 
@@ -49,6 +50,9 @@ _LAZY = {
     "LinearProbe": ("probehook.probes", "LinearProbe"),
     "ProbeMonitor": ("probehook.core.monitors", "ProbeMonitor"),
     "SteeringVector": ("probehook.steering", "SteeringVector"),
+    "SAE": ("probehook.saes", "SAE"),
+    "SAEFeatures": ("probehook.saes", "SAEFeatures"),
+    "SAEError": ("probehook.saes", "SAEError"),
     "decode_array": ("probehook.outputs.array_codec", "decode_array"),
 }
 
@@ -63,6 +67,9 @@ __all__ = [
     "LinearProbe",
     "ProbeMonitor",
     "SteeringVector",
+    "SAE",
+    "SAEFeatures",
+    "SAEError",
     "decode_array",
     "FailedCapture",
     "CaptureConfigError",

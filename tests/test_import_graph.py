@@ -40,7 +40,7 @@ ALLOWED_CYCLES: dict[frozenset[str], str] = {
 # Layers that run without vLLM (the user's process, vLLM's worker through our own operators,
 # offline tools): neither they nor any probehook module they import may import vllm. Only
 # probehook/adapter, the command line and model plugins (probehook/models) do.
-NO_VLLM = ("core", "worker", "frontend", "store", "probes", "steering", "outputs")
+NO_VLLM = ("core", "worker", "frontend", "store", "probes", "steering", "outputs", "saes")
 
 
 def module_names(root: Path = ROOT, package: str = PACKAGE) -> dict[str, Path]:

@@ -1,0 +1,155 @@
+"""The encode equations of SAELens's inference architectures and the top-k readout, in torch
+only: what :meth:`probehook.SAE.encode` computes offline and what the worker's SAE bank
+computes on each step's rows (one code path, so the two cannot drift apart).
+
+Equations (SAELens 6.x, ``sae_lens/saes/*.py``; x is one row after the layer):
+
+- preprocessing: x cast to the SAE's dtype; ``constant_norm_rescale``: x * sqrt(d_in) / |x|;
+  ``layer_norm``: (x - mean) / (unbiased std + 1e-5); then x - b_dec if
+  ``apply_b_dec_to_input``;
+- ``p = x @ W_enc + b_enc`` (one GEMM), then per architecture:
+  standard ReLU(p); jumprelu ReLU(p) * [p > threshold]; gated [x W_enc + b_gate > 0] *
+  ReLU(x W_enc * exp(r_mag) + b_mag) (the same GEMM); topk: p scaled by the decoder norms
+  when ``rescale_acts_by_decoder_norm``, its k_sae largest entries kept and ReLU'd;
+  abstopk: the k_sae entries of largest |p|, signed.
+
+The readout (:func:`read_top_k`): per row the ``k`` largest activations (by |value| for
+abstopk), zeros left out (index -1, value 0), in descending order, ties toward the lower
+index; and ``l0``, the non-zero count before the cut. Rows are encoded in tiles so that the
+dense ``[rows, d_sae]`` pre-activations of a long prompt never exist at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+ARCHITECTURES = ("standard", "gated", "jumprelu", "topk", "abstopk")
+NORMALIZATIONS = ("none", "constant_norm_rescale", "layer_norm")
+TILE_ROWS = 256
+"""Rows encoded at once: ``TILE_ROWS * d_sae`` float32 of pre-activations (16 MiB at 16,384
+features)."""
+
+
+@dataclass
+class SAEWeights:
+    """One SAE's encoder as tensors on one device (``W_enc [d_in, d_sae]``; the decoder only
+    where something needs it: its row norms for a rescaling topk, the rows for clamping)."""
+
+    architecture: str
+    W_enc: torch.Tensor
+    b_enc: torch.Tensor | None
+    b_dec: torch.Tensor
+    apply_b_dec_to_input: bool
+    normalize_activations: str
+    threshold: torch.Tensor | None = None
+    b_gate: torch.Tensor | None = None
+    b_mag: torch.Tensor | None = None
+    r_mag_exp: torch.Tensor | None = None
+    decoder_norms: torch.Tensor | None = None
+    """Scales topk pre-activations (``rescale_acts_by_decoder_norm``); None: no rescale."""
+    k: int | None = None
+    """topk / abstopk: the SAE's own k."""
+
+    @property
+    def d_in(self) -> int:
+        return int(self.W_enc.shape[0])
+
+    @property
+    def d_sae(self) -> int:
+        return int(self.W_enc.shape[1])
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.W_enc.dtype
+
+    def to(self, device: torch.device | str) -> SAEWeights:
+        moved = {
+            name: value.to(device) if isinstance(value, torch.Tensor) else value
+            for name, value in self.__dict__.items()
+        }
+        return SAEWeights(**moved)
+
+
+def preprocess(weights: SAEWeights, x: torch.Tensor) -> torch.Tensor:
+    """The row as the encoder GEMM reads it (cast, normalised, ``b_dec`` subtracted)."""
+    x = x.to(weights.dtype)
+    if weights.normalize_activations == "constant_norm_rescale":
+        x = x * (weights.d_in**0.5) / x.norm(dim=-1, keepdim=True)
+    elif weights.normalize_activations == "layer_norm":
+        x = x - x.mean(dim=-1, keepdim=True)
+        x = x / (x.std(dim=-1, keepdim=True) + 1e-5)
+    if weights.apply_b_dec_to_input:
+        x = x - weights.b_dec
+    return x
+
+
+def pre_activations(weights: SAEWeights, x: torch.Tensor) -> torch.Tensor:
+    """``[rows, d_sae]`` pre-activations (SAELens's ``hook_sae_acts_pre``; gated: the gate)."""
+    z = preprocess(weights, x) @ weights.W_enc
+    if weights.architecture == "gated":
+        return z + weights.b_gate
+    p = z + weights.b_enc
+    if weights.decoder_norms is not None:
+        p = p * weights.decoder_norms
+    return p
+
+
+def encode_dense(weights: SAEWeights, x: torch.Tensor) -> torch.Tensor:
+    """Dense ``[rows, d_sae]`` activations, as SAELens's ``SAE.encode``."""
+    arch = weights.architecture
+    if arch == "gated":
+        z = preprocess(weights, x) @ weights.W_enc
+        magnitude = torch.relu(z * weights.r_mag_exp + weights.b_mag)
+        return (z + weights.b_gate > 0).to(magnitude.dtype) * magnitude
+    p = pre_activations(weights, x)
+    if arch == "standard":
+        return torch.relu(p)
+    if arch == "jumprelu":
+        return torch.relu(p) * (p > weights.threshold).to(p.dtype)
+    assert weights.k is not None
+    k = min(weights.k, weights.d_sae)
+    if arch == "topk":
+        values, index = p.topk(k, dim=-1, sorted=False)
+        return torch.zeros_like(p).scatter_(-1, index, torch.relu(values))
+    values, index = p.abs().topk(k, dim=-1, sorted=False)
+    return torch.zeros_like(p).scatter_(-1, index, p.gather(-1, index))
+
+
+def read_top_k(
+    weights: SAEWeights, x: torch.Tensor, k: int, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The readout of every row of ``x`` (``[rows, d_in]``, any float dtype), packed as
+    ``[rows, 2k + 1]`` float32: ``k`` feature indices (-1: none), their ``k`` values (0: none),
+    and ``l0``. Indices are exact in float32 below 2**24 features. Encoded in tiles of
+    :data:`TILE_ROWS` rows; written into ``out`` when given."""
+    rows = x.shape[0]
+    if out is None:
+        out = torch.empty((rows, 2 * k + 1), dtype=torch.float32, device=x.device)
+    for lo in range(0, rows, TILE_ROWS):
+        hi = min(lo + TILE_ROWS, rows)
+        _read_tile(weights, x[lo:hi], k, out[lo:hi])
+    return out
+
+
+def _read_tile(weights: SAEWeights, x: torch.Tensor, k: int, out: torch.Tensor) -> None:
+    dense = encode_dense(weights, x)
+    signed = weights.architecture == "abstopk"
+    rank = dense.abs() if signed else dense
+    take = min(k, weights.d_sae)
+    # Sorted by lower index first, then a stable descending sort by value: ties keep the
+    # lower index first (torch.topk alone promises no order among equal values).
+    score, index = rank.topk(take, dim=-1, sorted=False)
+    index, order = index.sort(dim=-1)
+    score = score.gather(-1, order)
+    score, order = score.sort(dim=-1, descending=True, stable=True)
+    index = index.gather(-1, order)
+    values = dense.gather(-1, index)
+    on = score > 0
+    out[:, :take] = torch.where(on, index, -1).to(torch.float32)
+    out[:, k : k + take] = torch.where(on, values, 0).to(torch.float32)
+    if take < k:  # an SAE with fewer features than k
+        out[:, take:k] = -1
+        out[:, k + take : 2 * k] = 0
+    out[:, 2 * k] = (dense != 0).sum(dim=-1).to(torch.float32)

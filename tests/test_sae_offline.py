@@ -1,0 +1,182 @@
+"""probehook.SAE read from SAELens's own saved folders, against SAELens's ``encode``."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from probehook import SAE
+from probehook.saes import SAEError, layer_of_hook
+from tests.sae_oracle import ARCHITECTURES, assert_features_match, make_saelens_sae, oracle
+
+D_IN, D_SAE = 32, 96
+
+
+def _rows(n: int = 64, seed: int = 1) -> torch.Tensor:
+    return torch.randn(n, D_IN, generator=torch.Generator().manual_seed(seed)) * 2
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+@pytest.mark.parametrize("norm", ["none", "layer_norm", "constant_norm_rescale"])
+def test_encode_and_top_k_equal_saelens(tmp_path, arch, norm):
+    extra = {"k": 12} if arch in ("topk", "abstopk") else {}
+    folder = make_saelens_sae(
+        arch,
+        tmp_path / arch,
+        D_IN,
+        D_SAE,
+        "blocks.2.hook_resid_post",
+        seed=3,
+        normalize_activations=norm,
+        **extra,
+    )
+    sae = SAE.load(folder)
+    assert (sae.architecture, sae.layer, sae.d_in, sae.d_sae) == (arch, 2, D_IN, D_SAE)
+    lens = oracle(folder)
+    rows = _rows()
+    torch.testing.assert_close(sae.encode(rows), lens.encode(rows), rtol=1e-5, atol=1e-5)
+    for k in (1, 8, 40):
+        f = sae.top_k(rows, k)
+        assert f.indices.shape == (64, k) and f.values.dtype == torch.float32
+        assert_features_match(f.indices, f.values, f.l0, lens, rows, k)
+    assert (sae.top_k(rows, 8).l0 > 0).any()
+
+
+def test_topk_rescale_and_no_b_dec(tmp_path):
+    folder = make_saelens_sae(
+        "topk",
+        tmp_path / "t",
+        D_IN,
+        D_SAE,
+        "blocks.1.hook_resid_post",
+        k=10,
+        rescale_acts_by_decoder_norm=True,
+        apply_b_dec_to_input=False,
+    )
+    sae, lens, rows = SAE.load(folder), oracle(folder), _rows()
+    torch.testing.assert_close(sae.encode(rows), lens.encode(rows), rtol=1e-5, atol=1e-5)
+    f = sae.top_k(rows, 16)
+    assert_features_match(f.indices, f.values, f.l0, lens, rows, 16)
+    assert int(f.l0.max()) <= 10 and (f.indices[:, 10:] == -1).all()
+
+
+def test_padding_ties_and_accessors(tmp_path):
+    folder = make_saelens_sae("standard", tmp_path / "s", D_IN, D_SAE, "model.layers.0")
+    sae = SAE.load(folder)
+    with torch.no_grad():  # two features with equal activations: the lower index first
+        sae.weights.W_enc[:, 7] = sae.weights.W_enc[:, 50]
+        sae.weights.b_enc[7] = sae.weights.b_enc[50]
+    rows = _rows(16)
+    f = sae.top_k(rows, D_SAE)
+    for r in range(16):
+        indices, values = f[r]
+        assert len(indices) == int(f.l0[r]) and (values > 0).all()
+        listed = indices.tolist()
+        if 7 in listed:
+            assert listed.index(7) == listed.index(50) - 1
+    dense = f.dense(D_SAE)
+    torch.testing.assert_close(dense, sae.encode(rows))
+    torch.testing.assert_close(f.activation(7), dense[:, 7])
+    assert f.top(3).indices.shape == (16, 3)
+
+
+@pytest.mark.parametrize(
+    ("hook", "layer"),
+    [
+        ("blocks.3.hook_resid_post", 3),
+        ("blocks.3.hook_resid_pre", 2),
+        ("blocks.3.hook_out", 3),
+        ("model.layers.3", 3),
+        ("model.layers.3.output", 3),
+        ("model.language_model.layers.3", 3),
+        ("layers.3", 3),
+    ],
+)
+def test_hook_names(hook, layer):
+    assert layer_of_hook(hook) == layer
+
+
+@pytest.mark.parametrize(
+    "hook",
+    [
+        "blocks.3.hook_mlp_out",
+        "blocks.3.attn.hook_z",
+        "blocks.3.ln2.hook_normalized",
+        "blocks.3.hook_resid_mid",
+    ],
+)
+def test_other_sites_are_refused(hook):
+    with pytest.raises(SAEError, match="layer="):
+        layer_of_hook(hook)
+    with pytest.raises(SAEError, match="embeddings"):
+        layer_of_hook("blocks.0.hook_resid_pre")
+
+
+def test_explicit_layer_wins_and_bad_folders(tmp_path):
+    folder = make_saelens_sae("standard", tmp_path / "s", D_IN, D_SAE, "blocks.1.hook_mlp_out")
+    with pytest.raises(SAEError, match="hook_mlp_out"):
+        SAE.load(folder)
+    assert SAE.load(folder, layer=2).layer == 2
+    with pytest.raises(SAEError, match="not a folder"):
+        SAE.load(tmp_path / "nope")
+    cfg = json.loads((folder / "cfg.json").read_text())
+    for arch, why in [
+        ("matching_pursuit", "iterative"),
+        ("transcoder", "MLP"),
+        ("temporal", "attends"),
+    ]:
+        (folder / "cfg.json").write_text(json.dumps({**cfg, "architecture": arch}))
+        with pytest.raises(SAEError, match=why):
+            SAE.load(folder)
+    (folder / "cfg.json").write_text(json.dumps({**cfg, "architecture": "jumprelu"}))
+    with pytest.raises(SAEError, match="threshold"):
+        SAE.load(folder, layer=1)
+    (folder / "cfg.json").write_text(json.dumps(cfg))
+    with pytest.raises(SAEError, match="d_in=32"):
+        SAE.load(folder, layer=1).check_model(64, 4)
+
+
+def test_sparsify_folder_against_its_equation(tmp_path):
+    """sparsify 1.x layout (W_dec [num_latents, d_in]) read with sparsify's own encode:
+    TopK(ReLU((x - b_dec) @ encoder.weight.T + encoder.bias))."""
+    gen = torch.Generator().manual_seed(5)
+    folder = tmp_path / "layers.1"
+    folder.mkdir()
+    tensors = {
+        "encoder.weight": torch.randn(D_SAE, D_IN, generator=gen) / D_IN**0.5,
+        "encoder.bias": torch.randn(D_SAE, generator=gen) * 0.1,
+        "W_dec": torch.randn(D_SAE, D_IN, generator=gen),
+        "b_dec": torch.randn(D_IN, generator=gen) * 0.1,
+    }
+    save_file(tensors, str(folder / "sae.safetensors"))
+    (folder / "cfg.json").write_text(
+        json.dumps(
+            {
+                "activation": "topk",
+                "expansion_factor": 3,
+                "normalize_decoder": True,
+                "num_latents": D_SAE,
+                "k": 9,
+                "multi_topk": False,
+                "skip_connection": False,
+                "transcode": False,
+                "d_in": D_IN,
+            }
+        )
+    )
+    sae = SAE.load(folder)
+    assert (sae.layer, sae.architecture, sae.k) == (1, "topk", 9)
+    rows = _rows()
+    pre = torch.relu(
+        (rows - tensors["b_dec"]) @ tensors["encoder.weight"].T + tensors["encoder.bias"]
+    )
+    top = pre.topk(9, sorted=True)
+    f = sae.top_k(rows, 9)
+    torch.testing.assert_close(f.values, top.values)
+    assert torch.equal(f.indices, torch.where(top.values > 0, top.indices, -1))
+    (folder / "cfg.json").write_text(json.dumps({"transcode": True}))
+    with pytest.raises(SAEError, match="transcoder"):
+        SAE.load(folder)

@@ -44,7 +44,13 @@ def fresh(*processors: Any) -> OutputProcessorRegistry:
 
 
 def test_builtin_processors_are_registered() -> None:
-    assert OUTPUT_PROCESSORS.names()[:3] == ["hidden_states", "probe_scores", "probe_flags"]
+    assert OUTPUT_PROCESSORS.names()[:4] == [
+        "hidden_states",
+        "probe_scores",
+        "sae_features",
+        "probe_flags",
+    ]
+    assert OUTPUT_PROCESSORS["sae_features"].completion_attributes == ("sae_features",)
     assert OUTPUT_PROCESSORS["probe_scores"].request_attributes == ("prefill_probe_scores",)
 
 

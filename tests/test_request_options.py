@@ -134,7 +134,7 @@ def plan_for(options: Any, scores: bool = False, req_id: str = "0") -> Any:
 
     runner = SimpleNamespace(requests={req_id: State(options)})
     engine = CaptureConfig(layers=(0, 3), include_prefill=True)
-    return plan_factory(runner, engine, scores)(req_id)
+    return plan_factory(runner, engine, "scores" if scores else "hidden")(req_id)
 
 
 def test_the_worker_plans_a_good_wire() -> None:
@@ -190,7 +190,7 @@ def test_the_worker_reuses_a_plan_only_where_it_applies() -> None:
     """Wires of one template (``plan``) share the first one's plan under their own keys,
     as long as the prompt length and completion index agree; anything else is read afresh.
     The same plans as reading every wire, for rows and for scores."""
-    from probehook.adapter.worker.rpc import _reuse_plans
+    from probehook.adapter.worker.rpc import SharedReads, _reuse_plans
     from probehook.adapter.worker.runner_v1 import plan_factory
 
     template = {**RequestWire("s-0", CaptureConfig((0, 3), True, include_decode=False), 2,
@@ -213,12 +213,12 @@ def test_the_worker_reuses_a_plan_only_where_it_applies() -> None:
         requests[req_id].num_prompt_tokens = prompt_len
     runner = SimpleNamespace(requests=requests)
     engine = CaptureConfig(layers=(0, 3), include_prefill=True)
-    signatures: dict[str, Any] = {}
+    signatures = SharedReads(1)
     rows = _reuse_plans(runner, plan_factory(runner, engine), signatures)
-    scores = _reuse_plans(runner, plan_factory(runner, engine, True), signatures)
+    scores = _reuse_plans(runner, plan_factory(runner, engine, "scores"), signatures)
     for req_id in requests:
-        for reuse, for_scores in ((rows, False), (scores, True)):
-            assert reuse(req_id) == plan_factory(runner, engine, for_scores)(req_id), req_id
+        for reuse, source in ((rows, "hidden"), (scores, "scores")):
+            assert reuse(req_id) == plan_factory(runner, engine, source)(req_id), req_id
     for corrupt in ("0_e", "0_h", "0_i", "0_j"):
         assert "could not read" in (plan_factory(runner, engine)(corrupt).error or ""), corrupt
     assert signatures == {}  # the second recorder took each signature the first made

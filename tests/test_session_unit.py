@@ -15,6 +15,7 @@ from probehook.errors import CaptureConfigError, CaptureError
 from probehook.frontend import fill
 from probehook.frontend.request_stream import RequestStream
 from probehook.frontend.session import CaptureSession
+from probehook.frontend.sources import engine_sources
 from probehook.frontend.tracked_request import TrackedRequest
 
 
@@ -126,7 +127,7 @@ def stream(kind: str, receiver: Rows) -> RequestStream:
 
 def test_offline_plan_asks_for_the_whole_request() -> None:
     output = Output([Completion(0, [7, 8, 9])], finished=True)
-    planned = fill.plan(output, tracked())
+    planned = fill.plan(output, tracked(), engine_sources())
     assert list(planned.needs()) == [
         fill.Need("hidden", "T/0", 0, 4),  # the prompt
         fill.Need("hidden", "T/0", 3, 6),  # decode row i: position 3 + i

@@ -226,7 +226,7 @@ def test_a_recorder_answers_for_its_own_source_only() -> None:
 
     rows = StepRecorder([torch.zeros(4, HIDDEN)], layers=(0,))
     scores = StepRecorder([torch.zeros(4, HIDDEN)], layers=(0,), source="scores")
-    hook = SimpleNamespace(recorder=rows, scorer=scores)
+    hook = SimpleNamespace(recorders=lambda: [rows, scores])
     assert _recorder(hook, "hidden") is rows and _recorder(hook, "scores") is scores
-    assert _recorder(hook, "sae_features") is None
-    assert _recorder(SimpleNamespace(recorder=rows, scorer=None), "scores") is None
+    assert _recorder(hook, "sae") is None
+    assert _recorder(SimpleNamespace(recorders=lambda: [rows]), "scores") is None

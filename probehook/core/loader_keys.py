@@ -16,3 +16,8 @@ key; the vectors are not)."""
 EXIT_AFTER_KEY = "exit_after"
 """Key in the capture settings: a capture-only engine's deepest tapped layer, after which the
 model stops (part of the compile-cache key; None: every layer runs)."""
+SAE_BANK_KEY = "probehook_saes"
+"""Key in ``model_loader_extra_config``: the engine's SAEs (``{"saes": {name: {"path",
+"layer"}}, "k": int}``), read by the loader at model load. Not part of the compile-cache key
+(``LoadConfig`` hashes nothing): the SAEs run after the compiled forward, on its taps, whose
+layers ``TAP_LAYERS_KEY`` names."""

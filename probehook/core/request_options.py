@@ -44,11 +44,12 @@ CAPTURE_KEYS = (
 )
 PROBE_KEYS = ("probes", "monitors")
 STEER_KEYS = ("steer", "steer_phase")
+SAE_KEYS = ("saes", "sae_top_k")
 PLAN_KEY = "plan"
 """A wire key the front end sets on every request tagged from one template: wires with the
 same value differ only in their tag, so the worker reads one of them and reuses its plan."""
 STEER_PHASES = ("both", "prefill", "decode")
-USER_KEYS = CAPTURE_KEYS + PROBE_KEYS + STEER_KEYS
+USER_KEYS = CAPTURE_KEYS + PROBE_KEYS + STEER_KEYS + SAE_KEYS
 """Every key a user may set; anything else is refused."""
 FLAG_KEYS = CAPTURE_KEYS[1:]
 MONITOR_FIELDS = ("probe", "threshold", "action", "direction", "label")
@@ -89,6 +90,11 @@ class RequestOptions:
     """Steering vector names and scales, as sorted ``(name, scale)`` pairs."""
     steer_phase: str | None = None
     """``"both"`` (None), ``"prefill"`` or ``"decode"``."""
+    saes: tuple[str, ...] | bool | None = None
+    """None or True: every engine SAE; False: none; names: those."""
+    sae_top_k: int | None = None
+    """Features kept per token and SAE (at most the engine's ``sae_top_k``); None: the
+    engine's."""
 
     @classmethod
     def from_user(cls, value: Any) -> RequestOptions:
@@ -124,6 +130,13 @@ class RequestOptions:
             parsed["probes"] = _user_probes(value["probes"])
         if value.get("monitors") is not None:
             parsed["monitors"] = _user_monitors(value["monitors"])
+        if value.get("saes") is not None:
+            parsed["saes"] = _user_names("saes", value["saes"], "SAE")
+        if value.get("sae_top_k") is not None:
+            k = value["sae_top_k"]
+            if isinstance(k, bool) or as_int(k) is None or as_int(k) < 1:  # type: ignore[operator]
+                raise _bad("sae_top_k", k, "pass a positive int (features kept per token)")
+            parsed["sae_top_k"] = int(k)
         if value.get("steer") is not None:
             parsed["steer"] = steer_terms(value["steer"], "probehook option steer")
         if value.get("steer_phase") is not None:
@@ -173,14 +186,18 @@ def _user_layers(value: Any) -> tuple[int, ...] | str:
 
 
 def _user_probes(value: Any) -> tuple[str, ...] | bool:
-    valid = "pass a list of probe names, True for all or False for none"
+    return _user_names("probes", value, "probe")
+
+
+def _user_names(key: str, value: Any, what: str) -> tuple[str, ...] | bool:
+    valid = f"pass a list of {what} names, True for all or False for none"
     if isinstance(value, bool):
         return value
     if not _is_list(value):
-        raise _bad("probes", value, valid)
+        raise _bad(key, value, valid)
     for item in value:
         if not isinstance(item, str) or not item:
-            raise _bad("probes", value, f"{_show(item)} is not a probe name; {valid}")
+            raise _bad(key, value, f"{_show(item)} is not a {what} name; {valid}")
     return tuple(value)
 
 
@@ -273,6 +290,11 @@ class RequestWire:
     steer: tuple[tuple[str, float], ...] = ()
     """Steering vector names and scales applied from the start of the phase."""
     steer_phase: str = "both"
+    saes: tuple[str, ...] = ()
+    """The SAEs whose features the request gets."""
+    sae_top_k: int | None = None
+    """Features the request keeps per token (the worker computes the engine's k; the front
+    end cuts them to this)."""
 
     def to_wire(self) -> WireDict:
         wire = WireDict(
@@ -292,6 +314,9 @@ class RequestWire:
         if self.steer:
             wire["steer"] = dict(self.steer)
             wire["steer_phase"] = self.steer_phase
+        if self.saes:
+            wire["saes"] = list(self.saes)
+            wire["sae_top_k"] = self.sae_top_k
         return wire
 
     @classmethod
@@ -302,6 +327,7 @@ class RequestWire:
         if not isinstance(value, Mapping) or "tag" not in value:
             return None
         known = {"tag", "n", "stream", "probes", "monitors", "stop_token", "record", PLAN_KEY}
+        known.update(SAE_KEYS)
         known.update(STEER_KEYS)
         unknown = [k for k in value if k not in known and k not in CAPTURE_KEYS]
         if unknown:
@@ -329,6 +355,12 @@ class RequestWire:
         probes = value.get("probes", [])
         if not _is_list(probes) or not all(isinstance(p, str) for p in probes):
             raise CaptureConfigError(f"probes={_show(probes)} is not a list of names")
+        saes = value.get("saes", [])
+        if not _is_list(saes) or not all(isinstance(p, str) and p for p in saes):
+            raise CaptureConfigError(f"saes={_show(saes)} is not a list of names")
+        top_k = value.get("sae_top_k")
+        if top_k is not None and (isinstance(top_k, bool) or as_int(top_k) is None or top_k < 1):
+            raise CaptureConfigError(f"sae_top_k={_show(top_k)} is not a positive int")
         monitors = value.get("monitors", [])
         if not _is_list(monitors):
             raise CaptureConfigError(f"monitors={_show(monitors)} is not a list")
@@ -366,6 +398,8 @@ class RequestWire:
             record,
             steer,
             phase,
+            tuple(saes),
+            None if top_k is None else int(top_k),
         )
 
 

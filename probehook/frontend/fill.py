@@ -12,7 +12,8 @@ pooled and served ones are all filled in the same three steps:
    whole request, as offline);
 3. the caller fetches the needs (offline: one export RPC for every output of a step, pooled
    outputs batched; a stream: ``Receiver.take`` per need), turns rows into values with
-   :func:`value_of` (or :func:`batch_values`), and :func:`apply` sets them on the output, with
+   with its source's ``value`` (or ``batch_values``: :mod:`probehook.frontend.sources`), and
+   :func:`apply` sets them on the output, with
    what they imply: ``probe_flags``, a stop monitor's ``stop_reason``, where probe-gated
    steering started, and :class:`FailedCapture` for a stream that failed.
 
@@ -32,7 +33,8 @@ import torch
 
 from probehook.capture_config import CaptureConfig
 from probehook.core.export_wire import BatchAsk, BatchReport, SpanReport, stream_id
-from probehook.core.spans import completion_spans, score_config
+from probehook.core.spans import completion_spans
+from probehook.frontend.sources import Sources
 from probehook.outputs import OUTPUT_PROCESSORS
 from probehook.outputs.shapes import FailedCapture, completions, is_pooled
 
@@ -42,9 +44,6 @@ if TYPE_CHECKING:
     from probehook.frontend.tracked_request import TrackedRequest
 
 logger = logging.getLogger(__name__)
-
-RowFormat = tuple[int, torch.dtype]
-"""(hidden size, dtype) of captured rows, as the workers report them."""
 
 
 class Need(NamedTuple):
@@ -129,12 +128,14 @@ def reset(
 def plan(
     output: Any,
     request: TrackedRequest,
+    sources: Sources,
     progress: Progress | None = None,
     attributes: Mapping[str, tuple[str, str]] | None = None,
 ) -> OutputPlan:
-    """The rows ``output`` needs. ``progress``: what a stream already yielded (advanced here);
-    None: the output is the whole request (offline, or a stream's output for the store).
-    ``attributes``: :func:`source_attributes`, when the caller has them already."""
+    """The rows ``output`` needs of each of the engine's ``sources`` the request captures.
+    ``progress``: what a stream already yielded (advanced here); None: the output is the
+    whole request (offline, or a stream's output for the store). ``attributes``:
+    :func:`source_attributes`, when the caller has them already."""
     config = request.config
     assert config is not None
     prompt_len = len(output.prompt_token_ids or [])
@@ -142,15 +143,14 @@ def plan(
     planned = OutputPlan(output, request, prompt_len, [], [], started)
     if attributes is None:
         attributes = source_attributes()
+    captured = _sources(request, sources)
     if is_pooled(output):
         # One pass over the input: its rows and scores are prompt rows.
         key = f"{request.tag}/0"
-        scores = request.probes is not None and bool(request.probes.names)
-        for source, span in _pooled_spans(config, scores, prompt_len):
+        for source, span in _pooled_spans(captured, prompt_len):
             need = Need(source, key, *span) if span is not None else None
             planned.slots.append(Slot(output, attributes[source][0], source, key, need, None))
         return planned
-    sources = _sources(request)
     delta = progress is not None and progress.delta
     carries_prefill = not delta or not progress.prefill_sent  # type: ignore[union-attr]
     for completion in output.outputs:
@@ -163,7 +163,7 @@ def plan(
         # asked for, but it keeps its shape (every asked layer and probe, 0 rows).
         taken = total > 0
         key = f"{request.tag}/{index}"
-        for source, spans_config in sources:
+        for source, spans_config in captured:
             prefill, decode = completion_spans(spans_config, prompt_len, total, index)
             on_request, on_completion = attributes[source]
             if prefill is not None:
@@ -186,14 +186,9 @@ def plan(
     return planned
 
 
-def apply(
-    planned: OutputPlan,
-    got: Mapping[Need, Any],
-    probes: ProbeSet | None,
-    row_format: RowFormat,
-) -> None:
+def apply(planned: OutputPlan, got: Mapping[Need, Any], sources: Sources) -> None:
     """Set what ``planned`` asked for on its output. ``got``: each fetched need's value
-    (:func:`value_of`) or a :class:`FailedCapture`; a need not in it (an empty range) gets
+    (its source's ``value``) or a :class:`FailedCapture`; a need not in it (an empty range) gets
     0 rows. A failed stream fails every slot of it, and names the reason on
     ``capture_error``. Then flags, stop reason and steering start from the scores."""
     output, request = planned.output, planned.request
@@ -201,7 +196,7 @@ def apply(
     for slot in planned.slots:
         value = got.get(slot.need) if slot.need is not None else None
         if value is None:
-            value = no_rows(slot.source, request, probes, row_format)
+            value = sources[slot.source].empty(request)
         elif isinstance(value, FailedCapture) and (slot.source, slot.key) not in failures:
             failures[(slot.source, slot.key)] = value
             logger.error("probehook: %s", value.reason)
@@ -213,58 +208,16 @@ def apply(
             slot.target.capture_error = failure.reason
             if slot.completion is not None:
                 slot.completion.capture_error = failure.reason
+    probes = _probes(sources)
     for scored in planned.scored:
         _act_on_scores(planned, scored, got, probes)
         _gate_start(planned, scored, probes)
     mirror_first_completion(output)
 
 
-def value_of(
-    source: str, rows: torch.Tensor, request: TrackedRequest, probes: ProbeSet | None
-) -> dict[Any, torch.Tensor]:
-    """Rows of ``source`` (``[len(layers), n, width]``) as an output holds them: layer ->
-    rows, or probe name -> scores."""
-    if source == "hidden":
-        assert request.config is not None
-        return dict(zip(request.config.layers, rows, strict=True))
-    assert probes is not None and request.probes is not None
-    return probes.split(rows[0], request.probes.names)
-
-
-def batch_values(
-    source: str,
-    layers: Sequence[Any],
-    tensor: torch.Tensor,
-    sizes: Sequence[int],
-    requests: Sequence[TrackedRequest],
-    probes: ProbeSet | None,
-) -> list[dict[Any, torch.Tensor]]:
-    """:func:`value_of` of many spans (``sizes`` rows each, one per request) fetched back to
-    back in one tensor ``[len(layers), total, width]``: views of it, cut by one split per
-    layer (probe scores: per probe, once per set of probe names), which costs far less than
-    a slice per span."""
-    sizes = list(sizes)
-    rest = tensor.shape[1] - sum(sizes)
-    if rest > 0:  # rows past the needs (none in an export's reply): a last piece, unused
-        sizes.append(rest)
-    if source == "hidden":
-        per_layer = [(layer, rows.split(sizes)) for layer, rows in zip(layers, tensor, strict=True)]
-        return [{layer: parts[i] for layer, parts in per_layer} for i in range(len(requests))]
-    assert probes is not None
-    scores = tensor[0]
-    split: dict[tuple[str, ...], list[tuple[str, tuple[torch.Tensor, ...]]]] = {}
-    values = []
-    for i, request in enumerate(requests):
-        assert request.probes is not None
-        names = request.probes.names
-        columns = split.get(names)
-        if columns is None:
-            columns = split[names] = [
-                (name, column.split(sizes))
-                for name, column in probes.split(scores, names).items()  # type: ignore[union-attr]
-            ]
-        values.append({name: parts[i] for name, parts in columns})
-    return values
+def _probes(sources: Sources) -> ProbeSet | None:
+    source = sources.get("scores")
+    return source.probes if source is not None else None  # type: ignore[attr-defined]
 
 
 @dataclasses.dataclass
@@ -285,8 +238,9 @@ class PooledFill:
     set on the outputs. No :class:`OutputPlan`, :class:`Need` or :class:`Slot` per output:
     a pooled output has no completions, scores to act on or steering."""
 
-    def __init__(self, attributes: Mapping[str, tuple[str, str]]) -> None:
+    def __init__(self, attributes: Mapping[str, tuple[str, str]], sources: Sources) -> None:
         self.attributes = attributes
+        self.sources = sources
         self.batches: dict[tuple[str, tuple[Any, ...]], PooledBatch] = {}
         self.empty: list[tuple[Any, TrackedRequest, str, str]] = []
         """(output, request, attribute, source) of sources an output keeps no rows of."""
@@ -296,15 +250,14 @@ class PooledFill:
         """Plan ``output`` (pooled, reset, with a capturing ``request``)."""
         config = request.config
         assert config is not None
-        scores = request.probes is not None and bool(request.probes.names)
         key = f"{request.tag}/0"
         prompt_len = len(output.prompt_token_ids or [])
-        for source, span in _pooled_spans(config, scores, prompt_len):
+        for source, span in _pooled_spans(_sources(request, self.sources), prompt_len):
             attribute = self.attributes[source][0]
             if span is None:
                 self.empty.append((output, request, attribute, source))
                 continue
-            layers = config.layers if source == "hidden" else SCORES_LAYERS
+            layers = tuple(self.sources[source].slots(request))
             batch = self.batches.get((source, layers))
             if batch is None:
                 batch = self.batches[(source, layers)] = PooledBatch(source, list(layers))
@@ -318,8 +271,6 @@ class PooledFill:
         tensors: Sequence[torch.Tensor],
         reports: Sequence[BatchReport],
         failures: Mapping[str, str],
-        probes: ProbeSet | None,
-        row_format: RowFormat,
     ) -> None:
         """Set each output's values from its batch's tensor (``reports``: the export's batch
         reports, in :attr:`batches` order); a failed stream's output gets a
@@ -329,7 +280,11 @@ class PooledFill:
             sizes = [spans[i + 1] - spans[i] for i in range(0, len(spans), 2)]
             requests = [request for _, request, _ in batch.targets]
             tensor = tensors[report.tensor_index]
-            values = batch_values(batch.source, batch.layers, tensor, sizes, requests, probes)
+            rest = tensor.shape[1] - sum(sizes)
+            if rest > 0:  # rows past the needs (none in an export's reply): unused
+                sizes.append(rest)
+            source = self.sources[batch.source]
+            values = source.batch_values(batch.layers, tensor, sizes, requests)
             for (output, _, attribute), value in zip(batch.targets, values, strict=True):
                 setattr(output, attribute, value)
             for index, key in enumerate(batch.keys) if failures else ():
@@ -341,7 +296,7 @@ class PooledFill:
                     setattr(output, attribute, failure)
                     output.capture_error = failure.reason
         for output, request, attribute, source in self.empty:
-            setattr(output, attribute, no_rows(source, request, probes, row_format))
+            setattr(output, attribute, self.sources[source].empty(request))
         for output, _ in self.filled:
             mirror_first_completion(output)
 
@@ -356,48 +311,24 @@ class PooledFill:
         return broken
 
 
-SCORES_LAYERS = ("scores",)
-"""The slot that probe scores are exported under."""
-
-
-def no_rows(
-    source: str, request: TrackedRequest, probes: ProbeSet | None, row_format: RowFormat
-) -> dict[Any, torch.Tensor]:
-    """The value of ``source`` for positions an output does not hold: every layer (or
-    probe) the request asked for, with 0 rows, so outputs keep their shape."""
-    if source == "hidden":
-        assert request.config is not None
-        hidden, dtype = row_format
-        return {layer: torch.empty((0, hidden), dtype=dtype) for layer in request.config.layers}
-    assert probes is not None and request.probes is not None
-    width = max((c.hi for c in probes.columns.values()), default=0)
-    return probes.split(torch.empty((0, width)), request.probes.names)
-
-
-def _sources(request: TrackedRequest) -> tuple[tuple[str, CaptureConfig], ...]:
+def _sources(request: TrackedRequest, sources: Sources) -> tuple[tuple[str, CaptureConfig], ...]:
     """The sources a request captures, each with the config its spans follow."""
     assert request.config is not None
-    scores = request.probes is not None and bool(request.probes.names)
-    return _source_configs(request.config, scores)
-
-
-@functools.lru_cache(maxsize=256)
-def _source_configs(config: CaptureConfig, scores: bool) -> tuple[tuple[str, CaptureConfig], ...]:
-    """:func:`_sources` by capture config and whether probes score, once per distinct pair."""
-    sources = [("hidden", config)] if config.layers else []
-    if scores:
-        sources.append(("scores", score_config(config)))
-    return tuple(sources)
+    return tuple(
+        (name, source.spans_of(request.config))
+        for name, source in sources.items()
+        if source.active(request)
+    )
 
 
 @functools.lru_cache(maxsize=1024)
 def _pooled_spans(
-    config: CaptureConfig, scores: bool, prompt_len: int
+    captured: tuple[tuple[str, CaptureConfig], ...], prompt_len: int
 ) -> tuple[tuple[str, tuple[int, int] | None], ...]:
     """Each source of a pooled output with its prompt rows (None: it keeps none), once per
     distinct request shape: a pooling batch asks it for every output."""
     spans = []
-    for source, spans_config in _source_configs(config, scores):
+    for source, spans_config in captured:
         prefill, _ = completion_spans(spans_config, prompt_len, 0)
         spans.append((source, (prefill.lo, prefill.hi) if prefill is not None else None))
     return tuple(spans)
@@ -466,8 +397,9 @@ def attributes_of(source: str, processors: Sequence[Any] | None = None) -> tuple
 
 
 def source_attributes(processors: Sequence[Any] | None = None) -> dict[str, tuple[str, str]]:
-    """:func:`attributes_of` every capture source: ``"hidden"`` rows and probe ``"scores"``."""
-    return {source: attributes_of(source, processors) for source in ("hidden", "scores")}
+    """:func:`attributes_of` every capture source (the processors that name one)."""
+    listed = OUTPUT_PROCESSORS if processors is None else processors
+    return {p.source: attributes_of(p.source, processors) for p in listed if p.source}
 
 
 def ended_on_stop_token(request: TrackedRequest, completion: Any) -> bool:
@@ -511,10 +443,12 @@ def mirror_first_completion(output: Any) -> None:
     if is_pooled(output):
         output.hidden_states = output.prefill_hidden_states
         output.probe_scores = output.prefill_probe_scores
+        output.sae_features = output.prefill_sae_features
         return
     first = output.outputs[0] if output.outputs else None
     output.hidden_states = first.hidden_states if first is not None else {}
     output.probe_scores = first.probe_scores if first is not None else {}
+    output.sae_features = first.sae_features if first is not None else {}
 
 
 def derive(output: Any) -> None:

@@ -31,7 +31,6 @@ from probehook.frontend.fill import (
     apply,
     plan,
     reset,
-    value_of,
 )
 from probehook.frontend.session import CaptureSession
 from probehook.frontend.stream_receiver import Receiver
@@ -110,11 +109,11 @@ class RequestStream:
         while True:
             tokens = _token_counts(output)
             reset(output, self.request)
-            planned = plan(output, self.request, progress)
+            planned = plan(output, self.request, self.session.sources, progress)
             got = await self._take(planned)
             if self.kind == "delta" or _token_counts(output) == tokens:
                 break
-        apply(planned, got, self.session.probes, self.session.row_format)
+        apply(planned, got, self.session.sources)
 
     async def _take(self, planned: OutputPlan) -> dict[Need, Any]:
         """Each need's rows from the receiver, as values (a failed stream: FailedCapture)."""
@@ -127,7 +126,7 @@ class RequestStream:
             except StreamFailed as e:
                 got[need] = FailedCapture(str(e))
                 continue
-            got[need] = value_of(need.source, rows, self.request, self.session.probes)
+            got[need] = self.session.sources[need.source].value(rows, self.request)
         return got
 
 

@@ -53,7 +53,6 @@ from probehook.core.request_options import (
 )
 from probehook.errors import CaptureConfigError, CaptureError
 from probehook.frontend.fill import (
-    SCORES_LAYERS,
     FailedCapture,
     Need,
     OutputPlan,
@@ -63,9 +62,10 @@ from probehook.frontend.fill import (
     plan,
     reset,
     source_attributes,
-    value_of,
 )
 from probehook.frontend.probe_set import ProbeSet, RequestProbes
+from probehook.frontend.sae_set import RequestSAEs, SAESet
+from probehook.frontend.sources import engine_sources
 from probehook.frontend.steering_set import RequestSteer, SteeringSet
 from probehook.frontend.tracked_request import TrackedRequest
 from probehook.frontend.transport_reader import Spool, read_tensors
@@ -119,6 +119,7 @@ class CaptureSession:
         probes: ProbeSet | None = None,
         stop_token: int | None = None,
         steering: SteeringSet | None = None,
+        saes: SAESet | None = None,
     ) -> None:
         """
         Args:
@@ -129,9 +130,13 @@ class CaptureSession:
             probes: the engine's probes and monitors, if any.
             stop_token: the token a stop monitor forces (the model's EOS).
             steering: the engine's steering vectors, if it steers.
+            saes: the engine's SAEs, if any.
         """
         self.config = config
         self.probes = probes
+        self.saes = saes
+        self.sources = engine_sources(probes, saes)
+        """What the engine records, by source name (:mod:`probehook.frontend.sources`)."""
         self.steering = steering
         self.stop_token = stop_token
         self._rpc = rpc
@@ -147,8 +152,15 @@ class CaptureSession:
         self.spool = Spool()
         self.store: Any = None  # the ActivationStore being written, if any
         self.fill_ns = 0  # front-end time spent filling outputs with rows (for the benchmark)
-        self.row_format: tuple[int, torch.dtype] = (0, torch.float32)
+
+    @property
+    def row_format(self) -> tuple[int, torch.dtype]:
         """(hidden size, dtype) of captured rows, as the workers report them."""
+        return self.sources["hidden"].row_format  # type: ignore[attr-defined]
+
+    @row_format.setter
+    def row_format(self, value: tuple[int, torch.dtype]) -> None:
+        self.sources["hidden"].row_format = value  # type: ignore[attr-defined]
 
     # -- request path ---------------------------------------------------------------------
 
@@ -182,14 +194,25 @@ class CaptureSession:
             )
         config = self.config.narrow(options.capture())
         probes = self.probes.for_request(options) if self.probes is not None else None
+        saes = self.saes.for_request(options) if self.saes is not None else None
+        if saes is None and options.saes not in (None, False, ()):
+            raise CaptureConfigError(
+                "This request sets saes, but the engine has no SAEs; build the LLM with "
+                "saes={name: SAE or folder}."
+            )
         asks_for_probes = options.probes not in (None, False, ()) or options.monitors
         if probes is None and asks_for_probes:
             raise CaptureConfigError(
                 "This request sets probes/monitors, but the engine has no probes; build the LLM "
                 "with probes={...}."
             )
-        if config is not None and not config.layers and not (probes and probes.names):
-            config = None  # nothing to collect: neither rows nor scores
+        if (
+            config is not None
+            and not config.layers
+            and not (probes and probes.names)
+            and not (saes and saes.names)
+        ):
+            config = None  # nothing to collect: no rows, scores or features
         if config is not None and getattr(params, "prompt_logprob_token_ids", None) is not None:
             raise CaptureConfigError(
                 "prompt_logprob_token_ids needs vLLM's Model Runner V2, and capture runs the V1 "
@@ -215,6 +238,8 @@ class CaptureSession:
                 record=record,
                 steer=steer.terms if steer is not None else (),
                 steer_phase=steer.phase if steer is not None else "both",
+                saes=saes.names if saes is not None and config is not None else (),
+                sae_top_k=saes.k if saes is not None and config is not None else None,
             )
             extra = with_wire(extra, wire.to_wire())
             setattr(tagged, field, extra)
@@ -315,6 +340,7 @@ class CaptureSession:
                 known.stop_token,
                 None,
                 known.steering,
+                known.saes,
             )
         wire = RequestWire.from_wire(raw)
         if wire is None:
@@ -324,7 +350,10 @@ class CaptureSession:
         if self.probes is not None:
             monitors = tuple(self.probes.check_monitor(m.monitor) for m in wire.monitors)
             probes = RequestProbes(wire.probes, monitors)
-        captures = bool(wire.config.layers) or bool(wire.probes)
+        saes = None
+        if self.saes is not None and wire.saes:
+            saes = RequestSAEs(wire.saes, wire.sae_top_k or self.saes.k)
+        captures = bool(wire.config.layers) or bool(wire.probes) or saes is not None
         return TrackedRequest(
             wire.tag,
             engine_id,
@@ -334,6 +363,7 @@ class CaptureSession:
             self.stop_token if probes is not None and probes.stops else None,
             dict(wire.record) if wire.record is not None else None,
             self._steering_of(wire),
+            saes,
         )
 
     def _sampling(self, params: Any, names: Sequence[str]) -> dict[str, Any]:
@@ -350,7 +380,7 @@ class CaptureSession:
         processors = list(OUTPUT_PROCESSORS)  # once per call, not per output
         attributes = source_attributes(processors)
         plans: list[OutputPlan] = []
-        pooled = PooledFill(attributes)
+        pooled = PooledFill(attributes, self.sources)
         for output in outputs:
             if not hasattr(output, "outputs") or not getattr(output, "finished", True):
                 continue
@@ -361,12 +391,12 @@ class CaptureSession:
             if is_pooled(output):
                 pooled.add(output, request)
             else:
-                plans.append(plan(output, request, None, attributes))
+                plans.append(plan(output, request, self.sources, None, attributes))
         if plans or pooled.filled:
             started = time.perf_counter_ns()
             got = self._export(plans, pooled)
             for planned in plans:
-                apply(planned, got, self.probes, self.row_format)
+                apply(planned, got, self.sources)
             self.fill_ns += time.perf_counter_ns() - started
         for output in outputs:
             if hasattr(output, "outputs"):
@@ -400,7 +430,7 @@ class CaptureSession:
                 index = by_stream.get((need.source, need.key))
                 if index is None:
                     index = by_stream[(need.source, need.key)] = len(asks)
-                    layers = request.config.layers if need.source == "hidden" else SCORES_LAYERS
+                    layers = self.sources[need.source].slots(request)
                     asks.append(StreamAsk(need.key, need.source, list(layers)))
                     asked.append(([], request))
                 asks[index].spans.append([need.lo, need.hi])
@@ -429,8 +459,8 @@ class CaptureSession:
                 continue
             for need, span in zip(needs, by_stream_id.get(name, []), strict=True):
                 tensor = tensors[span.tensor_index]
-                got[need] = value_of(need.source, tensor, request, self.probes)
-        pooled.apply(tensors, reply.batches, failures, self.probes, self.row_format)
+                got[need] = self.sources[need.source].value(tensor, request)
+        pooled.apply(tensors, reply.batches, failures)
         return got
 
     # -- requests that will never be collected --------------------------------------------

@@ -8,6 +8,7 @@ from typing import Any
 
 from probehook.capture_config import CaptureConfig
 from probehook.frontend.probe_set import RequestProbes
+from probehook.frontend.sae_set import RequestSAEs
 from probehook.frontend.steering_set import RequestSteer
 
 
@@ -25,3 +26,5 @@ class TrackedRequest:
     """Extra fields of the request's store record (a one-pass input's request and patch)."""
     steering: RequestSteer | None = None
     """The request's steering (None: not steered)."""
+    saes: RequestSAEs | None = None
+    """The SAEs whose features it gets, and how many per token (None: none)."""

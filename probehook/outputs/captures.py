@@ -54,6 +54,28 @@ class ProbeScores(OutputProcessor):
         return {name: scores.float().tolist() for name, scores in value.items()}
 
 
+class SAEFeatureSets(OutputProcessor):
+    """SAE features by SAE name: :class:`~probehook.saes.SAEFeatures` (the top-k features of
+    each token); online ``{"indices", "values", "l0"}`` lists."""
+
+    name: ClassVar[str] = "sae_features"
+    request_attributes = ("prefill_sae_features",)
+    completion_attributes = ("sae_features",)
+    source = "sae"
+
+    def merge(self, pieces: list[dict[str, Any]]) -> dict[str, Any]:
+        from probehook.saes import SAEFeatures
+
+        names = list(dict.fromkeys(name for piece in pieces for name in piece))
+        return {
+            name: SAEFeatures.cat([piece[name] for piece in pieces if name in piece])
+            for name in names
+        }
+
+    def to_response(self, value: dict[str, Any]) -> dict[str, Any]:
+        return {name: features.to_dict() for name, features in value.items()}
+
+
 class ProbeFlags(OutputProcessor):
     """The rows where a flag monitor's threshold was crossed, by probe name."""
 
@@ -83,4 +105,4 @@ class Steering(OutputProcessor):
         return pieces[-1]  # every piece describes the whole completion; the last is newest
 
 
-BUILTIN = (HiddenStates, ProbeScores, ProbeFlags, Steering)
+BUILTIN = (HiddenStates, ProbeScores, SAEFeatureSets, ProbeFlags, Steering)

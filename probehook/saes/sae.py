@@ -107,6 +107,8 @@ class SAE:
         """``[d_sae, d_in]`` decoder rows (steering and clamping use them)."""
         self.settings = dict(settings or {})
         """What changes the numbers besides the weights (stored with features)."""
+        self.name: str | None = None
+        """The SAE's name in a list given to an engine (``saes=[sae]``); a dict names it."""
 
     @property
     def architecture(self) -> str:

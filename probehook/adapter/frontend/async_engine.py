@@ -82,6 +82,8 @@ class AsyncLLM(VllmAsyncLLM):
         steering: Any = None,
         steering_layers: LayerSpec | None = None,
         steering_capacity: int = 64,
+        saes: Any = None,
+        sae_top_k: int = 32,
         vllm_config: Any = None,
         **kwargs: Any,
     ) -> None:
@@ -132,6 +134,8 @@ class AsyncLLM(VllmAsyncLLM):
             steering=steering,
             steering_layers=steering_layers,
             steering_capacity=steering_capacity,
+            saes=saes,
+            sae_top_k=sae_top_k,
         )
         engine_kwargs, start = _split_start_kwargs(kwargs)
         engine_kwargs = cpu_memory.size_for_cpu(model, engine_kwargs, _resolve)

@@ -290,11 +290,15 @@ def capture_engine_kwargs(
     pooling: bool = False,
     steer_layers: tuple[int, ...] = (),
     exit_after: int | None = None,
+    saes: dict[str, Any] | None = None,
+    monitored: bool | None = None,
 ) -> dict[str, Any]:
-    """Return ``kwargs`` for ``vllm.LLM`` with probehook's loader, extension and config; with
-    probes, their layers are tapped too and the monitor logits processor is added; with
-    ``steer_layers``, those layers get the steering op; with ``exit_after`` (a capture-only
-    engine), the model stops after that layer."""
+    """Return ``kwargs`` for ``vllm.LLM`` with probehook's loader, extension and config;
+    ``probe_layers`` (the layers probes and SAEs read) are tapped too; with probes
+    (``monitored``; None: whenever ``probe_layers`` are given) the monitor logits processor is
+    added; with ``steer_layers``, those layers get the steering op; with ``exit_after`` (a
+    capture-only engine), the model stops after that layer; ``saes``: the SAE bank's loader
+    settings."""
     kwargs = dict(kwargs)
     if kwargs.get("worker_extension_cls") not in (None, "", WORKER_EXTENSION):
         raise CaptureConfigError(
@@ -322,6 +326,8 @@ def capture_engine_kwargs(
         )
     kwargs["load_format"] = loader_keys.LOAD_FORMAT
     kwargs["model_loader_extra_config"] = {**extra, loader_keys.LOADER_EXTRA_KEY: inner_format}
+    if saes:
+        kwargs["model_loader_extra_config"][loader_keys.SAE_BANK_KEY] = saes
     additional = dict(kwargs.get("additional_config") or {})
     # additional_config is part of vLLM's compile-cache hash: taps never share a cache entry
     # with a different tap set or with an untapped engine.
@@ -334,7 +340,9 @@ def capture_engine_kwargs(
     }
     kwargs["additional_config"] = additional
     kwargs["worker_extension_cls"] = WORKER_EXTENSION
-    if probe_layers and not pooling:  # pooling models sample nothing, so nothing to stop
+    if monitored is None:
+        monitored = bool(probe_layers)
+    if monitored and not pooling:  # pooling models sample nothing, so nothing to stop
         # Per engine, never the global entry-point group (it would touch every engine).
         processors = list(kwargs.get("logits_processors") or [])
         if MONITOR_PROCESSOR not in processors:

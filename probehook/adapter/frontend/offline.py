@@ -71,6 +71,14 @@ class LLM(vllm.LLM):
             always get one), for vectors added later with :meth:`add_steering`. Which layers
             steer is fixed when the model is compiled; the vectors are not.
         steering_capacity: the most vectors the bank holds at once (default 64).
+        saes: :class:`~probehook.SAE` objects read inside the engine on every token: a dict
+            name -> SAE (or its folder). Their layers are tapped whether or not ``layers``
+            names them; only each token's top features leave the worker:
+            ``CompletionOutput.sae_features[name]`` (a :class:`~probehook.SAEFeatures`) and,
+            with ``include_prefill``, ``RequestOutput.prefill_sae_features``. See
+            docs/saes.md.
+        sae_top_k: features kept per token and SAE (default 32); a request may ask fewer
+            with ``extra_args={"probehook": {"sae_top_k": k}}``.
         capture_only: build a collection engine: :meth:`capture` reads each prompt in one
             forward pass (vLLM's pooling runner; nothing is sampled) and the model stops after
             the deepest layer captured or probed (no later layers, final norm or LM head).
@@ -100,6 +108,8 @@ class LLM(vllm.LLM):
         steering: Any = None,
         steering_layers: LayerSpec | None = None,
         steering_capacity: int = 64,
+        saes: Any = None,
+        sae_top_k: int = 32,
         capture_only: bool = False,
         **kwargs: Any,
     ) -> None:
@@ -127,6 +137,8 @@ class LLM(vllm.LLM):
             steering=steering,
             steering_layers=steering_layers,
             steering_capacity=steering_capacity,
+            saes=saes,
+            sae_top_k=sae_top_k,
             capture_only=capture_only,
         )
         kwargs = cpu_memory.size_for_cpu(model, kwargs, engine_config.resolve_vllm_config)

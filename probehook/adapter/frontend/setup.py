@@ -22,6 +22,7 @@ from probehook.core.steering_wire import DEFAULT_CAPACITY, vector_wire
 from probehook.errors import CaptureConfigError, CaptureError
 from probehook.frontend.named import load_named
 from probehook.frontend.probe_set import ProbeSet, load_probes
+from probehook.frontend.sae_set import DEFAULT_TOP_K, SAESet, load_saes
 from probehook.frontend.session import CaptureSession, Rpc
 from probehook.frontend.steering_set import SteeringSet, check_capacity
 from probehook.store import ActivationStore
@@ -51,6 +52,8 @@ class CaptureRequest:
     steering_capacity: int = DEFAULT_CAPACITY
     capture_only: bool = False
     """One forward pass per prompt, prompt rows only, stopping after the deepest tapped layer."""
+    saes: Any = None
+    sae_top_k: int = DEFAULT_TOP_K
 
     def __post_init__(self) -> None:
         # Checked at once, so that a plain engine is built without probehook's runner choice.
@@ -62,6 +65,8 @@ class CaptureRequest:
             self.include_decode = not self.capture_only
         if self.probes is not None:
             self.probes = load_probes(self.probes) or None  # bad paths fail before start-up
+        if self.saes is not None:
+            self.saes = load_saes(self.saes) or None
         self.steering = load_steering(self.steering)
         self.steering_capacity = check_capacity(self.steering_capacity)
         if len(self.steering) > self.steering_capacity:
@@ -73,11 +78,11 @@ class CaptureRequest:
             raise CaptureConfigError(
                 "monitors= watch probes, but no probes were given; pass probes={...}."
             )
-        if self.layers is None and self.probes is None:
+        if self.layers is None and self.probes is None and self.saes is None:
             if self.store is not None:
                 raise CaptureConfigError(
                     f"store={os.fspath(self.store)!r} needs something to store: pass "
-                    "layers=[...] or probes={...}."
+                    "layers=[...], probes={...} or saes={...}."
                 )
             if self.include_prefill or self.last_prefill_token or self.last_decode_token:
                 raise CaptureConfigError(
@@ -92,7 +97,12 @@ class CaptureRequest:
     @property
     def captures(self) -> bool:
         """False: the front end is plain vLLM."""
-        return self.layers is not None or self.probes is not None or self.steers
+        return (
+            self.layers is not None
+            or self.probes is not None
+            or self.saes is not None
+            or self.steers
+        )
 
 
 @dataclass
@@ -108,6 +118,7 @@ class CaptureSetup:
     store: str | None
     store_options: dict[str, Any]
     steering: SteeringSet | None = None
+    saes: SAESet | None = None
 
     def recording_args(self) -> tuple[int, list[dict[str, Any]] | None, dict[str, Any] | None]:
         """Arguments of the workers' ``probehook_start_recording``."""
@@ -156,6 +167,14 @@ def prepare(
             hidden_size=resolved.model_config.get_hidden_size(),
             model_fingerprint=fingerprint["fingerprint"],
         )
+    sae_set = None
+    if request.saes is not None:
+        sae_set = SAESet(
+            request.saes,
+            request.sae_top_k,
+            num_layers=num_layers,
+            hidden_size=resolved.model_config.get_hidden_size(),
+        )
     pooling = engine_config.is_pooling(resolved)
     if pooling:
         _check_pooling(request, resolved.model_config.architectures)
@@ -191,15 +210,19 @@ def prepare(
         last_prefill_token=request.last_prefill_token,
         last_decode_token=request.last_decode_token,
     )
-    probe_layers = probe_set.layers if probe_set else ()
+    # Probes and SAEs read their layers' taps, whether or not rows are captured there.
+    read_layers = tuple(sorted({*(probe_set.layers if probe_set else ()),
+                                *(sae_set.layers if sae_set else ())}))  # fmt: skip
     engine_kwargs = engine_config.capture_engine_kwargs(
         kwargs,
         config,
-        probe_layers,
+        read_layers,
         pooling,
         steering.layers if steering is not None else (),
         # Capture-only: nothing after the deepest tapped layer is computed.
-        exit_after=max((*config.layers, *probe_layers)) if request.capture_only else None,
+        exit_after=max((*config.layers, *read_layers)) if request.capture_only else None,
+        saes=sae_set.loader_settings() if sae_set is not None else None,
+        monitored=probe_set is not None,
     )
     legacy = legacy_fingerprint(hf_config)  # only compared with pre-v2 stores
     store = os.fspath(request.store) if request.store is not None else None
@@ -219,14 +242,16 @@ def prepare(
         store,
         dict(request.store_options or {}),
         steering,
+        sae_set,
     )
 
 
 def _check_capture_only(request: CaptureRequest) -> None:
     """``capture_only=True`` reads prompts in one pass: refuse what needs generated tokens."""
-    if request.layers is None and request.probes is None:
+    if request.layers is None and request.probes is None and request.saes is None:
         raise CaptureConfigError(
-            "capture_only=True needs something to capture: pass layers=[...] or probes={...}."
+            "capture_only=True needs something to capture: pass layers=[...], probes={...} "
+            "or saes={...}."
         )
     refused = [
         (request.include_decode is True, "include_decode=True"),
@@ -288,6 +313,7 @@ def start(
         probes=setup.probes,
         stop_token=stop_token if setup.probes is not None else None,
         steering=setup.steering,
+        saes=setup.saes,
     )
     session.row_format = (int(infos[0]["hidden_size"]), _torch_dtype(infos[0]["dtype"]))
     store = None

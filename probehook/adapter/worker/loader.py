@@ -33,6 +33,7 @@ from probehook.core.loader_keys import (
     EXIT_AFTER_KEY,
     LOAD_FORMAT,
     LOADER_EXTRA_KEY,
+    SAE_BANK_KEY,
     STEER_LAYERS_KEY,
     TAP_LAYERS_KEY,
 )
@@ -74,6 +75,7 @@ def _make_loader_class() -> type:
             super().__init__(load_config)
             extra = dict(load_config.model_loader_extra_config or {})
             inner_format = extra.pop(LOADER_EXTRA_KEY, None)
+            self.sae_settings = extra.pop(SAE_BANK_KEY, None)
             if inner_format is None:
                 raise UnsupportedModelError(
                     f"load_format={LOAD_FORMAT!r} is reserved for probehook.LLM; pass your "
@@ -114,6 +116,11 @@ def _make_loader_class() -> type:
                 # One table row per request the batch can hold, plus row 0 (no steering).
                 steer_slots=scheduler.max_num_seqs + 1,
             )
+            if self.sae_settings:
+                # Here, inside vLLM's memory profiling: the KV cache is sized around them.
+                from probehook.worker.sae_bank import load_bank
+
+                hook.saes = load_bank(self.sae_settings, next(model.parameters()).device)
             exit_after = settings.get(EXIT_AFTER_KEY)
             if exit_after is not None:
                 hook.cut = exit_early(model, int(exit_after))
@@ -385,6 +392,11 @@ class StepHook:
         """Hidden-state rows of the captured layers (None when only probes are tapped)."""
         self.scorer: StepRecorder | None = None
         """Probe scores, once the front end sent its probes (``probehook_start_recording``)."""
+        self.saes: Any = None
+        """The engine's :class:`~probehook.worker.sae_bank.SAEBank`, read at load (None: no
+        SAEs)."""
+        self.sae_recorder: StepRecorder | None = None
+        """SAE features (``"sae"``), from ``probehook_start_recording`` on."""
         self.on_step: Callable[[], None] | None = None
         self.before_forward: Callable[[Any], None] | None = None
         self.on_schedule: Callable[[Any], None] | None = None
@@ -395,6 +407,10 @@ class StepHook:
         self.layers_run = 0  # decoder layers the model runs (set at load)
         self.cut: list[str] = []
         """What a capture-only engine does not compute (modules dropped at load)."""
+
+    def recorders(self) -> list[StepRecorder]:
+        """Every recorder this worker has: rows, probe scores, SAE features."""
+        return [r for r in (self.recorder, self.scorer, self.sae_recorder) if r is not None]
 
     def install_on(
         self,

@@ -59,7 +59,17 @@ def _reports(worker: Any) -> bool:
 
 def _recorder(hook: StepHook, source: str) -> StepRecorder | None:
     """The recorder of ``source`` (None: this engine records no such source)."""
-    return next((r for r in (hook.recorder, hook.scorer) if r and r.source == source), None)
+    return next((r for r in hook.recorders() if r.source == source), None)
+
+
+EVERY_RANK = ("scores",)
+"""Sources every rank records (each rank samples, so a monitor's stop must be forced on all
+alike); the others are recorded by rank 0 alone."""
+
+
+def _answers(worker: Any, source: str) -> bool:
+    """Whether this worker records (and so exports) ``source``."""
+    return source in EVERY_RANK or _reports(worker)
 
 
 class ProbehookWorkerExtension:
@@ -79,13 +89,6 @@ class ProbehookWorkerExtension:
         runner_v1.check_runner(runner)
         steer = _steering(hook, steering) if hook.steering is not None else None
         steerable = steer.bank.rows.__contains__ if steer is not None else None
-        recorders = []
-        two = hook.recorder is not None and _reports(self) and bool(probes)
-        signatures: dict[str, Any] | None = {} if two else None
-        if hook.recorder is not None and _reports(self):
-            hook.recorder.limit_bytes = int(limit_bytes)
-            plans = runner_v1.plan_factory(runner, hook.config, steerable=steerable)
-            recorders.append((hook.recorder, _reuse_plans(runner, plans, signatures)))
         if probes:
             bank = ProbeBank([ProbeSpec.from_wire(p) for p in probes], _device(hook))
             hook.scorer = StepRecorder(
@@ -95,9 +98,33 @@ class ProbehookWorkerExtension:
                 source="scores",
             )
             hook.scorer.keep_step_rows = True  # monitors read this step's scores
-            plans = runner_v1.plan_factory(runner, hook.config, True, steerable)
-            recorders.append((hook.scorer, _reuse_plans(runner, plans, signatures)))
             probe_registry.register(self.vllm_config, hook, bank)  # type: ignore[attr-defined]
+        if hook.saes is not None and hook.sae_recorder is None:
+            hook.sae_recorder = StepRecorder(
+                [hook.buffers[layer] for layer in hook.saes.layers],
+                hook.saes.layers,
+                transform=hook.saes,
+                source="sae",
+            )
+        if hook.recorder is not None:
+            hook.recorder.limit_bytes = int(limit_bytes)
+        active = [r for r in hook.recorders() if _answers(self, r.source)]
+        # The recorders meet each new request in the same step: the first to read its wire
+        # leaves what it read to the others.
+        signatures = SharedReads(len(active) - 1) if len(active) > 1 else None
+        recorders = [
+            (
+                recorder,
+                _reuse_plans(
+                    runner,
+                    runner_v1.plan_factory(
+                        runner, hook.config, recorder.source, steerable, recorder.slots
+                    ),
+                    signatures,
+                ),
+            )
+            for recorder in active
+        ]
         if getattr(self, "_probehook_publisher", None) is None:
             self._probehook_publisher = Publisher(None)  # until a stream connects
 
@@ -160,7 +187,7 @@ class ProbehookWorkerExtension:
         tensors: list[Any] = []
         reply = ExportReply()
         for ask in map(StreamAsk.from_wire, requests):
-            if ask.source == "hidden" and not _reports(self):
+            if not _answers(self, ask.source):
                 continue  # only rank 0 records rows; the other ranks free their scores
             recorder = _recorder(hook, ask.source)
             if recorder is None:
@@ -183,7 +210,7 @@ class ProbehookWorkerExtension:
             ]
             tensors.extend(got)
         for batch in map(BatchAsk.from_wire, batches or ()):
-            if batch.source == "hidden" and not _reports(self):
+            if not _answers(self, batch.source):
                 continue
             recorder = _recorder(hook, batch.source)
             if recorder is None:
@@ -203,9 +230,8 @@ class ProbehookWorkerExtension:
             )
             tensors.append(tensor)
         live = runner_v1.live_request_ids(self.model_runner)  # type: ignore[attr-defined]
-        for recorder in (hook.recorder, hook.scorer):
-            if recorder is not None:
-                recorder.forget_departed(live)
+        for recorder in hook.recorders():
+            recorder.forget_departed(live)
         if not _reports(self):
             return None
         written = time.perf_counter_ns()
@@ -243,14 +269,14 @@ class ProbehookWorkerExtension:
     def probehook_forget(self, key_prefixes: list[str]) -> int | None:
         """Drop rows nobody will collect (aborted, failed or interrupted requests)."""
         hook = _hook(self)
-        dropped = sum(r.forget(key_prefixes) for r in (hook.recorder, hook.scorer) if r is not None)
+        dropped = sum(r.forget(key_prefixes) for r in hook.recorders())
         return dropped if _reports(self) else None
 
     def probehook_stats(self) -> dict[str, int] | None:
         """Counters for tests, debugging and the benchmark."""
         hook = _hook(self)
         steer = getattr(self, "_probehook_steering", None)
-        recorders = [r for r in (hook.recorder, hook.scorer) if r is not None]
+        recorders = hook.recorders()
         publisher = getattr(self, "_probehook_publisher", None)
         if publisher is not None:  # streams whose requests left since the last step
             for recorder in recorders:
@@ -287,22 +313,20 @@ class ProbehookWorkerExtension:
         }
 
 
-def _reuse_plans(
-    runner: Any, plan_for: PlanFor, signatures: dict[str, Any] | None = None
-) -> PlanFor:
+def _reuse_plans(runner: Any, plan_for: PlanFor, signatures: SharedReads | None = None) -> PlanFor:
     """``plan_for`` that reads each distinct request plan once: requests whose wires differ
     only in their tag (a batch of requests with the same options and prompt length, such as
     the patches of an image) get the plan of the first, under their own stream key. Reading
     a wire and building its keep plan costs tens of microseconds per request and recorder,
     which a one-pass request has no decode steps to spread over. ``signatures``: shared by
-    the two recorders of a worker, which meet each new request in the same step; the second
-    takes the wire, the signature and the template check the first worked out."""
+    the recorders of a worker, which meet each new request in the same step; the later ones
+    take the wire, the signature and the template check the first worked out."""
     cache: dict[tuple, tuple[RequestPlan | None, _Template | None, str]] = {}
 
     def cached(req_id: str) -> RequestPlan | None:
         try:
-            shared = signatures.pop(req_id, None) if signatures is not None else None
-            if shared is not None:  # the other recorder read this wire in this step
+            shared = signatures.take(req_id) if signatures is not None else None
+            if shared is not None:  # another recorder read this wire in this step
                 raw, known, verified = shared
             else:
                 state = runner.requests.get(req_id)
@@ -322,14 +346,14 @@ def _reuse_plans(
                 # front end as written): read it afresh, and do not cache what it gets.
                 return plan_for(req_id)
             if signatures is not None and shared is None:
-                _share(signatures, req_id, (raw, known, template))
+                signatures.share(req_id, (raw, known, template))
             if plan is None:
                 return None
             return RequestPlan(
                 raw["tag"] + suffix, plan.keep, plan.stream, plan.layers, None, plan.one_pass
             )
         if signatures is not None and shared is None:
-            _share(signatures, req_id, (raw, known, None))
+            signatures.share(req_id, (raw, known, None))
         plan = plan_for(req_id)
         if plan is None or plan.error is None:
             if len(cache) >= MAX_CACHED_PLANS:
@@ -360,13 +384,28 @@ class _Template:
         return raw == wire and tuple(map(type, raw.values())) == self.types
 
 
-def _share(signatures: dict[str, Any], req_id: str, entry: tuple) -> None:
-    """Leave what this recorder read of a request's wire to the worker's other recorder,
-    which meets the request in the same step: the wire, its signature, and the template
-    shape it was checked against (None: not checked)."""
-    if len(signatures) >= MAX_CACHED_PLANS:
-        signatures.clear()  # requests the other recorder never met
-    signatures[req_id] = entry
+class SharedReads(dict):
+    """What one recorder read of a new request's wire (the wire, its signature, the template
+    shape it was checked against), left for the worker's other recorders, which meet the
+    request in the same step: each entry is taken by ``readers`` of them, then dropped."""
+
+    def __init__(self, readers: int) -> None:
+        super().__init__()
+        self.readers = readers
+
+    def take(self, req_id: str) -> tuple | None:
+        entry = self.get(req_id)
+        if entry is None:
+            return None
+        entry[1] -= 1
+        if entry[1] <= 0:
+            del self[req_id]
+        return entry[0]
+
+    def share(self, req_id: str, read: tuple) -> None:
+        if len(self) >= MAX_CACHED_PLANS:
+            self.clear()  # requests the other recorders never met
+        self[req_id] = [read, self.readers]
 
 
 def _plan_signature(raw: Any, req_id: str, state: Any, params: Any) -> tuple | None:

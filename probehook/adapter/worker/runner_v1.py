@@ -118,11 +118,13 @@ def unsteerable(wire: RequestWire, known: Callable[[str], bool]) -> list[str]:
 def plan_factory(
     runner: Any,
     engine_config: CaptureConfig,
-    scores: bool = False,
+    source: str = "hidden",
     steerable: Callable[[str], bool] | None = None,
+    slots: Sequence[Any] = (),
 ) -> PlanFor:
-    """Builds the keep plan of a request the first time a recorder sees it: its hidden rows,
-    or with ``scores`` its probe scores. Never raises: it runs inside the step hook, where an
+    """Builds the keep plan of a request the first time a recorder of ``source`` sees it:
+    its hidden rows, its probe ``"scores"`` or its ``"sae"`` features (``slots``: the SAE
+    names the recorder computes). Never raises: it runs inside the step hook, where an
     exception ends the engine for every request, so a request whose options cannot be read
     gets a failed capture (its outputs carry the reason) and the others go on. ``steerable``
     (a steering engine's bank): a request that names a vector the bank lacks runs unsteered,
@@ -134,11 +136,15 @@ def plan_factory(
             state = runner.requests.get(req_id)
             params = request_params(state)
             raw = extra_options(params).get(EXTRA_ARGS_KEY)
-            return _plan(req_id, state, params, raw, engine_config, scores, steerable)
+            return _plan(req_id, state, params, raw, engine_config, source, steerable, slots)
         except Exception as e:  # noqa: BLE001 - one bad request must not end the engine
-            return _failed_plan(req_id, raw, scores, f"{type(e).__name__}: {e}")
+            return _failed_plan(req_id, raw, source, f"{type(e).__name__}: {e}")
 
     return plan_for
+
+
+SOURCE_KEYS = {"scores": "probes", "sae": "saes"}
+"""The wire key that lists what a request gets of a transform source; none: it gets nothing."""
 
 
 def _plan(
@@ -147,8 +153,9 @@ def _plan(
     params: Any,
     raw: Any,
     engine_config: CaptureConfig,
-    scores: bool,
+    source: str,
     steerable: Callable[[str], bool] | None = None,
+    slots: Sequence[Any] = (),
 ) -> RequestPlan | None:
     wire = RequestWire.from_wire(raw)
     if wire is None:
@@ -159,16 +166,23 @@ def _plan(
             f"it names steering vector(s) {unknown}, which the engine's bank does not hold, "
             "so it ran unsteered"
         )
-    if scores and not wire.probes:
-        return None  # the front end lists the probes a request gets; none here
+    transformed = source != "hidden"
+    if source == "scores" and not wire.probes or source == "sae" and not wire.saes:
+        return None  # the front end lists the probes and SAEs a request gets; none here
+    if source == "sae" and not set(wire.saes) <= set(slots):
+        raise CaptureConfigError(
+            f"it asks for SAE(s) {sorted(set(wire.saes) - set(slots))}, which the engine does "
+            f"not have (its SAEs: {list(slots)})"
+        )
     # The front end narrowed the config; narrowing it again checks that it names only layers
     # this engine taps (a wire that skipped the front end may not).
     config = engine_config.narrow(wire.config.to_dict())
-    if config is None or (not scores and not config.layers):
+    if config is None or (not transformed and not config.layers):
         return None
     prompt_len = state.num_prompt_tokens  # also counts prompts given as embeddings
     index = completion_index(req_id, wire.n)
-    if scores:
+    if transformed:
+        # A score or a feature list is a few bytes: every token of the request's phases.
         keep = keep_plan(score_config(config), prompt_len, index, end_known_in_worker=True)
     else:
         # Stop strings are matched in the front end, possibly steps after the worker
@@ -176,16 +190,18 @@ def _plan(
         # the engine. A stream sends each row as it is computed, before the end is known.
         end_known = not getattr(params, "stop", None) and not wire.stream
         keep = keep_plan(config, prompt_len, index, end_known)
-    layers = None if scores else config.layers
+    layers = config.layers if source == "hidden" else wire.saes if source == "sae" else None
     one_pass = getattr(state, "sampling_params", None) is None  # a pooling request
     return RequestPlan(f"{wire.tag}/{index}", keep, wire.stream, layers, one_pass=one_pass)
 
 
-def _failed_plan(req_id: str, raw: Any, scores: bool, error: str) -> RequestPlan | None:
+def _failed_plan(req_id: str, raw: Any, source: str, error: str) -> RequestPlan | None:
     """A plan that keeps nothing and fails the request's capture under its stream key (None
-    when the options carry no usable tag: then no front end can collect it anyway)."""
+    when the options carry no usable tag, or ask nothing of ``source``: then no front end
+    collects it)."""
     tag = raw_tag(raw)
-    if tag is None or (scores and not (isinstance(raw, Mapping) and raw.get("probes"))):
+    key = SOURCE_KEYS.get(source)
+    if tag is None or (key is not None and not (isinstance(raw, Mapping) and raw.get(key))):
         logger.warning("probehook: ignoring request %s with unreadable options: %s", req_id, error)
         return None
     reason = f"the worker could not read this request's probehook options ({error})"

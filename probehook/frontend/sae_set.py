@@ -1,0 +1,94 @@
+"""The front end's view of an engine's SAEs: checked at construction (hidden size, layer,
+k), the settings the loader reads them from, each request's ``saes`` / ``sae_top_k`` checked
+before it reaches the engine, and the worker's packed rows turned into
+:class:`~probehook.saes.SAEFeatures`. No vLLM imports.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from probehook.core.request_options import RequestOptions
+from probehook.frontend.named import load_named
+from probehook.saes import SAE, SAEError, SAEFeatures
+from probehook.saes.sae import check_top_k
+
+DEFAULT_TOP_K = 32
+
+
+@dataclass(frozen=True)
+class RequestSAEs:
+    """The SAEs one request reads, and the features it keeps per token."""
+
+    names: tuple[str, ...]
+    k: int
+
+
+class SAESet:
+    """An engine's SAEs by name and its top-k (the most features a request may keep)."""
+
+    def __init__(
+        self, saes: Mapping[str, SAE], top_k: int, *, num_layers: int, hidden_size: int
+    ) -> None:
+        self.saes = dict(saes)
+        self.k = check_top_k(top_k, "sae_top_k")
+        for name, sae in self.saes.items():
+            sae.check_model(hidden_size, num_layers, name)
+            if sae.path is None:
+                raise SAEError(
+                    f"SAE {name!r} has no folder: the engine's workers read SAEs from disk. "
+                    "Load it with SAE.load(folder)."
+                )
+        self.layers = tuple(sorted({sae.layer for sae in self.saes.values()}))
+
+    def loader_settings(self) -> dict[str, Any]:
+        """What the workers' model loader reads the SAEs from (folders, not weights)."""
+        return {
+            "saes": {n: {"path": s.path, "layer": s.layer} for n, s in self.saes.items()},
+            "k": self.k,
+        }
+
+    def for_request(self, options: RequestOptions) -> RequestSAEs:
+        """A request's ``saes`` (None or True: all; False or []: none; names) and
+        ``sae_top_k`` (up to the engine's), checked."""
+        selected = options.saes
+        if selected is None or selected is True:
+            names = tuple(self.saes)
+        elif selected is False:
+            names = ()
+        else:
+            unknown = [n for n in selected if n not in self.saes]
+            if unknown:
+                raise SAEError(
+                    f"Per-request saes {unknown} are not engine SAEs; valid names are "
+                    f"{sorted(self.saes)}."
+                )
+            names = tuple(dict.fromkeys(selected))
+        k = self.k if options.sae_top_k is None else options.sae_top_k
+        if k > self.k:
+            raise SAEError(
+                f"Per-request sae_top_k={k} is over the engine's sae_top_k={self.k}; ask for "
+                f"at most {self.k}, or build the engine with a larger sae_top_k."
+            )
+        return RequestSAEs(names, k)
+
+    def features(self, packed: torch.Tensor, request: RequestSAEs) -> dict[str, SAEFeatures]:
+        """``[len(request.names), n, 2K + 1]`` packed rows -> one :class:`SAEFeatures` per
+        SAE, cut to the request's k."""
+        return {
+            name: SAEFeatures.unpack(rows, request.k)
+            for name, rows in zip(request.names, packed, strict=True)
+        }
+
+    def empty(self, request: RequestSAEs) -> dict[str, SAEFeatures]:
+        return {name: SAEFeatures.empty(request.k) for name in request.names}
+
+
+def load_saes(saes: Any) -> dict[str, SAE]:
+    """``saes=`` as given to an engine: a dict name -> SAE (or its folder), or a list of SAEs
+    with names."""
+    return load_named(saes, "saes", SAE, SAE.load, "SAE")

@@ -1,0 +1,68 @@
+"""SAEs inside the worker: the top-k features of every kept row, on the device.
+
+The loader reads each SAE's folder once, at model load (inside vLLM's memory profiling, so the
+KV cache is sized around the weights), onto the model's device. A step's kept rows of the SAE
+layers come in as a recorder's staged rows; :class:`SAEBank` runs one encoder GEMM per SAE
+(tiled over rows), the architecture's epilogue and the top-k, and only ``[rows, 2k + 1]``
+float32 per SAE (indices, values, l0: :func:`probehook.saes.encode.read_top_k`) leaves the
+device. A step in which no request asked for SAE features gathers no rows, so it does no SAE
+work at all (the recorder skips it).
+
+No vLLM imports: ``probehook.adapter`` builds the bank from the loader's settings.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from probehook.saes.encode import SAEWeights, read_top_k
+
+
+class SAEBank:
+    """The SAEs of one worker, callable on a recorder's staged rows (``[rows, hidden]`` of
+    each bank layer, in :attr:`layers` order): returns ``[len(slots), rows, 2k + 1]``."""
+
+    dtype = torch.float32
+
+    def __init__(self, saes: Mapping[str, tuple[int, SAEWeights]], k: int) -> None:
+        if not saes:
+            raise ValueError("an SAEBank needs at least one SAE")
+        self.slots = tuple(saes)
+        """The SAE names, in the order of the output's first dimension."""
+        self.k = int(k)
+        self.width = 2 * self.k + 1
+        self.layers = tuple(sorted({layer for layer, _ in saes.values()}))
+        self._saes = [(self.layers.index(layer), weights) for layer, weights in saes.values()]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(
+            t.nbytes
+            for _, weights in self._saes
+            for t in weights.__dict__.values()
+            if isinstance(t, torch.Tensor)
+        )
+
+    def __call__(self, staged: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
+        rows = staged[0].shape[0]
+        out = torch.empty(
+            (len(self._saes), rows, self.width), dtype=self.dtype, device=staged[0].device
+        )
+        for slot, (layer_slot, weights) in enumerate(self._saes):
+            read_top_k(weights, staged[layer_slot], self.k, out[slot])
+        return out
+
+
+def load_bank(settings: Mapping[str, Any], device: torch.device | str) -> SAEBank:
+    """The bank the loader's settings describe: ``{"saes": {name: {"path", "layer"}},
+    "k": int}``; each SAE read from its folder onto ``device``."""
+    from probehook.saes import SAE
+
+    saes = {}
+    for name, entry in settings["saes"].items():
+        sae = SAE.load(entry["path"], layer=int(entry["layer"]))
+        saes[name] = (sae.layer, sae.weights.to(device))
+    return SAEBank(saes, int(settings["k"]))

@@ -1,0 +1,157 @@
+"""SAE features of every token, read inside a real engine (compiled mode, chunked prefill,
+prefix caching, n = 2, 24+ concurrent requests), against SAELens's own ``encode`` of Hugging
+Face's rows (the margin rule of tests/sae_oracle.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from probehook.testing import hf_residual_stream
+from tests.sae_oracle import assert_features_match, make_saelens_sae, oracle
+
+pytestmark = pytest.mark.engine
+
+HIDDEN = 128
+TOP_K = 16
+SAES = {
+    # name: (architecture, hook name, layer it means, extra config)
+    "res1": ("jumprelu", "blocks.1.hook_resid_post", 1, {}),
+    "res2": ("standard", "blocks.3.hook_resid_pre", 2, {}),
+    "res3": ("topk", "model.layers.3", 3, {"k": 24}),
+}
+PROMPTS = ["1+2=", "12+34=56. 7+", "99+99=198. 3+4=7. 50+5", "0", "7+7=14. 8+8=16. 9+9="]
+
+
+@pytest.fixture(scope="module")
+def sae_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("saes")
+    return {
+        name: make_saelens_sae(arch, root / name, HIDDEN, 512, hook, seed=i, **extra)
+        for i, (name, (arch, hook, _, extra)) in enumerate(SAES.items())
+    }
+
+
+@pytest.fixture(scope="module")
+def sae_llm(llama_dir: Path, engine_defaults: dict, sae_dirs: dict[str, Path]) -> Iterator[Any]:
+    """Compiled, SAEs only (no rows), prompt features, small prefill chunks and KV cache,
+    prefix caching on; in-process."""
+    from probehook import LLM, SAE
+
+    llm = LLM(
+        str(llama_dir),
+        saes={
+            "res1": SAE.load(sae_dirs["res1"]),
+            "res2": str(sae_dirs["res2"]),
+            "res3": sae_dirs["res3"],
+        },  # fmt: skip
+        sae_top_k=TOP_K,
+        include_prefill=True,
+        max_num_batched_tokens=32,
+        max_num_seqs=16,
+        enable_chunked_prefill=True,
+        enable_prefix_caching=True,
+        num_gpu_blocks_override=24,
+        block_size=32,
+        **engine_defaults,
+    )
+    yield llm
+    llm.shutdown()
+
+
+def _oracles(sae_dirs: dict[str, Path]) -> dict[str, Any]:
+    return {name: oracle(folder) for name, folder in sae_dirs.items()}
+
+
+def _check(out: Any, llama_dir: Path, lenses: dict[str, Any], names: tuple[str, ...], k: int):
+    """Every completion's and the prompt's features equal SAELens's on HF's rows."""
+    prompt = list(out.prompt_token_ids)
+    p = len(prompt)
+    assert sorted(out.prefill_sae_features) == sorted(names)
+    ref = hf_residual_stream(llama_dir, prompt)
+    for name in names:
+        f = out.prefill_sae_features[name]
+        assert f.indices.shape == (p, k) and f.values.shape == (p, k) and f.l0.shape == (p,)
+        layer = SAES[name][2]
+        assert_features_match(f.indices, f.values, f.l0, lenses[name], ref[layer], k)
+    for completion in out.outputs:
+        n = len(completion.token_ids)
+        ref = hf_residual_stream(llama_dir, prompt + list(completion.token_ids))
+        assert sorted(completion.sae_features) == sorted(names)
+        for name in names:
+            f = completion.sae_features[name]
+            assert f.indices.shape == (n, k) and f.indices.dtype == torch.int64
+            rows = ref[SAES[name][2], p - 1 : p - 1 + n]
+            assert_features_match(f.indices, f.values, f.l0, lenses[name], rows, k)
+    assert out.sae_features is out.outputs[0].sae_features
+
+
+def test_features_under_load_equal_saelens(sae_llm, llama_dir: Path, sae_dirs) -> None:
+    """27 requests at once: every SAE, a subset, a smaller k, none, n = 2, a repeated prompt
+    (prefix cache); requests without SAEs generate what the others generate."""
+    from probehook import SamplingParams
+
+    lenses = _oracles(sae_dirs)
+    asks: list[tuple[str, dict[str, Any], int]] = []
+    for i in range(27):
+        prompt = PROMPTS[i % len(PROMPTS)]
+        options = [{}, {"saes": ["res3"]}, {"saes": ["res1", "res2"], "sae_top_k": 4},
+                   {"saes": False}, {"saes": True}][i % 5]  # fmt: skip
+        asks.append((prompt, options, 2 if i % 7 == 3 else 1))
+    params = [
+        SamplingParams(
+            max_tokens=6,
+            temperature=0 if n == 1 else 1.0,
+            ignore_eos=True,
+            n=n,
+            extra_args={"probehook": options},
+        )
+        for _, options, n in asks
+    ]
+    outs = sae_llm.generate([prompt for prompt, _, _ in asks], params)
+    tokens_by_prompt: dict[str, list[int]] = {}
+    for (prompt, options, n), out in zip(asks, outs, strict=True):
+        assert len(out.outputs) == n
+        if n == 1:  # greedy: the same tokens with or without SAEs
+            tokens = list(out.outputs[0].token_ids)
+            assert tokens_by_prompt.setdefault(prompt, tokens) == tokens, prompt
+        saes = options.get("saes", True)
+        names = tuple(SAES) if saes is True else tuple(saes) if saes else ()
+        if not names:
+            assert out.sae_features == {} and out.prefill_sae_features == {}
+            continue
+        _check(out, llama_dir, lenses, names, options.get("sae_top_k", TOP_K))
+
+
+def test_bad_sae_requests_fail_before_generation(sae_llm) -> None:
+    from probehook import SAEError, SamplingParams
+
+    for options, match in [
+        ({"saes": ["nope"]}, "not engine SAEs"),
+        ({"sae_top_k": TOP_K + 1}, "over the engine's sae_top_k"),
+        ({"sae_top_k": 0}, "positive int"),
+        ({"saes": "res1"}, "list of SAE names"),
+    ]:
+        with pytest.raises(ValueError, match=match) as error:
+            sae_llm.generate(
+                ["1+1="], SamplingParams(max_tokens=2, extra_args={"probehook": options})
+            )
+        assert isinstance(error.value, SAEError) or "probehook option" in str(error.value)
+
+
+def test_construction_refuses_a_wrong_sae(llama_dir: Path, engine_defaults: dict, tmp_path) -> None:
+    """Before any engine starts: another hidden size, a layer the model lacks."""
+    from probehook import LLM, SAE, SAEError
+
+    wide = make_saelens_sae("standard", tmp_path / "wide", 64, 32, "blocks.1.hook_resid_post")
+    with pytest.raises(SAEError, match="d_in=64.*hidden size is 128"):
+        LLM(str(llama_dir), saes={"wide": wide}, **engine_defaults)
+    deep = make_saelens_sae("standard", tmp_path / "deep", HIDDEN, 32, "blocks.9.hook_resid_post")
+    with pytest.raises(SAEError, match="layer 9"):
+        LLM(str(llama_dir), saes={"deep": SAE.load(deep)}, **engine_defaults)
+    with pytest.raises(SAEError, match="sae_top_k"):
+        LLM(str(llama_dir), saes={"d": SAE.load(deep, layer=1)}, sae_top_k=0, **engine_defaults)

@@ -37,13 +37,21 @@ def sae_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="module")
-def sae_llm(llama_dir: Path, engine_defaults: dict, sae_dirs: dict[str, Path]) -> Iterator[Any]:
-    """Compiled, SAEs only (no rows), prompt features, small prefill chunks and KV cache,
-    prefix caching on; in-process."""
+def store_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("sae_store") / "store"
+
+
+@pytest.fixture(scope="module")
+def sae_llm(
+    llama_dir: Path, engine_defaults: dict, sae_dirs: dict[str, Path], store_dir: Path
+) -> Iterator[Any]:
+    """Compiled, SAEs only (no rows), prompt features, a store, small prefill chunks and KV
+    cache, prefix caching on; in-process."""
     from probehook import LLM, SAE
 
     llm = LLM(
         str(llama_dir),
+        store=store_dir,
         saes={
             "res1": SAE.load(sae_dirs["res1"]),
             "res2": str(sae_dirs["res2"]),
@@ -125,6 +133,33 @@ def test_features_under_load_equal_saelens(sae_llm, llama_dir: Path, sae_dirs) -
             assert out.sae_features == {} and out.prefill_sae_features == {}
             continue
         _check(out, llama_dir, lenses, names, options.get("sae_top_k", TOP_K))
+
+
+def test_features_are_stored_without_rows(sae_llm, store_dir: Path, sae_dirs) -> None:
+    """The store holds each output's features exactly, sparse, and no rows; the run names
+    each SAE's fingerprint, layer and k."""
+    from probehook import SAE, ActivationStore, SamplingParams
+
+    options = {"saes": ["res1", "res3"], "sae_top_k": 8}
+    params = SamplingParams(
+        max_tokens=5, temperature=0, ignore_eos=True, extra_args={"probehook": options}
+    )
+    outs = sae_llm.generate(PROMPTS[:3], params)
+    store = ActivationStore.open(store_dir)
+    for out in outs:
+        stored = store[out.store_id]
+        assert stored.hidden_states == {} and stored.prefill_hidden_states == {}
+        for name in ("res1", "res3"):
+            for got, want in [
+                (stored.sae_features[name], out.outputs[0].sae_features[name]),
+                (stored.prefill_sae_features[name], out.prefill_sae_features[name]),
+            ]:
+                assert torch.equal(got.indices, want.indices)
+                assert torch.equal(got.values, want.values) and torch.equal(got.l0, want.l0)
+        assert sorted(stored.sae_features) == ["res1", "res3"]
+    saes = store.runs[store[outs[0].store_id].run]["saes"]
+    assert saes["res3"]["fingerprint"] == SAE.load(sae_dirs["res3"]).fingerprint
+    assert (saes["res3"]["layer"], saes["res3"]["k"], saes["res1"]["d_sae"]) == (3, TOP_K, 512)
 
 
 def test_bad_sae_requests_fail_before_generation(sae_llm) -> None:

@@ -52,6 +52,24 @@ class SAESet:
             "k": self.k,
         }
 
+    def describe(self) -> dict[str, dict[str, Any]]:
+        """What a store's run records of each SAE: which one (fingerprint, folder), what its
+        features mean (layer, d_sae, architecture, settings) and the engine's k."""
+        return {
+            name: {
+                "fingerprint": sae.fingerprint,
+                "path": sae.path,
+                "hook_name": sae.hook_name,
+                "layer": sae.layer,
+                "d_in": sae.d_in,
+                "d_sae": sae.d_sae,
+                "architecture": sae.architecture,
+                "k": self.k,
+                "settings": sae.settings,
+            }
+            for name, sae in self.saes.items()
+        }
+
     def for_request(self, options: RequestOptions) -> RequestSAEs:
         """A request's ``saes`` (None or True: all; False or []: none; names) and
         ``sae_top_k`` (up to the engine's), checked."""

@@ -130,6 +130,11 @@ class SAE:
     def dtype(self) -> torch.dtype:
         return self.weights.dtype
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of what the engine holds of this SAE (its encoder)."""
+        return sum(t.nbytes for t in vars(self.weights).values() if isinstance(t, torch.Tensor))
+
     def __repr__(self) -> str:
         hook = f", hook={self.hook_name!r}" if self.hook_name else ""
         return (

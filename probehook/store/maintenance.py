@@ -25,6 +25,7 @@ import h5py
 from probehook.errors import StoreCorruptError, StoreLockedError
 from probehook.store.appender import DatasetAppender
 from probehook.store.contents import read_meta
+from probehook.store.features import PARTS, feature_dataset
 from probehook.store.format import (
     DEFAULT_SHARD_BYTES,
     MANIFEST_FILE,
@@ -202,9 +203,10 @@ def _check(store_root: Path, lane: str = ROOT_LANE) -> FsckReport:
         report.requests += 1
         shard = lengths.get(record["shard"])
         readable = shard is not None and all(
-            seg["start"] + seg["count"] <= shard.get(dataset_name(seg["phase"], seg["layer"]), -1)
-            for seg in record["segments"]
+            seg["start"] + seg["count"] <= shard.get(name, -1)
+            for seg in (*record["segments"], *record.get("sae_segments", ()))
             if seg["count"]
+            for name in _datasets(seg)
         )
         if not readable:
             report.unverifiable_requests.append(record["id"])
@@ -344,11 +346,14 @@ def _compact_lane(store_root: Path, lane: str, shard_bytes: int, progress: bool)
                 records.append(first_of_group[record["name"]])
         elif kind == "request" and record["shard"] in renames:
             new_name, offsets = renames[record["shard"]]
-            segments = [
-                {**seg, "start": seg["start"] + offsets.get(_key(seg), 0)}
-                for seg in record["segments"]
-            ]
-            records.append({**record, "shard": new_name, "segments": segments})
+            moved = {**record, "shard": new_name}
+            for key in ("segments", "sae_segments"):
+                if key in record:
+                    moved[key] = [
+                        {**seg, "start": seg["start"] + offsets.get(_datasets(seg)[0], 0)}
+                        for seg in record[key]
+                    ]
+            records.append(moved)
         else:
             records.append(record)
     records.append(
@@ -364,8 +369,11 @@ def _compact_lane(store_root: Path, lane: str, shard_bytes: int, progress: bool)
     return CompactReport(len(shards), len(after), len(renames), _bytes(root, after), str(backup))
 
 
-def _key(segment: dict[str, Any]) -> str:
-    return dataset_name(segment["phase"], segment["layer"])
+def _datasets(segment: dict[str, Any]) -> list[str]:
+    """The datasets a segment's rows lie in (an SAE segment: its three, in step)."""
+    if "sae" in segment:
+        return [feature_dataset(segment["phase"], segment["sae"], part) for part in PARTS]
+    return [dataset_name(segment["phase"], segment["layer"])]
 
 
 def _plan(shards: list[dict[str, Any]], shard_bytes: int) -> list[list[dict[str, Any]]]:

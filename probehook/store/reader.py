@@ -22,6 +22,7 @@ import torch
 
 from probehook.errors import StoreError
 from probehook.store.contents import read_manifests, read_meta
+from probehook.store.features import PARTS, feature_dataset
 from probehook.store.format import PHASES, ROOT_LANE, dataset_name, shard_path, split_shard_key
 from probehook.store.layer_matrix import LayerMatrix
 from probehook.store.manifest import run_layers
@@ -252,6 +253,9 @@ class StoreReader:
         return self._index
 
     def _dataset(self, shard: str, phase: str, layer: int) -> h5py.Dataset:
+        return self._shard_file(shard)[dataset_name(phase, layer)]
+
+    def _shard_file(self, shard: str) -> h5py.File:
         if self._pid != os.getpid():
             self._after_fork()
         f = self._files.get(shard)
@@ -259,7 +263,7 @@ class StoreReader:
             f = self._files[shard] = self._open_shard(shard)
         else:
             self._files.move_to_end(shard)
-        return f[dataset_name(phase, layer)]
+        return f
 
     def _open_shard(self, shard: str) -> h5py.File:
         limit = self.max_open_files
@@ -310,6 +314,13 @@ class StoreReader:
 
     def _read(self, shard: str, phase: str, layer: int, start: int, stop: int) -> torch.Tensor:
         return self._to_tensor(self._dataset(shard, phase, layer)[start:stop])
+
+    def _read_features(
+        self, shard: str, phase: str, sae: str, start: int, stop: int
+    ) -> tuple[Any, ...]:
+        """The stored arrays of SAE ``sae``'s features, rows ``start:stop`` (store/features)."""
+        f = self._shard_file(shard)
+        return tuple(f[feature_dataset(phase, sae, part)][start:stop] for part in PARTS)
 
     def close(self) -> None:
         """Close the shard files this reader holds open."""

@@ -6,8 +6,9 @@ import logging
 from typing import Any
 
 from probehook.capture_config import CaptureConfig
-from probehook.core.spans import completion_spans
+from probehook.core.spans import completion_spans, score_config
 from probehook.outputs.shapes import completions, failed, is_pooled
+from probehook.store.features import FeatureBlock
 from probehook.store.writer import PendingRequest, RowBlock
 
 logger = logging.getLogger(__name__)
@@ -60,6 +61,7 @@ def pending_request(
     if prefill_scores:
         record["prefill_probe_scores"] = _scores(prefill_scores)
     blocks = []
+    features = _feature_blocks(output, config, prompt_len, pooled)
     if pooled:
         prefill, _ = completion_spans(config, prompt_len, 0)
         assert prefill is not None  # pooling engines capture every input row
@@ -73,7 +75,30 @@ def pending_request(
         if decode is not None:
             for layer, rows in c.hidden_states.items():
                 blocks.append(RowBlock("decode", c.index, layer, decode.lo, rows))
-    return PendingRequest(record, blocks)
+    return PendingRequest(record, blocks, features)
+
+
+def _feature_blocks(
+    output: Any, config: CaptureConfig, prompt_len: int, pooled: bool
+) -> list[FeatureBlock]:
+    """The output's SAE features, one block per (phase, completion, SAE); their positions
+    follow the score spans (every token of the request's phases)."""
+    spans = score_config(config)
+    blocks = []
+    prefill_features = getattr(output, "prefill_sae_features", None) or {}
+    if prefill_features:
+        prefill, _ = completion_spans(spans, prompt_len, 0)
+        if prefill is not None:
+            for name, features in prefill_features.items():
+                blocks.append(FeatureBlock("prefill", None, name, prefill.lo, features))
+    if pooled:
+        return blocks
+    for c in completions(output):
+        _, decode = completion_spans(spans, prompt_len, len(c.token_ids), c.index)
+        for name, features in (getattr(c, "sae_features", None) or {}).items():
+            if decode is not None:
+                blocks.append(FeatureBlock("decode", c.index, name, decode.lo, features))
+    return blocks
 
 
 def _probe_fields(completion: Any) -> dict[str, Any]:

@@ -25,6 +25,7 @@ import torch
 from probehook.errors import DuplicateStoreIdError, StoreError, StoreFormatError
 from probehook.store.appendable import check_appendable
 from probehook.store.export import check_export_options, export_writer
+from probehook.store.features import check_values
 from probehook.store.format import (
     DEFAULT_SHARD_BYTES,
     FORMAT_NAME,
@@ -111,6 +112,7 @@ class ActivationStore(StoreReader):
         legacy_fingerprint: str | None = None,
         lane: str | None = None,
         keep_index: bool = True,
+        sae_values: str = "float32",
     ) -> ActivationStore:
         """Create a store, or open one to append a run of the same model and hidden size.
 
@@ -133,7 +135,11 @@ class ActivationStore(StoreReader):
         serve``'s): what it commits does not join the records this object reads (it reads the
         store as it was when opened; open the store again to read the rest), only the ids, for
         the duplicate check: about 100 bytes a request instead of the whole record.
+
+        ``sae_values``: ``"float32"`` (as the engine returned them) or ``"float16"`` (half the
+        bytes) for stored SAE feature values.
         """
+        check_values(sae_values)
         root = Path(path)
         lane = ROOT_LANE if lane is None else check_lane_name(lane)
         full_meta = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, **meta}
@@ -170,6 +176,7 @@ class ActivationStore(StoreReader):
                 shard_bytes=shard_bytes,
                 compression=compression,
                 max_queue_bytes=max_queue_bytes,
+                sae_values=sae_values,
             )
         except BaseException:
             if lock is not None:
@@ -197,7 +204,8 @@ class ActivationStore(StoreReader):
 
     @_locked
     def begin_run(self, info: dict[str, Any]) -> str:
-        """Record a new run (``info``: what it captures, under ``"capture"``); return its id."""
+        """Record a new run (``info``: what it captures, under ``"capture"``; its SAEs under
+        ``"saes"``: ``{name: {"d_sae", "k", "layer", "fingerprint", ...}}``); return its id."""
         run_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
         record = {"kind": "run", "run_id": run_id, "started": time.time(), **info}
         try:
@@ -212,6 +220,14 @@ class ActivationStore(StoreReader):
         self.runs[run_id] = record
         self._run_id = run_id
         return run_id
+
+    def _run_saes(self) -> dict[str, tuple[int, int]]:
+        """The current run's SAEs and their ``(d_sae, k)`` (what stored features need)."""
+        run = self.runs.get(self._run_id or "", {})
+        return {
+            name: (int(sae["d_sae"]), int(sae["k"]))
+            for name, sae in (run.get("saes") or {}).items()
+        }
 
     @_locked
     def add(self, request: PendingRequest) -> str:
@@ -229,6 +245,16 @@ class ActivationStore(StoreReader):
                 f"already in the activation store at {self.root}; a second record with it "
                 "would shadow the first. Give every request of a run its own request_id."
             )
+        if request.features:
+            sizes = self._run_saes()
+            unknown = sorted({f.sae for f in request.features} - set(sizes))
+            if unknown:
+                raise StoreError(
+                    f"Request {request_id!r} carries features of SAE(s) {unknown}, which run "
+                    f"{self._run_id} did not declare (begin_run(info) names a run's SAEs "
+                    'under "saes").'
+                )
+            request.sae_sizes = sizes
         record["request_id"] = request_id
         record["id"] = store_id
         record["run"] = self._run_id

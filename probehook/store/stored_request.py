@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from probehook.saes.features import SAEFeatures
+from probehook.store.features import from_storage
 from probehook.store.format import split_shard_key
 
 if TYPE_CHECKING:
@@ -95,6 +97,31 @@ class StoredRequest:
     def completion_probe_scores(self, index: int) -> dict[str, torch.Tensor]:
         done = self.record["completions"]
         return _score_tensors(done[index].get("probe_scores") if index < len(done) else None)
+
+    @property
+    def sae_features(self) -> dict[str, SAEFeatures]:
+        """SAE features of the first completion's tokens, by SAE name
+        (:class:`~probehook.saes.SAEFeatures`)."""
+        return self.completion_sae_features(0)
+
+    @property
+    def prefill_sae_features(self) -> dict[str, SAEFeatures]:
+        """SAE features of the prompt tokens (with ``include_prefill``)."""
+        return self._features("prefill", None)
+
+    def completion_sae_features(self, index: int) -> dict[str, SAEFeatures]:
+        return self._features("decode", index)
+
+    def _features(self, phase: str, completion: int | None) -> dict[str, SAEFeatures]:
+        out = {}
+        for seg in self.record.get("sae_segments", ()):
+            if seg["phase"] == phase and seg["completion"] == completion:
+                start, stop = seg["start"], seg["start"] + seg["count"]
+                shard = self.record["shard"]
+                parts = self.store._read_features(shard, phase, seg["sae"], start, stop)
+                features = SAEFeatures(*from_storage(*parts))
+                out[seg["sae"]] = features.top(seg.get("k", features.k))
+        return out
 
     def completion_hidden_states(self, index: int) -> dict[int, torch.Tensor]:
         return self._rows("decode", index)

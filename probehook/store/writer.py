@@ -28,6 +28,8 @@ import torch
 
 from probehook.errors import StoreError
 from probehook.store.appender import DatasetAppender
+from probehook.store.features import FeatureBlock, feature_dataset
+from probehook.store.features import to_storage as features_to_storage
 from probehook.store.format import (
     MANIFEST_FILE,
     SHARD_DIR,
@@ -73,10 +75,15 @@ class RowBlock:
 class PendingRequest:
     record: dict[str, Any]
     blocks: list[RowBlock] = field(default_factory=list)
+    features: list[FeatureBlock] = field(default_factory=list)
+    """SAE features (store/features.py), beside the rows."""
+    sae_sizes: dict[str, tuple[int, int]] = field(default_factory=dict)
+    """Each SAE's ``(d_sae, k)`` in the run: the stored index type and width."""
 
     @property
     def nbytes(self) -> int:
-        return sum(b.rows.numel() * b.rows.element_size() for b in self.blocks)
+        rows = sum(b.rows.numel() * b.rows.element_size() for b in self.blocks)
+        return rows + sum(f.nbytes for f in self.features)
 
 
 def to_storage(rows: torch.Tensor) -> np.ndarray:
@@ -97,8 +104,10 @@ class ShardWriter:
         shard_bytes: int,
         compression: str | None,
         max_queue_bytes: int,
+        sae_values: str = "float32",
     ) -> None:
         self.root = root
+        self.sae_values = sae_values
         self.shard_bytes = shard_bytes
         self.compression = compression
         self.max_queue_bytes = max_queue_bytes
@@ -298,9 +307,36 @@ class ShardWriter:
                 }
             )
             self._shard_bytes_written += data.nbytes
-        self._shard_requests.append({**request.record, "segments": segments})
+        record = {**request.record, "segments": segments}
+        if request.features:
+            record["sae_segments"] = self._write_features(request)
+        self._shard_requests.append(record)
         if self._shard_bytes_written >= self.shard_bytes:
             self._commit_shard()
+
+    def _write_features(self, request: PendingRequest) -> list[dict[str, Any]]:
+        segments = []
+        for block in request.features:
+            d_sae, k = request.sae_sizes[block.sae]
+            arrays = features_to_storage(block.features, d_sae, k, self.sae_values)
+            starts = {
+                self._append(feature_dataset(block.phase, block.sae, part), data)
+                for part, data in arrays.items()
+            }
+            assert len(starts) == 1, f"SAE datasets of {block.sae} out of step: {starts}"
+            segments.append(
+                {
+                    "phase": block.phase,
+                    "completion": block.completion,
+                    "sae": block.sae,
+                    "k": block.features.k,  # type: ignore[attr-defined]
+                    "first_position": block.first_position,
+                    "start": starts.pop(),
+                    "count": len(arrays["l0"]),
+                }
+            )
+            self._shard_bytes_written += sum(a.nbytes for a in arrays.values())
+        return segments
 
     def _append(self, name: str, data: np.ndarray) -> int:
         """Append rows to dataset ``name`` of the open shard; return their start row."""

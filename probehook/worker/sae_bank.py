@@ -37,15 +37,6 @@ class SAEBank:
         self.layers = tuple(sorted({layer for layer, _ in saes.values()}))
         self._saes = [(self.layers.index(layer), weights) for layer, weights in saes.values()]
 
-    @property
-    def nbytes(self) -> int:
-        return sum(
-            t.nbytes
-            for _, weights in self._saes
-            for t in weights.__dict__.values()
-            if isinstance(t, torch.Tensor)
-        )
-
     def __call__(self, staged: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
         rows = staged[0].shape[0]
         out = torch.empty(

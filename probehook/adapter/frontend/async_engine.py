@@ -138,7 +138,9 @@ class AsyncLLM(VllmAsyncLLM):
             sae_top_k=sae_top_k,
         )
         engine_kwargs, start = _split_start_kwargs(kwargs)
-        engine_kwargs = cpu_memory.size_for_cpu(model, engine_kwargs, _resolve)
+        engine_kwargs = cpu_memory.size_for_cpu(
+            model, engine_kwargs, _resolve, request.worker_bytes()
+        )
         if not request.captures:
             self._start_engine(engine_config.engine_args(model, engine_kwargs, True), start)
             return

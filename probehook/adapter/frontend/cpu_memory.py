@@ -58,12 +58,16 @@ def _itemsize(cache_dtype: str) -> int:
     return 1 if "fp8" in cache_dtype else 2
 
 
-def size_for_cpu(model: str, kwargs: dict[str, Any], resolve: Any) -> dict[str, Any]:
+def size_for_cpu(
+    model: str, kwargs: dict[str, Any], resolve: Any, reserved_bytes: int = 0
+) -> dict[str, Any]:
     """``kwargs`` with ``kv_cache_memory_bytes`` set when the engine runs on CPU and the user
     chose no memory setting; unchanged otherwise.
 
     Args:
         resolve: builds the ``VllmConfig`` of ``(model, kwargs)`` without starting anything.
+        reserved_bytes: what probehook itself will hold in the worker (SAE weights): not
+            free for the KV cache.
     """
     if chose_memory(kwargs):
         return kwargs
@@ -74,7 +78,7 @@ def size_for_cpu(model: str, kwargs: dict[str, Any], resolve: Any) -> dict[str, 
     import psutil
 
     global _told
-    available = psutil.virtual_memory().available
+    available = max(psutil.virtual_memory().available - reserved_bytes, 0)
     size, tokens = default_kv_cache_bytes(resolve(model, kwargs), available)
     # Visible once per process (a warning reaches an unconfigured script's stderr), then info.
     log = logger.info if _told else logger.warning

@@ -141,7 +141,9 @@ class LLM(vllm.LLM):
             sae_top_k=sae_top_k,
             capture_only=capture_only,
         )
-        kwargs = cpu_memory.size_for_cpu(model, kwargs, engine_config.resolve_vllm_config)
+        kwargs = cpu_memory.size_for_cpu(
+            model, kwargs, engine_config.resolve_vllm_config, request.worker_bytes()
+        )
         if not request.captures:  # plain vLLM, with the runner vLLM itself chooses
             super().__init__(model=model, **kwargs)
             return

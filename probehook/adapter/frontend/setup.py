@@ -26,6 +26,7 @@ from probehook.frontend.sae_set import DEFAULT_TOP_K, SAESet, load_saes
 from probehook.frontend.session import CaptureSession, Rpc
 from probehook.frontend.steering_set import SteeringSet, check_capacity
 from probehook.store import ActivationStore
+from probehook.store.features import check_values
 from probehook.store.fingerprint import legacy_fingerprint, model_fingerprint
 from probehook.store.format import ROOT_LANE, check_lane_name
 from probehook.store.lock import WriterLock
@@ -67,6 +68,8 @@ class CaptureRequest:
             self.probes = load_probes(self.probes) or None  # bad paths fail before start-up
         if self.saes is not None:
             self.saes = load_saes(self.saes) or None
+        if "sae_values" in (self.store_options or {}):
+            check_values(self.store_options["sae_values"])  # type: ignore[index]
         self.steering = load_steering(self.steering)
         self.steering_capacity = check_capacity(self.steering_capacity)
         if len(self.steering) > self.steering_capacity:
@@ -89,6 +92,10 @@ class CaptureRequest:
                     "Capture options were given but layers=None captures nothing; pass "
                     "layers=[...] or layers='all'."
                 )
+
+    def worker_bytes(self) -> int:
+        """What the engine's SAEs will hold in each worker (their encoders)."""
+        return sum(sae.nbytes for sae in (self.saes or {}).values())
 
     @property
     def steers(self) -> bool:
@@ -345,7 +352,10 @@ def _open_store(setup: CaptureSetup, model: str, info: dict[str, Any]) -> Activa
     }
     options = {**setup.store_options, "legacy_fingerprint": setup.legacy_fingerprint}
     store = ActivationStore.for_writing(setup.store, meta, **options)
-    store.begin_run({"capture": setup.config.to_dict()})
+    run: dict[str, Any] = {"capture": setup.config.to_dict()}
+    if setup.saes is not None:
+        run["saes"] = setup.saes.describe()
+    store.begin_run(run)
     return store
 
 

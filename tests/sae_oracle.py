@@ -70,16 +70,20 @@ def oracle_encode(lens_sae, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     return acts, pre
 
 
-def near_switch(lens_sae, acts: torch.Tensor, pre: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:
-    """``[n, d_sae]`` bool: features within ``tau`` (``[n, 1]``) of switching on or off: an
-    activation near 0, a JumpReLU pre-activation near its threshold, a gate near 0, a topk
-    pre-activation near the SAE's own k-th."""
+def near_switch(lens_sae, rows, pre: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:
+    """``[n, d_sae]`` bool: features within ``tau`` (``[n, 1]``) of switching on or off: a
+    ReLU's pre-activation near 0, a JumpReLU's near its threshold, a gate (or a gated
+    magnitude) near 0, a topk pre-activation near the SAE's own k-th."""
     arch = lens_sae.cfg.architecture()
-    near = acts.abs() <= tau
+    # abstopk has no ReLU: a feature switches only at the SAE's k-th |value|.
+    near = torch.zeros_like(pre, dtype=torch.bool) if arch == "abstopk" else pre.abs() <= tau
     if arch == "jumprelu":
         near |= (pre - lens_sae.threshold).abs() <= tau
     elif arch == "gated":
-        near |= pre.abs() <= tau
+        with torch.no_grad():
+            sae_in = lens_sae.process_sae_in(rows.float())
+            magnitude = sae_in @ lens_sae.W_enc * lens_sae.r_mag.exp() + lens_sae.b_mag
+        near |= magnitude.abs() <= tau
     elif arch in ("topk", "abstopk"):
         rank = pre.abs() if arch == "abstopk" else pre
         k = min(lens_sae.cfg.k, rank.shape[1])
@@ -94,7 +98,7 @@ def assert_features_match(indices, values, l0, lens_sae, rows, k, tau=TAU) -> in
     acts, pre = oracle_encode(lens_sae, rows)
     signed = lens_sae.cfg.architecture() == "abstopk"
     row_tau = tau * pre.abs().max(dim=1, keepdim=True).values
-    near = near_switch(lens_sae, acts, pre, row_tau)
+    near = near_switch(lens_sae, rows, pre, row_tau)
     rank = acts.abs() if signed else acts
     excused = 0
     for r in range(rows.shape[0]):
@@ -126,3 +130,29 @@ def assert_features_match(indices, values, l0, lens_sae, rows, k, tau=TAU) -> in
         )
         assert all(int(i) == -1 for i in indices[r, len(got) :]), f"row {r}: padding"
     return excused
+
+
+def assert_output_features(out, model_dir, lenses: dict, layers: dict, names, k: int) -> None:
+    """Every completion's and the prompt's features of ``out`` (a finished, whole output)
+    equal SAELens's (``lenses``: name -> oracle SAE; ``layers``: name -> layer) on Hugging
+    Face's rows of its tokens."""
+    from probehook.testing import hf_residual_stream
+
+    prompt = list(out.prompt_token_ids)
+    p = len(prompt)
+    assert sorted(out.prefill_sae_features) == sorted(names)
+    ref = hf_residual_stream(model_dir, prompt)
+    for name in names:
+        f = out.prefill_sae_features[name]
+        assert f.indices.shape == (p, k) and f.values.shape == (p, k) and f.l0.shape == (p,)
+        assert_features_match(f.indices, f.values, f.l0, lenses[name], ref[layers[name]], k)
+    for completion in out.outputs:
+        n = len(completion.token_ids)
+        ref = hf_residual_stream(model_dir, prompt + list(completion.token_ids))
+        assert sorted(completion.sae_features) == sorted(names)
+        for name in names:
+            f = completion.sae_features[name]
+            assert f.indices.shape == (n, k) and f.indices.dtype == torch.int64
+            rows = ref[layers[name], p - 1 : p - 1 + n]
+            assert_features_match(f.indices, f.values, f.l0, lenses[name], rows, k)
+    assert out.sae_features is out.outputs[0].sae_features

@@ -27,6 +27,7 @@ pytestmark = [pytest.mark.engine, pytest.mark.topology]
 ENGINE = dict(dtype="float32", max_model_len=256, gpu_memory_utilization=0.1, seed=0)
 CAPTURE = dict(layers=[0, 3], include_prefill=True, enforce_eager=True)
 TOL = 1e-4  # float32 rows of one eager engine in batches of other shapes
+SAE_TOP_K = 8
 
 
 def prompts(n: int) -> list[str]:
@@ -70,8 +71,21 @@ def store_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
+def sae_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A jumprelu SAE on layer 3, saved by SAELens (read by the worker process's loader)."""
+    from sae_oracle import make_saelens_sae
+
+    folder = tmp_path_factory.mktemp("sae") / "res3"
+    return make_saelens_sae("jumprelu", folder, 128, 256, "blocks.3.hook_resid_post", seed=4)
+
+
+@pytest.fixture(scope="module")
 def engine(
-    llama_dir: Path, offline: dict, loop: asyncio.AbstractEventLoop, store_dir: Path
+    llama_dir: Path,
+    offline: dict,
+    loop: asyncio.AbstractEventLoop,
+    store_dir: Path,
+    sae_dir: Path,
 ) -> Iterator[Any]:
     from engine_layout import users_layout
 
@@ -83,6 +97,8 @@ def engine(
             probes=random_probes(128),
             store=store_dir,
             steering_layers=[0],  # vectors come later (add_steering)
+            saes={"res3": sae_dir},
+            sae_top_k=SAE_TOP_K,
             **CAPTURE,
             **ENGINE,
         )
@@ -206,6 +222,45 @@ def test_64_streams_with_random_aborts_leave_nothing_behind(engine, offline, loo
     keys += ("front_end_streams", "front_end_requests")
     stats = loop.run_until_complete(settled(engine, keys))
     assert {k: stats[k] for k in keys} == dict.fromkeys(keys, 0)
+
+
+def test_sae_features_stream_with_their_tokens(engine, loop, llama_dir, sae_dir) -> None:
+    """Every yield carries the features of its own tokens (delta) or of all to date
+    (cumulative); the streams join to what SAELens reads on HF's rows; a request that asks a
+    smaller k or no SAEs gets that; the store keeps the whole delta stream's features."""
+    from sae_oracle import assert_output_features, oracle
+    from vllm.sampling_params import RequestOutputKind as Kind
+
+    from probehook import ActivationStore
+
+    prompt = prompts(8)[2]
+
+    async def main() -> tuple[list, list, list, list]:
+        return await asyncio.gather(
+            collect(engine, prompt, greedy(output_kind=Kind.CUMULATIVE)),
+            collect(engine, prompt, greedy(output_kind=Kind.DELTA)),
+            collect(engine, prompt, greedy(extra_args={"probehook": {"sae_top_k": 3}})),
+            collect(engine, prompt, greedy(extra_args={"probehook": {"saes": False}})),
+        )
+
+    cumulative, delta, small, off = loop.run_until_complete(main())
+    for out in cumulative:
+        assert out.outputs[0].sae_features["res3"].indices.shape == (out.tokens_then, SAE_TOP_K)
+    for i, out in enumerate(delta):
+        assert len(out.outputs[0].sae_features["res3"]) == out.tokens_then
+        assert len(out.prefill_sae_features["res3"]) == (len(out.prompt_token_ids) if i == 0 else 0)
+    final = cumulative[-1]
+    joined = [o.outputs[0].sae_features["res3"] for o in delta]
+    for part in ("indices", "values", "l0"):
+        whole = torch.cat([getattr(f, part) for f in joined])
+        assert torch.equal(whole, getattr(final.outputs[0].sae_features["res3"], part)), part
+    lens = {"res3": oracle(sae_dir)}
+    assert_output_features(final, llama_dir, lens, {"res3": 3}, ["res3"], SAE_TOP_K)
+    assert_output_features(small[-1], llama_dir, lens, {"res3": 3}, ["res3"], 3)
+    assert off[-1].sae_features == {} and off[-1].prefill_sae_features == {}
+    engine.store.flush()
+    stored = ActivationStore.open(engine.store.root)[delta[-1].store_id]
+    assert torch.equal(stored.sae_features["res3"].indices, final.sae_features["res3"].indices)
 
 
 def test_an_aborted_delta_stream_keeps_its_shape(engine, offline, loop) -> None:
@@ -444,7 +499,8 @@ def test_uncaptured_requests_leave_the_workers_tables_bounded(engine, loop) -> N
         return before, await engine.stats()
 
     before, after = loop.run_until_complete(main())
-    assert after["tracked_requests"] <= 2 * (2 * max_num_seqs + DEPARTED_SLACK), (before, after)
+    # Three recorders: rows, probe scores, SAE features.
+    assert after["tracked_requests"] <= 3 * (2 * max_num_seqs + DEPARTED_SLACK), (before, after)
     assert after["steering_states"] <= max_num_seqs
     assert after["pending_requests"] == before["pending_requests"]
 

@@ -10,9 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-
-from probehook.testing import hf_residual_stream
-from tests.sae_oracle import assert_features_match, make_saelens_sae, oracle
+from sae_oracle import assert_output_features, make_saelens_sae, oracle
 
 pytestmark = pytest.mark.engine
 
@@ -75,27 +73,7 @@ def _oracles(sae_dirs: dict[str, Path]) -> dict[str, Any]:
     return {name: oracle(folder) for name, folder in sae_dirs.items()}
 
 
-def _check(out: Any, llama_dir: Path, lenses: dict[str, Any], names: tuple[str, ...], k: int):
-    """Every completion's and the prompt's features equal SAELens's on HF's rows."""
-    prompt = list(out.prompt_token_ids)
-    p = len(prompt)
-    assert sorted(out.prefill_sae_features) == sorted(names)
-    ref = hf_residual_stream(llama_dir, prompt)
-    for name in names:
-        f = out.prefill_sae_features[name]
-        assert f.indices.shape == (p, k) and f.values.shape == (p, k) and f.l0.shape == (p,)
-        layer = SAES[name][2]
-        assert_features_match(f.indices, f.values, f.l0, lenses[name], ref[layer], k)
-    for completion in out.outputs:
-        n = len(completion.token_ids)
-        ref = hf_residual_stream(llama_dir, prompt + list(completion.token_ids))
-        assert sorted(completion.sae_features) == sorted(names)
-        for name in names:
-            f = completion.sae_features[name]
-            assert f.indices.shape == (n, k) and f.indices.dtype == torch.int64
-            rows = ref[SAES[name][2], p - 1 : p - 1 + n]
-            assert_features_match(f.indices, f.values, f.l0, lenses[name], rows, k)
-    assert out.sae_features is out.outputs[0].sae_features
+LAYERS = {name: layer for name, (_, _, layer, _) in SAES.items()}
 
 
 def test_features_under_load_equal_saelens(sae_llm, llama_dir: Path, sae_dirs) -> None:
@@ -132,7 +110,8 @@ def test_features_under_load_equal_saelens(sae_llm, llama_dir: Path, sae_dirs) -
         if not names:
             assert out.sae_features == {} and out.prefill_sae_features == {}
             continue
-        _check(out, llama_dir, lenses, names, options.get("sae_top_k", TOP_K))
+        k = options.get("sae_top_k", TOP_K)
+        assert_output_features(out, llama_dir, lenses, LAYERS, names, k)
 
 
 def test_features_are_stored_without_rows(sae_llm, store_dir: Path, sae_dirs) -> None:

@@ -6,11 +6,11 @@ import json
 
 import pytest
 import torch
+from sae_oracle import ARCHITECTURES, assert_features_match, make_saelens_sae, oracle
 from safetensors.torch import save_file
 
 from probehook import SAE
 from probehook.saes import SAEError, layer_of_hook
-from tests.sae_oracle import ARCHITECTURES, assert_features_match, make_saelens_sae, oracle
 
 D_IN, D_SAE = 32, 96
 

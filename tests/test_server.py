@@ -37,6 +37,7 @@ CAP_MB = 0.4  # two prompts of one layer with prefill rows fit; see test_size_ca
 # --capture-default: what a request without a probehook object captures on this server
 DEFAULT = {"probes": ["truth"], "layers": [3]}
 STEER = {"up": 1.5}
+SAE_TOP_K = 8
 # The template adds the BOS the offline prompt gets, so chat and offline see the same ids.
 CHAT_TEMPLATE = "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
 
@@ -51,6 +52,15 @@ def probe_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {
         name: probe.save(out / f"{name}.safetensors") for name, probe in random_probes(128).items()
     }
+
+
+@pytest.fixture(scope="module")
+def sae_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A topk SAE on layer 3, saved by SAELens: the server's --sae res3."""
+    from sae_oracle import make_saelens_sae
+
+    folder = tmp_path_factory.mktemp("sae") / "res3"
+    return make_saelens_sae("topk", folder, 128, 256, "blocks.3.hook_resid_post", seed=2, k=12)
 
 
 @pytest.fixture(scope="module")
@@ -93,6 +103,7 @@ def server(
     llama_dir: Path,
     probe_files: dict[str, Path],
     steer_file: Path,
+    sae_dir: Path,
     tmp_path_factory: Any,
 ) -> ServerProcess:
     """The module's server; a test that kills it (the kill -9 test) leaves the next test a
@@ -106,6 +117,7 @@ def server(
         argv += ["--probe", f"{name}={path}"]
     argv += ["--monitor", "other:flag:0.5", "--max-capture-response-mb", str(CAP_MB)]
     argv += ["--steer", f"up={steer_file}", "--allow-inline-steering"]
+    argv += ["--sae", f"res3={sae_dir}", "--sae-top-k", str(SAE_TOP_K)]
     argv += ["--store", str(work / "store"), "--store-flush-interval", "0.5"]
     argv += ["--capture-default", json.dumps(DEFAULT)]
     argv += ["--chat-template", str(work / "chat.jinja"), "--served-model-name", "tiny"]
@@ -140,6 +152,48 @@ def close(got: Any, want: torch.Tensor) -> bool:
 
 def field(choice: Any) -> dict[str, Any]:
     return (choice.model_extra or {}).get("probehook", {})
+
+
+def test_sae_features_in_choices_and_chunks(client, sae_dir: Path) -> None:
+    """A request that asks for SAE features gets each token's top-k in its choice (what
+    SAELens reads on the rows the server returned alongside) and, streamed, in the chunk of
+    its own tokens; the chunks join to the whole. Unknown SAEs and a k over the server's are
+    refused before generation; requests that do not ask get no features."""
+    import openai
+    from sae_oracle import assert_features_match, oracle
+
+    prompt = prompts(8)[3]
+    options = {"layers": [3], "saes": ["res3"], "include_prefill": True}
+    whole = client.completions.create(prompt=prompt, extra_body=ignore_eos(options), **greedy())
+    got = field(whole.choices[0])
+    lens = oracle(sae_dir)
+    for rows, features in [
+        (got["hidden_states"]["3"], got["sae_features"]["res3"]),
+        (got["prefill_hidden_states"]["3"], got["prefill_sae_features"]["res3"]),
+    ]:
+        indices, values = torch.tensor(features["indices"]), torch.tensor(features["values"])
+        assert indices.shape == (len(features["l0"]), SAE_TOP_K)
+        rows = torch.from_numpy(decode_array(rows))
+        assert_features_match(indices, values, torch.tensor(features["l0"]), lens, rows, SAE_TOP_K)
+    body = {**ignore_eos({"saes": ["res3"], "sae_top_k": 4}), "return_token_ids": True}
+    stream = client.completions.create(prompt=prompt, stream=True, extra_body=body, **greedy())
+    joined: dict[str, list] = {"indices": [], "values": [], "l0": []}
+    for chunk in stream:
+        for choice in chunk.choices:
+            tokens = (choice.model_extra or {}).get("token_ids") or []
+            if tokens:
+                features = field(choice)["sae_features"]["res3"]
+                assert len(features["l0"]) == len(tokens)
+                for part in joined:
+                    joined[part] += features[part]
+    full = got["sae_features"]["res3"]
+    assert joined["l0"] == full["l0"]
+    assert joined["indices"] == [row[:4] for row in full["indices"]]
+    for bad, match in [({"saes": ["nope"]}, "not engine SAEs"), ({"sae_top_k": 99}, "over")]:
+        with pytest.raises(openai.BadRequestError, match=match):
+            client.completions.create(prompt=prompt, extra_body=ignore_eos(bad), **greedy())
+    plain = client.completions.create(prompt=prompt, extra_body=ignore_eos({}), **greedy())
+    assert "sae_features" not in field(plain.choices[0])
 
 
 def test_an_opted_out_request_gets_an_ordinary_response(client, offline) -> None:

@@ -11,7 +11,10 @@ and costs nothing. Each choice then carries::
         "probe_scores": {"truth": [0.91, 0.88, ...]},     # one per token of this choice/chunk
         "probe_flags": {"truth": [3]},                    # rows where a flag monitor fired
         "hidden_states": {"15": {"dtype": "float32", "shape": [n, d], "data": "<base64>"}},
+        "sae_features": {"res12": {"indices": [[...], ...], "values": [[...], ...],
+                                   "l0": [...]}},        # top-k per token of this choice/chunk
         "prefill_hidden_states": {...}, "prefill_probe_scores": {...},  # first choice only
+        "prefill_sae_features": {...},
         "error": "..."                                    # only when the capture failed
     }
 
@@ -35,8 +38,8 @@ from probehook.outputs.array_codec import encode_array as encode_array
 FIELD = "probehook"
 # Key, inside the field, naming output processors whose ``fill`` raised on this output.
 PROCESSOR_ERRORS = "processor_errors"
-OFF = {"layers": [], "probes": False, "include_prefill": False}
-"""What a request that names nothing gets: no rows, no scores."""
+OFF = {"layers": [], "probes": False, "saes": False, "include_prefill": False}
+"""What a request that names nothing gets: no rows, no scores, no features."""
 
 
 def request_options(value: Any) -> dict[str, Any]:
@@ -51,6 +54,16 @@ def request_options(value: Any) -> dict[str, Any]:
 def response_bytes_bound(rows: int, layers: int, hidden_size: int, itemsize: int) -> int:
     """The most bytes the hidden states of ``rows`` rows can add to a response (base64)."""
     return 4 * -(-(rows * layers * hidden_size * itemsize) // 3)
+
+
+FEATURE_JSON_BYTES = 34
+"""The most JSON bytes one SAE feature of one token takes: an index (up to 10 digits), a
+float32 value as JSON writes it (up to 24 characters), separators."""
+
+
+def features_bytes_bound(rows: int, saes: int, k: int) -> int:
+    """The most bytes the SAE features of ``rows`` rows can add to a response (JSON lists)."""
+    return rows * saes * (k * FEATURE_JSON_BYTES + 12)
 
 
 # -- choices --------------------------------------------------------------------------------

@@ -39,6 +39,20 @@ def add_capture_args(parser: Any) -> None:
         help="a probe file (safetensors) requests may ask scores of; repeatable",
     )
     group.add_argument(
+        "--sae",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="an SAE folder (SAELens or sparsify) requests may ask features of "
+        '("probehook": {"saes": ["NAME"]}); repeatable',
+    )
+    group.add_argument(
+        "--sae-top-k",
+        type=int,
+        default=32,
+        help="the most SAE features a token returns (default 32; a request may ask fewer)",
+    )
+    group.add_argument(
         "--monitor",
         action="append",
         default=[],
@@ -109,6 +123,9 @@ def capture_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
     probes = _named_paths("--probe", args.probe, "truth=probe.st")
     steering = _named_paths("--steer", args.steer, "calm=calm.st")
+    saes = _named_paths("--sae", args.sae, "res12=saes/layer12")
+    if args.sae_top_k < 1:
+        raise SystemExit("error: --sae-top-k must be a positive number of features")
     if args.steering_capacity < 1:
         raise SystemExit("error: --steering-capacity must be a positive number of vectors")
     try:
@@ -135,6 +152,8 @@ def capture_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         steering=steering or None,
         steering_layers=steering_layers,
         steering_capacity=args.steering_capacity,
+        saes=saes or None,
+        sae_top_k=args.sae_top_k,
     )
 
 

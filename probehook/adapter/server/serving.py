@@ -30,6 +30,7 @@ from probehook.errors import CaptureConfigError
 from probehook.frontend.response_fields import (
     FIELD,
     ChoiceFields,
+    features_bytes_bound,
     request_options,
     response_bytes_bound,
 )
@@ -139,8 +140,8 @@ class CaptureServing:
                     "step, so rows and scores would not belong to the final beams. For beam "
                     f'search send "{FIELD}": {{}} (no capture); to capture, drop use_beam_search.'
                 )
-            if tracked is not None and tracked.config is not None and tracked.config.layers:
-                self._check_size(request, tracked.config, n * prompts)
+            if tracked is not None and tracked.config is not None:
+                self._check_size(request, tracked, n * prompts)
         except CaptureConfigError as e:
             return self._refuse(str(e))
         except (TypeError, ValueError) as e:  # a malformed value deep in the options
@@ -149,8 +150,10 @@ class CaptureServing:
         request.probehook_wanted = tracked is not None
         return None
 
-    def _check_size(self, request: Any, config: Any, completions: int) -> None:
-        """The most hidden-state bytes the request could return, against the cap."""
+    def _check_size(self, request: Any, tracked: Any, completions: int) -> None:
+        """The most bytes of hidden states and SAE features the request could return,
+        against the cap."""
+        config = tracked.config
         info = self.engine_client.capture_info  # type: ignore[attr-defined]
         max_len = self.model_config.max_model_len  # type: ignore[attr-defined]
         max_tokens = getattr(request, "max_completion_tokens", None) or request.max_tokens
@@ -159,13 +162,18 @@ class CaptureServing:
         bound = response_bytes_bound(
             rows * completions, len(config.layers), info["hidden_size"], itemsize
         )
+        saes = tracked.saes
+        if saes is not None:
+            bound += features_bytes_bound(rows * completions, len(saes.names), saes.k)
         if bound > self.max_response_bytes:
+            features = f", {len(saes.names)} SAE(s) x top-{saes.k}" if saes is not None else ""
             raise CaptureConfigError(
-                f"This request could return up to {bound / MiB:.1f} MiB of hidden states "
-                f"({len(config.layers)} layer(s) x {rows} rows x {completions} completion(s) x "
-                f"{info['hidden_size']} values), over this server's cap of "
-                f"{self.max_response_bytes / MiB:.1f} MiB (--max-capture-response-mb). Ask for "
-                "fewer layers or max_tokens, or leave include_prefill off."
+                f"This request could return up to {bound / MiB:.1f} MiB of hidden states and "
+                f"SAE features ({len(config.layers)} layer(s){features} x {rows} rows x "
+                f"{completions} completion(s); {info['hidden_size']} values a row), over this "
+                f"server's cap of {self.max_response_bytes / MiB:.1f} MiB "
+                "(--max-capture-response-mb). Ask for fewer layers, SAEs, sae_top_k or "
+                "max_tokens, or leave include_prefill off."
             )
 
     def _refuse(self, message: str) -> Any:

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from probehook.adapter.frontend.async_engine import AsyncLLM
     from probehook.adapter.frontend.offline import LLM
     from probehook.capture_config import CaptureConfig
-    from probehook.core.monitors import ProbeMonitor
+    from probehook.core.monitors import FeatureMonitor, ProbeMonitor
     from probehook.frontend.fill import FailedCapture
     from probehook.outputs.array_codec import decode_array
     from probehook.probes import LinearProbe
@@ -49,6 +49,7 @@ _LAZY = {
     "StoredRequest": ("probehook.store", "StoredRequest"),
     "LinearProbe": ("probehook.probes", "LinearProbe"),
     "ProbeMonitor": ("probehook.core.monitors", "ProbeMonitor"),
+    "FeatureMonitor": ("probehook.core.monitors", "FeatureMonitor"),
     "SteeringVector": ("probehook.steering", "SteeringVector"),
     "SAE": ("probehook.saes", "SAE"),
     "SAEFeatures": ("probehook.saes", "SAEFeatures"),
@@ -66,6 +67,7 @@ __all__ = [
     "StoredRequest",
     "LinearProbe",
     "ProbeMonitor",
+    "FeatureMonitor",
     "SteeringVector",
     "SAE",
     "SAEFeatures",

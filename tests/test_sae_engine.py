@@ -141,6 +141,50 @@ def test_features_are_stored_without_rows(sae_llm, store_dir: Path, sae_dirs) ->
     assert (saes["res3"]["layer"], saes["res3"]["k"], saes["res1"]["d_sae"]) == (3, TOP_K, 512)
 
 
+def test_feature_monitors_flag_and_stop(sae_llm) -> None:
+    """A flag monitor lists the decode rows where the feature crosses (as the returned
+    features show it); a stop monitor ends the completion at the first, in the worker, with
+    the feature named; both per request, on an SAE the request reads."""
+    from probehook import SamplingParams
+
+    def run(monitors: list | None = None, max_tokens: int = 10) -> Any:
+        options: dict[str, Any] = {"saes": ["res1"]}
+        if monitors is not None:
+            options["monitors"] = monitors
+        params = SamplingParams(
+            max_tokens=max_tokens, temperature=0, ignore_eos=True, extra_args={"probehook": options}
+        )
+        return sae_llm.generate([PROMPTS[2]], params)[0].outputs[0]
+
+    plain = run()
+    features = plain.sae_features["res1"]
+    # A feature whose activation first rises above everything before it at row j >= 2.
+    found = None
+    for j in range(2, len(features)):
+        for feature in features.indices[j].tolist():
+            if feature < 0:
+                continue
+            values = features.activation(feature)
+            threshold = float(values[:j].max())
+            if float(values[j]) > threshold + 1e-2:
+                found = (j, feature, threshold + 5e-3)
+                break
+        if found:
+            break
+    assert found is not None, "no feature rises mid-generation"
+    j, feature, threshold = found
+    key = f"res1:{feature}"
+    watch = {"sae": "res1", "feature": feature, "threshold": threshold}
+    flagged = run([{**watch, "action": "flag"}])
+    assert list(flagged.token_ids) == list(plain.token_ids)
+    expected = [i for i, v in enumerate(features.activation(feature).tolist()) if v > threshold]
+    assert flagged.feature_flags == {key: expected} and expected[0] == j
+    stopped = run([{**watch, "action": "stop"}])
+    assert len(stopped.token_ids) == j + 1 and stopped.finish_reason == "stop"
+    assert stopped.stop_reason == f"feature:{key}"
+    assert list(stopped.token_ids[:j]) == list(plain.token_ids[:j])
+
+
 def test_bad_sae_requests_fail_before_generation(sae_llm) -> None:
     from probehook import SAEError, SamplingParams
 
@@ -149,6 +193,12 @@ def test_bad_sae_requests_fail_before_generation(sae_llm) -> None:
         ({"sae_top_k": TOP_K + 1}, "over the engine's sae_top_k"),
         ({"sae_top_k": 0}, "positive int"),
         ({"saes": "res1"}, "list of SAE names"),
+        (
+            {"saes": ["res1"], "monitors": [{"sae": "res2", "feature": 1, "threshold": 0}]},
+            "does not read",
+        ),
+        ({"monitors": [{"sae": "res1", "feature": 512, "threshold": 0}]}, "out of range"),
+        ({"monitors": [{"sae": "res1", "feature": 1}]}, "'threshold' required"),
     ]:
         with pytest.raises(ValueError, match=match) as error:
             sae_llm.generate(

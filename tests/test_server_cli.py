@@ -23,6 +23,8 @@ def flags(**overrides: object) -> argparse.Namespace:
         steer=[],
         steering_layers=None,
         steering_capacity=64,
+        sae=[],
+        sae_top_k=32,
     )
     return argparse.Namespace(**{**values, **overrides})
 
@@ -36,6 +38,8 @@ def test_flags_become_async_llm_arguments() -> None:
     steering = capture_kwargs(flags(steer=["up=up.st"], steering_layers="2", steering_capacity=8))
     assert steering["steering"] == {"up": "up.st"} and steering["steering_layers"] == [2]
     assert steering["steering_capacity"] == 8
+    saes = capture_kwargs(flags(sae=["res3=saes/l3"], sae_top_k=8))
+    assert saes["saes"] == {"res3": "saes/l3"} and saes["sae_top_k"] == 8
 
 
 def test_monitor_specs() -> None:
@@ -64,6 +68,8 @@ def test_monitor_specs() -> None:
         ({"steer": ["a=x", "a=y"]}, "--steer a is given twice"),
         ({"steering_capacity": 0}, "--steering-capacity must be a positive"),
         ({"steering_layers": "x"}, "comma-separated ints"),
+        ({"sae": ["res3"]}, r"--sae 'res3' must be NAME=PATH"),
+        ({"sae_top_k": 0}, "--sae-top-k must be a positive"),
     ],
 )
 def test_bad_flags_exit_with_a_message(overrides: dict, message: str) -> None:

@@ -25,6 +25,8 @@ from probehook.errors import CaptureConfigError
 ACTIONS = ("stop", "flag", "steer")
 DIRECTIONS = ("above", "below")
 STOP_REASON_PREFIX = "probe:"
+FEATURE_STOP_PREFIX = "feature:"
+FEATURE_ACTIONS = ("stop", "flag")
 
 
 @dataclass(frozen=True)
@@ -115,6 +117,64 @@ class ProbeMonitor:
             f"{value!r} is not a monitor: pass probehook.ProbeMonitor(...) or a dict with "
             "'probe' and 'threshold'."
         )
+
+
+@dataclass(frozen=True)
+class FeatureMonitor:
+    """Stop or flag generation when feature ``feature`` of SAE ``sae`` crosses ``threshold``.
+
+    The watched value is the feature's activation as the request's features show it: its
+    value where it is among the token's top-k (the engine's ``sae_top_k``), 0 where it is not.
+    The same rule as :class:`ProbeMonitor`, on the same rows (each decode row: the state that
+    produces the next token): ``"stop"`` ends the completion at the first crossing (its
+    ``stop_reason`` is ``"feature:<sae>:<feature>"``), ``"flag"`` lists every crossing row in
+    ``CompletionOutput.feature_flags["<sae>:<feature>"]``.
+    """
+
+    sae: str
+    feature: int
+    threshold: float
+    action: str = "flag"
+    direction: str = "above"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.sae, str) or not self.sae:
+            raise CaptureConfigError(f"FeatureMonitor sae={self.sae!r} must be an SAE name.")
+        if isinstance(self.feature, bool) or not isinstance(self.feature, int | np.integer):
+            raise CaptureConfigError(
+                f"FeatureMonitor feature={self.feature!r} must be a feature index (an int)."
+            )
+        object.__setattr__(self, "feature", int(self.feature))
+        if self.feature < 0:
+            raise CaptureConfigError(f"FeatureMonitor feature={self.feature} is negative.")
+        if self.action not in FEATURE_ACTIONS:
+            raise CaptureConfigError(
+                f"FeatureMonitor action={self.action!r} is not valid; choose one of "
+                f"{FEATURE_ACTIONS}."
+            )
+        if self.direction not in DIRECTIONS:
+            raise CaptureConfigError(
+                f"FeatureMonitor direction={self.direction!r} is not valid; choose one of "
+                f"{DIRECTIONS}."
+            )
+        if isinstance(self.threshold, bool) or not isinstance(self.threshold, int | float):
+            raise CaptureConfigError(
+                f"FeatureMonitor threshold={self.threshold!r} must be a number."
+            )
+        if not math.isfinite(float(self.threshold)):
+            raise CaptureConfigError(f"FeatureMonitor threshold={self.threshold!r} must be finite.")
+
+    @property
+    def key(self) -> str:
+        """Its name in ``feature_flags``: ``"<sae>:<feature>"``."""
+        return f"{self.sae}:{self.feature}"
+
+    @property
+    def stop_reason(self) -> str:
+        return FEATURE_STOP_PREFIX + self.key
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
 
 
 def crosses(values: np.ndarray, threshold: float, direction: str) -> np.ndarray:

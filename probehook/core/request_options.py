@@ -23,7 +23,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from probehook.capture_config import CaptureConfig, as_int
-from probehook.core.monitors import ProbeMonitor, steer_terms
+from probehook.core.monitors import FeatureMonitor, ProbeMonitor, steer_terms
 from probehook.errors import CaptureConfigError
 
 EXTRA_ARGS_KEY = "probehook"
@@ -84,8 +84,9 @@ class RequestOptions:
     last_decode_token: bool | None = None
     probes: tuple[str, ...] | bool | None = None
     """None or True: all engine probes; False: none; names: those."""
-    monitors: tuple[ProbeMonitor, ...] | None = None
-    """None: the engine's monitors of the probes the request gets; a tuple replaces them."""
+    monitors: tuple[ProbeMonitor | FeatureMonitor, ...] | None = None
+    """None: the engine's monitors of the probes and SAEs the request gets; a tuple replaces
+    them."""
     steer: tuple[tuple[str, float], ...] | None = None
     """Steering vector names and scales, as sorted ``(name, scale)`` pairs."""
     steer_phase: str | None = None
@@ -201,17 +202,21 @@ def _user_names(key: str, value: Any, what: str) -> tuple[str, ...] | bool:
     return tuple(value)
 
 
-def _user_monitors(value: Any) -> tuple[ProbeMonitor, ...]:
-    if isinstance(value, Mapping | ProbeMonitor):
+def _user_monitors(value: Any) -> tuple[ProbeMonitor | FeatureMonitor, ...]:
+    if isinstance(value, Mapping | ProbeMonitor | FeatureMonitor):
         value = [value]
     if not _is_list(value):
         raise _bad(
             "monitors",
             value,
-            "pass a list of probehook.ProbeMonitor or dicts with 'probe' and 'threshold'",
+            "pass a list of probehook.ProbeMonitor / FeatureMonitor or dicts with 'probe' (or "
+            "'sae' and 'feature') and 'threshold'",
         )
-    monitors = []
+    monitors: list[ProbeMonitor | FeatureMonitor] = []
     for i, item in enumerate(value):
+        if isinstance(item, FeatureMonitor) or isinstance(item, Mapping) and "sae" in item:
+            monitors.append(_feature_monitor(i, item))
+            continue
         if isinstance(item, Mapping):
             missing = [f for f in ("probe", "threshold") if f not in item]
             if missing:
@@ -225,6 +230,23 @@ def _user_monitors(value: Any) -> tuple[ProbeMonitor, ...]:
         except CaptureConfigError as e:
             raise CaptureConfigError(f"probehook option monitors[{i}]: {e}") from None
     return tuple(monitors)
+
+
+def _feature_monitor(i: int, item: Any) -> FeatureMonitor:
+    if isinstance(item, FeatureMonitor):
+        return item
+    known = ("sae", "feature", "threshold", "action", "direction")
+    unknown = sorted(map(str, set(item) - set(known)))
+    missing = [f for f in ("sae", "feature", "threshold") if f not in item]
+    if unknown or missing:
+        raise CaptureConfigError(
+            f"probehook option monitors[{i}]={_show(dict(item))}: a feature monitor has fields "
+            f"{list(known)} ('sae', 'feature' and 'threshold' required)."
+        )
+    try:
+        return FeatureMonitor(**item)
+    except CaptureConfigError as e:
+        raise CaptureConfigError(f"probehook option monitors[{i}]: {e}") from None
 
 
 # -- what the worker receives -----------------------------------------------------------------
@@ -295,6 +317,9 @@ class RequestWire:
     sae_top_k: int | None = None
     """Features the request keeps per token (the worker computes the engine's k; the front
     end cuts them to this)."""
+    feature_monitors: tuple[tuple[FeatureMonitor, int], ...] = ()
+    """The engine's feature monitors of the SAEs the request reads, each with its SAE's slot
+    in the worker's bank (where the stop processor finds the feature's value)."""
 
     def to_wire(self) -> WireDict:
         wire = WireDict(
@@ -317,6 +342,10 @@ class RequestWire:
         if self.saes:
             wire["saes"] = list(self.saes)
             wire["sae_top_k"] = self.sae_top_k
+        if self.feature_monitors:
+            wire["feature_monitors"] = [
+                {**m.to_dict(), "slot": slot} for m, slot in self.feature_monitors
+            ]
         return wire
 
     @classmethod
@@ -328,6 +357,7 @@ class RequestWire:
             return None
         known = {"tag", "n", "stream", "probes", "monitors", "stop_token", "record", PLAN_KEY}
         known.update(SAE_KEYS)
+        known.add("feature_monitors")
         known.update(STEER_KEYS)
         unknown = [k for k in value if k not in known and k not in CAPTURE_KEYS]
         if unknown:
@@ -358,6 +388,18 @@ class RequestWire:
         saes = value.get("saes", [])
         if not _is_list(saes) or not all(isinstance(p, str) and p for p in saes):
             raise CaptureConfigError(f"saes={_show(saes)} is not a list of names")
+        feature_monitors = []
+        for m in value.get("feature_monitors", []):
+            if not isinstance(m, Mapping):
+                raise CaptureConfigError(f"feature monitor {_show(m)} is not a dict")
+            slot = as_int(m.get("slot"))
+            if slot is None or slot < 0:
+                raise CaptureConfigError(f"feature monitor slot={_show(m.get('slot'))}")
+            fields_ = {k: v for k, v in m.items() if k != "slot"}
+            try:
+                feature_monitors.append((FeatureMonitor(**fields_), slot))
+            except TypeError as e:
+                raise CaptureConfigError(f"feature monitor {_show(m)}: {e}") from None
         top_k = value.get("sae_top_k")
         if top_k is not None and (isinstance(top_k, bool) or as_int(top_k) is None or top_k < 1):
             raise CaptureConfigError(f"sae_top_k={_show(top_k)} is not a positive int")
@@ -400,6 +442,7 @@ class RequestWire:
             phase,
             tuple(saes),
             None if top_k is None else int(top_k),
+            tuple(feature_monitors),
         )
 
 

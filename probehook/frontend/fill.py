@@ -33,6 +33,7 @@ import torch
 
 from probehook.capture_config import CaptureConfig
 from probehook.core.export_wire import BatchAsk, BatchReport, SpanReport, stream_id
+from probehook.core.monitors import crossings
 from probehook.core.spans import completion_spans
 from probehook.frontend.sources import Sources
 from probehook.outputs import OUTPUT_PROCESSORS
@@ -104,6 +105,8 @@ class OutputPlan:
     slots: list[Slot]
     scored: list[Scored]
     gate_started: dict[int, int]
+    before: dict[int, int] = dataclasses.field(default_factory=dict)
+    """Completion index -> tokens earlier outputs of a delta stream already held."""
 
     def needs(self) -> Iterator[Need]:
         """Every row range to fetch, slots first (in output order), then flag scores."""
@@ -157,6 +160,7 @@ def plan(
         index = completion.index
         before = progress.seen.get(index, 0) if delta else 0  # type: ignore[union-attr]
         total = before + len(completion.token_ids)
+        planned.before[index] = before
         if progress is not None:
             progress.seen[index] = total
         # total == 0: an early abort; the output holds nothing computed, so no rows are
@@ -212,6 +216,8 @@ def apply(planned: OutputPlan, got: Mapping[Need, Any], sources: Sources) -> Non
     for scored in planned.scored:
         _act_on_scores(planned, scored, got, probes)
         _gate_start(planned, scored, probes)
+    if request.saes is not None and request.saes.monitors:
+        _act_on_features(planned)
     mirror_first_completion(output)
 
 
@@ -358,6 +364,37 @@ def _act_on_scores(
     completion.probe_flags = flags
     if stop_reason is not None:
         completion.stop_reason = stop_reason
+
+
+def _act_on_features(planned: OutputPlan) -> None:
+    """Feature monitors' flags (rows of the whole decode, only this output's in a delta
+    stream) and the stop reason of a completion a feature stop monitor ended, from the
+    features the output holds (the worker watched the same values)."""
+    request = planned.request
+    assert request.saes is not None
+    finished = getattr(planned.output, "finished", True)
+    for completion in planned.output.outputs:
+        features = completion.sae_features
+        if isinstance(features, FailedCapture) or not features:
+            continue
+        before = planned.before.get(completion.index, 0)
+        stopped = finished and ended_on_stop_token(request, completion)
+        flags: dict[str, list[int]] = {}
+        for monitor in request.saes.monitors:
+            got = features.get(monitor.sae)
+            if got is None or len(got) == 0:
+                continue
+            values = got.activation(monitor.feature).numpy()
+            if monitor.action == "flag":
+                found = crossings(values, monitor.threshold, monitor.direction)
+                flags[monitor.key] = [before + i for i in found]
+            elif (
+                stopped
+                and not isinstance(completion.stop_reason, str)  # a probe named it already
+                and crossings(values[-1:], monitor.threshold, monitor.direction)
+            ):
+                completion.stop_reason = monitor.stop_reason
+        completion.feature_flags = flags
 
 
 def _gate_start(planned: OutputPlan, scored: Scored, probes: ProbeSet | None) -> None:

@@ -116,7 +116,9 @@ class ProbeSet:
         if options.monitors is None:
             monitors = tuple(m for m in self.monitors if m.probe in names)
         else:
-            monitors = tuple(self.check_monitor(m) for m in options.monitors)
+            monitors = tuple(
+                self.check_monitor(m) for m in options.monitors if isinstance(m, ProbeMonitor)
+            )
             missing = sorted({m.probe for m in monitors} - set(names))
             if missing:
                 raise CaptureConfigError(

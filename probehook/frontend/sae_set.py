@@ -6,12 +6,13 @@ before it reaches the engine, and the worker's packed rows turned into
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from probehook.core.monitors import FeatureMonitor
 from probehook.core.request_options import RequestOptions
 from probehook.frontend.named import load_named
 from probehook.saes import SAE, SAEError, SAEFeatures
@@ -22,20 +23,33 @@ DEFAULT_TOP_K = 32
 
 @dataclass(frozen=True)
 class RequestSAEs:
-    """The SAEs one request reads, and the features it keeps per token."""
+    """The SAEs one request reads, the features it keeps per token, and the feature
+    monitors that watch it."""
 
     names: tuple[str, ...]
     k: int
+    monitors: tuple[FeatureMonitor, ...] = ()
+
+    @property
+    def stops(self) -> bool:
+        return any(m.action == "stop" for m in self.monitors)
 
 
 class SAESet:
     """An engine's SAEs by name and its top-k (the most features a request may keep)."""
 
     def __init__(
-        self, saes: Mapping[str, SAE], top_k: int, *, num_layers: int, hidden_size: int
+        self,
+        saes: Mapping[str, SAE],
+        top_k: int,
+        monitors: Sequence[FeatureMonitor] = (),
+        *,
+        num_layers: int,
+        hidden_size: int,
     ) -> None:
         self.saes = dict(saes)
         self.k = check_top_k(top_k, "sae_top_k")
+        self.monitors = tuple(self._check_monitor(m) for m in monitors)
         for name, sae in self.saes.items():
             sae.check_model(hidden_size, num_layers, name)
             if sae.path is None:
@@ -44,6 +58,24 @@ class SAESet:
                     "Load it with SAE.load(folder)."
                 )
         self.layers = tuple(sorted({sae.layer for sae in self.saes.values()}))
+
+    def _check_monitor(self, monitor: FeatureMonitor) -> FeatureMonitor:
+        sae = self.saes.get(monitor.sae)
+        if sae is None:
+            raise SAEError(
+                f"FeatureMonitor names SAE {monitor.sae!r}, which this engine does not have; "
+                f"its SAEs are {sorted(self.saes)}."
+            )
+        if monitor.feature >= sae.d_sae:
+            raise SAEError(
+                f"FeatureMonitor feature={monitor.feature} is out of range: SAE "
+                f"{monitor.sae!r} has {sae.d_sae} features (0..{sae.d_sae - 1})."
+            )
+        return monitor
+
+    def slot(self, name: str) -> int:
+        """The SAE's index in the worker's bank (the loader keeps this order)."""
+        return list(self.saes).index(name)
 
     def loader_settings(self) -> dict[str, Any]:
         """What the workers' model loader reads the SAEs from (folders, not weights)."""
@@ -92,7 +124,19 @@ class SAESet:
                 f"Per-request sae_top_k={k} is over the engine's sae_top_k={self.k}; ask for "
                 f"at most {self.k}, or build the engine with a larger sae_top_k."
             )
-        return RequestSAEs(names, k)
+        if options.monitors is None:
+            monitors = tuple(m for m in self.monitors if m.sae in names)
+        else:  # the request's own replace the engine's
+            monitors = tuple(
+                self._check_monitor(m) for m in options.monitors if isinstance(m, FeatureMonitor)
+            )
+            off = sorted({m.sae for m in monitors} - set(names))
+            if off:
+                raise SAEError(
+                    f"This request's feature monitors watch SAE(s) {off}, which the request "
+                    f"does not read (saes={list(names)}); add them to its saes."
+                )
+        return RequestSAEs(names, k, monitors)
 
     def features(self, packed: torch.Tensor, request: RequestSAEs) -> dict[str, SAEFeatures]:
         """``[len(request.names), n, 2K + 1]`` packed rows -> one :class:`SAEFeatures` per

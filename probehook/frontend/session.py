@@ -39,6 +39,7 @@ import torch
 
 from probehook.capture_config import CaptureConfig
 from probehook.core.export_wire import ExportReply, SpanReport, StreamAsk, stream_id
+from probehook.core.monitors import ProbeMonitor
 from probehook.core.request_options import (
     EXTRA_ARGS_KEY,
     PLAN_KEY,
@@ -195,12 +196,14 @@ class CaptureSession:
         config = self.config.narrow(options.capture())
         probes = self.probes.for_request(options) if self.probes is not None else None
         saes = self.saes.for_request(options) if self.saes is not None else None
-        if saes is None and options.saes not in (None, False, ()):
+        probe_monitors = [m for m in options.monitors or () if isinstance(m, ProbeMonitor)]
+        feature_monitors = len(options.monitors or ()) - len(probe_monitors)
+        if saes is None and (options.saes not in (None, False, ()) or feature_monitors):
             raise CaptureConfigError(
-                "This request sets saes, but the engine has no SAEs; build the LLM with "
-                "saes={name: SAE or folder}."
+                "This request sets saes (or feature monitors), but the engine has no SAEs; "
+                "build the LLM with saes={name: SAE or folder}."
             )
-        asks_for_probes = options.probes not in (None, False, ()) or options.monitors
+        asks_for_probes = options.probes not in (None, False, ()) or probe_monitors
         if probes is None and asks_for_probes:
             raise CaptureConfigError(
                 "This request sets probes/monitors, but the engine has no probes; build the LLM "
@@ -234,12 +237,15 @@ class CaptureSession:
                 monitors=self._wire(probes, tagged)
                 if probes is not None and config is not None
                 else (),
-                stop_token=self.stop_token if probes is not None and probes.stops else None,
+                stop_token=self.stop_token if _stops(probes, saes) else None,
                 record=record,
                 steer=steer.terms if steer is not None else (),
                 steer_phase=steer.phase if steer is not None else "both",
                 saes=saes.names if saes is not None and config is not None else (),
                 sae_top_k=saes.k if saes is not None and config is not None else None,
+                feature_monitors=self._feature_wire(saes, tagged)
+                if saes is not None and config is not None
+                else (),
             )
             extra = with_wire(extra, wire.to_wire())
             setattr(tagged, field, extra)
@@ -254,7 +260,7 @@ class CaptureSession:
                 config,
                 wired,
                 self.describe(tagged) if wired is not None else None,
-                stops=config is not None and probes is not None and probes.stops,
+                stops=config is not None and _stops(probes, saes),
             )
         return tagged
 
@@ -309,13 +315,24 @@ class CaptureSession:
         one of the request's stop tokens, so that vLLM ends it when the worker forces it."""
         assert self.probes is not None
         if probes.stops:
-            if self.stop_token is None:
-                raise CaptureConfigError(
-                    "A stop monitor needs the model's EOS token id, and this tokenizer has "
-                    "none; use action='flag'."
-                )
-            params.stop_token_ids = sorted({*(params.stop_token_ids or []), self.stop_token})
+            self._add_stop_token(params)
         return self.probes.wire_monitors(probes)
+
+    def _feature_wire(self, saes: RequestSAEs, params: Any) -> tuple[tuple[Any, int], ...]:
+        """The request's feature monitors for the worker, each with its SAE's bank slot; a
+        stop monitor makes the model's EOS a stop token of the request, as for probes."""
+        assert self.saes is not None
+        if saes.stops:
+            self._add_stop_token(params)
+        return tuple((m, self.saes.slot(m.sae)) for m in saes.monitors)
+
+    def _add_stop_token(self, params: Any) -> None:
+        if self.stop_token is None:
+            raise CaptureConfigError(
+                "A stop monitor needs the model's EOS token id, and this tokenizer has "
+                "none; use action='flag'."
+            )
+        params.stop_token_ids = sorted({*(params.stop_token_ids or []), self.stop_token})
 
     def register(self, request_id: str, engine_id: str, params: Any) -> None:
         """Remember a request the engine accepted (``params`` as returned by :meth:`tag`)."""
@@ -352,7 +369,8 @@ class CaptureSession:
             probes = RequestProbes(wire.probes, monitors)
         saes = None
         if self.saes is not None and wire.saes:
-            saes = RequestSAEs(wire.saes, wire.sae_top_k or self.saes.k)
+            monitors = tuple(m for m, _ in wire.feature_monitors)
+            saes = RequestSAEs(wire.saes, wire.sae_top_k or self.saes.k, monitors)
         captures = bool(wire.config.layers) or bool(wire.probes) or saes is not None
         return TrackedRequest(
             wire.tag,
@@ -360,7 +378,7 @@ class CaptureSession:
             wire.config if captures else None,
             sampling,
             probes,
-            self.stop_token if probes is not None and probes.stops else None,
+            self.stop_token if _stops(probes, saes) else None,
             dict(wire.record) if wire.record is not None else None,
             self._steering_of(wire),
             saes,
@@ -481,6 +499,11 @@ class CaptureSession:
 
     def close(self) -> None:
         self.spool.remove()
+
+
+def _stops(probes: RequestProbes | None, saes: RequestSAEs | None) -> bool:
+    """Whether a stop monitor (of a probe or of an SAE feature) watches the request."""
+    return (probes is not None and probes.stops) or (saes is not None and saes.stops)
 
 
 def options_of(params: Any) -> RequestOptions:

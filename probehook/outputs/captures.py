@@ -90,6 +90,16 @@ class ProbeFlags(OutputProcessor):
         return out
 
 
+class FeatureFlags(OutputProcessor):
+    """The rows where a feature monitor's threshold was crossed, by ``"<sae>:<feature>"``."""
+
+    name: ClassVar[str] = "feature_flags"
+    completion_attributes = ("feature_flags",)
+
+    def merge(self, pieces: list[dict[str, list[int]]]) -> dict[str, list[int]]:
+        return ProbeFlags().merge(pieces)
+
+
 class Steering(OutputProcessor):
     """Which steering applied to a completion: ``{"vectors": {name: scale}, "phase", "start"}``
     (plus ``"gate"`` for probe-gated steering); None when it was not steered. Online the same
@@ -105,4 +115,4 @@ class Steering(OutputProcessor):
         return pieces[-1]  # every piece describes the whole completion; the last is newest
 
 
-BUILTIN = (HiddenStates, ProbeScores, SAEFeatureSets, ProbeFlags, Steering)
+BUILTIN = (HiddenStates, ProbeScores, SAEFeatureSets, ProbeFlags, FeatureFlags, Steering)

@@ -18,6 +18,7 @@ import torch
 from probehook._version import __version__ as probehook_version
 from probehook.adapter.frontend import engine_config, outputs
 from probehook.capture_config import CaptureConfig, LayerSpec, resolve_layers
+from probehook.core.monitors import FeatureMonitor
 from probehook.core.steering_wire import DEFAULT_CAPACITY, vector_wire
 from probehook.errors import CaptureConfigError, CaptureError
 from probehook.frontend.named import load_named
@@ -77,9 +78,15 @@ class CaptureRequest:
                 f"steering= has {len(self.steering)} vectors, more than steering_capacity="
                 f"{self.steering_capacity}; raise steering_capacity."
             )
-        if self.monitors and self.probes is None:
+        watched = [isinstance(m, FeatureMonitor) for m in self.monitors or ()]
+        if not all(watched) and self.probes is None:
             raise CaptureConfigError(
                 "monitors= watch probes, but no probes were given; pass probes={...}."
+            )
+        if any(watched) and self.saes is None:
+            raise CaptureConfigError(
+                "monitors= has FeatureMonitors, which watch SAE features, but no SAEs were "
+                "given; pass saes={...}."
             )
         if self.layers is None and self.probes is None and self.saes is None:
             if self.store is not None:
@@ -169,16 +176,18 @@ def prepare(
     if probes is not None:
         probe_set = ProbeSet(
             probes,
-            list(request.monitors or ()),
+            [m for m in request.monitors or () if not isinstance(m, FeatureMonitor)],
             num_layers=num_layers,
             hidden_size=resolved.model_config.get_hidden_size(),
             model_fingerprint=fingerprint["fingerprint"],
         )
     sae_set = None
+    feature_monitors = [m for m in request.monitors or () if isinstance(m, FeatureMonitor)]
     if request.saes is not None:
         sae_set = SAESet(
             request.saes,
             request.sae_top_k,
+            feature_monitors,
             num_layers=num_layers,
             hidden_size=resolved.model_config.get_hidden_size(),
         )
@@ -229,7 +238,8 @@ def prepare(
         # Capture-only: nothing after the deepest tapped layer is computed.
         exit_after=max((*config.layers, *read_layers)) if request.capture_only else None,
         saes=sae_set.loader_settings() if sae_set is not None else None,
-        monitored=probe_set is not None,
+        # Requests may bring their own monitors: whenever probes or SAEs can be watched.
+        monitored=probe_set is not None or sae_set is not None,
     )
     legacy = legacy_fingerprint(hf_config)  # only compared with pre-v2 stores
     store = os.fspath(request.store) if request.store is not None else None
@@ -318,7 +328,7 @@ def start(
         abort=abort,
         decorate=outputs.decorate,
         probes=setup.probes,
-        stop_token=stop_token if setup.probes is not None else None,
+        stop_token=stop_token if setup.probes is not None or setup.saes is not None else None,
         steering=setup.steering,
         saes=setup.saes,
     )

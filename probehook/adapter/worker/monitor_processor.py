@@ -1,4 +1,4 @@
-"""The ``stop`` action of probe monitors, as a vLLM V1 custom logits processor.
+"""The ``stop`` action of probe and feature monitors, as a vLLM V1 custom logits processor.
 
 It runs in the worker after ``compute_logits``, in the same step and process as the step hook
 that scored the batch, so it reads this step's scores: for a request whose monitor crosses its
@@ -15,12 +15,13 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 from vllm.v1.sample.logits_processor.builtin import process_dict_updates
 
 from probehook.adapter.worker import probe_registry
-from probehook.core.monitors import crosses
+from probehook.core.monitors import FeatureMonitor, crosses
 from probehook.core.request_options import EXTRA_ARGS_KEY, RequestWire, WireMonitor
 
 logger = logging.getLogger(__name__)
@@ -29,6 +30,7 @@ logger = logging.getLogger(__name__)
 @dataclass
 class _Watch:
     stops: list[WireMonitor]  # the request's monitors with action "stop"
+    feature_stops: list[tuple[FeatureMonitor, int]]  # with their SAE's bank slot
     stop_token: int
     min_tokens: int
     output_ids: list[int]  # vLLM's live list of the request's generated tokens
@@ -50,30 +52,60 @@ class ProbeStopProcessor(LogitsProcessor):
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         if not self.watches:
             return logits
-        probes = probe_registry.lookup(self.vllm_config)
-        scorer = probes.hook.scorer if probes is not None else None
-        step = scorer.step_rows if scorer is not None else None
-        if step is None:
+        entry = probe_registry.lookup(self.vllm_config)
+        if entry is None:
             return logits
-        scores = None  # this step's scores on the host, copied once (one sync on a GPU)
+        scores = _StepValues(entry.hook.scorer)
+        features = _StepValues(entry.hook.sae_recorder)
         for index, watch in self.watches.items():
-            if index >= len(step.last_row) or step.last_row[index] < 0:
-                continue
             if len(watch.output_ids) < watch.min_tokens or watch.stop_token >= logits.shape[1]:
                 continue  # vLLM would not stop it yet; the forced token would be kept
-            if scores is None:
-                scores = step.rows[0].cpu().numpy()
-            row = scores[int(step.last_row[index])]
-            for wired in watch.stops:
-                if wired.column >= len(row):
-                    continue  # a column this bank does not have (a wire that skipped checks)
-                value = float(row[wired.column])
-                monitor = wired.monitor
-                if crosses(value, monitor.threshold, monitor.direction):
-                    logits[index] = float("-inf")
-                    logits[index, watch.stop_token] = 0.0
-                    break
+            if _crossed(watch, index, scores, features):
+                logits[index] = float("-inf")
+                logits[index, watch.stop_token] = 0.0
         return logits
+
+
+class _StepValues:
+    """A recorder's rows of this step on the host, copied at the first use (one sync on a
+    GPU), and the row of each request's last token."""
+
+    def __init__(self, recorder: Any) -> None:
+        self.step = recorder.step_rows if recorder is not None else None
+        self._host: Any = None
+
+    def row(self, index: int, slot: int) -> Any:
+        """Batch entry ``index``'s last row in slot ``slot`` (None: not kept this step)."""
+        step = self.step
+        if step is None or index >= len(step.last_row) or step.last_row[index] < 0:
+            return None
+        if self._host is None:
+            self._host = step.rows.cpu().numpy()
+        if slot >= self._host.shape[0]:
+            return None  # a slot this bank does not have (a wire that skipped checks)
+        return self._host[slot, int(step.last_row[index])]
+
+
+def _crossed(watch: _Watch, index: int, scores: _StepValues, features: _StepValues) -> bool:
+    """Whether a stop monitor of the request crossed on this step's last row."""
+    if watch.stops:
+        row = scores.row(index, 0)
+        for wired in watch.stops if row is not None else ():
+            if wired.column >= len(row):
+                continue  # a column this bank does not have (a wire that skipped checks)
+            monitor = wired.monitor
+            if crosses(float(row[wired.column]), monitor.threshold, monitor.direction):
+                return True
+    for monitor, slot in watch.feature_stops:
+        packed = features.row(index, slot)
+        if packed is None:
+            continue
+        k = (len(packed) - 1) // 2
+        hit = np.flatnonzero(packed[:k] == monitor.feature)
+        value = float(packed[k + hit[0]]) if len(hit) else 0.0  # not among the top k: 0
+        if crosses(value, monitor.threshold, monitor.direction):
+            return True
+    return False
 
 
 def _watch(params: Any, prompt_ids: list[int] | None, output_ids: list[int]) -> _Watch | None:
@@ -86,9 +118,11 @@ def _watch(params: Any, prompt_ids: list[int] | None, output_ids: list[int]) -> 
         if wire is None or wire.stop_token is None:
             return None
         stops = [m for m in wire.monitors if m.monitor.action == "stop"]
-        if not stops:
+        feature_stops = [(m, slot) for m, slot in wire.feature_monitors if m.action == "stop"]
+        if not stops and not feature_stops:
             return None
-        return _Watch(stops, wire.stop_token, int(params.min_tokens or 0), output_ids)
+        min_tokens = int(params.min_tokens or 0)
+        return _Watch(stops, feature_stops, wire.stop_token, min_tokens, output_ids)
     except Exception as e:  # noqa: BLE001
         logger.warning("probehook: not watching a request with unreadable options: %s", e)
         return None

@@ -1,4 +1,5 @@
-"""Where the monitor logits processor finds this worker's probe scores.
+"""Where the monitor logits processor finds this worker's step hook (its probe scores and SAE
+features of the step).
 
 vLLM builds logits processors with ``(vllm_config, device, is_pin_memory)`` and no handle to
 the model, so the worker registers its step hook here, keyed by the engine's ``VllmConfig``
@@ -17,14 +18,14 @@ from probehook.worker.probe_bank import ProbeBank
 @dataclass
 class WorkerProbes:
     hook: StepHook
-    bank: ProbeBank
+    bank: ProbeBank | None
 
 
 _by_config: dict[int, WorkerProbes] = {}  # by id(VllmConfig)
 _latest: list[WorkerProbes] = []
 
 
-def register(vllm_config: Any, hook: StepHook, bank: ProbeBank) -> None:
+def register(vllm_config: Any, hook: StepHook, bank: ProbeBank | None) -> None:
     entry = WorkerProbes(hook, bank)
     _by_config[id(vllm_config)] = entry
     _latest[:] = [entry]

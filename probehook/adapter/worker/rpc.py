@@ -62,9 +62,9 @@ def _recorder(hook: StepHook, source: str) -> StepRecorder | None:
     return next((r for r in hook.recorders() if r.source == source), None)
 
 
-EVERY_RANK = ("scores",)
+EVERY_RANK = ("scores", "sae")
 """Sources every rank records (each rank samples, so a monitor's stop must be forced on all
-alike); the others are recorded by rank 0 alone."""
+alike; SAEs are replicated on every rank); hidden rows are recorded by rank 0 alone."""
 
 
 def _answers(worker: Any, source: str) -> bool:
@@ -89,6 +89,7 @@ class ProbehookWorkerExtension:
         runner_v1.check_runner(runner)
         steer = _steering(hook, steering) if hook.steering is not None else None
         steerable = steer.bank.rows.__contains__ if steer is not None else None
+        bank: ProbeBank | None = None
         if probes:
             bank = ProbeBank([ProbeSpec.from_wire(p) for p in probes], _device(hook))
             hook.scorer = StepRecorder(
@@ -98,7 +99,6 @@ class ProbehookWorkerExtension:
                 source="scores",
             )
             hook.scorer.keep_step_rows = True  # monitors read this step's scores
-            probe_registry.register(self.vllm_config, hook, bank)  # type: ignore[attr-defined]
         if hook.saes is not None and hook.sae_recorder is None:
             hook.sae_recorder = StepRecorder(
                 [hook.buffers[layer] for layer in hook.saes.layers],
@@ -106,6 +106,9 @@ class ProbehookWorkerExtension:
                 transform=hook.saes,
                 source="sae",
             )
+            hook.sae_recorder.keep_step_rows = True  # feature monitors read this step's
+        # Where the stop processor finds this step's scores and features.
+        probe_registry.register(self.vllm_config, hook, bank)  # type: ignore[attr-defined]
         if hook.recorder is not None:
             hook.recorder.limit_bytes = int(limit_bytes)
         active = [r for r in hook.recorders() if _answers(self, r.source)]

@@ -180,3 +180,20 @@ def test_sparsify_folder_against_its_equation(tmp_path):
     (folder / "cfg.json").write_text(json.dumps({"transcode": True}))
     with pytest.raises(SAEError, match="transcoder"):
         SAE.load(folder)
+
+
+def test_steering_vector_from_sae_decoder_directions(tmp_path):
+    from probehook import SteeringVector
+
+    folder = make_saelens_sae("jumprelu", tmp_path / "j", D_IN, D_SAE, "blocks.2.hook_resid_post")
+    sae = SAE.load(folder)
+    vector = SteeringVector.from_sae(sae, {3: 2.0, 7: -1.0}, name="three")
+    lens = oracle(folder)
+    want = 2.0 * lens.W_dec[3] - lens.W_dec[7]
+    assert vector.layers == (2,)
+    torch.testing.assert_close(vector.vectors[2], want.detach().float())
+    assert vector.made_by["features"] == {"3": 2.0, "7": -1.0}
+    with pytest.raises(SAEError, match="out of range"):
+        SteeringVector.from_sae(sae, {D_SAE: 1.0})
+    with pytest.raises(ValueError, match="non-empty"):
+        SteeringVector.from_sae(sae, {})

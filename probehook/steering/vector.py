@@ -322,6 +322,47 @@ class SteeringVector:
         )
 
     @classmethod
+    def from_sae(
+        cls, sae: Any, features: Mapping[int, float], name: str | None = None
+    ) -> SteeringVector:
+        """``sum(scale * W_dec[f])`` over ``features`` (``{feature: scale}``) at the SAE's layer:
+        adding it writes each feature's decoder direction into the residual stream, ``scale``
+        times (a feature's own activation adds ``a * W_dec[f]`` in the SAE's reconstruction,
+        so ``scale`` is in activation units). Steer with it as with any vector
+        (``extra_args={"probehook": {"steer": {name: 1.0}}}``)."""
+        from probehook.saes import SAE, SAEError
+
+        if not isinstance(sae, SAE):
+            raise CaptureConfigError(
+                f"sae must be a probehook.SAE, got {type(sae).__name__}; load one with "
+                "SAE.load(folder)."
+            )
+        if not isinstance(features, Mapping) or not features:
+            raise CaptureConfigError(
+                f"features={features!r} must be a non-empty dict {{feature index: scale}}."
+            )
+        assert sae.W_dec is not None
+        total = torch.zeros(sae.d_in, dtype=torch.float64)
+        for feature, scale in features.items():
+            if isinstance(feature, bool) or not isinstance(feature, int | np.integer):
+                raise SAEError(f"feature {feature!r} is not a feature index (an int).")
+            if not 0 <= int(feature) < sae.d_sae:
+                raise SAEError(
+                    f"feature {feature} is out of range: the SAE has {sae.d_sae} features."
+                )
+            if isinstance(scale, bool) or not isinstance(scale, int | float | np.number):
+                raise SAEError(f"the scale of feature {feature} is {scale!r}, not a number.")
+            total += float(scale) * sae.W_dec[int(feature)].double()
+        made_by = {
+            "method": "sae",
+            "sae_fingerprint": sae.fingerprint,
+            "sae_path": sae.path,
+            "layer": sae.layer,
+            "features": {str(int(f)): float(v) for f, v in features.items()},
+        }
+        return cls({sae.layer: total.float()}, name, made_by=made_by)
+
+    @classmethod
     def from_probe(
         cls, probe: LinearProbe, name: str | None = None, unit: bool = True
     ) -> SteeringVector:

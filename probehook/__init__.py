@@ -22,7 +22,7 @@ from probehook.errors import (
     StoreLockedError,
     UnsupportedModelError,
 )
-from probehook.models import tiny_model_path
+from probehook.models import tiny_model_path, tiny_sae_path
 
 if TYPE_CHECKING:
     from vllm import SamplingParams
@@ -86,6 +86,7 @@ __all__ = [
     "StoreCorruptError",
     "UnsupportedModelError",
     "tiny_model_path",
+    "tiny_sae_path",
     "__version__",
 ]
 

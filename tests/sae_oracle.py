@@ -156,3 +156,36 @@ def assert_output_features(out, model_dir, lenses: dict, layers: dict, names, k:
             rows = ref[layers[name], p - 1 : p - 1 + n]
             assert_features_match(f.indices, f.values, f.l0, lenses[name], rows, k)
     assert out.sae_features is out.outputs[0].sae_features
+
+
+def hf_streams_clamped(model_dir, token_ids, layer: int, lens_sae, held: dict[int, float]):
+    """Hugging Face's residual streams (``[layers, T, H]``, as ``hf_residual_stream``) with
+    SAE features held on every token at ``layer``: a forward hook adds
+    ``sum_f (v_f - a_f(x)) * W_dec[f]`` to the layer's output, ``a`` SAELens's encode."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        str(model_dir), dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    features = torch.tensor(list(held), dtype=torch.int64)
+    values = torch.tensor(list(held.values()), dtype=torch.float32)
+
+    def clamp(module, args, output):
+        stream = output[0] if isinstance(output, tuple) else output
+        acts = lens_sae.encode(stream[0])[:, features]
+        stream = stream + ((values - acts) @ lens_sae.W_dec[features]).unsqueeze(0)
+        return (stream, *output[1:]) if isinstance(output, tuple) else stream
+
+    captured = []
+    handles = [
+        model.model.layers[layer].register_forward_hook(clamp),
+        model.model.norm.register_forward_pre_hook(lambda m, args: captured.append(args[0])),
+    ]
+    try:
+        with torch.no_grad():
+            out = model(torch.tensor([list(token_ids)]), output_hidden_states=True)
+    finally:
+        for handle in handles:
+            handle.remove()
+    streams = [h[0] for h in out.hidden_states[1:-1]] + [captured[-1][0]]
+    return torch.stack(streams)

@@ -10,7 +10,13 @@ from typing import Any
 
 import pytest
 import torch
-from sae_oracle import assert_output_features, make_saelens_sae, oracle
+from sae_oracle import (
+    assert_features_match,
+    assert_output_features,
+    hf_streams_clamped,
+    make_saelens_sae,
+    oracle,
+)
 
 pytestmark = pytest.mark.engine
 
@@ -56,6 +62,7 @@ def sae_llm(
             "res3": sae_dirs["res3"],
         },  # fmt: skip
         sae_top_k=TOP_K,
+        sae_clamping=True,
         include_prefill=True,
         max_num_batched_tokens=32,
         max_num_seqs=16,
@@ -185,6 +192,45 @@ def test_feature_monitors_flag_and_stop(sae_llm) -> None:
     assert list(stopped.token_ids[:j]) == list(plain.token_ids[:j])
 
 
+def test_clamping_equals_hf_with_the_same_hook(sae_llm, llama_dir: Path, sae_dirs) -> None:
+    """Feature 1 of res1 held at 0 (removed where it was on) and another held at 3.0 on every
+    token, in compiled mode: every layer's features downstream equal SAELens's on Hugging
+    Face's streams with the same hook (teacher-forced on the engine's tokens). The clamped
+    prompt's KV is never shared with the unclamped one's (prefix-cache salt): the clamped
+    request below reads no prompt rows, so it would take the cached blocks if it could."""
+    from probehook import SamplingParams
+
+    lenses = _oracles(sae_dirs)
+    prompt = PROMPTS[2] * 3  # two full KV blocks of 32 tokens: cached and shareable
+    plain_params = SamplingParams(
+        max_tokens=6, temperature=0, ignore_eos=True, extra_args={"probehook": {}}
+    )
+    plain = sae_llm.generate([prompt], plain_params)[0]
+    on = plain.prefill_sae_features["res1"]
+    strong = int(on.indices[-1, 0])  # on at the last prompt token: clamp it off
+    off = next(f for f in range(512) if bool((on.indices != f).all()))  # never in the top k
+    held = {strong: 0.0, off: 3.0}
+    options = {"clamp": {"res1": {str(f): v for f, v in held.items()}}, "include_prefill": False}
+    for _ in range(2):  # the second run could reuse the first's blocks: it must not
+        clamped = sae_llm.generate(
+            [prompt],
+            SamplingParams(
+                max_tokens=6, temperature=0, ignore_eos=True, extra_args={"probehook": options}
+            ),  # fmt: skip
+        )[0]
+        tokens = list(clamped.prompt_token_ids) + list(clamped.outputs[0].token_ids)
+        ref = hf_streams_clamped(llama_dir, tokens, 1, lenses["res1"], held)
+        p, n = len(clamped.prompt_token_ids), len(clamped.outputs[0].token_ids)
+        for name in SAES:
+            f = clamped.outputs[0].sae_features[name]
+            rows = ref[LAYERS[name], p - 1 : p - 1 + n]
+            assert_features_match(f.indices, f.values, f.l0, lenses[name], rows, TOP_K)
+        # The held feature reads back near its value where the clamp wrote it.
+        assert not bool((clamped.outputs[0].sae_features["res1"].indices == strong).all())
+    stats = next(s for s in sae_llm.collective_rpc("probehook_stats") if s is not None)
+    assert stats["steps_clamped"] > 0
+
+
 def test_bad_sae_requests_fail_before_generation(sae_llm) -> None:
     from probehook import SAEError, SamplingParams
 
@@ -199,6 +245,9 @@ def test_bad_sae_requests_fail_before_generation(sae_llm) -> None:
         ),
         ({"monitors": [{"sae": "res1", "feature": 512, "threshold": 0}]}, "out of range"),
         ({"monitors": [{"sae": "res1", "feature": 1}]}, "'threshold' required"),
+        ({"clamp": {"nope": {"1": 0.0}}}, "does not have"),
+        ({"clamp": {"res1": {"512": 0.0}}}, "out of range"),
+        ({"clamp": {"res1": {"x": 0.0}}}, "not a feature index"),
     ]:
         with pytest.raises(ValueError, match=match) as error:
             sae_llm.generate(

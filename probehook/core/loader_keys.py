@@ -21,3 +21,6 @@ SAE_BANK_KEY = "probehook_saes"
 "layer"}}, "k": int}``), read by the loader at model load. Not part of the compile-cache key
 (``LoadConfig`` hashes nothing): the SAEs run after the compiled forward, on its taps, whose
 layers ``TAP_LAYERS_KEY`` names."""
+CLAMP_KEY = "clamp_saes"
+"""Key in the capture settings: ``[[sae name, layer], ...]``, the SAEs whose layers get a
+clamp op (part of the compile-cache key, as the steered layers are)."""

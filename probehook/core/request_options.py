@@ -17,6 +17,7 @@ No vLLM imports.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
@@ -44,7 +45,7 @@ CAPTURE_KEYS = (
 )
 PROBE_KEYS = ("probes", "monitors")
 STEER_KEYS = ("steer", "steer_phase")
-SAE_KEYS = ("saes", "sae_top_k")
+SAE_KEYS = ("saes", "sae_top_k", "clamp")
 PLAN_KEY = "plan"
 """A wire key the front end sets on every request tagged from one template: wires with the
 same value differ only in their tag, so the worker reads one of them and reuses its plan."""
@@ -96,6 +97,9 @@ class RequestOptions:
     sae_top_k: int | None = None
     """Features kept per token and SAE (at most the engine's ``sae_top_k``); None: the
     engine's."""
+    clamp: tuple[tuple[str, tuple[tuple[int, float], ...]], ...] | None = None
+    """SAE features held at values on every token: ``(sae, ((feature, value), ...))`` pairs,
+    sorted (a hashable, canonical form of ``{"sae": {feature: value}}``)."""
 
     @classmethod
     def from_user(cls, value: Any) -> RequestOptions:
@@ -138,6 +142,8 @@ class RequestOptions:
             if isinstance(k, bool) or as_int(k) is None or as_int(k) < 1:  # type: ignore[operator]
                 raise _bad("sae_top_k", k, "pass a positive int (features kept per token)")
             parsed["sae_top_k"] = int(k)
+        if value.get("clamp") is not None:
+            parsed["clamp"] = clamp_terms(value["clamp"], "probehook option clamp")
         if value.get("steer") is not None:
             parsed["steer"] = steer_terms(value["steer"], "probehook option steer")
         if value.get("steer_phase") is not None:
@@ -320,6 +326,8 @@ class RequestWire:
     feature_monitors: tuple[tuple[FeatureMonitor, int], ...] = ()
     """The engine's feature monitors of the SAEs the request reads, each with its SAE's slot
     in the worker's bank (where the stop processor finds the feature's value)."""
+    clamp: tuple[tuple[str, tuple[tuple[int, float], ...]], ...] = ()
+    """SAE features held at values on every token of the request (:func:`clamp_terms`)."""
 
     def to_wire(self) -> WireDict:
         wire = WireDict(
@@ -342,6 +350,8 @@ class RequestWire:
         if self.saes:
             wire["saes"] = list(self.saes)
             wire["sae_top_k"] = self.sae_top_k
+        if self.clamp:
+            wire["clamp"] = {name: [[f, v] for f, v in terms] for name, terms in self.clamp}
         if self.feature_monitors:
             wire["feature_monitors"] = [
                 {**m.to_dict(), "slot": slot} for m, slot in self.feature_monitors
@@ -443,7 +453,55 @@ class RequestWire:
             tuple(saes),
             None if top_k is None else int(top_k),
             tuple(feature_monitors),
+            clamp_terms(value["clamp"], "clamp") if "clamp" in value else (),
         )
+
+
+MAX_CLAMPED = 16
+"""Features one request may clamp per SAE (the worker's clamp table width)."""
+
+
+def clamp_terms(value: Any, what: str) -> tuple[tuple[str, tuple[tuple[int, float], ...]], ...]:
+    """``{"sae": {feature: value}}`` checked (feature ids as ints or digit strings, as JSON
+    keys are; finite values; at most :data:`MAX_CLAMPED` per SAE); returned as sorted pairs."""
+    example = '{"res3": {"123": 0.0}}'
+    if not isinstance(value, Mapping) or not value:
+        raise CaptureConfigError(
+            f"{what}={_show(value)} is not valid: pass a non-empty dict of SAE names to "
+            f"{{feature: value}}, such as {example}."
+        )
+    out = []
+    for name, held in value.items():
+        if not isinstance(name, str) or not name:
+            raise CaptureConfigError(f"{what}: {_show(name)} is not an SAE name; e.g. {example}.")
+        if isinstance(held, Sequence) and not isinstance(held, str | bytes):
+            with contextlib.suppress(TypeError, ValueError):
+                held = dict(held)  # the pair form the wire carries
+        if not isinstance(held, Mapping) or not held:
+            raise CaptureConfigError(
+                f"{what}[{name!r}]={_show(held)} is not valid: pass {{feature: value}}, "
+                f"such as {example}."
+            )
+        if len(held) > MAX_CLAMPED:
+            raise CaptureConfigError(
+                f"{what}[{name!r}] clamps {len(held)} features; at most {MAX_CLAMPED} per SAE."
+            )
+        terms = []
+        for feature, target in held.items():
+            index = int(feature) if isinstance(feature, str) and feature.isdigit() else feature
+            if isinstance(index, bool) or as_int(index) is None or as_int(index) < 0:  # type: ignore[operator]
+                raise CaptureConfigError(
+                    f"{what}[{name!r}]: {_show(feature)} is not a feature index; e.g. {example}."
+                )
+            if isinstance(target, bool) or not isinstance(target, int | float):
+                raise CaptureConfigError(
+                    f"{what}[{name!r}][{feature!r}]={_show(target)} is not a number."
+                )
+            if not math.isfinite(float(target)):
+                raise CaptureConfigError(f"{what}[{name!r}][{feature!r}]={target!r} is not finite.")
+            terms.append((int(index), float(target)))
+        out.append((name, tuple(sorted(terms))))
+    return tuple(sorted(out))
 
 
 def raw_tag(value: Any) -> str | None:

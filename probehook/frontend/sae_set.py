@@ -6,6 +6,7 @@ before it reaches the engine, and the worker's packed rows turned into
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -46,8 +47,11 @@ class SAESet:
         *,
         num_layers: int,
         hidden_size: int,
+        clamping: bool = False,
     ) -> None:
         self.saes = dict(saes)
+        self.clamping = bool(clamping)
+        """Requests may clamp features (a clamp op on each SAE's layer)."""
         self.k = check_top_k(top_k, "sae_top_k")
         self.monitors = tuple(self._check_monitor(m) for m in monitors)
         for name, sae in self.saes.items():
@@ -72,6 +76,42 @@ class SAESet:
                 f"{monitor.sae!r} has {sae.d_sae} features (0..{sae.d_sae - 1})."
             )
         return monitor
+
+    def check_clamp(self, terms: Any) -> Any:
+        """A request's ``clamp`` (parsed by :func:`~probehook.core.request_options.clamp_terms`)
+        against this engine's SAEs."""
+        if not self.clamping:
+            raise SAEError(
+                "This request sets clamp, but the engine was built without sae_clamping=True "
+                "(the clamp op is part of the compiled model); build it with sae_clamping=True."
+            )
+        for name, held in terms:
+            sae = self.saes.get(name)
+            if sae is None:
+                raise SAEError(
+                    f"clamp names SAE {name!r}, which this engine does not have; its SAEs are "
+                    f"{sorted(self.saes)}."
+                )
+            wide = [f for f, _ in held if f >= sae.d_sae]
+            if wide:
+                raise SAEError(
+                    f"clamp[{name!r}] names feature(s) {wide}, out of range: the SAE has "
+                    f"{sae.d_sae} features."
+                )
+        return terms
+
+    def clamp_salt(self, terms: Any) -> str:
+        """The prefix-cache salt of a clamp: equal for equal clamps of the same SAEs."""
+        digest = hashlib.sha256()
+        for name, held in terms:
+            digest.update(f"{self.saes[name].fingerprint}:{held!r};".encode())
+        return "clamp-" + digest.hexdigest()[:32]
+
+    def clamp_settings(self) -> list[list[Any]]:
+        """The clamp ops the loader installs: ``[[name, layer], ...]`` (compile-cache key)."""
+        if not self.clamping:
+            return []
+        return [[name, sae.layer] for name, sae in self.saes.items()]
 
     def slot(self, name: str) -> int:
         """The SAE's index in the worker's bank (the loader keeps this order)."""

@@ -182,10 +182,10 @@ class CaptureSession:
             ):
                 return self._tag_from(template, params, field, extra)
         options = RequestOptions.from_user(extra.get(EXTRA_ARGS_KEY))
-        if field == POOLING_EXTRA and options.steered():
+        if field == POOLING_EXTRA and (options.steered() or options.clamp):
             raise CaptureConfigError(
-                "This request sets steer, but it is a pooling request: probehook steers "
-                "generative models only. Drop steer."
+                "This request sets steer or clamp, but it is a pooling request: probehook "
+                "steers and clamps generative models only. Drop them."
             )
         if field == POOLING_EXTRA and options.monitors:
             raise CaptureConfigError(
@@ -224,8 +224,9 @@ class CaptureSession:
                 "or build an LLM with layers=None."
             )
         steer = self._steer(options, probes, config)  # a gate without decode scores: refused
+        clamp = self._clamp(options)
         tagged = copy.copy(params)
-        if config is not None or steer is not None:
+        if config is not None or steer is not None or clamp:
             record = extra.pop(RECORD_KEY, None)
             wire = RequestWire(
                 tag=next(self._tags),
@@ -246,13 +247,14 @@ class CaptureSession:
                 feature_monitors=self._feature_wire(saes, tagged)
                 if saes is not None and config is not None
                 else (),
+                clamp=clamp,
             )
             extra = with_wire(extra, wire.to_wire())
             setattr(tagged, field, extra)
             if config is not None and config.include_prefill:
                 # Cached prompt blocks are never recomputed, so their rows would be missing.
                 tagged.skip_reading_prefix_cache = True
-        if memo is not None and steer is None:
+        if memo is not None and steer is None and not clamp:
             wired = extra.get(EXTRA_ARGS_KEY) if config is not None else None
             if wired is not None:  # lets the worker read one wire of the template, not each
                 wired[PLAN_KEY] = f"{self._prefix}-plan{next(self._plans)}"
@@ -295,12 +297,27 @@ class CaptureSession:
         decode_scores = config is not None and config.include_decode
         return self.steering.for_request(options, monitors, decode_scores)
 
+    def _clamp(self, options: RequestOptions) -> tuple:
+        if not options.clamp:
+            return ()
+        if self.saes is None:
+            raise CaptureConfigError(
+                "This request sets clamp, but the engine has no SAEs; build it with "
+                "saes={...} and sae_clamping=True."
+            )
+        return self.saes.check_clamp(options.clamp)
+
     def cache_salt(self, params: Any) -> str | None:
-        """The prefix-cache salt of a request tagged by :meth:`tag` (None: not steered)."""
-        if self.steering is None:
+        """The prefix-cache salt of a request tagged by :meth:`tag` (None: neither steered
+        nor clamped): its KV must never be reused by, or reuse, a request's that was not."""
+        if self.steering is None and (self.saes is None or not self.saes.clamping):
             return None
-        steer = self._steering_of(wire_of(params))
-        return steer.salt if steer is not None else None
+        wire = wire_of(params)
+        steer = self._steering_of(wire)
+        salts = [steer.salt] if steer is not None else []
+        if wire is not None and wire.clamp and self.saes is not None:
+            salts.append(self.saes.clamp_salt(wire.clamp))
+        return "|".join(salts) or None
 
     def _steering_of(self, wire: RequestWire | None) -> RequestSteer | None:
         if wire is None or self.steering is None:

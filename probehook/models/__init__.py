@@ -16,6 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 
 _TINY_MODEL_DIR = Path(__file__).resolve().parent.parent / "assets" / "tiny-arith"
+_TINY_SAE_DIR = Path(__file__).resolve().parent.parent / "assets" / "tiny-arith-sae-l3"
 
 
 def tiny_model_path() -> Path:
@@ -30,3 +31,19 @@ def tiny_model_path() -> Path:
             "or rebuild it with `python scripts/train_tiny_model.py`."
         )
     return _TINY_MODEL_DIR
+
+
+def tiny_sae_path() -> Path:
+    """Directory of the bundled SAE of the tiny model: TopK, 512 features, k = 8, on layer 3
+    (``blocks.3.hook_resid_post``), trained with SAELens's trainer on a probehook export
+    (``scripts/train_tiny_sae.py``; docs/saes.md). ``probehook.SAE.load`` reads it.
+
+    Raises:
+        FileNotFoundError: the assets are missing.
+    """
+    if not (_TINY_SAE_DIR / "cfg.json").is_file():
+        raise FileNotFoundError(
+            f"The bundled SAE is missing from {_TINY_SAE_DIR}. Reinstall probehook, or "
+            "rebuild it with `python scripts/train_tiny_sae.py`."
+        )
+    return _TINY_SAE_DIR

@@ -37,6 +37,9 @@ class SAEBank:
         self.layers = tuple(sorted({layer for layer, _ in saes.values()}))
         self._saes = [(self.layers.index(layer), weights) for layer, weights in saes.values()]
 
+    def weights_of(self, name: str) -> SAEWeights:
+        return self._saes[self.slots.index(name)][1]
+
     def __call__(self, staged: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
         rows = staged[0].shape[0]
         out = torch.empty(
@@ -47,13 +50,20 @@ class SAEBank:
         return out
 
 
-def load_bank(settings: Mapping[str, Any], device: torch.device | str) -> SAEBank:
-    """The bank the loader's settings describe: ``{"saes": {name: {"path", "layer"}},
-    "k": int}``; each SAE read from its folder onto ``device``."""
+def load_bank(
+    settings: Mapping[str, Any], device: torch.device | str, keep_decoders: Sequence[str] = ()
+) -> tuple[SAEBank, dict[str, torch.Tensor]]:
+    """The bank the loader's settings describe (``{"saes": {name: {"path", "layer"}}, "k":
+    int}``), each SAE read from its folder onto ``device``; and the decoder rows of the SAEs
+    named in ``keep_decoders`` (clamping writes with them)."""
     from probehook.saes import SAE
 
     saes = {}
+    decoders = {}
     for name, entry in settings["saes"].items():
         sae = SAE.load(entry["path"], layer=int(entry["layer"]))
         saes[name] = (sae.layer, sae.weights.to(device))
-    return SAEBank(saes, int(settings["k"]))
+        if name in keep_decoders:
+            assert sae.W_dec is not None
+            decoders[name] = sae.W_dec.to(device)
+    return SAEBank(saes, int(settings["k"])), decoders

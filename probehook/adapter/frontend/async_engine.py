@@ -84,6 +84,7 @@ class AsyncLLM(VllmAsyncLLM):
         steering_capacity: int = 64,
         saes: Any = None,
         sae_top_k: int = 32,
+        sae_clamping: bool = False,
         vllm_config: Any = None,
         **kwargs: Any,
     ) -> None:
@@ -136,6 +137,7 @@ class AsyncLLM(VllmAsyncLLM):
             steering_capacity=steering_capacity,
             saes=saes,
             sae_top_k=sae_top_k,
+            sae_clamping=sae_clamping,
         )
         engine_kwargs, start = _split_start_kwargs(kwargs)
         engine_kwargs = cpu_memory.size_for_cpu(

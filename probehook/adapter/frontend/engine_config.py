@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from probehook.adapter import plugin
@@ -292,6 +292,7 @@ def capture_engine_kwargs(
     exit_after: int | None = None,
     saes: dict[str, Any] | None = None,
     monitored: bool | None = None,
+    clamps: Sequence[Sequence[Any]] = (),
 ) -> dict[str, Any]:
     """Return ``kwargs`` for ``vllm.LLM`` with probehook's loader, extension and config;
     ``probe_layers`` (the layers probes and SAEs read) are tapped too; with probes
@@ -338,6 +339,10 @@ def capture_engine_kwargs(
         loader_keys.STEER_LAYERS_KEY: sorted(steer_layers),
         loader_keys.EXIT_AFTER_KEY: exit_after,
     }
+    if clamps:  # the clamp ops are part of the graph: in the compile-cache key
+        additional[loader_keys.ADDITIONAL_CONFIG_KEY][loader_keys.CLAMP_KEY] = [
+            list(c) for c in clamps
+        ]
     kwargs["additional_config"] = additional
     kwargs["worker_extension_cls"] = WORKER_EXTENSION
     if monitored is None:

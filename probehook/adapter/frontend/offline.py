@@ -79,6 +79,9 @@ class LLM(vllm.LLM):
             docs/saes.md.
         sae_top_k: features kept per token and SAE (default 32); a request may ask fewer
             with ``extra_args={"probehook": {"sae_top_k": k}}``.
+        sae_clamping: let requests hold SAE features at values on every token
+            (``extra_args={"probehook": {"clamp": {"res3": {123: 0.0}}}}``): a clamp op on
+            each SAE's layer, in the compiled model.
         capture_only: build a collection engine: :meth:`capture` reads each prompt in one
             forward pass (vLLM's pooling runner; nothing is sampled) and the model stops after
             the deepest layer captured or probed (no later layers, final norm or LM head).
@@ -110,6 +113,7 @@ class LLM(vllm.LLM):
         steering_capacity: int = 64,
         saes: Any = None,
         sae_top_k: int = 32,
+        sae_clamping: bool = False,
         capture_only: bool = False,
         **kwargs: Any,
     ) -> None:
@@ -139,6 +143,7 @@ class LLM(vllm.LLM):
             steering_capacity=steering_capacity,
             saes=saes,
             sae_top_k=sae_top_k,
+            sae_clamping=sae_clamping,
             capture_only=capture_only,
         )
         kwargs = cpu_memory.size_for_cpu(

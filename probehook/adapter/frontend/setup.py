@@ -56,6 +56,8 @@ class CaptureRequest:
     """One forward pass per prompt, prompt rows only, stopping after the deepest tapped layer."""
     saes: Any = None
     sae_top_k: int = DEFAULT_TOP_K
+    sae_clamping: bool = False
+    """Requests may clamp SAE features (a clamp op on each SAE's layer)."""
 
     def __post_init__(self) -> None:
         # Checked at once, so that a plain engine is built without probehook's runner choice.
@@ -190,7 +192,10 @@ def prepare(
             feature_monitors,
             num_layers=num_layers,
             hidden_size=resolved.model_config.get_hidden_size(),
+            clamping=request.sae_clamping,
         )
+    elif request.sae_clamping:
+        raise CaptureConfigError("sae_clamping=True clamps SAE features: pass saes={...} too.")
     pooling = engine_config.is_pooling(resolved)
     if pooling:
         _check_pooling(request, resolved.model_config.architectures)
@@ -238,6 +243,7 @@ def prepare(
         # Capture-only: nothing after the deepest tapped layer is computed.
         exit_after=max((*config.layers, *read_layers)) if request.capture_only else None,
         saes=sae_set.loader_settings() if sae_set is not None else None,
+        clamps=sae_set.clamp_settings() if sae_set is not None else (),
         # Requests may bring their own monitors: whenever probes or SAEs can be watched.
         monitored=probe_set is not None or sae_set is not None,
     )

@@ -10,9 +10,10 @@ vLLM's compile-cache hash, so graphs compiled with different taps, or none, are 
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -30,6 +31,7 @@ from probehook.core.architectures import (  # noqa: F401 - importable from here,
 )
 from probehook.core.loader_keys import (
     ADDITIONAL_CONFIG_KEY,
+    CLAMP_KEY,
     EXIT_AFTER_KEY,
     LOAD_FORMAT,
     LOADER_EXTRA_KEY,
@@ -37,7 +39,10 @@ from probehook.core.loader_keys import (
     STEER_LAYERS_KEY,
     TAP_LAYERS_KEY,
 )
+from probehook.core.request_options import MAX_CLAMPED
 from probehook.errors import UnsupportedModelError
+from probehook.worker.clamp_op import CLAMPED_SAES, ClampedSAE, clamp
+from probehook.worker.clamp_tables import ClampBuffers
 from probehook.worker.recorder import StepRecorder
 from probehook.worker.steer_op import steer
 from probehook.worker.tap_op import tap
@@ -106,6 +111,9 @@ def _make_loader_class() -> type:
                 {k: v for k, v in settings.items() if k not in _NOT_CAPTURE_CONFIG}
             )
             scheduler = vllm_config.scheduler_config
+            # Each clamp op finds its SAE by a key unique in this process (engines may share it).
+            clamps = [(str(name), int(layer), next(_CLAMP_KEYS)) for name, layer in
+                      settings.get(CLAMP_KEY) or ()]  # fmt: skip
             hook = install_taps(
                 model,
                 config,
@@ -115,12 +123,20 @@ def _make_loader_class() -> type:
                 steer_layers=tuple(settings.get(STEER_LAYERS_KEY) or ()),
                 # One table row per request the batch can hold, plus row 0 (no steering).
                 steer_slots=scheduler.max_num_seqs + 1,
+                clamps=clamps,
             )
             if self.sae_settings:
                 # Here, inside vLLM's memory profiling: the KV cache is sized around them.
                 from probehook.worker.sae_bank import load_bank
 
-                hook.saes = load_bank(self.sae_settings, next(model.parameters()).device)
+                device = next(model.parameters()).device
+                hook.saes, decoders = load_bank(
+                    self.sae_settings, device, keep_decoders=[name for name, _, _ in clamps]
+                )
+                for name, _, key in clamps:
+                    clamped = ClampedSAE(hook.saes.weights_of(name), decoders[name])
+                    hook.clamped.append(clamped)  # the engine holds it; the op finds it by key
+                    CLAMPED_SAES[key] = clamped
             exit_after = settings.get(EXIT_AFTER_KEY)
             if exit_after is not None:
                 hook.cut = exit_early(model, int(exit_after))
@@ -130,7 +146,8 @@ def _make_loader_class() -> type:
     return ProbehookModelLoader
 
 
-_NOT_CAPTURE_CONFIG = (TAP_LAYERS_KEY, STEER_LAYERS_KEY, EXIT_AFTER_KEY)
+_NOT_CAPTURE_CONFIG = (TAP_LAYERS_KEY, STEER_LAYERS_KEY, EXIT_AFTER_KEY, CLAMP_KEY)
+_CLAMP_KEYS = itertools.count()
 
 # The final norm of each family (vLLM's attribute names): a capture-only engine skips it.
 FINAL_NORM_NAMES: tuple[str, ...] = ("norm", "final_layernorm", "final_layer_norm", "ln_f")
@@ -269,6 +286,7 @@ def install_taps(
     hidden_size: int | None = None,
     steer_layers: tuple[int, ...] = (),
     steer_slots: int = 0,
+    clamps: Sequence[tuple[str, int, int]] = (),
 ) -> StepHook:
     """Add a tap after each layer in ``tap_layers``, a steering op after each layer in
     ``steer_layers`` (before that layer's tap: taps read the steered stream), and a per-step
@@ -299,6 +317,21 @@ def install_taps(
             layer.register_forward_hook(_steer_hook, prepend=True)
             tables[layer_index] = layer.probehook_steer_table
         steering = SteeringBuffers(index, tables)
+    clamp_buffers = {}
+    for name, layer_index, key in clamps:  # after steering (prepended), before the taps
+        layer = layer_list[layer_index]
+        buffers_of = ClampBuffers(
+            torch.zeros(max_tokens, dtype=torch.int64, device=param.device),
+            torch.full((steer_slots, MAX_CLAMPED), -1, dtype=torch.int64, device=param.device),
+            torch.zeros((steer_slots, MAX_CLAMPED), dtype=torch.float32, device=param.device),
+        )
+        for part in ("index", "features", "values"):
+            layer.register_buffer(
+                f"probehook_clamp{key}_{part}", getattr(buffers_of, part), persistent=False
+            )
+            setattr(buffers_of, part, getattr(layer, f"probehook_clamp{key}_{part}"))
+        layer.register_forward_hook(_clamp_hook(key))
+        clamp_buffers[name] = buffers_of
     buffers = {}
     for layer_index in tap_layers:
         layer = layer_list[layer_index]
@@ -308,6 +341,7 @@ def install_taps(
         layer.register_forward_hook(_tap_hook)
         buffers[layer_index] = layer.probehook_tap_out
     hook = StepHook(buffers, config, steering, hidden_size, param.dtype)
+    hook.clamp_buffers = clamp_buffers
     setattr(model, RECORDER_ATTR, hook)
     _install_logits_hook(model)
     logger.info(
@@ -328,6 +362,25 @@ def _steer_hook(module: nn.Module, args: Any, output: Any) -> None:
         return
     hidden, _ = _split_layer_output(output)
     steer(hidden, module.probehook_steer_index, module.probehook_steer_table)
+
+
+def _clamp_hook(key: int) -> Callable[[nn.Module, Any, Any], None]:
+    """The forward hook of clamp op ``key`` (its buffers are the layer's, named by key)."""
+    index_name, features_name, values_name = (
+        f"probehook_clamp{key}_{part}" for part in ("index", "features", "values")
+    )
+
+    def hook(module: nn.Module, args: Any, output: Any) -> None:
+        buffers = (getattr(module, index_name), getattr(module, features_name),
+                   getattr(module, values_name))  # fmt: skip
+        if getattr(module, TAP_KIND_ATTR, None) == "batched_stream":
+            stream = output[0] if isinstance(output, tuple) else output
+            clamp(_tokens_first(stream), None, *buffers, key)
+            return
+        hidden, residual = _split_layer_output(output)
+        clamp(hidden, residual, *buffers, key)
+
+    return hook
 
 
 @dataclass
@@ -392,6 +445,10 @@ class StepHook:
         """Hidden-state rows of the captured layers (None when only probes are tapped)."""
         self.scorer: StepRecorder | None = None
         """Probe scores, once the front end sent its probes (``probehook_start_recording``)."""
+        self.clamp_buffers: dict[str, Any] = {}
+        """Each clamped SAE's op buffers, by name (:class:`ClampBuffers`)."""
+        self.clamped: list[Any] = []
+        """The SAEs the clamp ops read (held here: the ops' registry holds them weakly)."""
         self.saes: Any = None
         """The engine's :class:`~probehook.worker.sae_bank.SAEBank`, read at load (None: no
         SAEs)."""

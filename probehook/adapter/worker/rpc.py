@@ -31,6 +31,7 @@ from probehook.core.request_options import EXTRA_ARGS_KEY, PLAN_KEY
 from probehook.core.spans import Span
 from probehook.core.steering_wire import DEFAULT_CAPACITY, vectors_from_wire
 from probehook.core.stream_frames import encode
+from probehook.worker.clamp_tables import StepClamps
 from probehook.worker.probe_bank import ProbeBank
 from probehook.worker.recorder import RequestPlan, StepRecorder
 from probehook.worker.steering_bank import SteeringBank, StepSteering
@@ -132,6 +133,8 @@ class ProbehookWorkerExtension:
             self._probehook_publisher = Publisher(None)  # until a stream connects
 
         self._probehook_steering = steer
+        clamps = StepClamps(hook.clamp_buffers) if hook.clamp_buffers else None
+        self._probehook_clamps = clamps
         before_forward = on_schedule = None
         if steer is not None:
             steer_plan = runner_v1.steering_factory(runner, steer.bank.rows.__contains__)
@@ -139,8 +142,14 @@ class ProbehookWorkerExtension:
             def on_schedule(scheduled: Any) -> None:
                 steer.finish(getattr(scheduled, "finished_req_ids", None) or ())
 
+        if steer is not None or clamps is not None:
+            clamp_plan = runner_v1.clamp_factory(runner, tuple(hook.clamp_buffers))
+
             def before_forward(scheduled: Any) -> None:
-                runner_v1.prepare_steering(runner, steer, steer_plan)
+                if steer is not None:
+                    runner_v1.prepare_steering(runner, steer, steer_plan)
+                if clamps is not None:
+                    runner_v1.prepare_clamps(runner, clamps, clamp_plan)
 
         scorer = hook.scorer
 
@@ -155,6 +164,8 @@ class ProbehookWorkerExtension:
             for recorder, _ in recorders:
                 _publish(recorder, self._probehook_publisher, runner.requests)
                 recorder.bound(runner.requests)
+            if clamps is not None:
+                clamps.bound(runner.requests)
 
         hook.install_on(runner, on_step, before_forward, on_schedule)
         if not _reports(self):
@@ -310,6 +321,7 @@ class ProbehookWorkerExtension:
             # requests that ran unsteered because no row could be given (never expected).
             "steering_slots_reclaimed": getattr(steer, "reclaimed", 0),
             "steering_failures": getattr(steer, "failures", 0),
+            "steps_clamped": getattr(getattr(self, "_probehook_clamps", None), "steps_clamped", 0),
             **_compilations(),
             "forwards": hook.forwards,
             "step_ns": hook.step_ns,

@@ -13,6 +13,8 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import torch
+
 from probehook.capture_config import CaptureConfig
 from probehook.core.request_options import (
     EXTRA_ARGS_KEY,
@@ -22,6 +24,7 @@ from probehook.core.request_options import (
 )
 from probehook.core.spans import OPEN, KeepPlan, keep_plan, score_config
 from probehook.errors import CaptureConfigError
+from probehook.worker.clamp_tables import ClampPlan, StepClamps
 from probehook.worker.recorder import RequestPlan, StepRecorder
 from probehook.worker.steering_bank import Gate, RequestSteering, StepSteering, phase_range
 
@@ -68,6 +71,45 @@ def prepare_steering(
         batch.num_computed_tokens_cpu[:num_reqs],
         plan_for,
     )
+
+
+def prepare_clamps(
+    runner: Any, clamps: StepClamps, plan_for: Callable[[str], ClampPlan | None]
+) -> None:
+    """Write this step's clamp tables (called right before the forward pass)."""
+    batch = runner.input_batch
+    num_reqs = batch.num_reqs
+    if num_reqs == 0:
+        return
+    clamps.prepare(batch.req_ids[:num_reqs], runner.query_start_loc.np[: num_reqs + 1], plan_for)
+
+
+def clamp_factory(runner: Any, clamped: tuple[str, ...]) -> Callable[[str], ClampPlan | None]:
+    """Reads a request's clamped features the first time the worker sees it. Never raises
+    (it runs in the step): a request whose clamp cannot be read runs unclamped, with a
+    warning (the front end checked it, so only a wire that skipped it gets here)."""
+
+    def plan_for(req_id: str) -> ClampPlan | None:
+        try:
+            state = runner.requests.get(req_id)
+            wire = RequestWire.from_wire(extra_options(request_params(state)).get(EXTRA_ARGS_KEY))
+            if wire is None or not wire.clamp:
+                return None
+            unknown = [name for name, _ in wire.clamp if name not in clamped]
+            if unknown:
+                raise CaptureConfigError(f"it clamps SAE(s) {unknown}, which are not clamped here")
+            return {
+                name: (
+                    torch.tensor([f for f, _ in terms], dtype=torch.int64),
+                    torch.tensor([v for _, v in terms], dtype=torch.float32),
+                )
+                for name, terms in wire.clamp
+            }
+        except Exception as e:  # noqa: BLE001 - one bad request must not end the engine
+            logger.warning("probehook: not clamping request %s: %s", req_id, e)
+            return None
+
+    return plan_for
 
 
 def steering_factory(

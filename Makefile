@@ -51,6 +51,7 @@ bench: $(STAMP)
 	VLLM_CPU_KVCACHE_SPACE=1 $(PY) benchmarks/serve_load.py
 	VLLM_CPU_KVCACHE_SPACE=1 $(PY) benchmarks/pooling.py
 	VLLM_CPU_KVCACHE_SPACE=1 $(PY) benchmarks/steering.py
+	VLLM_CPU_KVCACHE_SPACE=1 $(PY) benchmarks/saes.py
 	VLLM_CPU_KVCACHE_SPACE=1 $(PY) benchmarks/collect.py
 	$(PY) benchmarks/store_lanes.py
 

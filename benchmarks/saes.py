@@ -84,9 +84,13 @@ def run_once(llm: object, prompts: list[dict], max_tokens: int, options: dict | 
     return sum(len(o.outputs[0].token_ids) for o in outs) / elapsed
 
 
-def model_flops_per_token(hidden: int, layers: int, inter: int, kv: int, vocab: int) -> int:
+def model_flops_per_token(
+    hidden: int, layers: int, inter: int, kv: int, vocab: int, head: bool = True
+) -> int:
+    """2 x the parameters a token goes through (attention scores left out); ``head``: the LM
+    head too (a decode token; a prompt token computes no logits but the last)."""
     attention = 2 * hidden * hidden + 2 * hidden * kv
-    return 2 * (layers * (attention + 3 * hidden * inter) + hidden * vocab)
+    return 2 * (layers * (attention + 3 * hidden * inter) + (hidden * vocab if head else 0))
 
 
 def main() -> None:
@@ -136,8 +140,12 @@ def main() -> None:
         },
     }
     report: dict = {"workload": vars(args), "phases": {}}
-    f = 2 * hidden * args.d_sae / model_flops_per_token(hidden, layers, inter, kv_dim, vocab)
-    report["sae_flops_fraction"] = round(f, 4)
+    sae_flops = 2 * hidden * args.d_sae
+    fractions = {
+        "decode": sae_flops / model_flops_per_token(hidden, layers, inter, kv_dim, vocab),
+        "prefill": sae_flops / model_flops_per_token(hidden, layers, inter, kv_dim, vocab, False),
+    }
+    report["sae_flops_fraction"] = {k: round(v, 4) for k, v in fractions.items()}
     for phase, (batch, max_tokens) in workloads.items():
         run_once(base, batch, max_tokens, None)  # warm-up
         for llm, options in configs[phase].values():
@@ -174,16 +182,21 @@ def main() -> None:
     many.shutdown()
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "saes.json").write_text(json.dumps(report, indent=2))
-    floor = 1 / (1 + f)
     lines = [
         f"Workload: Llama hidden {hidden}, {layers} layers, bf16 dummy weights; standard SAEs of "
         f"{args.d_sae} features (float32) at top-{args.top_k}; {args.prompts} prompts; "
         f"{args.rounds} interleaved rounds.",
         "",
-        f"SAE FLOPs per token over the model's: f = {f:.4f}; the floor of one SAE is "
-        f"1 / (1 + f) = {floor:.3f} (four SAEs: {1 / (1 + 4 * f):.3f}).",
+        "SAE FLOPs per token over the model's (f; a prompt token computes no LM head): "
+        + "; ".join(
+            f"{phase} f = {f:.4f}, floor of one SAE 1 / (1 + f) = {1 / (1 + f):.3f}, of four "
+            f"{1 / (1 + 4 * f):.3f}"
+            for phase, f in fractions.items()
+        )
+        + ".",
     ]
     for phase, rows in report["phases"].items():
+        f = fractions[phase]
         unit = "generated" if phase == "decode" else "prompt"
         lines += [
             "",

@@ -23,6 +23,8 @@ import argparse
 import json
 import random
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -50,7 +52,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--out", type=Path, default=OUT)
+    parser.add_argument("--evaluate", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.evaluate is not None:
+        evaluate(args.evaluate, args.out)
+        return
     torch.manual_seed(0)
     started = time.time()
 
@@ -58,7 +64,7 @@ def main() -> None:
     from sae_lens.config import SAETrainerConfig
     from sae_lens.saes.sae import SAEMetadata
 
-    from probehook import LLM, SAE, tiny_model_path
+    from probehook import LLM, tiny_model_path
     from probehook.logs import quiet_vllm
     from probehook.store import ActivationStore
     from probehook.store.export import export_saelens
@@ -86,7 +92,7 @@ def main() -> None:
         hook_head_index=None,
         context_size=CONTEXT,
         d_in=store.hidden_size,
-        n_batches_in_buffer=8,
+        n_batches_in_buffer=128,  # SAELens mixes n_batches x context_size rows
         total_training_tokens=total,
         store_batch_size_prompts=32,
         train_batch_size_tokens=512,
@@ -104,6 +110,7 @@ def main() -> None:
             total_training_samples=total,
             train_batch_size_samples=512,
             lr=1e-3,
+            lr_end=1e-4,
             lr_warm_up_steps=20,
             n_batches_for_norm_estimate=4,
         ),
@@ -116,18 +123,13 @@ def main() -> None:
     args.out.mkdir(parents=True)
     trained.save_inference_model(args.out)
 
-    # Held-out statements: what the SAE reads there (probehook's own reader and encode).
-    sae = SAE.load(args.out)
-    rows = torch.cat(
-        [
-            ActivationStore.open(work / "store")[o.store_id].prefill_hidden_states[LAYER]
-            for o in held
-        ]  # fmt: skip
-    )
-    features = sae.top_k(rows, K)
-    reconstruction = features.dense(sae.d_sae) @ sae.W_dec + sae.weights.b_dec
-    explained = 1 - ((rows - reconstruction).var(0).sum() / rows.var(0).sum()).item()
-    report = {
+    # Held-out statements: what the SAE reads there, in a fresh process (torch ops in a
+    # process that ran a vLLM CPU engine inherit its thread pinning and crawl).
+    from safetensors.torch import save_file
+
+    rows = torch.cat([o.prefill_hidden_states[LAYER] for o in held])
+    save_file({"rows": rows.contiguous()}, str(work / "heldout.safetensors"))
+    facts = {
         "model": "tiny-arith",
         "layer": LAYER,
         "hook_name": hook,
@@ -139,17 +141,35 @@ def main() -> None:
         "epochs": args.epochs,
         "context_size": CONTEXT,
         "heldout_statements": len(held),
+        "training_seconds": round(time.time() - started, 1),
+    }
+    (work / "facts.json").write_text(json.dumps(facts))
+    subprocess.run([sys.executable, __file__, "--evaluate", str(work), "--out", str(args.out)],
+                   check=True)  # fmt: skip
+    shutil.rmtree(work)
+
+
+def evaluate(work: Path, out: Path) -> None:
+    """What the saved SAE reads on the held-out rows (probehook's own reader and encode):
+    the fraction of variance its reconstruction explains and its mean l0."""
+    from safetensors.torch import load_file
+
+    from probehook import SAE
+
+    sae = SAE.load(out)
+    rows = load_file(str(work / "heldout.safetensors"))["rows"]
+    features = sae.top_k(rows, K)
+    reconstruction = features.dense(sae.d_sae) @ sae.W_dec + sae.weights.b_dec
+    explained = 1 - ((rows - reconstruction).var(0).sum() / rows.var(0).sum()).item()
+    report = {
+        **json.loads((work / "facts.json").read_text()),
         "heldout_tokens": int(rows.shape[0]),
         "heldout_explained_variance": round(explained, 4),
         "heldout_mean_l0": round(float(features.l0.float().mean()), 3),
-        "features_ever_on_heldout": int(
-            torch.unique(features.indices[features.indices >= 0]).numel()
-        ),
-        "seconds": round(time.time() - started, 1),
+        "features_on_heldout": int(features.indices[features.indices >= 0].unique().numel()),
     }
-    (args.out / "training_report.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out / "training_report.json").write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report, indent=2))
-    shutil.rmtree(work)
 
 
 if __name__ == "__main__":

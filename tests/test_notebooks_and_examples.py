@@ -39,6 +39,7 @@ EXAMPLES = [
     "segment_image.py",
     "quickstart.py",
     "collect_and_probe.py",
+    "sae_features.py",
 ]
 NOISE = ("Triton", "FutureWarning", "NUMA binding", "Loading safetensors", " WARNING ")
 """vLLM's warnings and loading bars, which the examples keep out of their output."""
@@ -329,6 +330,11 @@ def test_example_runs(script: str, runs: dict[str, Run]) -> None:
         # The README's numbers, with no memory setting and 6 GiB held elsewhere.
         assert "text '46.'" in result.stdout and "layer 3: prefill rows (7, 128)" in output
         assert "probehook: on CPU, reserving" in result.stderr, result.stderr[-3000:]
+    if script == "sae_features.py":
+        # The bundled SAE's features of every generated token, flagged, clamped and stored.
+        assert "text '46.'; features of layer 3 per generated token" in result.stdout
+        assert re.search(r"token 3: l0 8 +top \[\d+:", result.stdout), result.stdout
+        assert "4 tokens of features, no rows" in result.stdout
     if script == "collect_and_probe.py":
         # 3,000 statements on two Ray replicas into one store, then a probe trained from it.
         assert "3000 statements captured (0 already stored)" in result.stdout, result.stdout

@@ -10,7 +10,7 @@ from sae_oracle import ARCHITECTURES, assert_features_match, make_saelens_sae, o
 from safetensors.torch import save_file
 
 from probehook import SAE
-from probehook.saes import SAEError, layer_of_hook
+from probehook.saes import SAEError, SAEFeatures, layer_of_hook
 
 D_IN, D_SAE = 32, 96
 
@@ -197,3 +197,37 @@ def test_steering_vector_from_sae_decoder_directions(tmp_path):
         SteeringVector.from_sae(sae, {D_SAE: 1.0})
     with pytest.raises(ValueError, match="non-empty"):
         SteeringVector.from_sae(sae, {})
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_a_bfloat16_encoder_stays_within_the_wider_margin(tmp_path, arch):
+    """``sae_dtype="bfloat16"`` (the engine's cheaper GEMM): the readout equals SAELens's
+    float32 encode within tau = 1e-2 x max |pre-activation|."""
+    from probehook.saes.encode import read_top_k
+
+    extra = {"k": 12} if arch in ("topk", "abstopk") else {}
+    folder = make_saelens_sae(arch, tmp_path / arch, D_IN, D_SAE, "model.layers.1", **extra)
+    weights = SAE.load(folder).weights.to("cpu", torch.bfloat16)
+    assert weights.W_enc.dtype == torch.bfloat16 and weights.b_dec.dtype == torch.float32
+    rows = _rows()
+    packed = read_top_k(weights, rows, 8)
+    f = SAEFeatures.unpack(packed, 8)
+    assert_features_match(f.indices, f.values, f.l0, oracle(folder), rows, 8, tau=1e-2)
+
+
+def test_the_bundled_sae_is_what_saelens_reads():
+    """The SAE shipped in the package (scripts/train_tiny_sae.py): layer 3 of the tiny model,
+    read as SAELens reads it, and as good on held-out statements as its report says."""
+    import json
+
+    from probehook import tiny_sae_path
+
+    folder = tiny_sae_path()
+    sae = SAE.load(folder)
+    assert (sae.layer, sae.d_in, sae.d_sae, sae.architecture, sae.k) == (3, 128, 512, "topk", 8)
+    report = json.loads((folder / "training_report.json").read_text())
+    assert report["heldout_explained_variance"] >= 0.9 and report["heldout_mean_l0"] <= 8
+    rows = torch.randn(32, 128, generator=torch.Generator().manual_seed(0)) * 3
+    f = sae.top_k(rows, 8)
+    assert_features_match(f.indices, f.values, f.l0, oracle(folder), rows, 8)
+    assert sum(p.stat().st_size for p in folder.iterdir()) < 5 << 20

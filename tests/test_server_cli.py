@@ -25,6 +25,7 @@ def flags(**overrides: object) -> argparse.Namespace:
         steering_capacity=64,
         sae=[],
         sae_top_k=32,
+        sae_dtype=None,
     )
     return argparse.Namespace(**{**values, **overrides})
 

@@ -20,6 +20,7 @@ from probehook.saes import SAE, SAEError, SAEFeatures
 from probehook.saes.sae import check_top_k
 
 DEFAULT_TOP_K = 32
+ENCODER_DTYPES = (None, "float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
@@ -48,9 +49,17 @@ class SAESet:
         num_layers: int,
         hidden_size: int,
         clamping: bool = False,
+        dtype: str | None = None,
     ) -> None:
         self.saes = dict(saes)
         self.clamping = bool(clamping)
+        if dtype not in ENCODER_DTYPES:
+            raise SAEError(
+                f"sae_dtype={dtype!r} is not an encoder dtype; choose one of {ENCODER_DTYPES} "
+                "(None: each SAE's own)."
+            )
+        self.dtype = dtype
+        """The encoder GEMM's dtype in the worker (None: each SAE's own)."""
         """Requests may clamp features (a clamp op on each SAE's layer)."""
         self.k = check_top_k(top_k, "sae_top_k")
         self.monitors = tuple(self._check_monitor(m) for m in monitors)
@@ -122,6 +131,7 @@ class SAESet:
         return {
             "saes": {n: {"path": s.path, "layer": s.layer} for n, s in self.saes.items()},
             "k": self.k,
+            "dtype": self.dtype,
         }
 
     def describe(self) -> dict[str, dict[str, Any]]:
@@ -137,7 +147,7 @@ class SAESet:
                 "d_sae": sae.d_sae,
                 "architecture": sae.architecture,
                 "k": self.k,
-                "settings": sae.settings,
+                "settings": {**sae.settings, "engine_dtype": self.dtype},
             }
             for name, sae in self.saes.items()
         }

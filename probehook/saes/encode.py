@@ -62,19 +62,31 @@ class SAEWeights:
 
     @property
     def dtype(self) -> torch.dtype:
+        """The encoder GEMM's input dtype (the weights')."""
         return self.W_enc.dtype
 
-    def to(self, device: torch.device | str) -> SAEWeights:
-        moved = {
-            name: value.to(device) if isinstance(value, torch.Tensor) else value
-            for name, value in self.__dict__.items()
-        }
+    @property
+    def epilogue_dtype(self) -> torch.dtype:
+        """Normalisation, biases, activation and top-k: float32 (float64 SAEs keep theirs)."""
+        return torch.float64 if self.W_enc.dtype == torch.float64 else torch.float32
+
+    def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> SAEWeights:
+        """On ``device``; with ``dtype``, the encoder in ``dtype`` (the GEMM's operands: a
+        bfloat16 encoder halves the bytes a decode step reads), the rest in float32."""
+        moved = {}
+        for name, value in self.__dict__.items():
+            if isinstance(value, torch.Tensor):
+                if dtype is not None:
+                    value = value.to(dtype if name == "W_enc" else torch.float32)
+                value = value.to(device)
+            moved[name] = value
         return SAEWeights(**moved)
 
 
 def preprocess(weights: SAEWeights, x: torch.Tensor) -> torch.Tensor:
-    """The row as the encoder GEMM reads it (cast, normalised, ``b_dec`` subtracted)."""
-    x = x.to(weights.dtype)
+    """The row as the encoder GEMM reads it (normalised, ``b_dec`` subtracted), in the
+    epilogue dtype."""
+    x = x.to(weights.epilogue_dtype)
     if weights.normalize_activations == "constant_norm_rescale":
         x = x * (weights.d_in**0.5) / x.norm(dim=-1, keepdim=True)
     elif weights.normalize_activations == "layer_norm":
@@ -87,7 +99,7 @@ def preprocess(weights: SAEWeights, x: torch.Tensor) -> torch.Tensor:
 
 def pre_activations(weights: SAEWeights, x: torch.Tensor) -> torch.Tensor:
     """``[rows, d_sae]`` pre-activations (SAELens's ``hook_sae_acts_pre``; gated: the gate)."""
-    z = preprocess(weights, x) @ weights.W_enc
+    z = _encoder_gemm(weights, x)
     if weights.architecture == "gated":
         return z + weights.b_gate
     p = z + weights.b_enc
@@ -96,11 +108,18 @@ def pre_activations(weights: SAEWeights, x: torch.Tensor) -> torch.Tensor:
     return p
 
 
+def _encoder_gemm(weights: SAEWeights, x: torch.Tensor) -> torch.Tensor:
+    """``preprocess(x) @ W_enc``: operands in the encoder's dtype, the result in the epilogue
+    dtype (the same as the plain product for a float32 SAE)."""
+    z = preprocess(weights, x)
+    return (z.to(weights.dtype) @ weights.W_enc).to(weights.epilogue_dtype)
+
+
 def encode_dense(weights: SAEWeights, x: torch.Tensor) -> torch.Tensor:
     """Dense ``[rows, d_sae]`` activations, as SAELens's ``SAE.encode``."""
     arch = weights.architecture
     if arch == "gated":
-        z = preprocess(weights, x) @ weights.W_enc
+        z = _encoder_gemm(weights, x)
         magnitude = torch.relu(z * weights.r_mag_exp + weights.b_mag)
         return (z + weights.b_gate > 0).to(magnitude.dtype) * magnitude
     p = pre_activations(weights, x)

@@ -54,15 +54,16 @@ def load_bank(
     settings: Mapping[str, Any], device: torch.device | str, keep_decoders: Sequence[str] = ()
 ) -> tuple[SAEBank, dict[str, torch.Tensor]]:
     """The bank the loader's settings describe (``{"saes": {name: {"path", "layer"}}, "k":
-    int}``), each SAE read from its folder onto ``device``; and the decoder rows of the SAEs
-    named in ``keep_decoders`` (clamping writes with them)."""
+    int, "dtype": encoder dtype or None}``), each SAE read from its folder onto ``device``;
+    and the decoder rows of the SAEs named in ``keep_decoders`` (clamping writes with them)."""
     from probehook.saes import SAE
 
     saes = {}
     decoders = {}
     for name, entry in settings["saes"].items():
         sae = SAE.load(entry["path"], layer=int(entry["layer"]))
-        saes[name] = (sae.layer, sae.weights.to(device))
+        dtype = settings.get("dtype")
+        saes[name] = (sae.layer, sae.weights.to(device, getattr(torch, dtype) if dtype else None))
         if name in keep_decoders:
             assert sae.W_dec is not None
             decoders[name] = sae.W_dec.to(device)

@@ -85,6 +85,7 @@ class AsyncLLM(VllmAsyncLLM):
         saes: Any = None,
         sae_top_k: int = 32,
         sae_clamping: bool = False,
+        sae_dtype: str | None = None,
         vllm_config: Any = None,
         **kwargs: Any,
     ) -> None:
@@ -138,6 +139,7 @@ class AsyncLLM(VllmAsyncLLM):
             saes=saes,
             sae_top_k=sae_top_k,
             sae_clamping=sae_clamping,
+            sae_dtype=sae_dtype,
         )
         engine_kwargs, start = _split_start_kwargs(kwargs)
         engine_kwargs = cpu_memory.size_for_cpu(

@@ -82,6 +82,9 @@ class LLM(vllm.LLM):
         sae_clamping: let requests hold SAE features at values on every token
             (``extra_args={"probehook": {"clamp": {"res3": {123: 0.0}}}}``): a clamp op on
             each SAE's layer, in the compiled model.
+        sae_dtype: the encoder GEMM's operand dtype in the worker: None (each SAE's own),
+            ``"float32"``, ``"bfloat16"`` or ``"float16"`` (half the weight bytes a step
+            reads; biases, activation and top-k stay float32).
         capture_only: build a collection engine: :meth:`capture` reads each prompt in one
             forward pass (vLLM's pooling runner; nothing is sampled) and the model stops after
             the deepest layer captured or probed (no later layers, final norm or LM head).
@@ -114,6 +117,7 @@ class LLM(vllm.LLM):
         saes: Any = None,
         sae_top_k: int = 32,
         sae_clamping: bool = False,
+        sae_dtype: str | None = None,
         capture_only: bool = False,
         **kwargs: Any,
     ) -> None:
@@ -144,6 +148,7 @@ class LLM(vllm.LLM):
             saes=saes,
             sae_top_k=sae_top_k,
             sae_clamping=sae_clamping,
+            sae_dtype=sae_dtype,
             capture_only=capture_only,
         )
         kwargs = cpu_memory.size_for_cpu(

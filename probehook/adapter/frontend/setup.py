@@ -58,6 +58,8 @@ class CaptureRequest:
     sae_top_k: int = DEFAULT_TOP_K
     sae_clamping: bool = False
     """Requests may clamp SAE features (a clamp op on each SAE's layer)."""
+    sae_dtype: str | None = None
+    """The encoder GEMM's dtype in the worker (None: each SAE's own)."""
 
     def __post_init__(self) -> None:
         # Checked at once, so that a plain engine is built without probehook's runner choice.
@@ -193,6 +195,7 @@ def prepare(
             num_layers=num_layers,
             hidden_size=resolved.model_config.get_hidden_size(),
             clamping=request.sae_clamping,
+            dtype=request.sae_dtype,
         )
     elif request.sae_clamping:
         raise CaptureConfigError("sae_clamping=True clamps SAE features: pass saes={...} too.")

@@ -47,6 +47,12 @@ def add_capture_args(parser: Any) -> None:
         '("probehook": {"saes": ["NAME"]}); repeatable',
     )
     group.add_argument(
+        "--sae-dtype",
+        default=None,
+        choices=["float32", "bfloat16", "float16"],
+        help="the SAE encoder GEMM's dtype in the worker (default: each SAE's own)",
+    )
+    group.add_argument(
         "--sae-top-k",
         type=int,
         default=32,
@@ -154,6 +160,7 @@ def capture_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         steering_capacity=args.steering_capacity,
         saes=saes or None,
         sae_top_k=args.sae_top_k,
+        sae_dtype=args.sae_dtype,
     )
 
 

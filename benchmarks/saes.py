@@ -6,7 +6,8 @@ SAEs of 16,384 features (float32, SAELens layout written here) read at top-32:
 - plain compiled vLLM (the baseline);
 - one SAE on layer 4, no request asking (``"saes": False``): the step skips SAE work;
 - one SAE, every request asking (decode features);
-- four SAEs on layers 1, 3, 5, 7, every request asking.
+- the same SAE with ``sae_dtype="bfloat16"`` (the encoder GEMM in bfloat16, float32 epilogue);
+- four SAEs on layers 1, 3, 5, 7, every request asking (float32, and bfloat16).
 
 Decode: 16 prompts of 32 tokens -> 64 new tokens. Prefill: 16 prompts of 256 tokens -> 1
 token, prompt features asked. As in steering.py, each configuration's run is bracketed by two
@@ -115,6 +116,9 @@ def main() -> None:
     base = vllm.LLM(str(model_dir), **common)
     single = LLM(str(model_dir), saes=one, sae_top_k=args.top_k, include_prefill=True, **common)
     many = LLM(str(model_dir), saes=four, sae_top_k=args.top_k, include_prefill=True, **common)
+    half = dict(sae_top_k=args.top_k, include_prefill=True, sae_dtype="bfloat16", **common)
+    single_bf16 = LLM(str(model_dir), saes=one, **half)
+    many_bf16 = LLM(str(model_dir), saes=four, **half)
 
     def prompts(length: int) -> list[dict]:
         return [
@@ -131,12 +135,16 @@ def main() -> None:
         "decode": {
             "1 SAE, no request asking": (single, {"saes": False}),
             "1 SAE, every request": (single, decode_only),
+            "1 SAE bf16 GEMM, every request": (single_bf16, decode_only),
             "4 SAEs, every request": (many, decode_only),
+            "4 SAEs bf16 GEMM, every request": (many_bf16, decode_only),
         },
         "prefill": {
             "1 SAE, no request asking": (single, {"saes": False}),
             "1 SAE, every request (prompt features)": (single, {}),
+            "1 SAE bf16 GEMM, every request (prompt features)": (single_bf16, {}),
             "4 SAEs, every request (prompt features)": (many, {}),
+            "4 SAEs bf16 GEMM, every request (prompt features)": (many_bf16, {}),
         },
     }
     report: dict = {"workload": vars(args), "phases": {}}
@@ -178,8 +186,8 @@ def main() -> None:
             }
             for name, values in samples.items()
         ]
-    single.shutdown()
-    many.shutdown()
+    for llm in (single, many, single_bf16, many_bf16):
+        llm.shutdown()
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "saes.json").write_text(json.dumps(report, indent=2))
     lines = [

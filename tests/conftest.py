@@ -53,9 +53,10 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 # Many short-lived engines in one process: keep their logs readable.
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
-VLLM_PROCESS_BUDGET = 40
+VLLM_PROCESS_BUDGET = 41
 """Processes that import vLLM in a full run (pytest and every child, engines' included);
-a full run over it fails (docs/benchmarks.md keeps the suite's figures)."""
+a full run over it fails (docs/benchmarks.md keeps the suite's figures). 41: notebook 07's
+kernel (a notebook runs in a kernel of its own) joined the 40 of issue 37."""
 _CENSUS_PATH = Path(__file__).parent / "census"
 
 

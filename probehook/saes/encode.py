@@ -122,9 +122,9 @@ def encode_dense(weights: SAEWeights, x: torch.Tensor) -> torch.Tensor:
         z = _encoder_gemm(weights, x)
         magnitude = torch.relu(z * weights.r_mag_exp + weights.b_mag)
         return (z + weights.b_gate > 0).to(magnitude.dtype) * magnitude
-    p = pre_activations(weights, x)
+    p = pre_activations(weights, x)  # a tensor of its own: the epilogue may work in place
     if arch == "standard":
-        return torch.relu(p)
+        return p.relu_()
     if arch == "jumprelu":
         return torch.relu(p) * (p > weights.threshold).to(p.dtype)
     assert weights.k is not None
@@ -171,4 +171,6 @@ def _read_tile(weights: SAEWeights, x: torch.Tensor, k: int, out: torch.Tensor) 
     if take < k:  # an SAE with fewer features than k
         out[:, take:k] = -1
         out[:, k + take : 2 * k] = 0
-    out[:, 2 * k] = (dense != 0).sum(dim=-1).to(torch.float32)
+    # rank is |activation| (or the non-negative activation): > 0 counts the non-zero ones,
+    # several times faster than != 0 on a CPU.
+    out[:, 2 * k] = (rank > 0).sum(dim=-1, dtype=torch.int32).to(torch.float32)

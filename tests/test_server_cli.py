@@ -26,6 +26,7 @@ def flags(**overrides: object) -> argparse.Namespace:
         sae=[],
         sae_top_k=32,
         sae_dtype=None,
+        sae_clamping=False,
     )
     return argparse.Namespace(**{**values, **overrides})
 
@@ -39,8 +40,9 @@ def test_flags_become_async_llm_arguments() -> None:
     steering = capture_kwargs(flags(steer=["up=up.st"], steering_layers="2", steering_capacity=8))
     assert steering["steering"] == {"up": "up.st"} and steering["steering_layers"] == [2]
     assert steering["steering_capacity"] == 8
-    saes = capture_kwargs(flags(sae=["res3=saes/l3"], sae_top_k=8))
+    saes = capture_kwargs(flags(sae=["res3=saes/l3"], sae_top_k=8, sae_clamping=True))
     assert saes["saes"] == {"res3": "saes/l3"} and saes["sae_top_k"] == 8
+    assert saes["sae_clamping"] is True and saes["sae_dtype"] is None
 
 
 def test_monitor_specs() -> None:

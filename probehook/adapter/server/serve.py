@@ -53,6 +53,12 @@ def add_capture_args(parser: Any) -> None:
         help="the SAE encoder GEMM's dtype in the worker (default: each SAE's own)",
     )
     group.add_argument(
+        "--sae-clamping",
+        action="store_true",
+        help='let requests hold SAE features at values ("probehook": {"clamp": {"NAME": '
+        '{"FEATURE": VALUE}}}): a clamp op on each SAE\'s layer',
+    )
+    group.add_argument(
         "--sae-top-k",
         type=int,
         default=32,
@@ -161,6 +167,7 @@ def capture_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         saes=saes or None,
         sae_top_k=args.sae_top_k,
         sae_dtype=args.sae_dtype,
+        sae_clamping=args.sae_clamping,
     )
 
 

@@ -59,3 +59,21 @@ def load_named(
             raise CaptureConfigError(f"Two {what}s are named {obj.name!r}; names must differ.")
         loaded[obj.name] = obj
     return loaded
+
+
+def select_names(
+    selected: Any, known: Sequence[str], argument: str, what: str, error: type[Exception]
+) -> tuple[str, ...]:
+    """A request's choice among an engine's named objects: None or True: all of ``known``;
+    False: none; names: those, in order, once each (an unknown one raises ``error``)."""
+    if selected is None or selected is True:
+        return tuple(known)
+    if selected is False:
+        return ()
+    unknown = [n for n in selected if n not in known]
+    if unknown:
+        raise error(
+            f"Per-request {argument} {unknown} are not engine {what}s; valid names are "
+            f"{sorted(known)}."
+        )
+    return tuple(dict.fromkeys(selected))

@@ -19,7 +19,7 @@ from probehook.core.monitors import ProbeMonitor, crossings
 from probehook.core.probe_spec import ColumnRange, ProbeSpec, columns_of
 from probehook.core.request_options import RequestOptions, WireMonitor
 from probehook.errors import CaptureConfigError
-from probehook.frontend.named import load_named
+from probehook.frontend.named import load_named, select_names
 
 ACTIVATION_OF_KIND = {"binary": "sigmoid", "multiclass": "softmax", "regression": "identity"}
 PROBABILITY_KINDS = ("binary", "multiclass")
@@ -100,19 +100,9 @@ class ProbeSet:
         and ``monitors`` (None: the engine's, for the probes it gets; a list replaces them)
         against this engine's probes; types were checked by :meth:`RequestOptions.from_user`."""
         options = RequestOptions.from_user(options)
-        selected = options.probes
-        if selected is None or selected is True:
-            names = tuple(self.probes)
-        elif selected is False:
-            names = ()
-        else:
-            unknown = [n for n in selected if n not in self.probes]
-            if unknown:
-                raise CaptureConfigError(
-                    f"Per-request probes {unknown} are not engine probes; valid names are "
-                    f"{sorted(self.probes)}."
-                )
-            names = tuple(dict.fromkeys(selected))
+        names = select_names(
+            options.probes, list(self.probes), "probes", "probe", CaptureConfigError
+        )
         if options.monitors is None:
             monitors = tuple(m for m in self.monitors if m.probe in names)
         else:

@@ -15,7 +15,7 @@ import torch
 
 from probehook.core.monitors import FeatureMonitor
 from probehook.core.request_options import RequestOptions
-from probehook.frontend.named import load_named
+from probehook.frontend.named import load_named, select_names
 from probehook.saes import SAE, SAEError, SAEFeatures
 from probehook.saes.sae import check_top_k
 
@@ -155,19 +155,7 @@ class SAESet:
     def for_request(self, options: RequestOptions) -> RequestSAEs:
         """A request's ``saes`` (None or True: all; False or []: none; names) and
         ``sae_top_k`` (up to the engine's), checked."""
-        selected = options.saes
-        if selected is None or selected is True:
-            names = tuple(self.saes)
-        elif selected is False:
-            names = ()
-        else:
-            unknown = [n for n in selected if n not in self.saes]
-            if unknown:
-                raise SAEError(
-                    f"Per-request saes {unknown} are not engine SAEs; valid names are "
-                    f"{sorted(self.saes)}."
-                )
-            names = tuple(dict.fromkeys(selected))
+        names = select_names(options.saes, list(self.saes), "saes", "SAE", SAEError)
         k = self.k if options.sae_top_k is None else options.sae_top_k
         if k > self.k:
             raise SAEError(

@@ -185,7 +185,7 @@ class CaptureSession:
         if field == POOLING_EXTRA and (options.steered() or options.clamp):
             raise CaptureConfigError(
                 "This request sets steer or clamp, but it is a pooling request: probehook "
-                "steers and clamps generative models only. Drop them."
+                "steers generative models only (and clamps them only). Drop them."
             )
         if field == POOLING_EXTRA and options.monitors:
             raise CaptureConfigError(

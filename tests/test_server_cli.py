@@ -190,3 +190,31 @@ def test_a_stream_never_started_still_gives_its_inline_vectors_back() -> None:
 
     asyncio.run(main())
     assert released == ["inline:mine"]
+
+
+def test_served_features_in_lists_or_compact_base64() -> None:
+    """A choice's ``sae_features`` as JSON lists, or (``--sae-encoding base64``) as arrays
+    ``decode_array`` reads back to the same numbers."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from probehook.frontend.response_fields import ChoiceFields, decode_array
+    from probehook.saes import SAEFeatures
+
+    got = SAEFeatures(
+        torch.tensor([[7, 3, -1], [400, 2, 1]]),
+        torch.tensor([[2.5, 1.25, 0.0], [9.0, 0.5, 0.125]]),
+        torch.tensor([2, 5]),
+    )
+    completion = SimpleNamespace(index=0, sae_features={"res": got}, capture_error=None)
+    output = SimpleNamespace(prefill_sae_features={}, processor_errors={})
+    plain, compact = ChoiceFields(), ChoiceFields(compact=True)
+    for fields in (plain, compact):
+        fields.add(0, output, completion)
+    lists = plain.take(0)["sae_features"]["res"]
+    arrays = compact.take(0)["sae_features"]["res"]
+    assert lists["indices"] == got.indices.tolist() and lists["l0"] == got.l0.tolist()
+    for part in ("indices", "values", "l0"):
+        assert decode_array(arrays[part]).tolist() == getattr(got, part).tolist(), part
+    assert arrays["indices"]["dtype"] == "int32" and arrays["values"]["dtype"] == "float32"

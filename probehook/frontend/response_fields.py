@@ -76,11 +76,13 @@ class ChoiceFields:
     registered processor's non-empty attributes go in. A stream's chunk may be skipped (a token
     with no text yet): its values wait for the next chunk of the same choice."""
 
-    def __init__(self, processors: Iterable[Any] | None = None) -> None:
+    def __init__(self, processors: Iterable[Any] | None = None, compact: bool = False) -> None:
         if processors is None:
             from probehook.outputs import OUTPUT_PROCESSORS
 
             processors = OUTPUT_PROCESSORS
+        self.compact = compact
+        """Write values in a processor's compact form where it has one (``to_compact``)."""
         # (processor, attribute, on the request output?) for every attribute owned
         self._owned = [
             (p, attribute, on_request)
@@ -124,12 +126,16 @@ class ChoiceFields:
             return {"error": part["error"]}
         failed = part.pop(PROCESSOR_ERRORS, None)
         field = {
-            attribute: processor.to_response(processor.merge(pieces))
+            attribute: self._write(processor, processor.merge(pieces))
             for attribute, (processor, pieces) in part.items()
         }
         if failed:
             field[PROCESSOR_ERRORS] = failed
         return field
+
+    def _write(self, processor: Any, value: Any) -> Any:
+        compact = getattr(processor, "to_compact", None) if self.compact else None
+        return compact(value) if compact is not None else processor.to_response(value)
 
     def annotate_sse(self, line: str) -> str:
         """An SSE line of vLLM's stream with the waiting fields added to its choices that

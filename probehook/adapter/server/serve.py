@@ -59,6 +59,13 @@ def add_capture_args(parser: Any) -> None:
         '{"FEATURE": VALUE}}}): a clamp op on each SAE\'s layer',
     )
     group.add_argument(
+        "--sae-encoding",
+        default="lists",
+        choices=["lists", "base64"],
+        help="how SAE features are written into responses: JSON lists (default) or base64 "
+        "arrays (int32 indices, float32 values, int32 l0; decode with decode_array)",
+    )
+    group.add_argument(
         "--sae-top-k",
         type=int,
         default=32,
@@ -327,7 +334,13 @@ async def serve(args: argparse.Namespace, capture: dict[str, Any]) -> None:
         app = build_app(args, tasks, engine.model_config)
         await init_app_state(engine, app.state, args, tasks)
         limit = int(args.max_capture_response_mb * MiB)
-        install(app.state, limit, default, args.allow_inline_steering)
+        install(
+            app.state,
+            limit,
+            default,
+            args.allow_inline_steering,
+            compact=args.sae_encoding == "base64",
+        )
         app.add_api_route("/v1/probehook", _describe(engine, limit, default), methods=["GET"])
         uvicorn_kwargs: dict[str, Any] = {}
         log_config = get_uvicorn_log_config(args)

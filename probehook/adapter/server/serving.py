@@ -51,6 +51,12 @@ class CaptureServing:
     allow_inline_steering: bool = False
     """``--allow-inline-steering``: requests may send their own vectors (``steer_vectors``)."""
 
+    compact: bool = False
+    """``--sae-encoding base64``: processors with a compact form (SAE features) use it."""
+
+    def _fields(self) -> ChoiceFields:
+        return ChoiceFields(compact=self.compact)
+
     async def _run(self, request: Any, prompts: int, run: Callable[[], Awaitable[Any]]) -> Any:
         """Check the request (400 when bad), put its inline vectors in the bank, run it, and
         take them out when it is done (a stream: when its generator ends)."""
@@ -198,7 +204,7 @@ class CaptureCompletionServing(CaptureServing, OpenAIServingCompletion):
         *args: Any,
         **kw: Any,
     ) -> AsyncGenerator[str, None]:
-        fields = ChoiceFields()
+        fields = self._fields()
         n = request.n or 1
         source = _recorded(request, result_generator, fields, lambda item: (item[1], item[0] * n))
         stream = super().completion_stream_generator(request, engine_inputs, source, *args, **kw)
@@ -212,7 +218,7 @@ class CaptureCompletionServing(CaptureServing, OpenAIServingCompletion):
         self, final_res_batch: list[Any], *args: Any, **kwargs: Any
     ) -> Any:
         response = super().request_output_to_completion_response(final_res_batch, *args, **kwargs)
-        fields = ChoiceFields()
+        fields = self._fields()
         pairs = [(output, c) for output in final_res_batch for c in output.outputs]
         for index, (output, completion) in enumerate(pairs):  # vLLM numbers choices so
             fields.add(index, output, completion)
@@ -231,7 +237,7 @@ class CaptureChatServing(CaptureServing, OpenAIServingChat):
     async def chat_completion_stream_generator(  # type: ignore[override]
         self, request: Any, result_generator: AsyncIterator, *args: Any, **kwargs: Any
     ) -> AsyncGenerator[str, None]:
-        fields = ChoiceFields()
+        fields = self._fields()
         source = _recorded(request, result_generator, fields, _single)
         stream = super().chat_completion_stream_generator(request, source, *args, **kwargs)
         try:
@@ -243,7 +249,7 @@ class CaptureChatServing(CaptureServing, OpenAIServingChat):
     async def chat_completion_full_generator(  # type: ignore[override]
         self, request: Any, result_generator: AsyncIterator, *args: Any, **kwargs: Any
     ) -> Any:
-        fields = ChoiceFields()
+        fields = self._fields()
         source = _recorded(request, result_generator, fields, _single)
         response = await super().chat_completion_full_generator(request, source, *args, **kwargs)
         _annotate(response, fields)
@@ -377,6 +383,7 @@ def install(
     max_response_bytes: int,
     capture_default: dict[str, Any] | None = None,
     allow_inline_steering: bool = False,
+    compact: bool = False,
 ) -> list[str]:
     """Give the app's completion, chat and pooling handlers probehook's classes; the names of
     the handlers changed (a generative model has no pooling handlers, a model without a chat
@@ -396,5 +403,6 @@ def install(
         if name in HANDLERS:
             handler.capture_default = capture_default
             handler.allow_inline_steering = allow_inline_steering
+            handler.compact = compact
         changed.append(name)
     return changed

@@ -20,7 +20,6 @@ import torch
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 from vllm.v1.sample.logits_processor.builtin import process_dict_updates
 
-from probehook.adapter.worker import probe_registry
 from probehook.core.monitors import FeatureMonitor, crosses
 from probehook.core.request_options import EXTRA_ARGS_KEY, RequestWire, WireMonitor
 
@@ -40,8 +39,11 @@ class ProbeStopProcessor(LogitsProcessor):
     """Forces the stop token of requests whose stop monitor fired in this step."""
 
     def __init__(self, vllm_config: Any, device: torch.device, is_pin_memory: bool) -> None:
-        self.vllm_config = vllm_config
         self.watches: dict[int, _Watch] = {}  # by persistent-batch index
+        self.hook: Any = None
+        """The worker's step hook (its step's scores and SAE features): handed over by
+        ``probehook_start_recording``, which finds this processor in the runner's batch (vLLM
+        builds logits processors with no handle to the model)."""
 
     def is_argmax_invariant(self) -> bool:
         return False  # it changes the argmax: must run for greedy batches too
@@ -52,11 +54,11 @@ class ProbeStopProcessor(LogitsProcessor):
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         if not self.watches:
             return logits
-        entry = probe_registry.lookup(self.vllm_config)
-        if entry is None:
-            return logits
-        scores = _StepValues(entry.hook.scorer)
-        features = _StepValues(entry.hook.sae_recorder)
+        hook = self.hook
+        if hook is None:
+            return logits  # before recording starts (warm-up): nothing is watched yet
+        scores = _StepValues(hook.scorer)
+        features = _StepValues(hook.sae_recorder)
         for index, watch in self.watches.items():
             if len(watch.output_ids) < watch.min_tokens or watch.stop_token >= logits.shape[1]:
                 continue  # vLLM would not stop it yet; the forced token would be kept

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from probehook.adapter.worker import probe_registry, runner_v1
+from probehook.adapter.worker import runner_v1
 from probehook.adapter.worker.loader import StepHook, register_loader, step_hook
 from probehook.core.export_wire import (
     BatchAsk,
@@ -108,8 +108,8 @@ class ProbehookWorkerExtension:
                 source="sae",
             )
             hook.sae_recorder.keep_step_rows = True  # feature monitors read this step's
-        # Where the stop processor finds this step's scores and features.
-        probe_registry.register(self.vllm_config, hook, bank)  # type: ignore[attr-defined]
+        # The stop processors of this worker's batch read this step's scores and features.
+        runner_v1.hand_hook_to_processors(runner, hook)
         if hook.recorder is not None:
             hook.recorder.limit_bytes = int(limit_bytes)
         active = [r for r in hook.recorders() if _answers(self, r.source)]

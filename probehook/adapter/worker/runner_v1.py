@@ -45,6 +45,16 @@ def check_runner(runner: Any) -> None:
         )
 
 
+def hand_hook_to_processors(runner: Any, hook: Any) -> None:
+    """Give the step hook to this runner's probehook stop processors (vLLM builds logits
+    processors from the config alone: the runner's persistent batch is where they live)."""
+    from probehook.adapter.worker.monitor_processor import ProbeStopProcessor
+
+    for processor in runner.input_batch.logitsprocs.all:
+        if isinstance(processor, ProbeStopProcessor):
+            processor.hook = hook
+
+
 def record_step(runner: Any, recorders: Sequence[tuple[StepRecorder, PlanFor]]) -> None:
     batch = runner.input_batch
     num_reqs = batch.num_reqs

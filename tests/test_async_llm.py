@@ -212,7 +212,11 @@ def test_64_streams_with_random_aborts_leave_nothing_behind(engine, offline, loo
     results = loop.run_until_complete(main())
     for i, last in results:
         if i in aborted_at:
-            assert last.outputs[0].finish_reason == "abort"
+            # An abort that reaches the engine after the last token ends nothing: a consumer
+            # that lags (a loaded machine) may ask once the request has finished. Otherwise
+            # the stream ends aborted.
+            completed = len(last.outputs[0].token_ids) == greedy().max_tokens
+            assert last.outputs[0].finish_reason == "abort" or completed, last.outputs[0]
             n = len(last.outputs[0].token_ids)
             assert last.outputs[0].hidden_states[0].shape[0] == n  # what it got is complete
         else:

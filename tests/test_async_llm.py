@@ -142,6 +142,26 @@ async def collect(engine: Any, prompt: str, params: Any, request_id: str | None 
     return outs
 
 
+def test_banks_come_at_load_and_their_file_is_gone(engine, loop) -> None:
+    """The worker allocated the probe, steering and SAE banks at model load, from the bank
+    file the front end wrote; the file is gone once the engine has loaded, though the
+    AsyncLLM keeps its start-up plan until the first request (seen failing with the
+    removal left out)."""
+    import tempfile
+
+    from helpers import random_probes
+
+    assert not list(Path(tempfile.gettempdir()).glob("probehook-banks-*"))
+    loop.run_until_complete(engine.start_capture())
+    outputs = sum(int(p.weight.shape[0]) for p in random_probes(128).values())
+    assert engine.capture_info["banks"] == {
+        "probe_outputs": outputs,
+        "steering_capacity": 64,
+        "steering_vectors": [],
+        "saes": ["res3"],
+    }
+
+
 def test_each_output_kind_carries_the_rows_of_its_tokens(engine, offline, loop, store_dir) -> None:
     from vllm.sampling_params import RequestOutputKind as Kind
 

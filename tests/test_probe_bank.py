@@ -4,10 +4,13 @@ where the monitor processor reads them."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
 
+from probehook.core.bank_file import WorkerBanks
 from probehook.core.monitors import ProbeMonitor, crossings
 from probehook.core.probe_spec import ProbeSpec, columns_of
 from probehook.core.spans import OPEN, KeepPlan, Span
@@ -56,9 +59,29 @@ def test_fused_scores_equal_each_probe_alone() -> None:
 
 def test_columns_are_the_same_on_both_sides() -> None:
     assert columns_of(SPECS) == ProbeBank(SPECS, "cpu").columns
-    wired = [ProbeSpec.from_wire(s.to_wire()) for s in SPECS]
-    assert columns_of(wired) == columns_of(SPECS)
-    assert all(np.array_equal(a.weight, b.weight) for a, b in zip(wired, SPECS, strict=True))
+
+
+def test_bank_file_round_trip(tmp_path: Any) -> None:
+    """The file the loader reads at load gives back the probes (same columns, same arrays),
+    the steering capacity and the vectors the front end wrote."""
+    ones = np.ones(HIDDEN, np.float32)
+    vectors = {"up": {1: np.arange(HIDDEN, dtype=np.float32)}, "two": {0: ones, 2: -ones}}
+    WorkerBanks(SPECS, 9, vectors).write(tmp_path / "b.safetensors")
+    read = WorkerBanks.read(tmp_path / "b.safetensors")
+    assert columns_of(read.probes) == columns_of(SPECS) and read.steering_capacity == 9
+    for a, b in zip(read.probes, SPECS, strict=True):
+        assert (a.name, a.layer, a.activation) == (b.name, b.layer, b.activation)
+        assert np.array_equal(a.weight, b.weight) and np.array_equal(a.bias, b.bias)
+    assert read.vectors.keys() == vectors.keys()
+    for name, by_layer in vectors.items():
+        assert read.vectors[name].keys() == by_layer.keys()
+        assert all(np.array_equal(read.vectors[name][k], v) for k, v in by_layer.items())
+    empty = tmp_path / "e.safetensors"
+    WorkerBanks().write(empty)
+    assert WorkerBanks.read(empty).probes == [] and WorkerBanks.read(empty).vectors == {}
+    (tmp_path / "other.safetensors").write_bytes((tmp_path / "b.safetensors").read_bytes()[:8])
+    with pytest.raises(Exception):  # noqa: B017 - safetensors' own error for a cut file
+        WorkerBanks.read(tmp_path / "other.safetensors")
 
 
 def test_score_recorder_keeps_scores_by_position_and_last_rows() -> None:

@@ -113,6 +113,18 @@ def test_engine_processes_were_started_with_v1(steer_llm) -> None:
     assert "VLLM_USE_V2_MODEL_RUNNER" not in os.environ
 
 
+def test_banks_are_allocated_at_model_load(steer_llm, vectors) -> None:
+    """The probe and steering banks come from the bank file the loader reads at model load
+    (inside vLLM's memory profiling), not from an RPC after start-up: the worker's report says
+    what it allocated there (the file's removal: test_async_llm)."""
+    assert steer_llm.capture_info["banks"] == {
+        "probe_outputs": 1,
+        "steering_capacity": 8,
+        "steering_vectors": sorted(vectors),
+        "saes": [],
+    }
+
+
 def test_64_combinations_in_one_batch_each_get_their_own_sum(steer_llm, vectors) -> None:
     """64 requests, each its own (vectors, scales), with n=2 on some, chunked prefill and
     preemption: every prompt row after layer 1 is the unsteered row plus that request's sum;

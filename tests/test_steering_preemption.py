@@ -157,7 +157,7 @@ def test_a_request_the_worker_cannot_steer_fails_alone(steered: Any) -> None:
     llm = steered
 
     def break_sums(worker: Any) -> None:  # runs in the worker: this process (in-process)
-        bank = worker._probehook_steering.bank
+        bank = _steer(worker).bank
         combine = type(bank).combine
 
         def failing(layer: int, terms: Any) -> Any:
@@ -168,7 +168,7 @@ def test_a_request_the_worker_cannot_steer_fails_alone(steered: Any) -> None:
         bank.combine = failing
 
     def mend(worker: Any) -> None:
-        del worker._probehook_steering.bank.combine
+        del _steer(worker).bank.combine
 
     prompts = ["1+2=", "3+4=", "5+6="]
     short = {"max_tokens": 4}
@@ -190,3 +190,10 @@ def test_a_request_the_worker_cannot_steer_fails_alone(steered: Any) -> None:
                 out.hidden_states[3]
             continue
         assert list(out.outputs[0].token_ids) == list(alone[out.prompt].outputs[0].token_ids)
+
+
+def _steer(worker: Any) -> Any:
+    """The worker's steering (the step hook's, allocated at load)."""
+    from probehook.adapter.worker.loader import step_hook
+
+    return step_hook(worker.model_runner.get_model()).steer

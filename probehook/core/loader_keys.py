@@ -24,3 +24,7 @@ layers ``TAP_LAYERS_KEY`` names."""
 CLAMP_KEY = "clamp_saes"
 """Key in the capture settings: ``[[sae name, layer], ...]``, the SAEs whose layers get a
 clamp op (part of the compile-cache key, as the steered layers are)."""
+BANK_FILE_KEY = "probehook_banks"
+"""Key in ``model_loader_extra_config``: the path of the engine's bank file (probes, first
+steering vectors, steering capacity: ``probehook.core.bank_file``), read by the loader at
+model load. Not part of the compile-cache key, for the reason ``SAE_BANK_KEY`` gives."""

@@ -1,13 +1,13 @@
 """Probes inside the worker: every probe of an engine as one fused matmul per layer per step.
 
 The front end turns each :class:`~probehook.LinearProbe` into a :class:`ProbeSpec` (plain
-arrays: the weight with its input normalisation folded in, the bias, and the activation) and
-sends it to the worker once. The worker's :class:`ProbeBank` stacks the specs of each layer
-into one weight matrix, so a step costs one ``[rows, hidden] @ [outputs, hidden]^T`` per tapped
-layer, on the device, on the rows the step keeps. Only the resulting scores (float32, one
-column per probe output) are copied to the host.
+arrays: the weight with its input normalisation folded in, the bias, and the activation),
+which reaches the worker once, in the bank file its loader reads at model load. The worker's
+:class:`ProbeBank` stacks the specs of each layer into one weight matrix, so a step costs one
+``[rows, hidden] @ [outputs, hidden]^T`` per tapped layer, on the device, on the rows the step
+keeps. Only the resulting scores (float32, one column per probe output) are copied to the host.
 
-No vLLM imports: ``probehook.adapter`` builds the bank from the tap buffers.
+No vLLM imports: ``probehook.adapter``'s loader builds the bank at model load.
 """
 
 from __future__ import annotations

@@ -151,7 +151,11 @@ class AsyncLLM(VllmAsyncLLM):
         with engine_config.capture_engine_start():
             plan = setup.prepare(model, engine_kwargs, request, _resolve)
             assert plan is not None
-            self._start_engine(engine_config.engine_args(model, plan.engine_kwargs, True), start)
+            try:
+                args = engine_config.engine_args(model, plan.engine_kwargs, True)
+                self._start_engine(args, start)
+            finally:  # loaded, or never will be
+                plan.engine_loaded()
         engine_config.pin_v1_runner(self.vllm_config)  # the workers run V1 for its whole life
         self._plan = plan
         self.capture_config, self.probes = plan.config, plan.probes

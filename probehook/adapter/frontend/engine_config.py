@@ -293,13 +293,14 @@ def capture_engine_kwargs(
     saes: dict[str, Any] | None = None,
     monitored: bool | None = None,
     clamps: Sequence[Sequence[Any]] = (),
+    banks: str | None = None,
 ) -> dict[str, Any]:
     """Return ``kwargs`` for ``vllm.LLM`` with probehook's loader, extension and config;
     ``probe_layers`` (the layers probes and SAEs read) are tapped too; with probes
     (``monitored``; None: whenever ``probe_layers`` are given) the monitor logits processor is
     added; with ``steer_layers``, those layers get the steering op; with ``exit_after`` (a
     capture-only engine), the model stops after that layer; ``saes``: the SAE bank's loader
-    settings."""
+    settings; ``banks``: the path of the probes' and steering vectors' bank file."""
     kwargs = dict(kwargs)
     if kwargs.get("worker_extension_cls") not in (None, "", WORKER_EXTENSION):
         raise CaptureConfigError(
@@ -329,6 +330,8 @@ def capture_engine_kwargs(
     kwargs["model_loader_extra_config"] = {**extra, loader_keys.LOADER_EXTRA_KEY: inner_format}
     if saes:
         kwargs["model_loader_extra_config"][loader_keys.SAE_BANK_KEY] = saes
+    if banks:
+        kwargs["model_loader_extra_config"][loader_keys.BANK_FILE_KEY] = banks
     additional = dict(kwargs.get("additional_config") or {})
     # additional_config is part of vLLM's compile-cache hash: taps never share a cache entry
     # with a different tap set or with an untapped engine.

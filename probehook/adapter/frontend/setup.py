@@ -18,8 +18,9 @@ import torch
 from probehook._version import __version__ as probehook_version
 from probehook.adapter.frontend import engine_config, outputs
 from probehook.capture_config import CaptureConfig, LayerSpec, resolve_layers
+from probehook.core.bank_file import BankFile, WorkerBanks
 from probehook.core.monitors import FeatureMonitor
-from probehook.core.steering_wire import DEFAULT_CAPACITY, vector_wire
+from probehook.core.steering_wire import DEFAULT_CAPACITY
 from probehook.errors import CaptureConfigError, CaptureError
 from probehook.frontend.named import load_named
 from probehook.frontend.probe_set import ProbeSet, load_probes
@@ -138,16 +139,17 @@ class CaptureSetup:
     steering: SteeringSet | None = None
     saes: SAESet | None = None
 
-    def recording_args(self) -> tuple[int, list[dict[str, Any]] | None, dict[str, Any] | None]:
-        """Arguments of the workers' ``probehook_start_recording``."""
-        wire = [spec.to_wire() for spec in self.probes.specs] if self.probes else None
-        steering = None
-        if self.steering is not None:
-            steering = {
-                "capacity": self.steering.capacity,
-                "vectors": {n: vector_wire(v) for n, v in self.steering.vectors.items()},
-            }
-        return self.limit, wire, steering
+    banks: BankFile | None = None
+    """The probes and first steering vectors the workers' loader reads at model load."""
+
+    def recording_args(self) -> tuple[int]:
+        """Arguments of the workers' ``probehook_start_recording`` (the banks came at load)."""
+        return (self.limit,)
+
+    def engine_loaded(self) -> None:
+        """The workers have loaded the model: the bank file has been read."""
+        if self.banks is not None:
+            self.banks.discard()
 
 
 def prepare(
@@ -237,6 +239,7 @@ def prepare(
     # Probes and SAEs read their layers' taps, whether or not rows are captured there.
     read_layers = tuple(sorted({*(probe_set.layers if probe_set else ()),
                                 *(sae_set.layers if sae_set else ())}))  # fmt: skip
+    banks = _bank_file(probe_set, steering)
     engine_kwargs = engine_config.capture_engine_kwargs(
         kwargs,
         config,
@@ -246,6 +249,7 @@ def prepare(
         # Capture-only: nothing after the deepest tapped layer is computed.
         exit_after=max((*config.layers, *read_layers)) if request.capture_only else None,
         saes=sae_set.loader_settings() if sae_set is not None else None,
+        banks=banks.path if banks is not None else None,
         clamps=sae_set.clamp_settings() if sae_set is not None else (),
         # Requests may bring their own monitors: whenever probes or SAEs can be watched.
         monitored=probe_set is not None or sae_set is not None,
@@ -269,6 +273,24 @@ def prepare(
         dict(request.store_options or {}),
         steering,
         sae_set,
+        banks,
+    )
+
+
+def _bank_file(probes: ProbeSet | None, steering: SteeringSet | None) -> BankFile | None:
+    """The file of the banks the workers allocate at model load (None: no probes, no
+    steering)."""
+    if probes is None and steering is None:
+        return None
+    return BankFile(
+        WorkerBanks(
+            list(probes.specs) if probes is not None else [],
+            steering.capacity if steering is not None else DEFAULT_CAPACITY,
+            {
+                name: {layer: vector.vector(layer).numpy() for layer in vector.layers}
+                for name, vector in (steering.vectors if steering is not None else {}).items()
+            },
+        )
     )
 
 

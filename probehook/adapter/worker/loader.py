@@ -29,8 +29,10 @@ from probehook.core.architectures import (  # noqa: F401 - importable from here,
     declared_layer_path,
     supported_message,
 )
+from probehook.core.bank_file import WorkerBanks
 from probehook.core.loader_keys import (
     ADDITIONAL_CONFIG_KEY,
+    BANK_FILE_KEY,
     CLAMP_KEY,
     EXIT_AFTER_KEY,
     LOAD_FORMAT,
@@ -43,8 +45,10 @@ from probehook.core.request_options import MAX_CLAMPED
 from probehook.errors import UnsupportedModelError
 from probehook.worker.clamp_op import CLAMPED_SAES, ClampedSAE, clamp
 from probehook.worker.clamp_tables import ClampBuffers
+from probehook.worker.probe_bank import ProbeBank
 from probehook.worker.recorder import StepRecorder
 from probehook.worker.steer_op import steer
+from probehook.worker.steering_bank import SteeringBank, StepSteering
 from probehook.worker.tap_op import tap
 
 logger = logging.getLogger(__name__)
@@ -81,6 +85,7 @@ def _make_loader_class() -> type:
             extra = dict(load_config.model_loader_extra_config or {})
             inner_format = extra.pop(LOADER_EXTRA_KEY, None)
             self.sae_settings = extra.pop(SAE_BANK_KEY, None)
+            self.bank_file = extra.pop(BANK_FILE_KEY, None)
             if inner_format is None:
                 raise UnsupportedModelError(
                     f"load_format={LOAD_FORMAT!r} is reserved for probehook.LLM; pass your "
@@ -137,6 +142,9 @@ def _make_loader_class() -> type:
                     clamped = ClampedSAE(hook.saes.weights_of(name), decoders[name])
                     hook.clamped.append(clamped)  # the engine holds it; the op finds it by key
                     CLAMPED_SAES[key] = clamped
+            # Probes and steering vectors too, from the bank file the front end wrote.
+            banks = WorkerBanks.read(self.bank_file) if self.bank_file else WorkerBanks()
+            hook.allocate_banks(banks)
             exit_after = settings.get(EXIT_AFTER_KEY)
             if exit_after is not None:
                 hook.cut = exit_early(model, int(exit_after))
@@ -444,7 +452,7 @@ class StepHook:
         )
         """Hidden-state rows of the captured layers (None when only probes are tapped)."""
         self.scorer: StepRecorder | None = None
-        """Probe scores, once the front end sent its probes (``probehook_start_recording``)."""
+        """Probe scores (None: no probes)."""
         self.clamp_buffers: dict[str, Any] = {}
         """Each clamped SAE's op buffers, by name (:class:`ClampBuffers`)."""
         self.clamped: list[Any] = []
@@ -453,7 +461,11 @@ class StepHook:
         """The engine's :class:`~probehook.worker.sae_bank.SAEBank`, read at load (None: no
         SAEs)."""
         self.sae_recorder: StepRecorder | None = None
-        """SAE features (``"sae"``), from ``probehook_start_recording`` on."""
+        """SAE features (``"sae"``; None: no SAEs)."""
+        self.steer: StepSteering | None = None
+        """The steering bank and its per-step tables (None: no layer is steered)."""
+        self.banks: dict[str, Any] = {}
+        """What :meth:`allocate_banks` allocated at load, for the start-up report."""
         self.on_step: Callable[[], None] | None = None
         self.before_forward: Callable[[Any], None] | None = None
         self.on_schedule: Callable[[Any], None] | None = None
@@ -464,6 +476,41 @@ class StepHook:
         self.layers_run = 0  # decoder layers the model runs (set at load)
         self.cut: list[str] = []
         """What a capture-only engine does not compute (modules dropped at load)."""
+
+    def allocate_banks(self, banks: WorkerBanks) -> None:
+        """Allocate the probe and steering banks and the score and feature recorders, at model
+        load (inside vLLM's memory profiling; the SAE bank is read before this)."""
+        device = next(iter(self.buffers.values())).device
+        if banks.probes:
+            probes = ProbeBank(banks.probes, device)
+            self.scorer = StepRecorder(
+                [self.buffers[layer] for layer in probes.layers],
+                probes.layers,
+                transform=probes,
+                source="scores",
+            )
+            self.scorer.keep_step_rows = True  # monitors read this step's scores
+        if self.saes is not None:
+            self.sae_recorder = StepRecorder(
+                [self.buffers[layer] for layer in self.saes.layers],
+                self.saes.layers,
+                transform=self.saes,
+                source="sae",
+            )
+            self.sae_recorder.keep_step_rows = True  # feature monitors read this step's
+        if self.steering is not None:
+            tables = self.steering.tables
+            bank = SteeringBank(tuple(tables), self.hidden_size, banks.steering_capacity,
+                                self.steering.index.device)  # fmt: skip
+            for name, vectors in banks.vectors.items():
+                bank.add(name, vectors)
+            self.steer = StepSteering(bank, tables, self.steering.index)
+        self.banks = {
+            "probe_outputs": sum(spec.weight.shape[0] for spec in banks.probes),
+            "steering_capacity": self.steer.bank.capacity if self.steer is not None else 0,
+            "steering_vectors": sorted(banks.vectors) if self.steer is not None else [],
+            "saes": list(self.saes.slots) if self.saes is not None else [],
+        }
 
     def recorders(self) -> list[StepRecorder]:
         """Every recorder this worker has: rows, probe scores, SAE features."""

@@ -26,15 +26,13 @@ from probehook.core.export_wire import (
     StreamAsk,
     stream_id,
 )
-from probehook.core.probe_spec import ProbeSpec
 from probehook.core.request_options import EXTRA_ARGS_KEY, PLAN_KEY
 from probehook.core.spans import Span
-from probehook.core.steering_wire import DEFAULT_CAPACITY, vectors_from_wire
+from probehook.core.steering_wire import vectors_from_wire
 from probehook.core.stream_frames import encode
 from probehook.worker.clamp_tables import StepClamps
-from probehook.worker.probe_bank import ProbeBank
 from probehook.worker.recorder import RequestPlan, StepRecorder
-from probehook.worker.steering_bank import SteeringBank, StepSteering
+from probehook.worker.steering_bank import StepSteering
 from probehook.worker.stream_publisher import Publisher
 from probehook.worker.transport_writer import write_tensors_with_fallback
 
@@ -76,38 +74,15 @@ def _answers(worker: Any, source: str) -> bool:
 class ProbehookWorkerExtension:
     """Worker-side RPC surface of probehook."""
 
-    def probehook_start_recording(
-        self,
-        limit_bytes: int = 0,
-        probes: list[dict[str, Any]] | None = None,
-        steering: dict[str, Any] | None = None,
-    ) -> dict[str, Any] | None:
-        """Start recording requests' rows (and probe scores) and steering them; steps before
-        this (warm-up) are ignored. ``probes`` are :meth:`ProbeSpec.to_wire` dicts;
-        ``steering`` is ``{"capacity": int, "vectors": {name: vector wire}}``."""
+    def probehook_start_recording(self, limit_bytes: int = 0) -> dict[str, Any] | None:
+        """Start recording requests' rows, probe scores and SAE features, and steering them;
+        steps before this (warm-up) are ignored. The banks (probes, steering vectors, SAEs)
+        were allocated at model load (``StepHook.allocate_banks``)."""
         hook = _hook(self)
         runner = self.model_runner  # type: ignore[attr-defined]
         runner_v1.check_runner(runner)
-        steer = _steering(hook, steering) if hook.steering is not None else None
+        steer = hook.steer
         steerable = steer.bank.rows.__contains__ if steer is not None else None
-        bank: ProbeBank | None = None
-        if probes:
-            bank = ProbeBank([ProbeSpec.from_wire(p) for p in probes], _device(hook))
-            hook.scorer = StepRecorder(
-                [hook.buffers[layer] for layer in bank.layers],
-                bank.layers,
-                transform=bank,
-                source="scores",
-            )
-            hook.scorer.keep_step_rows = True  # monitors read this step's scores
-        if hook.saes is not None and hook.sae_recorder is None:
-            hook.sae_recorder = StepRecorder(
-                [hook.buffers[layer] for layer in hook.saes.layers],
-                hook.saes.layers,
-                transform=hook.saes,
-                source="sae",
-            )
-            hook.sae_recorder.keep_step_rows = True  # feature monitors read this step's
         # The stop processors of this worker's batch read this step's scores and features.
         runner_v1.hand_hook_to_processors(runner, hook)
         if hook.recorder is not None:
@@ -132,7 +107,6 @@ class ProbehookWorkerExtension:
         if getattr(self, "_probehook_publisher", None) is None:
             self._probehook_publisher = Publisher(None)  # until a stream connects
 
-        self._probehook_steering = steer
         clamps = StepClamps(hook.clamp_buffers) if hook.clamp_buffers else None
         self._probehook_clamps = clamps
         before_forward = on_schedule = None
@@ -174,6 +148,7 @@ class ProbehookWorkerExtension:
             "layers": list(hook.config.layers),
             "tapped_layers": sorted(hook.buffers),
             "steered_layers": sorted(hook.steering.tables) if hook.steering else [],
+            "banks": hook.banks,  # allocated at load
             # Capture-only engines stop early: the decoder layers run, and what was cut.
             "layers_run": hook.layers_run,
             "cut": list(hook.cut),
@@ -289,7 +264,7 @@ class ProbehookWorkerExtension:
     def probehook_stats(self) -> dict[str, int] | None:
         """Counters for tests, debugging and the benchmark."""
         hook = _hook(self)
-        steer = getattr(self, "_probehook_steering", None)
+        steer = hook.steer
         recorders = hook.recorders()
         publisher = getattr(self, "_probehook_publisher", None)
         if publisher is not None:  # streams whose requests left since the last step
@@ -473,23 +448,8 @@ def _compilations() -> dict[str, int]:
     }
 
 
-def _steering(hook: StepHook, steering: dict[str, Any] | None) -> StepSteering:
-    assert hook.steering is not None
-    steering = steering or {}
-    tables = hook.steering.tables
-    capacity = int(steering.get("capacity", DEFAULT_CAPACITY))
-    bank = SteeringBank(tuple(tables), hook.hidden_size, capacity, hook.steering.index.device)
-    for name, wire in (steering.get("vectors") or {}).items():
-        bank.add(name, vectors_from_wire(wire, hook.hidden_size))
-    return StepSteering(bank, tables, hook.steering.index)
-
-
 def _steering_of(worker: Any) -> StepSteering:
-    steer = getattr(worker, "_probehook_steering", None)
+    steer = _hook(worker).steer
     if steer is None:
         raise ValueError("this engine was built without steering layers")
     return steer
-
-
-def _device(hook: StepHook) -> Any:
-    return next(iter(hook.buffers.values())).device

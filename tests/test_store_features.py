@@ -132,3 +132,12 @@ def test_a_store_of_features_is_20x_smaller_than_rows(tmp_path: Path) -> None:
     per_token = stored / n
     assert per_token == 2 * k + 4 * k + 4
     assert 1024 * 4 / per_token >= 20
+
+
+def test_a_queued_block_counts_the_bytes_it_holds() -> None:
+    """The writer's queue bound counts a block's memory: int64 indices are 8 bytes each (a
+    count of 4 let twice the bound wait in the queue)."""
+    block = FeatureBlock("decode", 0, "res", 3, features(1, 5, 6, 512))
+    f = block.features
+    assert f.indices.dtype == torch.int64 and f.values.dtype == torch.float32
+    assert block.nbytes == 5 * 6 * 8 + 5 * 6 * 4 + 5 * f.l0.element_size()

@@ -53,8 +53,10 @@ class FeatureBlock:
 
     @property
     def nbytes(self) -> int:
+        """What the block holds in memory while it waits in the writer's queue."""
         f = self.features
-        return int(f.indices.numel() * 4 + f.values.numel() * 4 + f.l0.numel() * 4)  # type: ignore[attr-defined]
+        parts = (f.indices, f.values, f.l0)  # type: ignore[attr-defined]
+        return sum(int(t.numel() * t.element_size()) for t in parts)
 
 
 def index_dtype(d_sae: int) -> type:

@@ -153,24 +153,50 @@ def read_top_k(
 
 
 def _read_tile(weights: SAEWeights, x: torch.Tensor, k: int, out: torch.Tensor) -> None:
-    dense = encode_dense(weights, x)
-    signed = weights.architecture == "abstopk"
-    rank = dense.abs() if signed else dense
     take = min(k, weights.d_sae)
+    if weights.architecture in ("topk", "abstopk"):
+        # The SAE keeps its own k_sae features: read them straight from its top-k, without
+        # the dense tensor encode_dense scatters them into.
+        score, index, values, l0 = _own_top_k(weights, x)
+        if take < score.shape[1]:
+            score, picked = score.topk(take, dim=-1, sorted=False)
+            index, values = index.gather(-1, picked), values.gather(-1, picked)
+    else:
+        dense = encode_dense(weights, x)
+        score, index = dense.topk(take, dim=-1, sorted=False)
+        values = score
+        # > 0 counts the non-zero (non-negative) activations, several times faster than
+        # != 0 on a CPU.
+        l0 = (dense > 0).sum(dim=-1, dtype=torch.int32)
     # Sorted by lower index first, then a stable descending sort by value: ties keep the
     # lower index first (torch.topk alone promises no order among equal values).
-    score, index = rank.topk(take, dim=-1, sorted=False)
     index, order = index.sort(dim=-1)
-    score = score.gather(-1, order)
+    score, values = score.gather(-1, order), values.gather(-1, order)
     score, order = score.sort(dim=-1, descending=True, stable=True)
-    index = index.gather(-1, order)
-    values = dense.gather(-1, index)
+    index, values = index.gather(-1, order), values.gather(-1, order)
     on = score > 0
-    out[:, :take] = torch.where(on, index, -1).to(torch.float32)
-    out[:, k : k + take] = torch.where(on, values, 0).to(torch.float32)
-    if take < k:  # an SAE with fewer features than k
-        out[:, take:k] = -1
-        out[:, k + take : 2 * k] = 0
-    # rank is |activation| (or the non-negative activation): > 0 counts the non-zero ones,
-    # several times faster than != 0 on a CPU.
-    out[:, 2 * k] = (rank > 0).sum(dim=-1, dtype=torch.int32).to(torch.float32)
+    width = index.shape[1]  # under k: an SAE with fewer features (or a smaller k_sae) than k
+    out[:, :width] = torch.where(on, index, -1).to(torch.float32)
+    out[:, k : k + width] = torch.where(on, values, 0).to(torch.float32)
+    out[:, width:k] = -1
+    out[:, k + width : 2 * k] = 0
+    out[:, 2 * k] = l0.to(torch.float32)
+
+
+def _own_top_k(
+    weights: SAEWeights, x: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A topk / abstopk SAE's own ``k_sae`` features of each row: their rank (the value, or
+    |value| for abstopk; 0: off), indices, values and the row's l0, as :func:`encode_dense`
+    would give them."""
+    assert weights.k is not None
+    p = pre_activations(weights, x)
+    kept = min(weights.k, weights.d_sae)
+    if weights.architecture == "topk":
+        values, index = p.topk(kept, dim=-1, sorted=False)
+        values = values.relu_()
+        score = values
+    else:
+        score, index = p.abs().topk(kept, dim=-1, sorted=False)
+        values = p.gather(-1, index)
+    return score, index, values, (score > 0).sum(dim=-1, dtype=torch.int32)

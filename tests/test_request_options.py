@@ -8,16 +8,19 @@ import copy
 from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
 import pytest
 from malformed_options import CORRUPTIONS, FLAGS, malformed
 
 from probehook.capture_config import CaptureConfig
 from probehook.core.monitors import ProbeMonitor
 from probehook.core.request_options import (
+    MAX_CLAMPED,
     USER_KEYS,
     RequestOptions,
     RequestWire,
     WireMonitor,
+    clamp_terms,
 )
 from probehook.errors import CaptureConfigError
 
@@ -222,3 +225,26 @@ def test_the_worker_reuses_a_plan_only_where_it_applies() -> None:
     for corrupt in ("0_e", "0_h", "0_i", "0_j"):
         assert "could not read" in (plan_factory(runner, engine)(corrupt).error or ""), corrupt
     assert signatures == {}  # the second recorder took each signature the first made
+
+
+@pytest.mark.parametrize(
+    ("held", "match"),
+    [
+        ({"1": 10**400}, r"clamp\['res3'\]\[.1.\] is .*must be a finite number"),
+        ({"1": float("nan")}, r"must be a finite number"),
+        ({"1": "2.0"}, r"is '2.0', not a number"),
+        ({"1": True}, r"not a number"),
+        ({str(i): 0.0 for i in range(MAX_CLAMPED + 1)}, rf"at most {MAX_CLAMPED} per SAE"),
+    ],
+)
+def test_clamp_values_are_finite_numbers(held: dict, match: str) -> None:
+    """Every clamp value gets a CaptureConfigError naming where it is (an int too large for
+    a float used to escape as OverflowError)."""
+    with pytest.raises(CaptureConfigError, match=match):
+        clamp_terms({"res3": held}, "clamp")
+
+
+def test_clamp_terms_take_numpy_numbers_and_digit_keys() -> None:
+    assert clamp_terms({"res3": {"7": np.float32(2.5), 3: 0}}, "clamp") == (
+        ("res3", ((3, 0.0), (7, 2.5))),
+    )

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import reprlib
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -206,18 +207,24 @@ def steer_terms(value: Any, what: str) -> tuple[tuple[str, float], ...]:
                 f"{what}: {name!r} is not a steering vector name; pass {{name: scale}} such as "
                 f"{example}."
             )
-        if isinstance(scale, bool) or not isinstance(scale, int | float | np.number):
-            raise CaptureConfigError(
-                f"{what}: the scale of {name!r} is {scale!r}, not a number; pass {{name: scale}} "
-                f"such as {example}."
-            )
-        try:
-            scale = float(scale)
-        except OverflowError:
-            scale = math.inf
-        if not math.isfinite(scale):
-            raise CaptureConfigError(
-                f"{what}: the scale of {name!r} is {scale!r}; scales must be finite numbers."
-            )
+        scale = finite_number(
+            scale, f"{what}: the scale of {name!r}", f"pass {{name: scale}} such as {example}"
+        )
         terms.append((name, scale))
     return tuple(sorted(terms))
+
+
+def finite_number(value: Any, what: str, hint: str) -> float:
+    """``value`` (a real number, not a bool) as a finite float; else a
+    :class:`CaptureConfigError` that says what it is and, after it, ``hint``."""
+    if isinstance(value, bool) or not isinstance(value, int | float | np.number):
+        raise CaptureConfigError(f"{what} is {reprlib.repr(value)}, not a number; {hint}.")
+    try:
+        number = float(value)
+    except OverflowError:  # an int too large for a float
+        number = math.inf
+    if not math.isfinite(number):
+        raise CaptureConfigError(
+            f"{what} is {reprlib.repr(value)}; it must be a finite number ({hint})."
+        )
+    return number

@@ -24,7 +24,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from probehook.capture_config import CaptureConfig, as_int
-from probehook.core.monitors import FeatureMonitor, ProbeMonitor, steer_terms
+from probehook.core.monitors import FeatureMonitor, ProbeMonitor, finite_number, steer_terms
 from probehook.errors import CaptureConfigError
 
 EXTRA_ARGS_KEY = "probehook"
@@ -493,13 +493,12 @@ def clamp_terms(value: Any, what: str) -> tuple[tuple[str, tuple[tuple[int, floa
                 raise CaptureConfigError(
                     f"{what}[{name!r}]: {_show(feature)} is not a feature index; e.g. {example}."
                 )
-            if isinstance(target, bool) or not isinstance(target, int | float):
-                raise CaptureConfigError(
-                    f"{what}[{name!r}][{feature!r}]={_show(target)} is not a number."
-                )
-            if not math.isfinite(float(target)):
-                raise CaptureConfigError(f"{what}[{name!r}][{feature!r}]={target!r} is not finite.")
-            terms.append((int(index), float(target)))
+            value = finite_number(
+                target,
+                f"{what}[{name!r}][{feature!r}]",
+                f"hold a feature at a value, e.g. {example}",
+            )
+            terms.append((int(index), value))
         out.append((name, tuple(sorted(terms))))
     return tuple(sorted(out))
 

@@ -12,6 +12,10 @@ import numpy as np
 
 ACTIVATIONS = ("sigmoid", "softmax", "identity")
 
+SCORES_SLOT = "scores"
+"""The one output slot of the worker's score recorder (a hidden-row recorder's slots are
+layers): what the front end's exports of scores name."""
+
 
 @dataclass(frozen=True)
 class ProbeSpec:

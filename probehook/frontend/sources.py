@@ -13,15 +13,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from probehook.capture_config import CaptureConfig
+from probehook.core.probe_spec import SCORES_SLOT
 from probehook.core.spans import score_config
 
 if TYPE_CHECKING:
     from probehook.frontend.probe_set import ProbeSet
     from probehook.frontend.sae_set import SAESet
     from probehook.frontend.tracked_request import TrackedRequest
-
-SCORES_LAYERS = ("scores",)
-"""The slot that probe scores are exported under."""
 
 
 class CaptureSource:
@@ -116,7 +114,7 @@ class ProbeScores(CaptureSource):
         return request.probes is not None and bool(request.probes.names)
 
     def slots(self, request: TrackedRequest) -> tuple[Any, ...]:
-        return SCORES_LAYERS
+        return (SCORES_SLOT,)
 
     def value(self, rows: torch.Tensor, request: TrackedRequest) -> dict[Any, Any]:
         assert request.probes is not None

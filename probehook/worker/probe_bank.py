@@ -17,10 +17,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from probehook.core.probe_spec import ProbeSpec, columns_of
-
-SCORES_SLOT = "scores"
-"""The one output slot of a score recorder (a hidden-row recorder's slots are layers)."""
+from probehook.core.probe_spec import SCORES_SLOT, ProbeSpec, columns_of
 
 
 class ProbeBank:

@@ -83,6 +83,13 @@ def _oracles(sae_dirs: dict[str, Path]) -> dict[str, Any]:
 LAYERS = {name: layer for name, (_, _, layer, _) in SAES.items()}
 
 
+def test_the_user_process_holds_no_weights_of_a_folder(sae_llm) -> None:
+    """An SAE given as a folder is read for its config and shapes in the user's process (the
+    workers read the weights); one given loaded stays as it was."""
+    held = {name: sae.has_weights for name, sae in sae_llm.session.saes.saes.items()}
+    assert held == {"res1": True, "res2": False, "res3": False}
+
+
 def test_features_under_load_equal_saelens(sae_llm, llama_dir: Path, sae_dirs) -> None:
     """27 requests at once: every SAE, a subset, a smaller k, none, n = 2, a repeated prompt
     (prefix cache); requests without SAEs generate what the others generate."""

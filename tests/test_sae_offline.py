@@ -182,6 +182,35 @@ def test_sparsify_folder_against_its_equation(tmp_path):
         SAE.load(folder)
 
 
+@pytest.mark.parametrize("arch", ["gated", "topk"])
+def test_an_sae_read_without_weights_describes_itself(tmp_path, arch):
+    """weights=False (what an engine does with a folder in the user's process) reads the
+    config and the shapes: the same description, size and fingerprint as the whole SAE, but
+    no encode."""
+    from probehook import SteeringVector
+
+    extra = {"k": 12, "rescale_acts_by_decoder_norm": True} if arch == "topk" else {}
+    folder = make_saelens_sae(arch, tmp_path / arch, D_IN, D_SAE, "blocks.2.hook_resid_post",
+                              **extra)  # fmt: skip
+    whole, light = SAE.load(folder), SAE.load(folder, weights=False)
+    described = ("architecture", "layer", "d_in", "d_sae", "k", "dtype", "hook_name",
+                 "fingerprint", "settings", "nbytes", "path")  # fmt: skip
+    assert [getattr(light, a) for a in described] == [getattr(whole, a) for a in described]
+    assert whole.has_weights and not light.has_weights
+    for use in (lambda: light.encode(_rows(2)), lambda: light.top_k(_rows(2), 4),
+                lambda: SteeringVector.from_sae(light, {1: 1.0})):  # fmt: skip
+        with pytest.raises(SAEError, match="weights=False"):
+            use()
+    sparsify = tmp_path / "layers.1"
+    sparsify.mkdir()
+    save_file({"encoder.weight": torch.zeros(D_SAE, D_IN), "encoder.bias": torch.zeros(D_SAE),
+               "W_dec": torch.zeros(D_SAE, D_IN), "b_dec": torch.zeros(D_IN)},
+              str(sparsify / "sae.safetensors"))  # fmt: skip
+    (sparsify / "cfg.json").write_text(json.dumps({"k": 9, "d_in": D_IN}))
+    light = SAE.load(sparsify, weights=False)
+    assert (light.d_in, light.d_sae, light.k, light.has_weights) == (D_IN, D_SAE, 9, False)
+
+
 def test_steering_vector_from_sae_decoder_directions(tmp_path):
     from probehook import SteeringVector
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -191,4 +192,5 @@ class SAESet:
 def load_saes(saes: Any) -> dict[str, SAE]:
     """``saes=`` as given to an engine: a dict name -> SAE (or its folder), or a list of SAEs
     with names."""
-    return load_named(saes, "saes", SAE, SAE.load, "SAE")
+    # A folder is read for its config and shapes only: the workers read the weights.
+    return load_named(saes, "saes", SAE, partial(SAE.load, weights=False), "SAE")

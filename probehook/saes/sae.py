@@ -32,6 +32,7 @@ from probehook.saes.files import (
     SPARSIFY_WEIGHTS,
     SAEError,
     fingerprint_of,
+    read_tensors,
 )
 
 NOT_READ = {
@@ -145,10 +146,15 @@ class SAE:
     # -- reading -------------------------------------------------------------------------
 
     @classmethod
-    def load(cls, path: str | os.PathLike[str], layer: int | None = None) -> SAE:
+    def load(
+        cls, path: str | os.PathLike[str], layer: int | None = None, *, weights: bool = True
+    ) -> SAE:
         """Read an SAE folder: SAELens (``cfg.json`` + ``sae_weights.safetensors``) or
         EleutherAI sparsify (``cfg.json`` + ``sae.safetensors``). ``layer``: the probehook
-        layer it reads, overriding the hook name (required when the folder names none)."""
+        layer it reads, overriding the hook name (required when the folder names none).
+        ``weights=False`` reads the config and the tensors' shapes only (an engine given a
+        folder does this in the user's process: its workers read the weights); such an SAE
+        describes itself but cannot encode."""
         folder = Path(path)
         if not folder.is_dir():
             raise SAEError(
@@ -165,11 +171,11 @@ class SAE:
         if not isinstance(cfg, dict):
             raise SAEError(f"{os.fspath(config_file)!r} holds {type(cfg).__name__}, not a dict.")
         if (folder / SAELENS_WEIGHTS).is_file():
-            return _read_saelens(folder, cfg, layer)
+            return _read_saelens(folder, cfg, layer, weights)
         if (folder / SPARSIFY_WEIGHTS).is_file():
             from probehook.saes.sparsify import read_sparsify
 
-            return SAE(**read_sparsify(folder, cfg, layer))
+            return SAE(**read_sparsify(folder, cfg, layer, weights))
         raise SAEError(
             f"SAE folder {os.fspath(folder)!r} has neither {SAELENS_WEIGHTS} (SAELens) nor "
             f"{SPARSIFY_WEIGHTS} (sparsify)."
@@ -193,7 +199,20 @@ class SAE:
         packed = read_top_k(self.weights, self._check_rows(rows), k)
         return SAEFeatures.unpack(packed, k)
 
+    @property
+    def has_weights(self) -> bool:
+        """False for an SAE read with ``SAE.load(..., weights=False)`` (shapes only)."""
+        return not self.weights.W_enc.is_meta
+
+    def check_weights(self, what: str) -> None:
+        if not self.has_weights:
+            raise SAEError(
+                f"{what} needs the SAE's weights, but {self!r} was read without them "
+                f"(weights=False); read it with SAE.load({self.path!r})."
+            )
+
     def _check_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        self.check_weights("encoding rows")
         if not isinstance(rows, torch.Tensor):
             rows = torch.as_tensor(rows)
         if rows.dim() != 2 or rows.shape[1] != self.d_in:
@@ -224,9 +243,7 @@ def check_top_k(k: Any, what: str) -> int:
     return k
 
 
-def _read_saelens(folder: Path, raw: dict[str, Any], layer: int | None) -> SAE:
-    from safetensors.torch import load_file
-
+def _read_saelens(folder: Path, raw: dict[str, Any], layer: int | None, weights: bool) -> SAE:
     cfg = _modern(raw)
     arch = cfg.get("architecture", "standard")
     if arch in NOT_READ:
@@ -260,10 +277,7 @@ def _read_saelens(folder: Path, raw: dict[str, Any], layer: int | None) -> SAE:
                 "unknown; pass layer= to SAE.load."
             )
         layer = layer_of_hook(hook)
-    try:
-        tensors = load_file(os.fspath(folder / SAELENS_WEIGHTS))
-    except Exception as e:  # noqa: BLE001 - safetensors raises several types
-        raise SAEError(f"{os.fspath(folder / SAELENS_WEIGHTS)!r} is not readable: {e}") from e
+    tensors = read_tensors(folder / SAELENS_WEIGHTS, weights)
     need = {"W_enc", "W_dec", "b_dec"} | (
         {"b_gate", "b_mag", "r_mag"} if arch == "gated" else {"b_enc"}
     )

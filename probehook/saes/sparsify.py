@@ -14,15 +14,16 @@ from pathlib import Path
 from typing import Any
 
 from probehook.saes.encode import SAEWeights
-from probehook.saes.files import SPARSIFY_WEIGHTS, SAEError, fingerprint_of
+from probehook.saes.files import SPARSIFY_WEIGHTS, SAEError, fingerprint_of, read_tensors
 
 _LAYER_FOLDER = re.compile(r"^(?:model\.)?(?:language_model\.)?layers\.(\d+)$")
 
 
-def read_sparsify(folder: Path, cfg: dict[str, Any], layer: int | None) -> dict[str, Any]:
-    """The arguments of :class:`~probehook.saes.sae.SAE` for a sparsify folder."""
-    from safetensors.torch import load_file
-
+def read_sparsify(
+    folder: Path, cfg: dict[str, Any], layer: int | None, weights: bool = True
+) -> dict[str, Any]:
+    """The arguments of :class:`~probehook.saes.sae.SAE` for a sparsify folder (``weights``:
+    as :meth:`~probehook.saes.sae.SAE.load`)."""
     where = os.fspath(folder)
     if cfg.get("transcode"):
         raise SAEError(f"sparsify SAE {where!r} is a transcoder (transcode: true): not read.")
@@ -41,10 +42,7 @@ def read_sparsify(folder: Path, cfg: dict[str, Any], layer: int | None) -> dict[
                 "one is not, so pass layer= to SAE.load."
             )
         layer = int(match.group(1))
-    try:
-        tensors = load_file(os.fspath(folder / SPARSIFY_WEIGHTS))
-    except Exception as e:  # noqa: BLE001 - safetensors raises several types
-        raise SAEError(f"{os.fspath(folder / SPARSIFY_WEIGHTS)!r} is not readable: {e}") from e
+    tensors = read_tensors(folder / SPARSIFY_WEIGHTS, weights)
     missing = sorted({"encoder.weight", "encoder.bias", "W_dec", "b_dec"} - set(tensors))
     if missing:
         raise SAEError(f"sparsify SAE {where!r} lacks tensor(s) {missing}.")

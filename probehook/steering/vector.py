@@ -341,6 +341,7 @@ class SteeringVector:
             raise CaptureConfigError(
                 f"features={features!r} must be a non-empty dict {{feature index: scale}}."
             )
+        sae.check_weights("SteeringVector.from_sae")
         assert sae.W_dec is not None
         total = torch.zeros(sae.d_in, dtype=torch.float64)
         for feature, scale in features.items():

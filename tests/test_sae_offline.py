@@ -211,6 +211,48 @@ def test_an_sae_read_without_weights_describes_itself(tmp_path, arch):
     assert (light.d_in, light.d_sae, light.k, light.has_weights) == (D_IN, D_SAE, 9, False)
 
 
+LEGACY_CONFIGS = [
+    # SAELens 5.x wrote topk SAEs as "standard" with a topk activation.
+    {"architecture": "standard", "activation_fn_str": "topk", "activation_fn_kwargs": {"k": 7},
+     "hook_name": "blocks.2.hook_resid_post", "normalize_activations": "none"},
+    {"activation_fn": "topk", "activation_fn_kwargs": {"k": 5},
+     "hook_point": "blocks.2.hook_resid_post", "normalize_activations": False},
+    {"architecture": "standard", "activation_fn_str": "relu",
+     "hook_point": "blocks.2.hook_resid_post", "normalize_activations": True,
+     "apply_b_dec_to_input": False},
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("legacy", LEGACY_CONFIGS)
+def test_pre_6_0_configs_read_as_saelens_reads_them(tmp_path, legacy):
+    """A pre-6.0 cfg.json reads as SAELens's own handle_pre_6_0_config turns it into 6.x
+    terms (architecture, k, hook, normalisation, b_dec), and encodes as the 6.x SAE with the
+    same weights does."""
+    from sae_lens.loading.pretrained_sae_loaders import handle_pre_6_0_config
+
+    theirs = handle_pre_6_0_config(dict(legacy))
+    arch = theirs["architecture"]
+    extra = {"k": theirs["k"]} if arch == "topk" else {}
+    b_dec = theirs["apply_b_dec_to_input"]
+    modern = make_saelens_sae(arch, tmp_path / "modern", D_IN, D_SAE,
+                              "blocks.2.hook_resid_post", seed=8, apply_b_dec_to_input=b_dec,
+                              **extra)  # fmt: skip
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "sae_weights.safetensors").write_bytes((modern / "sae_weights.safetensors").read_bytes())
+    (old / "cfg.json").write_text(json.dumps({**legacy, "d_in": D_IN, "d_sae": D_SAE}))
+    ours, reference = SAE.load(old), SAE.load(modern)
+    assert (ours.architecture, ours.k, ours.layer) == (arch, theirs.get("k"), 2)
+    assert ours.hook_name == theirs["metadata"]["hook_name"]
+    assert ours.settings["apply_b_dec_to_input"] == theirs["apply_b_dec_to_input"]
+    norm = theirs["normalize_activations"]  # folded at training: read as none, like encode
+    assert ours.settings["normalize_activations"] == (
+        "none" if norm == "expected_average_only_in" else norm
+    )
+    rows = _rows(16)
+    torch.testing.assert_close(ours.encode(rows), reference.encode(rows))
+
+
 def test_steering_vector_from_sae_decoder_directions(tmp_path):
     from probehook import SteeringVector
 

@@ -343,9 +343,9 @@ def _modern(cfg: dict[str, Any]) -> dict[str, Any]:
     if "hook_point" in out and "hook_name" not in out:
         out["hook_name"] = out.pop("hook_point")
     activation = out.get("activation_fn", out.get("activation_fn_str"))
-    if activation == "topk" and "architecture" not in out:
-        out["architecture"] = "topk"
-        out.setdefault("k", (out.get("activation_fn_kwargs") or {}).get("k", 100))
+    k = (out.get("activation_fn_kwargs") or {}).get("k")
+    if activation == "topk" and k is not None:  # saved as "standard" before 6.0
+        out["architecture"], out["k"] = "topk", k
     if isinstance(out.get("normalize_activations"), bool):
         out["normalize_activations"] = (
             "expected_average_only_in" if out["normalize_activations"] else "none"

@@ -118,6 +118,7 @@ def server(
     argv += ["--monitor", "other:flag:0.5", "--max-capture-response-mb", str(CAP_MB)]
     argv += ["--steer", f"up={steer_file}", "--allow-inline-steering"]
     argv += ["--sae", f"res3={sae_dir}", "--sae-top-k", str(SAE_TOP_K), "--sae-dtype", "bfloat16"]
+    argv += ["--sae-clamping"]
     argv += ["--store", str(work / "store"), "--store-flush-interval", "0.5"]
     argv += ["--capture-default", json.dumps(DEFAULT)]
     argv += ["--chat-template", str(work / "chat.jinja"), "--served-model-name", "tiny"]
@@ -196,6 +197,43 @@ def test_sae_features_in_choices_and_chunks(client, sae_dir: Path) -> None:
             client.completions.create(prompt=prompt, extra_body=ignore_eos(bad), **greedy())
     plain = client.completions.create(prompt=prompt, extra_body=ignore_eos({}), **greedy())
     assert "sae_features" not in field(plain.choices[0])
+
+
+def test_a_served_request_clamps_a_feature(client, sae_dir: Path) -> None:
+    """--sae-clamping: a request's "clamp" holds a feature at a value on its tokens. Clamped
+    to 0, the prompt's last row after layer 3 is the unclamped row minus the feature's
+    activation times its decoder row (SAELens's numbers, within the bfloat16 encoder's
+    error); a bad clamp is a 400 before generation."""
+    import openai
+    from sae_oracle import oracle
+
+    prompt = prompts(8)[5]
+    options = {"layers": [3], "saes": ["res3"], "include_prefill": True}
+    plain = field(
+        client.completions.create(
+            prompt=prompt, extra_body=ignore_eos(options), **greedy()
+        ).choices[0]
+    )
+    strong = int(plain["prefill_sae_features"]["res3"]["indices"][-1][0])
+    clamp = {"res3": {str(strong): 0.0}}
+    clamped = field(
+        client.completions.create(
+            prompt=prompt, extra_body=ignore_eos({**options, "clamp": clamp}), **greedy()
+        ).choices[0]
+    )
+    before = torch.from_numpy(decode_array(plain["prefill_hidden_states"]["3"]))[-1]
+    after = torch.from_numpy(decode_array(clamped["prefill_hidden_states"]["3"]))[-1]
+    lens = oracle(sae_dir)
+    with torch.no_grad():
+        activation = float(lens.encode(before[None].float())[0, strong])
+        want = before - activation * lens.W_dec[strong].float()
+    assert activation > 0.1
+    torch.testing.assert_close(after, want, atol=2e-2 * activation, rtol=0)
+    for bad, match in [({"res3": {"100000": 0.0}}, "out of range"), ({"nope": {"1": 0.0}}, "")]:
+        with pytest.raises(openai.BadRequestError, match=match):
+            client.completions.create(
+                prompt=prompt, extra_body=ignore_eos({"clamp": bad}), **greedy()
+            )
 
 
 def test_an_opted_out_request_gets_an_ordinary_response(client, offline) -> None:

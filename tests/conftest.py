@@ -34,11 +34,13 @@ summary prints both, and a full run fails over :data:`VLLM_PROCESS_BUDGET`.
 
 from __future__ import annotations
 
+import atexit
 import gc
 import importlib.util
 import json
 import logging
 import os
+import shutil
 import tempfile
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -68,6 +70,7 @@ def _start_census() -> Any:
     census = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(census)
     os.environ[census.CENSUS_ENV] = tempfile.mkdtemp(prefix="probehook-census-")
+    atexit.register(shutil.rmtree, os.environ[census.CENSUS_ENV], True)  # read by then
     paths = [str(_CENSUS_PATH), *filter(None, [os.environ.get("PYTHONPATH")])]
     os.environ["PYTHONPATH"] = os.pathsep.join(paths)
     import vllm.v1.engine.core

@@ -103,3 +103,23 @@ def test_kept_tensors_hold_no_file_descriptor(tmp_path: Path) -> None:
     del kept
     gc.collect()
     assert maps_of(tmp_path) == 0
+
+
+def test_a_dropped_spool_removes_its_folders(tmp_path: Path) -> None:
+    """A session nobody closed (a unit test's, an LLM never shut down) leaves no folder in
+    /dev/shm or the temp folder: the spool removes its own when it is collected, and
+    remove() twice is harmless."""
+    import gc
+
+    from probehook.frontend.transport_reader import Spool
+
+    spool = Spool(shm=tmp_path)
+    dirs = list(spool.dirs)
+    assert len(dirs) == 2 and all(d.is_dir() for d in dirs)
+    del spool
+    gc.collect()
+    assert not any(d.exists() for d in dirs)
+    spool = Spool(shm=tmp_path)
+    spool.remove()
+    spool.remove()
+    assert not any(d.exists() for d in spool.dirs)

@@ -33,6 +33,8 @@ class Spool:
         for d in dirs:
             d.chmod(0o700)
         self.dirs = dirs
+        # Removed with the spool (or at exit) even where nobody calls remove().
+        self._remove = weakref.finalize(self, _remove_dirs, list(dirs))
 
     def new_paths(self) -> list[str]:
         """One file name per directory, in the order the worker should try them."""
@@ -43,8 +45,12 @@ class Spool:
         return any(Path(path).parent == d for d in self.dirs)
 
     def remove(self) -> None:
-        for d in self.dirs:
-            shutil.rmtree(d, ignore_errors=True)
+        self._remove()
+
+
+def _remove_dirs(dirs: list[Path]) -> None:
+    for d in dirs:
+        shutil.rmtree(d, ignore_errors=True)
 
 
 def read_tensors(path: str, entries: Sequence[dict]) -> list[torch.Tensor]:

@@ -21,6 +21,7 @@ Writes benchmarks/results/saes.json and saes.md.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -103,6 +104,7 @@ def main() -> None:
     args = parser.parse_args()
 
     import vllm
+    from collect import token_prompts
 
     from probehook import LLM
     from probehook.testing import write_dummy_config
@@ -120,17 +122,16 @@ def main() -> None:
     single_bf16 = LLM(str(model_dir), saes=one, **half)
     many_bf16 = LLM(str(model_dir), saes=four, **half)
 
+    seeds = itertools.count(1)
+
     def prompts(length: int) -> list[dict]:
-        return [
-            {"prompt_token_ids": [(i * 131 + j * 17) % 30000 + 100 for j in range(length)]}
-            for i in range(args.prompts)
-        ]
+        # New prompts every call: plain vLLM would read repeated ones from its prefix cache,
+        # while a request that asks for prompt features skips reading it (every prompt row
+        # is computed), so repeated prompts would compare cached prefill with computed.
+        return token_prompts(args.prompts, length, 30000, seed=next(seeds))
 
     decode_only = {"include_prefill": False}
-    workloads = {
-        "decode": (prompts(32), 64),
-        "prefill": (prompts(256), 1),
-    }
+    workloads = {"decode": (32, 64), "prefill": (256, 1)}
     configs = {
         "decode": {
             "1 SAE, no request asking": (single, {"saes": False}),
@@ -154,18 +155,18 @@ def main() -> None:
         "prefill": sae_flops / model_flops_per_token(hidden, layers, inter, kv_dim, vocab, False),
     }
     report["sae_flops_fraction"] = {k: round(v, 4) for k, v in fractions.items()}
-    for phase, (batch, max_tokens) in workloads.items():
-        run_once(base, batch, max_tokens, None)  # warm-up
+    for phase, (length, max_tokens) in workloads.items():
+        run_once(base, prompts(length), max_tokens, None)  # warm-up
         for llm, options in configs[phase].values():
-            run_once(llm, batch, max_tokens, options)
+            run_once(llm, prompts(length), max_tokens, options)
         bracketed: dict[str, list[float]] = {name: [] for name in configs[phase]}
         samples: dict[str, list[float]] = {BASELINE: [], **{n: [] for n in configs[phase]}}
         for round_index in range(args.rounds):
-            before = run_once(base, batch, max_tokens, None)
+            before = run_once(base, prompts(length), max_tokens, None)
             samples[BASELINE].append(before)
             for name, (llm, options) in configs[phase].items():
-                value = run_once(llm, batch, max_tokens, options)
-                after = run_once(base, batch, max_tokens, None)
+                value = run_once(llm, prompts(length), max_tokens, options)
+                after = run_once(base, prompts(length), max_tokens, None)
                 samples[name].append(value)
                 samples[BASELINE].append(after)
                 bracketed[name].append(value / (before * after) ** 0.5)

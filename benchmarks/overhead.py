@@ -17,6 +17,7 @@ Writes benchmarks/results/overhead.json and overhead.md.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -122,22 +123,27 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     args = parser.parse_args()
 
+    from collect import token_prompts
+
     from probehook.testing import write_dummy_config
 
     model_dir = write_dummy_config(
         Path(tempfile.mkdtemp()) / "llama-dummy", hidden_size=args.hidden, num_layers=args.layers
     )
-    prompts = [
-        {"prompt_token_ids": [(i * 131 + j * 17) % 30000 + 100 for j in range(args.prompt_len)]}
-        for i in range(args.prompts)
-    ]
+    seeds = itertools.count(1)
+
+    def prompts() -> list[dict]:
+        # New prompts every call: plain vLLM would read repeated ones from its prefix cache,
+        # while a request that captures prompt rows skips reading it (every row is computed).
+        return token_prompts(args.prompts, args.prompt_len, 30000, seed=next(seeds))
+
     store_dir = str(model_dir.parent / "store")
     engines = build_engines(
         str(model_dir), args.prompt_len + args.max_tokens + 16, store_dir, args.hidden
     )
     extra = {ASKS_NOTHING: NOTHING}
     for llm in engines.values():  # warm-up outside the measurement
-        run_once(llm, prompts, 8)
+        run_once(llm, prompts(), 8)
 
     # Each round runs the baseline before and after every other configuration
     # (B c1 B c2 B ...), and each run's ratio is to the geometric mean of the two baseline runs
@@ -146,20 +152,20 @@ def main() -> None:
     bracketed: dict[str, list[float]] = {name: [] for name in engines if name != BASELINE}
     path_costs: dict[str, dict[str, int]] = {}
     for round_index in range(args.rounds):
-        before_base = run_once(engines[BASELINE], prompts, args.max_tokens)
+        before_base = run_once(engines[BASELINE], prompts(), args.max_tokens)
         samples[BASELINE].append(before_base)
         for name, llm in engines.items():
             if name == BASELINE:
                 continue
             before = capture_counters(llm)
-            value = run_once(llm, prompts, args.max_tokens, extra.get(name))
+            value = run_once(llm, prompts(), args.max_tokens, extra.get(name))
             after = capture_counters(llm)
             samples[name].append(value)
             if before is not None and after is not None:
                 total = path_costs.setdefault(name, dict.fromkeys(after, 0))
                 for key in after:
                     total[key] += after[key] - before[key]
-            after_base = run_once(engines[BASELINE], prompts, args.max_tokens)
+            after_base = run_once(engines[BASELINE], prompts(), args.max_tokens)
             samples[BASELINE].append(after_base)
             bracketed[name].append(value / (before_base * after_base) ** 0.5)
             before_base = after_base

@@ -84,12 +84,12 @@ BASELINE = "vLLM compiled"
 
 def capture_counters(llm: object) -> dict[str, int] | None:
     """Cumulative capture-path timers of a probehook engine (None for plain vLLM)."""
-    capture = getattr(llm, "capture", None)
-    if capture is None:
+    session = getattr(llm, "session", None)  # probehook.LLM's CaptureSession
+    if session is None:
         return None
     stats = next(s for s in llm.collective_rpc("probehook_stats") if s is not None)
     counters = {k: stats[k] for k in STAT_KEYS}
-    counters["attach_ns"] = capture.fill_ns
+    counters["attach_ns"] = session.fill_ns
     return counters
 
 

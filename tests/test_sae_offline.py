@@ -45,6 +45,26 @@ def test_encode_and_top_k_equal_saelens(tmp_path, arch, norm):
     assert (sae.top_k(rows, 8).l0 > 0).any()
 
 
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+@pytest.mark.parametrize("norm", ["none", "layer_norm"])
+def test_activations_at_a_few_features_equal_the_full_encode(tmp_path, arch, norm):
+    """What the clamp op reads (probehook.saes.encode.activations_at): a few features'
+    activations, from their encoder columns alone where the architecture allows, equal to
+    the full encode's columns."""
+    from probehook.saes.encode import activations_at
+
+    extra = {"k": 12} if arch in ("topk", "abstopk") else {}
+    folder = make_saelens_sae(arch, tmp_path / arch, D_IN, D_SAE, "blocks.2.hook_resid_post",
+                              seed=6, normalize_activations=norm, **extra)  # fmt: skip
+    sae = SAE.load(folder)
+    rows = _rows(40)
+    dense = sae.encode(rows)
+    features = torch.tensor([0, 5, 17, D_SAE - 1])
+    got = activations_at(sae.weights, rows, features)
+    torch.testing.assert_close(got, dense[:, features], rtol=1e-5, atol=1e-5)
+    assert bool((got > 0).any())  # some of them are on: the comparison is not all zeros
+
+
 def test_topk_rescale_and_no_b_dec(tmp_path):
     folder = make_saelens_sae(
         "topk",

@@ -136,6 +136,28 @@ def encode_dense(weights: SAEWeights, x: torch.Tensor) -> torch.Tensor:
     return torch.zeros_like(p).scatter_(-1, index, p.gather(-1, index))
 
 
+def activations_at(weights: SAEWeights, x: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+    """``encode_dense(weights, x)[:, features]`` (``features``: 1-D feature ids), computing
+    only those features' columns where the architecture allows: every one but topk/abstopk,
+    whose features are ranked against all the others."""
+    arch = weights.architecture
+    if arch in ("topk", "abstopk"):
+        return encode_dense(weights, x).index_select(1, features)
+    z = preprocess(weights, x).to(weights.dtype) @ weights.W_enc.index_select(1, features)
+    z = z.to(weights.epilogue_dtype)
+    if arch == "gated":
+        assert weights.r_mag_exp is not None and weights.b_mag is not None
+        assert weights.b_gate is not None
+        magnitude = torch.relu(z * weights.r_mag_exp[features] + weights.b_mag[features])
+        return (z + weights.b_gate[features] > 0).to(magnitude.dtype) * magnitude
+    assert weights.b_enc is not None
+    p = z + weights.b_enc[features]
+    if arch == "standard":
+        return p.relu_()
+    assert weights.threshold is not None
+    return torch.relu(p) * (p > weights.threshold[features]).to(p.dtype)
+
+
 def read_top_k(
     weights: SAEWeights, x: torch.Tensor, k: int, out: torch.Tensor | None = None
 ) -> torch.Tensor:

@@ -10,9 +10,11 @@ tables, 0: not clamped), ``features`` (``[rows, MAX_CLAMPED]`` feature ids, -1 u
 all -1) and ``values``. The SAE itself is found by ``key`` in :data:`CLAMPED_SAES` (the
 loader puts it there at load, before the first forward pass).
 
-On a CPU only the clamped tokens are encoded (a step without any is skipped after one check);
-elsewhere every token of the step is encoded and the unclamped ones add 0, so that a CUDA
-graph replays the same kernels whatever the buffers hold (unverified on a GPU yet).
+On a CPU only the clamped tokens are encoded, and for every architecture but topk/abstopk only
+the clamped features' encoder columns (a step without any clamped token is skipped after one
+check); elsewhere every token of the step is encoded in full and the unclamped ones add 0, so
+that a CUDA graph replays the same kernels whatever the buffers hold (unverified on a GPU
+yet).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from probehook.saes.encode import SAEWeights, encode_dense
+from probehook.saes.encode import SAEWeights, activations_at, encode_dense
 from probehook.worker.tap_op import OP_NAMESPACE
 
 
@@ -63,13 +65,17 @@ def clamp(
     stream = hidden.index_select(0, rows)
     if residual is not None:
         stream = stream + residual.index_select(0, rows)
-    acts = encode_dense(weights, stream)
     chosen = features.index_select(0, slots.index_select(0, rows))  # [n, MAX_CLAMPED]
     on = chosen >= 0
     ids = chosen.clamp(min=0)
-    target = values.index_select(0, slots.index_select(0, rows)).to(acts.dtype)
-    coefficient = torch.where(on, target - acts.gather(1, ids), 0.0)
-    delta = torch.einsum("nm,nmd->nd", coefficient, W_dec[ids].to(acts.dtype))
+    if hidden.device.type == "cpu":  # only the clamped features' encoder columns
+        wanted, where = torch.unique(ids, return_inverse=True)
+        held = activations_at(weights, stream, wanted).gather(1, where)
+    else:
+        held = encode_dense(weights, stream).gather(1, ids)
+    target = values.index_select(0, slots.index_select(0, rows)).to(held.dtype)
+    coefficient = torch.where(on, target - held, 0.0)
+    delta = torch.einsum("nm,nmd->nd", coefficient, W_dec[ids].to(held.dtype))
     hidden.index_add_(0, rows, delta.to(hidden.dtype))
 
 

@@ -54,6 +54,7 @@ class SAESet:
     ) -> None:
         self.saes = dict(saes)
         self.clamping = bool(clamping)
+        """Requests may clamp features (a clamp op on each SAE's layer)."""
         if dtype not in ENCODER_DTYPES:
             raise SAEError(
                 f"sae_dtype={dtype!r} is not an encoder dtype; choose one of {ENCODER_DTYPES} "
@@ -61,7 +62,6 @@ class SAESet:
             )
         self.dtype = dtype
         """The encoder GEMM's dtype in the worker (None: each SAE's own)."""
-        """Requests may clamp features (a clamp op on each SAE's layer)."""
         self.k = check_top_k(top_k, "sae_top_k")
         self.monitors = tuple(self._check_monitor(m) for m in monitors)
         for name, sae in self.saes.items():

@@ -111,7 +111,7 @@ class ProbehookWorkerExtension:
         self._probehook_clamps = clamps
         before_forward = on_schedule = None
         if steer is not None:
-            steer_plan = runner_v1.steering_factory(runner, steer.bank.rows.__contains__)
+            steer_plan = runner_v1.steering_factory(runner, steerable)
 
             def on_schedule(scheduled: Any) -> None:
                 steer.finish(getattr(scheduled, "finished_req_ids", None) or ())

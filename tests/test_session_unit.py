@@ -289,3 +289,121 @@ def test_the_export_messages_round_trip() -> None:
         [BatchReport(1, [(0, 2, [5, 6])])],
     )
     assert ExportReply.from_wire(reply.to_wire()) == reply
+
+
+@pytest.mark.parametrize(
+    "attribute", ["prefill_sae_features", "sae_features", "hidden_states", "probe_scores"]
+)
+def test_a_failed_capture_of_any_readout_is_a_failed_capture(attribute: str) -> None:
+    """A request whose SAE features (or any readout's values) failed is failed, in outputs and
+    in the store: ``store_filled`` keeps none of it (issue 43: SAE failures were stored as
+    if the request had no features)."""
+    from probehook.outputs.shapes import failed
+    from probehook.store.records import store_filled
+
+    output = Output([Completion(0, [7])], finished=True)
+    output.request_id = "r"
+    fill.clear_outputs(output)
+    assert not failed(output)
+    target = output if attribute.startswith("prefill_") else output.outputs[0]
+    setattr(target, attribute, fill.FailedCapture("the worker lost it"))
+    assert failed(output)
+
+    class Store:
+        def add(self, pending: object) -> str:
+            raise AssertionError("a failed request was stored")
+
+    store_filled(Store(), output, tracked())
+    assert output.store_id is None
+
+
+# -- SAE features on streams: each row decoded once, monitors at the engine's k -------------
+
+ENGINE_K = 4
+
+
+class PackedRows:
+    """A fake receiver of one SAE's packed rows (engine k = 4), held as the real receiver
+    holds them (one growing buffer, views handed out). Position ``p``'s features are
+    ``p, p+1, p+2, p+3`` with values ``4, 3, 2, 1``, so feature ``f`` is third (rank 2, out of
+    a request's top 2) at position ``f - 2``."""
+
+    def __init__(self) -> None:
+        from probehook.frontend.stream_receiver import StreamRows
+
+        self.rows = StreamRows()
+
+    async def take(self, source: str, key: str, lo: int, hi: int) -> torch.Tensor:
+        assert source == "sae", source
+        while self.rows.hi < hi:
+            p = max(self.rows.hi, 0)
+            packed = torch.tensor([[p, p + 1, p + 2, p + 3, 4.0, 3.0, 2.0, 1.0, 4.0]])
+            self.rows.add(p, packed[None])
+        return self.rows.take(lo, hi)
+
+
+def sae_stream(kind: str, monitors: tuple = (), k: int = 2) -> RequestStream:
+    from probehook.frontend.sae_set import RequestSAEs
+    from probehook.frontend.sources import SAEFeatureRows
+
+    capture = session()
+    capture.sources["sae"] = SAEFeatureRows(None)  # type: ignore[arg-type]
+    config = CaptureConfig(layers=(), include_prefill=True, include_decode=True)
+    request = TrackedRequest("T", "", config, {}, saes=RequestSAEs(("s",), k, monitors))
+    return RequestStream(capture, PackedRows(), request, kind)  # type: ignore[arg-type]
+
+
+def test_a_cumulative_sae_stream_decodes_each_row_once_and_hands_out_views(monkeypatch) -> None:
+    """Every yield of a cumulative stream holds every feature row to date; the rows a yield
+    converts (and the rows its flag monitor reads) do not grow with the tokens before it
+    (issue 43: both were O(T) per yield, O(T^2) per stream)."""
+    from probehook.core.monitors import FeatureMonitor
+    from probehook.outputs.top_k import TopKRows
+
+    read = []
+    activation = TopKRows.activation
+    monkeypatch.setattr(
+        TopKRows, "activation", lambda self, i: read.append(len(self)) or activation(self, i)
+    )
+    flag = FeatureMonitor("s", 9, 1.5, action="flag")
+    streaming = sae_stream("cumulative", (flag,))
+    output, converted = Output([Completion(0, [])]), []
+    for token in range(300):
+        output.outputs[0].token_ids.append(token)
+        before = streaming.decoded[("sae", "T/0")].converted if streaming.decoded else 0
+        asyncio.run(streaming.fill(output))
+        converted.append(streaming.decoded[("sae", "T/0")].converted - before)
+    features = output.outputs[0].sae_features["s"]
+    assert len(features) == 300 and features.k == 2
+    assert features.indices[:, 0].tolist() == list(range(3, 303))  # decode row i: position 3+i
+    assert len(output.prefill_sae_features["s"]) == 4
+    assert converted[0] == 4 and set(converted[1:]) == {1}, converted[:5]  # one new row each
+    assert max(read[1:]) == 1, "the flag monitor read earlier rows again"
+    # The values are views of the receiver's buffer, not copies.
+    buffer = streaming.receiver.rows._buf
+    assert features.values.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
+    # Feature 9 is 2.0, third, at position 7 (decode row 4): out of the request's top 2, in
+    # the engine's top 4, which the monitor watches (as the worker does); then 3.0 and 4.0.
+    assert output.outputs[0].feature_flags == {"s:9": [4, 5, 6]}
+    assert features.activation(9)[4] == 0 and features.watched.activation(9)[4] == 2.0
+
+
+def test_a_feature_stop_below_the_requests_k_names_its_reason() -> None:
+    """The worker stops on the engine's k; the front end names the stop from the same values
+    (issue 43: a request's smaller sae_top_k hid the feature, so no stop reason and no
+    flags). "below": a feature outside the engine's top-k reads 0."""
+    from probehook.core.monitors import FeatureMonitor
+
+    stop = FeatureMonitor("s", 9, 1.5, action="stop")
+    offline = sae_stream("final", (stop,))
+    offline.request.stop_token = 2
+    output = Output([Completion(0, [5, 6, 7, 8, 2])], finished=True)
+    output.outputs[0].finish_reason = "stop"
+    asyncio.run(offline.fill(output))
+    assert output.outputs[0].stop_reason == "feature:s:9"
+    below = FeatureMonitor("s", 9, 0.5, action="flag", direction="below")
+    flags = sae_stream("final", (below,))
+    output = Output([Completion(0, [5, 6, 7, 8, 2, 3])], finished=True)
+    asyncio.run(flags.fill(output))
+    # Decode row i is position 3 + i; feature 9 is in the top 4 at positions 6..9 (rows 3..6).
+    assert output.outputs[0].feature_flags == {"s:9": [0, 1, 2]}

@@ -93,6 +93,9 @@ class Progress:
     prefill_sent: bool = False
     gate_started: dict[int, int] = dataclasses.field(default_factory=dict)
     """Completion index -> first steered position, once a gate crossed."""
+    watched: dict[tuple[int, str], tuple[int, list[int]]] = dataclasses.field(default_factory=dict)
+    """(completion index, feature monitor key) -> decode rows checked so far and the rows that
+    crossed: a cumulative stream checks only the rows each output adds."""
 
 
 @dataclasses.dataclass(slots=True)
@@ -105,6 +108,8 @@ class OutputPlan:
     slots: list[Slot]
     scored: list[Scored]
     gate_started: dict[int, int]
+    watched: dict[tuple[int, str], tuple[int, list[int]]] | None = None
+    """The stream's :attr:`Progress.watched` (None: the output is the whole request)."""
     before: dict[int, int] = dataclasses.field(default_factory=dict)
     """Completion index -> tokens earlier outputs of a delta stream already held."""
 
@@ -144,6 +149,8 @@ def plan(
     prompt_len = len(output.prompt_token_ids or [])
     started = progress.gate_started if progress is not None else {}
     planned = OutputPlan(output, request, prompt_len, [], [], started)
+    if progress is not None and not progress.delta:
+        planned.watched = progress.watched
     if attributes is None:
         attributes = source_attributes()
     captured = _sources(request, sources)
@@ -369,7 +376,8 @@ def _act_on_scores(
 def _act_on_features(planned: OutputPlan) -> None:
     """Feature monitors' flags (rows of the whole decode, only this output's in a delta
     stream) and the stop reason of a completion a feature stop monitor ended, from the
-    features the output holds (the worker watched the same values)."""
+    features at the engine's k (``watched``: the values the worker watched, whatever k the
+    request keeps). A cumulative stream checks only the rows each output adds."""
     request = planned.request
     assert request.saes is not None
     finished = getattr(planned.output, "finished", True)
@@ -384,17 +392,35 @@ def _act_on_features(planned: OutputPlan) -> None:
             got = features.get(monitor.sae)
             if got is None or len(got) == 0:
                 continue
-            values = got.activation(monitor.feature).numpy()
+            watched = got.watched
             if monitor.action == "flag":
-                found = crossings(values, monitor.threshold, monitor.direction)
-                flags[monitor.key] = [before + i for i in found]
+                flags[monitor.key] = _feature_flags(planned, completion.index, monitor, watched)
+                flags[monitor.key] = [before + i for i in flags[monitor.key]]
             elif (
                 stopped
                 and not isinstance(completion.stop_reason, str)  # a probe named it already
-                and crossings(values[-1:], monitor.threshold, monitor.direction)
+                and crossings(
+                    watched.rows(len(watched) - 1).activation(monitor.feature).numpy(),
+                    monitor.threshold,
+                    monitor.direction,
+                )
             ):
                 completion.stop_reason = monitor.stop_reason
         completion.feature_flags = flags
+
+
+def _feature_flags(planned: OutputPlan, index: int, monitor: Any, watched: Any) -> list[int]:
+    """The rows of ``watched`` where a flag monitor's feature crosses; a cumulative stream's
+    earlier rows come from what it found before (:attr:`Progress.watched`)."""
+    state = planned.watched
+    checked, found = (0, []) if state is None else state.get((index, monitor.key), (0, []))
+    if checked > len(watched):  # not the stream it checked before: start over
+        checked, found = 0, []
+    values = watched.rows(checked).activation(monitor.feature).numpy()
+    found = found + [checked + i for i in crossings(values, monitor.threshold, monitor.direction)]
+    if state is not None:
+        state[(index, monitor.key)] = (len(watched), found)
+    return found
 
 
 def _gate_start(planned: OutputPlan, scored: Scored, probes: ProbeSet | None) -> None:

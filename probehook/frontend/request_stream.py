@@ -64,6 +64,8 @@ class RequestStream:
         # Delta mode: every token and every piece of text so far, per completion, for the
         # store (appended in place: a long stream must not copy its history per output).
         self.history: dict[int, tuple[list[int], list[str]]] = {}
+        self.decoded: dict[Any, Any] = {}
+        """What sources decoded of this stream's rows (each row once: :meth:`stream_value`)."""
 
     async def fill(self, output: Any) -> None:
         """Set ``hidden_states``, ``probe_scores``, ``probe_flags`` (and the prefill twins)
@@ -126,7 +128,8 @@ class RequestStream:
             except StreamFailed as e:
                 got[need] = FailedCapture(str(e))
                 continue
-            got[need] = self.session.sources[need.source].value(rows, self.request)
+            source = self.session.sources[need.source]
+            got[need] = source.stream_value(rows, need.lo, need.key, self.request, self.decoded)
         return got
 
 

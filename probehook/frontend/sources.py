@@ -15,6 +15,7 @@ import torch
 from probehook.capture_config import CaptureConfig
 from probehook.core.probe_spec import SCORES_SLOT
 from probehook.core.spans import score_config
+from probehook.outputs.top_k import TopKDecoder
 
 if TYPE_CHECKING:
     from probehook.frontend.probe_set import ProbeSet
@@ -72,6 +73,14 @@ class CaptureSource:
     def empty(self, request: TrackedRequest) -> dict[Any, Any]:
         """The value of positions an output does not hold: every slot, 0 rows."""
         raise NotImplementedError
+
+    def stream_value(
+        self, rows: torch.Tensor, lo: int, key: str, request: TrackedRequest, state: dict
+    ) -> dict[Any, Any]:
+        """:meth:`value` of a stream's rows from position ``lo`` (a view of the receiver's
+        growing buffer); ``state``: this request stream's, kept across its yields, so a source
+        that converts rows converts each once. Default: :meth:`value` (views of the rows)."""
+        return self.value(rows, request)
 
 
 class HiddenRows(CaptureSource):
@@ -162,6 +171,18 @@ class SAEFeatureRows(CaptureSource):
     def empty(self, request: TrackedRequest) -> dict[Any, Any]:
         assert request.saes is not None
         return self.saes.empty(request.saes)
+
+    def stream_value(self, rows, lo, key, request, state):  # type: ignore[no-untyped-def]
+        # Each row is decoded once per stream; earlier rows are handed out as views.
+        assert request.saes is not None
+        decoder = state.get(("sae", key))
+        if decoder is None:
+            decoder = state[("sae", key)] = TopKDecoder()
+        decoded = decoder.decode(rows, lo)
+        k = request.saes.k
+        return {
+            name: rows_of.top(k) for name, rows_of in zip(request.saes.names, decoded, strict=True)
+        }
 
 
 def engine_sources(

@@ -12,6 +12,7 @@ import torch
 
 from probehook.outputs.array_codec import encode_array
 from probehook.outputs.registry import OutputProcessor
+from probehook.outputs.top_k import TopKRows
 
 
 def _concat_by_key(pieces: list[dict[Any, torch.Tensor]]) -> dict[Any, torch.Tensor]:
@@ -64,11 +65,9 @@ class SAEFeatureSets(OutputProcessor):
     source = "sae"
 
     def merge(self, pieces: list[dict[str, Any]]) -> dict[str, Any]:
-        from probehook.saes import SAEFeatures
-
         names = list(dict.fromkeys(name for piece in pieces for name in piece))
         return {
-            name: SAEFeatures.cat([piece[name] for piece in pieces if name in piece])
+            name: TopKRows.cat([piece[name] for piece in pieces if name in piece])
             for name in names
         }
 

@@ -44,9 +44,16 @@ def completions(output: Any) -> list[Any]:
 
 
 def failed(output: Any) -> bool:
-    """Whether any of an output's captures failed (:class:`FailedCapture`)."""
-    attributes = ("prefill_hidden_states", "prefill_probe_scores")
-    return any(isinstance(getattr(output, a), FailedCapture) for a in attributes) or any(
-        isinstance(c.hidden_states, FailedCapture) or isinstance(c.probe_scores, FailedCapture)
+    """Whether any of an output's captures failed (:class:`FailedCapture`): the attributes of
+    every registered output processor that reads a capture source (rows, scores, SAE
+    features and any readout registered later), on the output and on each completion."""
+    from probehook.outputs import OUTPUT_PROCESSORS  # the package imports this module
+
+    captured = [p for p in OUTPUT_PROCESSORS if p.source]
+    on_request = [a for p in captured for a in p.request_attributes]
+    on_completion = [a for p in captured for a in p.completion_attributes]
+    return any(isinstance(getattr(output, a, None), FailedCapture) for a in on_request) or any(
+        isinstance(getattr(c, a, None), FailedCapture)
         for c in completions(output)
+        for a in on_completion
     )

@@ -93,6 +93,18 @@ class CaptureRequest:
                 "monitors= has FeatureMonitors, which watch SAE features, but no SAEs were "
                 "given; pass saes={...}."
             )
+        if self.saes is None:
+            # Checked here, not with the engine: without anything to capture the front end
+            # would be plain vLLM and these would be dropped without a word.
+            if self.sae_clamping:
+                raise CaptureConfigError(
+                    "sae_clamping=True clamps SAE features: pass saes={...} too."
+                )
+            if self.sae_dtype is not None:
+                raise CaptureConfigError(
+                    f"sae_dtype={self.sae_dtype!r} sets the SAEs' GEMM dtype, but no SAEs were "
+                    "given; pass saes={...} too, or drop sae_dtype."
+                )
         if self.layers is None and self.probes is None and self.saes is None:
             if self.store is not None:
                 raise CaptureConfigError(
@@ -199,8 +211,6 @@ def prepare(
             clamping=request.sae_clamping,
             dtype=request.sae_dtype,
         )
-    elif request.sae_clamping:
-        raise CaptureConfigError("sae_clamping=True clamps SAE features: pass saes={...} too.")
     pooling = engine_config.is_pooling(resolved)
     if pooling:
         _check_pooling(request, resolved.model_config.architectures)

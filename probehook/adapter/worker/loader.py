@@ -348,7 +348,7 @@ def install_taps(
         layer.register_buffer("probehook_tap_out", buf, persistent=False)
         layer.register_forward_hook(_tap_hook)
         buffers[layer_index] = layer.probehook_tap_out
-    hook = StepHook(buffers, config, steering, hidden_size, param.dtype)
+    hook = StepHook(buffers, config, steering, hidden_size, param.dtype, param.device)
     hook.clamp_buffers = clamp_buffers
     setattr(model, RECORDER_ATTR, hook)
     _install_logits_hook(model)
@@ -437,8 +437,11 @@ class StepHook:
         steering: SteeringBuffers | None = None,
         hidden_size: int = 0,
         dtype: torch.dtype = torch.float32,
+        device: torch.device | None = None,
     ) -> None:
         self.buffers = buffers
+        self.device = device if device is not None else torch.device("cpu")
+        """The model's device (an engine may tap no layer: steering alone)."""
         self.steering = steering
         """The steering op's buffers (None: no layer is steered)."""
         self.hidden_size = hidden_size
@@ -480,9 +483,8 @@ class StepHook:
     def allocate_banks(self, banks: WorkerBanks) -> None:
         """Allocate the probe and steering banks and the score and feature recorders, at model
         load (inside vLLM's memory profiling; the SAE bank is read before this)."""
-        device = next(iter(self.buffers.values())).device
         if banks.probes:
-            probes = ProbeBank(banks.probes, device)
+            probes = ProbeBank(banks.probes, self.device)
             self.scorer = StepRecorder(
                 [self.buffers[layer] for layer in probes.layers],
                 probes.layers,

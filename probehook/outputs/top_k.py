@@ -1,0 +1,183 @@
+"""The generic top-k readout row: each token's ``k`` strongest entries of a wide readout (SAE
+features now; a lens's most likely tokens next), the form every top-k readout takes on
+outputs, on streams, on the server and in the store.
+
+The worker packs a step's rows of one readout as float32 ``[n, 2K + 1]`` (``K`` indices,
+``K`` values, then ``l0``: :func:`pack` is that layout, ``K`` the engine's k); a request may
+keep fewer (``k <= K``, the first ``k``: rows are sorted). No vLLM, no torch.compile.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class TopKRows:
+    """The ``k`` strongest entries of each of ``n`` tokens, from one readout.
+
+    - ``indices``: int64 ``[n, k]``, descending by value (|value| for abstopk SAEs), ties
+      toward the lower index, padded with -1 where fewer than ``k`` are non-zero;
+    - ``values``: float32 ``[n, k]``, padded with 0; only non-zero values appear;
+    - ``l0``: int64 ``[n]``, the non-zero entries of each token before the top-k cut.
+
+    ``watched`` is what monitors read: the same tokens at the engine's k (the worker watches
+    those; a request that keeps fewer shows fewer). Itself when the request keeps them all.
+    """
+
+    indices: torch.Tensor
+    values: torch.Tensor
+    l0: torch.Tensor
+    engine: TopKRows | None = field(default=None, compare=False, repr=False)
+    """The same tokens at the engine's k, when this request keeps fewer (see ``watched``)."""
+
+    def __len__(self) -> int:
+        return int(self.l0.shape[0])
+
+    @property
+    def k(self) -> int:
+        return int(self.indices.shape[1])
+
+    @property
+    def watched(self) -> TopKRows:
+        """These tokens at the engine's k: what feature monitors read, here and in the
+        worker."""
+        return self.engine if self.engine is not None else self
+
+    def __getitem__(self, token: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token ``token``'s entries, padding left out: ``(indices, values)``."""
+        on = self.indices[token] >= 0
+        return self.indices[token][on], self.values[token][on]
+
+    def dense(self, width: int) -> torch.Tensor:
+        """``[n, width]`` float32 with the kept values in place (zeros elsewhere: what the cut
+        dropped is not recovered)."""
+        out = torch.zeros((len(self), width), dtype=torch.float32)
+        on = self.indices >= 0
+        rows = torch.arange(len(self)).unsqueeze(1).expand_as(self.indices)
+        out[rows[on], self.indices[on]] = self.values[on]
+        return out
+
+    def activation(self, index: int) -> torch.Tensor:
+        """``[n]`` float32: entry ``index``'s value on each token (0 where it is not among
+        the kept ``k``)."""
+        return torch.where(self.indices == index, self.values, 0.0).sum(dim=1)
+
+    def top(self, k: int) -> TopKRows:
+        """The first ``k`` entries of each token (rows are sorted, so this is the top ``k``);
+        ``l0`` is unchanged; ``watched`` stays the engine's."""
+        if k == self.k:
+            return self
+        return TopKRows(self.indices[:, :k], self.values[:, :k], self.l0, self.watched)
+
+    def rows(self, lo: int, hi: int | None = None) -> TopKRows:
+        """Tokens ``lo..hi`` (views)."""
+        engine = self.engine.rows(lo, hi) if self.engine is not None else None
+        return TopKRows(self.indices[lo:hi], self.values[lo:hi], self.l0[lo:hi], engine)
+
+    @classmethod
+    def unpack(cls, packed: torch.Tensor, k: int) -> TopKRows:
+        """From the worker's packed float32 rows ``[n, 2K + 1]`` (K the engine's k >= ``k``);
+        copies, so the packed tensor (an export's shared block) is not kept alive."""
+        engine_k = (packed.shape[1] - 1) // 2
+        full = cls(
+            packed[:, :engine_k].to(torch.int64),
+            packed[:, engine_k : 2 * engine_k].clone(),
+            packed[:, 2 * engine_k].to(torch.int64),
+        )
+        return full.top(k)
+
+    @classmethod
+    def empty(cls, k: int) -> TopKRows:
+        return cls(
+            torch.empty((0, k), dtype=torch.int64),
+            torch.empty((0, k), dtype=torch.float32),
+            torch.empty(0, dtype=torch.int64),
+        )
+
+    @classmethod
+    def cat(cls, pieces: Sequence[TopKRows]) -> TopKRows:
+        if len(pieces) == 1:
+            return pieces[0]
+        engines = [p.engine for p in pieces]
+        engine = cls.cat(engines) if all(e is not None for e in engines) else None  # type: ignore[arg-type]
+        return cls(
+            torch.cat([p.indices for p in pieces]),
+            torch.cat([p.values for p in pieces]),
+            torch.cat([p.l0 for p in pieces]),
+            engine,
+        )
+
+    def to_dict(self) -> dict[str, list]:
+        """JSON-ready lists (the server's form)."""
+        return {
+            "indices": self.indices.tolist(),
+            "values": self.values.tolist(),
+            "l0": self.l0.tolist(),
+        }
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(tokens={len(self)}, k={self.k})"
+
+
+class TopKDecoder:
+    """Decodes one stream's packed top-k rows once each: a cumulative stream asks for every
+    row to date at every token, and gets views of what was decoded before plus the new rows
+    decoded now (so a yield's cost does not grow with the tokens before it).
+
+    Rows arrive as views of a growing, append-only buffer (the stream receiver's): positions
+    already written never change, so the values are handed out as views of it too; only the
+    int64 indices and l0 are converted, into buffers of their own.
+    """
+
+    def __init__(self) -> None:
+        self.base = self.done = -1
+        self._indices: torch.Tensor | None = None  # [slots, capacity, K]
+        self._l0: torch.Tensor | None = None  # [slots, capacity]
+        self.converted = 0
+        """Rows converted so far (the tests count them)."""
+
+    def decode(self, packed: torch.Tensor, lo: int) -> list[TopKRows]:
+        """``packed``: ``[slots, n, 2K + 1]``, the rows of positions ``lo..lo + n`` (a view of
+        the stream's buffer); one :class:`TopKRows` per slot at the engine's K, as views."""
+        slots, n, width = packed.shape
+        engine_k = (width - 1) // 2
+        hi = lo + n
+        if self._indices is None or lo < self.base or lo > self.done:
+            self.base = self.done = lo  # a stream's spans start at its first position
+            self._indices = self._l0 = None
+        if hi > self.done:
+            self._grow(slots, hi - self.base, engine_k)
+            assert self._indices is not None and self._l0 is not None
+            new = packed[:, self.done - lo :]
+            at = slice(self.done - self.base, hi - self.base)
+            self._indices[:, at] = new[:, :, :engine_k]
+            self._l0[:, at] = new[:, :, 2 * engine_k]
+            self.converted += hi - self.done
+            self.done = hi
+        assert self._indices is not None and self._l0 is not None
+        at = slice(lo - self.base, hi - self.base)
+        return [
+            TopKRows(
+                self._indices[slot, at],
+                packed[slot, :, engine_k : 2 * engine_k],
+                self._l0[slot, at],
+            )
+            for slot in range(slots)
+        ]
+
+    def _grow(self, slots: int, end: int, engine_k: int) -> None:
+        if self._indices is not None and end <= self._indices.shape[1]:
+            return
+        capacity = max(end, 2 * (self._indices.shape[1] if self._indices is not None else 0), 16)
+        indices = torch.empty((slots, capacity, engine_k), dtype=torch.int64)
+        l0 = torch.empty((slots, capacity), dtype=torch.int64)
+        if self._indices is not None and self._l0 is not None:
+            # Views handed out earlier keep the old buffers alive and unchanged.
+            kept = self.done - self.base
+            indices[:, :kept] = self._indices[:, :kept]
+            l0[:, :kept] = self._l0[:, :kept]
+        self._indices, self._l0 = indices, l0

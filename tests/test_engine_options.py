@@ -1,0 +1,170 @@
+"""Every engine option alone, and the pairs users write first, on real in-process engines.
+
+Each case starts an engine on the bundled tiny model and answers one request with what its
+options promise (rows, scores, features, steering, a store, flags), or is refused at
+construction with a probehook error naming the option. Every earlier test built a steered
+engine together with a capture, so an engine that only steered died at model load unseen
+(issue 43). The next option added joins :data:`ALONE` (and the pairs it forms).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from probehook.errors import CaptureConfigError
+
+pytestmark = pytest.mark.engine
+
+PROMPT = "12+34="
+TOKENS = 3
+HIDDEN = 128  # the tiny model's
+
+
+def _probe() -> Any:
+    from probehook import LinearProbe
+
+    weight = torch.randn(1, HIDDEN, generator=torch.Generator().manual_seed(0)) / HIDDEN**0.5
+    return LinearProbe(weight, torch.zeros(1), layer=1, kind="binary", name="p")
+
+
+def _vector() -> Any:
+    from probehook import SteeringVector
+
+    direction = torch.randn(HIDDEN, generator=torch.Generator().manual_seed(1))
+    return SteeringVector({1: direction / direction.norm() * 20.0}, name="v")
+
+
+def _options(spec: str, tmp_path: Path) -> dict[str, Any]:
+    """The engine arguments one word of a case names."""
+    from probehook import SAE, FeatureMonitor, ProbeMonitor, tiny_sae_path
+
+    return {
+        "layers": {"layers": [1]},
+        "include_prefill": {"include_prefill": True},
+        "probes": {"probes": {"p": _probe()}},
+        "monitors": {"monitors": [ProbeMonitor("p", 0.0, action="flag")]},
+        "feature_monitors": {"monitors": [FeatureMonitor("s", 0, -1.0, action="flag")]},
+        "steering": {"steering": {"v": _vector()}},
+        "steering_layers": {"steering_layers": [1]},
+        "saes": {"saes": {"s": SAE.load(tiny_sae_path())}, "sae_top_k": 4},
+        "sae_clamping": {"sae_clamping": True},
+        "sae_dtype": {"sae_dtype": "bfloat16"},
+        "store": {"store": tmp_path / "store"},
+        "capture_only": {"capture_only": True},
+    }[spec]
+
+
+ALONE = [
+    # (options, None: starts and answers | the refusal's words)
+    (("layers",), None),
+    (("include_prefill",), "layers=None"),
+    (("probes",), None),
+    (("monitors",), "no probes were given"),
+    (("steering",), None),
+    (("steering_layers",), None),
+    (("saes",), None),
+    (("sae_clamping",), "pass saes"),
+    (("sae_dtype",), "no SAEs were given"),
+    (("store",), "needs something to store"),
+    (("capture_only",), "capture_only=True needs something to capture"),
+]
+PAIRS = [
+    (("layers", "include_prefill"), None),
+    (("layers", "steering"), None),
+    (("probes", "steering"), None),
+    (("saes", "steering"), None),
+    (("layers", "store"), None),
+    (("probes", "store"), None),
+    (("saes", "store"), None),
+    (("layers", "monitors"), "no probes were given"),
+    (("probes", "monitors"), None),
+    (("saes", "feature_monitors"), None),
+    (("saes", "sae_clamping"), None),
+    (("saes", "sae_dtype"), None),
+    (("layers", "capture_only"), None),
+    (("saes", "capture_only"), None),
+    (("steering", "capture_only"), "capture_only=True needs something to capture"),
+]
+
+
+@pytest.mark.parametrize(
+    ("specs", "refusal"), ALONE + PAIRS, ids=["+".join(specs) for specs, _ in ALONE + PAIRS]
+)
+def test_option_starts_and_answers(specs: tuple[str, ...], refusal: str | None, tmp_path) -> None:
+    from probehook import LLM, tiny_model_path
+
+    kwargs: dict[str, Any] = {}
+    for spec in specs:
+        kwargs.update(_options(spec, tmp_path))
+    engine = dict(enforce_eager=True, max_model_len=64, seed=0, dtype="float32")
+    if refusal is not None:
+        with pytest.raises(CaptureConfigError, match=refusal):
+            LLM(str(tiny_model_path()), **kwargs, **engine)
+        return
+    llm = LLM(str(tiny_model_path()), **kwargs, **engine)
+    try:
+        if "capture_only" in specs:
+            out = llm.capture([PROMPT], use_tqdm=False)[0]
+            n_prompt = len(out.prompt_token_ids)
+            if "layers" in specs:
+                assert out.prefill_hidden_states[1].shape == (n_prompt, HIDDEN)
+            if "saes" in specs:
+                assert len(out.prefill_sae_features["s"]) == n_prompt
+            return
+        _check_generation(llm, specs, kwargs)
+    finally:
+        llm.shutdown()
+
+
+def _check_generation(llm: Any, specs: tuple[str, ...], kwargs: dict[str, Any]) -> None:
+    from probehook import SamplingParams
+    from probehook.store import ActivationStore
+
+    steers = "steering" in specs or "steering_layers" in specs
+    if "steering_layers" in specs:
+        llm.add_steering("v", _vector())  # the layer was given a steering op at load
+    params = SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True, logprobs=0)
+    out = llm.generate([PROMPT], params, use_tqdm=False)[0]
+    completion = out.outputs[0]
+    assert len(completion.token_ids) == TOKENS
+    if "layers" in specs:
+        assert completion.hidden_states[1].shape == (TOKENS, HIDDEN)
+        if "include_prefill" in specs:
+            assert out.prefill_hidden_states[1].shape == (len(out.prompt_token_ids), HIDDEN)
+    if "probes" in specs:
+        assert completion.probe_scores["p"].shape[0] == TOKENS
+    if "monitors" in specs:  # a sigmoid's probability is above 0: every row crosses
+        assert completion.probe_flags["p"] == list(range(TOKENS))
+    if "saes" in specs:
+        features = completion.sae_features["s"]
+        assert len(features) == TOKENS and features.k == 4
+        assert (features.l0 > 0).all()
+    if "feature_monitors" in specs:
+        assert completion.feature_flags["s:0"] == list(range(TOKENS))
+    if "store" in specs:
+        stored = ActivationStore.open(kwargs["store"])[out.store_id]
+        if "layers" in specs:
+            assert torch.equal(stored.hidden_states[1], completion.hidden_states[1])
+        if "probes" in specs:
+            assert torch.equal(stored.probe_scores["p"], completion.probe_scores["p"])
+        if "saes" in specs:
+            assert torch.equal(stored.sae_features["s"].indices, features.indices)
+    if steers:
+        steered = llm.generate(
+            [PROMPT],
+            SamplingParams(
+                max_tokens=TOKENS,
+                temperature=0,
+                ignore_eos=True,
+                logprobs=0,
+                extra_args={"probehook": {"steer": {"v": 1.0}}},
+            ),
+            use_tqdm=False,
+        )[0].outputs[0]
+        plain = [next(iter(p.values())).logprob for p in completion.logprobs]
+        moved = [next(iter(p.values())).logprob for p in steered.logprobs]
+        assert plain != moved, "the steered request's log-probs did not move"

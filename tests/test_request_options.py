@@ -5,6 +5,7 @@ reader refuses hand-made wire objects (the worker then fails that request alone)
 from __future__ import annotations
 
 import copy
+import re
 from types import SimpleNamespace
 from typing import Any
 
@@ -13,7 +14,7 @@ import pytest
 from malformed_options import CORRUPTIONS, FLAGS, malformed
 
 from probehook.capture_config import CaptureConfig
-from probehook.core.monitors import ProbeMonitor
+from probehook.core.monitors import FeatureMonitor, ProbeMonitor
 from probehook.core.request_options import (
     MAX_CLAMPED,
     USER_KEYS,
@@ -62,7 +63,10 @@ def test_every_malformed_object_is_a_capture_config_error(value: Any) -> None:
         ({"colour": 1, "tag": 2}, r"Unknown probehook option\(s\) 'colour', 'tag'; valid"),
         ({"probes": "truth"}, r"probes='truth' \(str\) is not valid: pass a list of probe"),
         ({"monitors": [{"probe": "t"}]}, r"monitors\[0\].* lacks \['threshold'\]"),
-        ({"monitors": [{**{"probe": "t", "threshold": float("nan")}}]}, r"must be finite"),
+        (
+            {"monitors": [{**{"probe": "t", "threshold": float("nan")}}]},
+            r"monitors\[0\]: ProbeMonitor\('t'\) threshold is nan; it must be a finite number",
+        ),
         ({"monitors": [{"probe": "t", "threshold": 1, "x": 1}]}, r"monitors\[0\]: Unknown"),
     ],
 )
@@ -248,3 +252,112 @@ def test_clamp_terms_take_numpy_numbers_and_digit_keys() -> None:
     assert clamp_terms({"res3": {"7": np.float32(2.5), 3: 0}}, "clamp") == (
         ("res3", ((3, 0.0), (7, 2.5))),
     )
+
+
+@pytest.mark.parametrize(
+    ("held", "match"),
+    [
+        ({"5": 1.0, "05": 2.0}, r"keys '5' and '05' both name feature 5; give each feature once"),
+        ({5: 1.0, "5": 2.0}, r"keys 5 and '5' both name feature 5"),
+        ({np.int64(3): 1.0, "003": 1.0}, r"both name feature 3"),
+        ([[7, 1.0], [7, 2.0]], r"keys 7 and 7 both name feature 7"),  # the wire's pair form
+        ({"\u00b2": 1.0}, r"'\u00b2' \(str\) is not a feature index"),  # "²".isdigit()
+        ({"\u0663": 1.0}, r"is not a feature index"),  # Arabic-Indic 3: int() reads it
+        ({" 5": 1.0}, r"is not a feature index"),
+        ({"-1": 1.0}, r"is not a feature index"),
+        ({-1: 1.0}, r"is not a feature index"),
+    ],
+)
+def test_clamp_feature_keys_are_ascii_digits_named_once(held: Any, match: str) -> None:
+    """Two keys naming one feature were summed by the worker (held at neither value), and
+    "²" (str.isdigit, but not int()-able) escaped as a bare ValueError: both are the options
+    error, naming the keys."""
+    with pytest.raises(CaptureConfigError, match=match):
+        clamp_terms({"res3": held}, "clamp")
+    with pytest.raises(CaptureConfigError, match=r"^probehook option clamp\['res3'\]"):
+        RequestOptions.from_user({"clamp": {"res3": held}})
+
+
+def test_clamp_terms_read_the_pair_form_and_leading_zeros() -> None:
+    assert clamp_terms({"res3": [[7, 1.5], ["08", 0]]}, "clamp") == (
+        ("res3", ((7, 1.5), (8, 0.0))),
+    )
+
+
+HUGE = 10**400
+"""An int too large for a float (a JSON integer may be one)."""
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (lambda t: ProbeMonitor("truth", t), r"ProbeMonitor\('truth'\) threshold is"),
+        (lambda t: FeatureMonitor("res3", 4, t), r"FeatureMonitor\('res3', 4\) threshold is"),
+        (
+            lambda t: RequestOptions.from_user({"monitors": [{"probe": "truth", "threshold": t}]}),
+            r"^probehook option monitors\[0\]: ProbeMonitor\('truth'\) threshold is",
+        ),
+        (
+            lambda t: RequestOptions.from_user(
+                {"monitors": [{"sae": "res3", "feature": 4, "threshold": t}]}
+            ),
+            r"^probehook option monitors\[0\]: FeatureMonitor\('res3', 4\) threshold is",
+        ),
+    ],
+    ids=["probe", "feature", "request-probe", "request-feature"],
+)
+@pytest.mark.parametrize(
+    ("threshold", "problem"),
+    [
+        (HUGE, r"it must be a finite number \(pass the score to cross"),
+        (float("inf"), r"inf; it must be a finite number"),
+        (float("nan"), r"nan; it must be a finite number"),
+        ("0.5", r"'0.5', not a number; pass the score to cross"),
+        (True, r"True, not a number"),
+    ],
+    ids=["huge-int", "inf", "nan", "str", "bool"],
+)
+def test_every_threshold_is_one_finite_number_check(make, match, threshold, problem) -> None:
+    """A threshold of 10**400 raised OverflowError from FeatureMonitor (a served request's
+    400 said only "int too large to convert to float"): every monitor's threshold gets one
+    check, the options error naming the monitor, the field, the value and what to pass."""
+    with pytest.raises(CaptureConfigError, match=match) as err:
+        make(threshold)
+    assert isinstance(err.value, CaptureConfigError)
+    assert re.search(problem, str(err.value)), str(err.value)
+
+
+def test_thresholds_of_any_number_type_are_floats() -> None:
+    """numpy numbers are numbers (np.float32 was refused as "must be a number")."""
+    for threshold in (np.float32(0.25), np.int64(1), 1, 0.5):
+        probe = ProbeMonitor("truth", threshold)
+        feature = FeatureMonitor("res3", 4, threshold)
+        assert type(probe.threshold) is float and probe.threshold == float(threshold)
+        assert type(feature.threshold) is float and feature.threshold == float(threshold)
+
+
+@pytest.mark.parametrize("threshold", [HUGE, float("inf"), "x"], ids=["huge-int", "inf", "str"])
+def test_a_wire_threshold_is_checked_not_raised(threshold: Any) -> None:
+    """The worker's reader refuses a bad threshold with the options error (an int too large
+    for a float raised OverflowError out of from_wire), for probe and feature monitors."""
+    good = wire().to_wire()
+    probe = {**good, "monitors": [{**good["monitors"][0], "threshold": threshold}]}
+    feature = {
+        **good,
+        "saes": ["res3"],
+        "feature_monitors": [
+            {
+                "sae": "res3",
+                "feature": 4,
+                "threshold": threshold,
+                "action": "flag",
+                "direction": "above",
+                "slot": 0,
+            }  # fmt: skip
+        ],
+    }
+    for value in (probe, feature):
+        with pytest.raises(CaptureConfigError, match="threshold is"):
+            RequestWire.from_wire(value)
+        plan = plan_for(value, req_id="1_abc")
+        assert "could not read" in plan.error, plan

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,6 +17,14 @@ from safetensors.torch import save_file
 
 from probehook import SAE
 from probehook.saes import SAEError, SAEFeatures, layer_of_hook
+from probehook.saes import files as sae_files
+from probehook.saes.files import (
+    SAMPLE_BYTES,
+    SAMPLES_PER_TENSOR,
+    fingerprint_of,
+    legacy_fingerprint_of,
+    matches_fingerprint,
+)
 
 D_IN, D_SAE = 32, 96
 
@@ -322,3 +336,180 @@ def test_the_bundled_sae_is_what_saelens_reads():
     f = sae.top_k(rows, 8)
     assert_features_match(f.indices, f.values, f.l0, oracle(folder), rows, 8)
     assert sum(p.stat().st_size for p in folder.iterdir()) < 5 << 20
+
+
+# -- the fingerprint --------------------------------------------------------------------------
+
+
+def _plain_saelens(folder: Path, d_in: int, d_sae: int, seed: int = 0) -> Path:
+    """A standard SAELens folder written directly (large ones quickly)."""
+    gen = torch.Generator().manual_seed(seed)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(
+        {
+            "W_enc": torch.randn(d_in, d_sae, generator=gen),
+            "W_dec": torch.randn(d_sae, d_in, generator=gen),
+            "b_enc": torch.randn(d_sae, generator=gen),
+            "b_dec": torch.randn(d_in, generator=gen),
+        },
+        str(folder / "sae_weights.safetensors"),
+    )
+    metadata = {"hook_name": "blocks.2.hook_resid_post", "sae_lens_version": "6.5.0"}
+    cfg = {"architecture": "standard", "d_in": d_in, "d_sae": d_sae, "metadata": metadata}
+    (folder / "cfg.json").write_text(json.dumps(cfg))
+    return folder
+
+
+def _spans(file: Path) -> dict[str, tuple[int, int]]:
+    """Each tensor's data span in a safetensors file (read here, not with probehook's code)."""
+    data = file.read_bytes()
+    length = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + length])
+    start = 8 + length
+    return {
+        name: (start + entry["data_offsets"][0], start + entry["data_offsets"][1])
+        for name, entry in header.items()
+        if name != "__metadata__"
+    }
+
+
+def _flip(file: Path, offset: int) -> None:
+    with open(file, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def _rchar() -> int | None:
+    """Bytes this process has read with read(2) and friends (Linux), page cache included."""
+    try:
+        text = Path("/proc/self/io").read_text()
+    except OSError:
+        return None
+    return int(next(line.split()[1] for line in text.splitlines() if line.startswith("rchar")))
+
+
+def test_reading_without_weights_reads_a_bounded_sample_of_them(tmp_path, monkeypatch):
+    """SAE.load(weights=False) (what an engine does in the user's process) hashed every byte
+    of the weights for the fingerprint (1-4 GB SAEs); it reads at most 512 KiB of each
+    tensor. Counted twice: the bytes read through probehook's ``open`` and the process's
+    read(2) total (which sees safetensors' own reads too)."""
+    folder = _plain_saelens(tmp_path / "big", 64, 1 << 16)  # W_enc, W_dec: 16 MiB each
+    size = (folder / "sae_weights.safetensors").stat().st_size
+    assert size > 32 << 20
+    SAE.load(folder, weights=False)  # imports done, caches warm: only the reads are counted
+    read = {"bytes": 0}
+    real_open = open
+
+    class Counted:
+        def __init__(self, f):
+            self._f = f
+
+        def read(self, n=-1):
+            data = self._f.read(n)
+            read["bytes"] += len(data)
+            return data
+
+        def __getattr__(self, name):
+            return getattr(self._f, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self._f.close()
+
+    monkeypatch.setattr(sae_files, "open", lambda *a, **k: Counted(real_open(*a, **k)),
+                        raising=False)  # fmt: skip
+    before = _rchar()
+    light = SAE.load(folder, weights=False)
+    after = _rchar()
+    bound = 2 * SAMPLES_PER_TENSOR * SAMPLE_BYTES + (1 << 20)  # two big tensors, the rest
+    assert 0 < read["bytes"] < bound, read
+    if before is not None and after is not None:
+        assert after - before < bound + (1 << 20), after - before
+    assert light.fingerprint == SAE.load(folder).fingerprint and not light.has_weights
+    # The measure sees a whole read: the old fingerprint reads every byte.
+    read["bytes"] = 0
+    legacy_fingerprint_of(folder, "sae_weights.safetensors")
+    assert read["bytes"] >= size
+
+
+def test_the_fingerprint_tells_sampled_weights_config_and_small_tensors_apart(tmp_path):
+    """Same SAE, anywhere: same fingerprint (a copy in another folder, a newer mtime). A byte
+    changed in a small tensor, in any sampled region of a large one, or in the config: another
+    fingerprint. What it does not promise (the docstring says so): a byte changed between
+    samples of a large tensor keeps it."""
+    folder = _plain_saelens(tmp_path / "a", 64, 1 << 13)  # W_enc, W_dec: 2 MiB, sampled
+    file = folder / "sae_weights.safetensors"
+    base = SAE.load(folder, weights=False).fingerprint
+    assert base.startswith("v2:") and len(base) == 3 + 64
+    copy = shutil.copytree(folder, tmp_path / "elsewhere" / "copy")
+    os.utime(copy / "sae_weights.safetensors", ns=(1, 1))
+    assert SAE.load(copy, weights=False).fingerprint == base
+    assert SAE.load(_plain_saelens(tmp_path / "b", 64, 1 << 13, seed=1)).fingerprint != base
+    spans = _spans(file)
+    w_begin, w_end = spans["W_enc"]
+    step = (w_end - w_begin - SAMPLE_BYTES) // (SAMPLES_PER_TENSOR - 1)
+    sampled = {
+        "b_dec": spans["b_dec"][0] + 3,
+        "b_enc last": spans["b_enc"][1] - 1,
+        "W_enc first": w_begin,
+        "W_enc sample 7": w_begin + 7 * step + SAMPLE_BYTES // 2,
+        "W_enc last": w_end - 1,
+        "W_dec sample 3": spans["W_dec"][0] + 3 * step + 5,
+        "header": 8 + 2,
+    }
+    for where, offset in sampled.items():
+        _flip(file, offset)
+        assert fingerprint_of(folder, file.name) != base, where
+        _flip(file, offset)  # back
+        assert fingerprint_of(folder, file.name) == base, where
+    cfg = json.loads((folder / "cfg.json").read_text())
+    (folder / "cfg.json").write_text(json.dumps({**cfg, "apply_b_dec_to_input": False}))
+    assert fingerprint_of(folder, file.name) != base
+    (folder / "cfg.json").write_text(json.dumps(cfg))
+    legacy = legacy_fingerprint_of(folder, file.name)
+    unsampled = spans["W_dec"][0] + SAMPLE_BYTES + 17  # between samples 0 and 1
+    _flip(file, unsampled)
+    assert fingerprint_of(folder, file.name) == base  # not read, so not covered
+    assert legacy_fingerprint_of(folder, file.name) != legacy
+
+
+def test_the_fingerprint_is_the_same_in_another_process(tmp_path):
+    folder = _plain_saelens(tmp_path / "a", 32, 1 << 13)
+    code = (
+        "import sys; from pathlib import Path; from probehook.saes.files import fingerprint_of;"
+        "print(fingerprint_of(Path(sys.argv[1]), 'sae_weights.safetensors'))"
+    )
+    env = {**os.environ, "PYTHONHASHSEED": "12345"}
+    out = subprocess.run([sys.executable, "-c", code, os.fspath(folder)], env=env,
+                         capture_output=True, text=True, check=True)  # fmt: skip
+    assert out.stdout.strip() == SAE.load(folder, weights=False).fingerprint
+
+
+def test_a_fingerprint_recorded_before_v2_still_matches_its_sae(tmp_path):
+    """Stores written before the sampled fingerprint recorded the sha256 of every byte of
+    cfg.json and the weights; matches_fingerprint checks either kind against a folder."""
+    folder = make_saelens_sae("topk", tmp_path / "a", D_IN, D_SAE, "blocks.2.hook_resid_post")
+    other = make_saelens_sae("topk", tmp_path / "b", D_IN, D_SAE, "blocks.2.hook_resid_post",
+                             seed=1)  # fmt: skip
+    old = hashlib.sha256(
+        (folder / "cfg.json").read_bytes() + (folder / "sae_weights.safetensors").read_bytes()
+    ).hexdigest()  # what probehook recorded until now
+    assert legacy_fingerprint_of(folder, "sae_weights.safetensors") == old
+    new = SAE.load(folder, weights=False).fingerprint
+    assert new != old
+    assert matches_fingerprint(folder, old) and matches_fingerprint(folder, new)
+    assert not matches_fingerprint(other, old) and not matches_fingerprint(other, new)
+    sparsify = tmp_path / "layers.1"
+    sparsify.mkdir()
+    save_file({"encoder.weight": torch.ones(D_SAE, D_IN), "encoder.bias": torch.zeros(D_SAE),
+               "W_dec": torch.ones(D_SAE, D_IN), "b_dec": torch.zeros(D_IN)},
+              str(sparsify / "sae.safetensors"))  # fmt: skip
+    (sparsify / "cfg.json").write_text(json.dumps({"k": 9, "d_in": D_IN}))
+    light = SAE.load(sparsify, weights=False)
+    assert light.fingerprint == SAE.load(sparsify).fingerprint
+    assert matches_fingerprint(sparsify, light.fingerprint)
+    assert matches_fingerprint(sparsify, legacy_fingerprint_of(sparsify, "sae.safetensors"))

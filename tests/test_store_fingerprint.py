@@ -248,3 +248,45 @@ def test_legacy_store_refuses_unverifiable_run(tmp_path: Path, monkeypatch) -> N
         assert stored in message
         assert ours["fingerprint"] in message and ours["covers"] in message
         assert '"fingerprint_version": 2' in message and os.fspath(tmp_path / "s") in message
+
+
+# -- SAE fingerprints recorded by runs --------------------------------------------------------
+
+
+def test_a_store_with_a_pre_v2_sae_fingerprint_takes_a_new_run_of_that_sae(tmp_path: Path) -> None:
+    """SAE fingerprints changed scheme (the sha256 of every byte, then "v2:" and a sampled
+    sha256). A run's record keeps whichever it was given; appending compares the model's
+    fingerprint only, so a store whose earlier run recorded the old kind takes a run of the
+    same SAE recording the new kind, both runs stay readable, and the old record still
+    identifies the SAE (matches_fingerprint)."""
+    from safetensors.torch import save_file
+
+    from probehook import SAE
+    from probehook.saes.files import legacy_fingerprint_of, matches_fingerprint
+
+    folder = tmp_path / "sae"
+    folder.mkdir()
+    rng = torch.Generator().manual_seed(0)
+    shapes = {"W_enc": (HIDDEN, 16), "W_dec": (16, HIDDEN), "b_enc": (16,), "b_dec": (HIDDEN,)}
+    tensors = {name: torch.randn(shape, generator=rng) for name, shape in shapes.items()}
+    save_file(tensors, str(folder / "sae_weights.safetensors"))
+    cfg = {"d_in": HIDDEN, "d_sae": 16, "hook_name": "blocks.1.hook_resid_post"}
+    (folder / "cfg.json").write_text(json.dumps(cfg))
+    old = legacy_fingerprint_of(folder, "sae_weights.safetensors")
+    new = SAE.load(folder, weights=False).fingerprint
+    assert old != new and new.startswith("v2:")
+    fingerprint = model_fingerprint(llama(), str(weights_dir(tmp_path / "m")))
+    store_path = tmp_path / "s"
+    for i, sae_fingerprint in enumerate((old, new)):
+        store = ActivationStore.for_writing(store_path, meta_for(fingerprint))
+        sae = {"d_sae": 16, "k": 4, "layer": 1, "fingerprint": sae_fingerprint,
+               "path": os.fspath(folder)}  # fmt: skip
+        store.begin_run({"saes": {"res1": sae}})
+        store.add(request(i))
+        store.flush()
+        store.close()
+    reader = ActivationStore.open(store_path)
+    assert len(reader) == 2
+    recorded = [run["saes"]["res1"]["fingerprint"] for run in reader.runs.values()]
+    assert sorted(recorded) == sorted([old, new])
+    assert all(matches_fingerprint(folder, f) for f in recorded)

@@ -70,14 +70,9 @@ class ProbeMonitor:
                 f"ProbeMonitor direction={self.direction!r} is not valid; choose one of "
                 f"{DIRECTIONS}."
             )
-        if isinstance(self.threshold, bool) or not isinstance(self.threshold, int | float):
-            raise CaptureConfigError(f"ProbeMonitor threshold={self.threshold!r} must be a number.")
-        try:
-            finite = math.isfinite(self.threshold)
-        except OverflowError:  # an int too large for a float
-            finite = False
-        if not finite:
-            raise CaptureConfigError(f"ProbeMonitor threshold={self.threshold!r} must be finite.")
+        object.__setattr__(
+            self, "threshold", monitor_threshold(self.threshold, f"ProbeMonitor({self.probe!r})")
+        )
         if self.action == "steer":
             object.__setattr__(self, "steer", steer_terms(self.steer, "ProbeMonitor steer"))
         elif self.steer is not None:
@@ -158,12 +153,11 @@ class FeatureMonitor:
                 f"FeatureMonitor direction={self.direction!r} is not valid; choose one of "
                 f"{DIRECTIONS}."
             )
-        if isinstance(self.threshold, bool) or not isinstance(self.threshold, int | float):
-            raise CaptureConfigError(
-                f"FeatureMonitor threshold={self.threshold!r} must be a number."
-            )
-        if not math.isfinite(float(self.threshold)):
-            raise CaptureConfigError(f"FeatureMonitor threshold={self.threshold!r} must be finite.")
+        object.__setattr__(
+            self,
+            "threshold",
+            monitor_threshold(self.threshold, f"FeatureMonitor({self.sae!r}, {self.feature})"),
+        )
 
     @property
     def key(self) -> str:
@@ -212,6 +206,16 @@ def steer_terms(value: Any, what: str) -> tuple[tuple[str, float], ...]:
         )
         terms.append((name, scale))
     return tuple(sorted(terms))
+
+
+def monitor_threshold(value: Any, monitor: str) -> float:
+    """A monitor's ``threshold`` checked by :func:`finite_number` (the one check every
+    threshold gets: numbers of any type, numpy's too, as a finite float; an int too large
+    for a float, NaN, infinities, bools and non-numbers are a :class:`CaptureConfigError`
+    naming the monitor, the field and the value)."""
+    return finite_number(
+        value, f"{monitor} threshold", "pass the score to cross, such as threshold=0.5"
+    )
 
 
 def finite_number(value: Any, what: str, hint: str) -> float:

@@ -17,8 +17,6 @@ No vLLM imports.
 
 from __future__ import annotations
 
-import contextlib
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
@@ -424,10 +422,7 @@ class RequestWire:
             if column is None or column < 0:
                 raise CaptureConfigError(f"monitor column={_show(m.get('column'))} is not valid")
             rest = {k: v for k, v in m.items() if k != "column"}
-            if not isinstance(rest.get("threshold"), int | float) or not math.isfinite(
-                rest["threshold"]
-            ):
-                raise CaptureConfigError(f"monitor threshold={_show(rest.get('threshold'))}")
+            # ProbeMonitor checks the threshold (monitors.monitor_threshold).
             wired.append(WireMonitor(ProbeMonitor.coerce(rest), column))
         stop_token = value.get("stop_token")
         if stop_token is not None and (as_int(stop_token) is None or stop_token < 0):
@@ -462,8 +457,11 @@ MAX_CLAMPED = 16
 
 
 def clamp_terms(value: Any, what: str) -> tuple[tuple[str, tuple[tuple[int, float], ...]], ...]:
-    """``{"sae": {feature: value}}`` checked (feature ids as ints or digit strings, as JSON
-    keys are; finite values; at most :data:`MAX_CLAMPED` per SAE); returned as sorted pairs."""
+    """``{"sae": {feature: value}}`` checked; returned as sorted pairs. A feature is an int
+    or a string of ASCII digits (as JSON keys are; ``"²"`` or ``"٣"`` are not feature ids),
+    named once per SAE (``"5"`` and ``"05"`` are one feature: refused, not summed); values
+    are finite numbers; at most :data:`MAX_CLAMPED` features per SAE. The pair form the wire
+    carries, ``{"sae": [[feature, value], ...]}``, is read alike."""
     example = '{"res3": {"123": 0.0}}'
     if not isinstance(value, Mapping) or not value:
         raise CaptureConfigError(
@@ -474,33 +472,62 @@ def clamp_terms(value: Any, what: str) -> tuple[tuple[str, tuple[tuple[int, floa
     for name, held in value.items():
         if not isinstance(name, str) or not name:
             raise CaptureConfigError(f"{what}: {_show(name)} is not an SAE name; e.g. {example}.")
-        if isinstance(held, Sequence) and not isinstance(held, str | bytes):
-            with contextlib.suppress(TypeError, ValueError):
-                held = dict(held)  # the pair form the wire carries
-        if not isinstance(held, Mapping) or not held:
+        items = _clamp_items(held)
+        if items is None or not items:
             raise CaptureConfigError(
                 f"{what}[{name!r}]={_show(held)} is not valid: pass {{feature: value}}, "
                 f"such as {example}."
             )
-        if len(held) > MAX_CLAMPED:
+        if len(items) > MAX_CLAMPED:
             raise CaptureConfigError(
-                f"{what}[{name!r}] clamps {len(held)} features; at most {MAX_CLAMPED} per SAE."
+                f"{what}[{name!r}] clamps {len(items)} features; at most {MAX_CLAMPED} per SAE."
             )
-        terms = []
-        for feature, target in held.items():
-            index = int(feature) if isinstance(feature, str) and feature.isdigit() else feature
-            if isinstance(index, bool) or as_int(index) is None or as_int(index) < 0:  # type: ignore[operator]
+        terms: dict[int, float] = {}
+        keys: dict[int, Any] = {}
+        for feature, target in items:
+            index = _feature_index(feature)
+            if index is None:
                 raise CaptureConfigError(
-                    f"{what}[{name!r}]: {_show(feature)} is not a feature index; e.g. {example}."
+                    f"{what}[{name!r}]: {_show(feature)} is not a feature index (an int >= 0, "
+                    f"or a string of ASCII digits); e.g. {example}."
                 )
-            value = finite_number(
+            if index in terms:
+                raise CaptureConfigError(
+                    f"{what}[{name!r}]: keys {keys[index]!r} and {feature!r} both name feature "
+                    f"{index}; give each feature once, with the one value to hold it at."
+                )
+            terms[index] = finite_number(
                 target,
                 f"{what}[{name!r}][{feature!r}]",
                 f"hold a feature at a value, e.g. {example}",
             )
-            terms.append((int(index), value))
-        out.append((name, tuple(sorted(terms))))
+            keys[index] = feature
+        out.append((name, tuple(sorted(terms.items()))))
     return tuple(sorted(out))
+
+
+def _clamp_items(held: Any) -> list[tuple[Any, Any]] | None:
+    """The ``(feature, value)`` items of one SAE's clamp, a dict or a list of pairs (every
+    pair kept, so a feature given twice is seen); None for anything else."""
+    if isinstance(held, Mapping):
+        return list(held.items())
+    if not _is_list(held):
+        return None
+    items = []
+    for pair in held:
+        if not _is_list(pair) or len(pair) != 2:
+            return None
+        items.append((pair[0], pair[1]))
+    return items
+
+
+def _feature_index(feature: Any) -> int | None:
+    """A clamp key as a feature index: a non-negative int (numpy's too) or a string of ASCII
+    decimal digits; else None."""
+    if isinstance(feature, str):
+        return int(feature) if feature.isascii() and feature.isdigit() else None
+    index = as_int(feature)
+    return index if index is not None and index >= 0 else None
 
 
 def raw_tag(value: Any) -> str | None:

@@ -158,6 +158,32 @@ def activations_at(weights: SAEWeights, x: torch.Tensor, features: torch.Tensor)
     return torch.relu(p) * (p > weights.threshold[features]).to(p.dtype)
 
 
+def activations_per_token(weights: SAEWeights, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """``encode_dense(weights, x).gather(1, ids)``: row ``t``'s activations of its own
+    features ``ids[t]`` (``[rows, m]`` feature ids >= 0), reading only those features' encoder
+    columns where the architecture allows (topk/abstopk rank every feature: a dense encode).
+    Every shape follows ``ids``'s, whatever the ids are: what a CUDA graph replays."""
+    arch = weights.architecture
+    if arch in ("topk", "abstopk"):
+        return encode_dense(weights, x).gather(1, ids)
+    flat = ids.reshape(-1)
+    columns = weights.W_enc.t().index_select(0, flat).view(*ids.shape, weights.d_in)
+    z = preprocess(weights, x).to(weights.dtype).unsqueeze(2)  # [rows, d_in, 1]
+    z = torch.bmm(columns, z).squeeze(2).to(weights.epilogue_dtype)  # [rows, m]
+
+    def at(vector: torch.Tensor | None) -> torch.Tensor:
+        assert vector is not None
+        return vector.index_select(0, flat).view(ids.shape)
+
+    if arch == "gated":
+        magnitude = torch.relu(z * at(weights.r_mag_exp) + at(weights.b_mag))
+        return (z + at(weights.b_gate) > 0).to(magnitude.dtype) * magnitude
+    p = z + at(weights.b_enc)
+    if arch == "standard":
+        return p.relu_()
+    return torch.relu(p) * (p > at(weights.threshold)).to(p.dtype)
+
+
 def read_top_k(
     weights: SAEWeights, x: torch.Tensor, k: int, out: torch.Tensor | None = None
 ) -> torch.Tensor:

@@ -85,7 +85,10 @@ class SAE:
 
     ``SAE.load(folder)`` reads a SAELens or sparsify folder; ``layer=`` overrides the layer
     its hook name says. Attributes: ``layer``, ``d_in``, ``d_sae``, ``architecture``,
-    ``hook_name``, ``k`` (topk / abstopk), ``path``, ``fingerprint``.
+    ``hook_name``, ``k`` (topk / abstopk), ``path``, ``fingerprint`` (which SAE this is, as
+    stores record it: a sha256 of the config, the safetensors header and samples of the
+    weights, see :func:`~probehook.saes.files.fingerprint_of` for what it tells apart;
+    :func:`~probehook.saes.files.matches_fingerprint` also checks one recorded before).
     """
 
     def __init__(
@@ -153,7 +156,8 @@ class SAE:
         EleutherAI sparsify (``cfg.json`` + ``sae.safetensors``). ``layer``: the probehook
         layer it reads, overriding the hook name (required when the folder names none).
         ``weights=False`` reads the config and the tensors' shapes only (an engine given a
-        folder does this in the user's process: its workers read the weights); such an SAE
+        folder does this in the user's process: its workers read the weights), and for the
+        fingerprint, the same as with weights, at most 512 KiB of each tensor; such an SAE
         describes itself but cannot encode."""
         folder = Path(path)
         if not folder.is_dir():

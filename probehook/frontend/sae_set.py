@@ -118,10 +118,12 @@ class SAESet:
         return "clamp-" + digest.hexdigest()[:32]
 
     def clamp_settings(self) -> list[list[Any]]:
-        """The clamp ops the loader installs: ``[[name, layer], ...]`` (compile-cache key)."""
+        """The clamp ops the loader installs: ``[[name, layer, fingerprint], ...]`` (in the
+        compile-cache key: a graph traced with one SAE's clamp is never replayed for
+        another's)."""
         if not self.clamping:
             return []
-        return [[name, sae.layer] for name, sae in self.saes.items()]
+        return [[name, sae.layer, sae.fingerprint] for name, sae in self.saes.items()]
 
     def slot(self, name: str) -> int:
         """The SAE's index in the worker's bank (the loader keeps this order)."""

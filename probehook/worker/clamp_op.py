@@ -11,20 +11,28 @@ all -1) and ``values``. The SAE itself is found by ``key`` in :data:`CLAMPED_SAE
 loader puts it there at load, before the first forward pass).
 
 On a CPU only the clamped tokens are encoded, and for every architecture but topk/abstopk only
-the clamped features' encoder columns (a step without any clamped token is skipped after one
-check); elsewhere every token of the step is encoded in full and the unclamped ones add 0, so
-that a CUDA graph replays the same kernels whatever the buffers hold (unverified on a GPU
-yet).
+the distinct clamped features' encoder columns (a step without any clamped token is skipped
+after one check). Elsewhere (CUDA graphs replay fixed shapes) every token of the step is taken,
+in tiles of :data:`~probehook.saes.encode.TILE_ROWS` rows, and each token's own clamped
+features alone are encoded (``activations_per_token``: its ``MAX_CLAMPED`` encoder columns;
+a dense encode of the tile for topk/abstopk), so the op's memory is bounded by the tile, not
+the step, and an unclamped token adds 0.
+
+The op finds its SAE by ``key``, which the loader derives from the clamp settings in vLLM's
+compile-cache key (SAE name, layer, fingerprint): a graph traced for one SAE is never replayed
+for another, and two engines of one process clamping the same SAE share the key (either's
+copy serves).
 """
 
 from __future__ import annotations
 
+import hashlib
 import weakref
 from dataclasses import dataclass
 
 import torch
 
-from probehook.saes.encode import SAEWeights, activations_at, encode_dense
+from probehook.saes.encode import TILE_ROWS, SAEWeights, activations_at, activations_per_token
 from probehook.worker.tap_op import OP_NAMESPACE
 
 
@@ -36,9 +44,29 @@ class ClampedSAE:
     W_dec: torch.Tensor
 
 
-CLAMPED_SAES: weakref.WeakValueDictionary[int, ClampedSAE] = weakref.WeakValueDictionary()
-"""key -> the SAE of each clamp op in this process; held by its engine's step hook, so it
-goes with the engine."""
+class _ClampedSAEs:
+    """key -> the SAEs of the clamp ops in this process; each held by its engine's step hook,
+    so it goes with the engine (two live engines may hold equal copies under one key)."""
+
+    def __init__(self) -> None:
+        self._held: dict[str, weakref.WeakSet[ClampedSAE]] = {}
+
+    def __setitem__(self, key: str, sae: ClampedSAE) -> None:
+        self._held.setdefault(key, weakref.WeakSet()).add(sae)
+
+    def __getitem__(self, key: str) -> ClampedSAE:
+        for sae in self._held.get(key, ()):
+            return sae
+        raise KeyError(f"no live engine holds the clamped SAE {key!r}")
+
+
+CLAMPED_SAES = _ClampedSAEs()
+
+
+def clamp_key(name: str, layer: int, fingerprint: str) -> str:
+    """A clamp op's key, from what vLLM's compile-cache key holds of it."""
+    digest = hashlib.sha256(f"{name}|{layer}|{fingerprint}".encode()).hexdigest()
+    return digest[:16]
 
 
 @torch.library.custom_op(f"{OP_NAMESPACE}::clamp", mutates_args=("hidden",))
@@ -48,34 +76,55 @@ def clamp(
     index: torch.Tensor,
     features: torch.Tensor,
     values: torch.Tensor,
-    key: int,
+    key: str,
 ) -> None:
     """``hidden[t] += sum_f (values - a_f(hidden[t] + residual[t])) * W_dec[f]`` for the
     step's tokens with ``index[t] > 0`` (``hidden``: ``[tokens, d_in]``; ``residual``: the
     deferred residual of vLLM layers that return ``(hidden, residual)``, or None)."""
     slots = index[: hidden.shape[0]]
-    if hidden.device.type == "cpu":
+    on_cpu = hidden.device.type == "cpu"
+    if on_cpu:
         if not bool(slots.any()):
             return
         rows = slots.nonzero().squeeze(1)
     else:
         rows = torch.arange(hidden.shape[0], device=hidden.device)
     sae = CLAMPED_SAES[key]
+    for lo in range(0, rows.shape[0], TILE_ROWS):
+        _clamp_rows(sae, hidden, residual, rows[lo : lo + TILE_ROWS], slots, features, values,
+                    distinct_columns=on_cpu)  # fmt: skip
+
+
+def _clamp_rows(
+    sae: ClampedSAE,
+    hidden: torch.Tensor,
+    residual: torch.Tensor | None,
+    rows: torch.Tensor,
+    slots: torch.Tensor,
+    features: torch.Tensor,
+    values: torch.Tensor,
+    distinct_columns: bool,
+) -> None:
+    """The clamp of ``rows`` (one tile). ``distinct_columns``: encode the distinct clamped
+    features' columns for every row (few features, data-dependent shapes: a CPU); else each
+    row's own ``MAX_CLAMPED`` columns (fixed shapes)."""
     weights, W_dec = sae.weights, sae.W_dec
     stream = hidden.index_select(0, rows)
     if residual is not None:
         stream = stream + residual.index_select(0, rows)
-    chosen = features.index_select(0, slots.index_select(0, rows))  # [n, MAX_CLAMPED]
+    slot = slots.index_select(0, rows)
+    chosen = features.index_select(0, slot)  # [n, MAX_CLAMPED]
     on = chosen >= 0
     ids = chosen.clamp(min=0)
-    if hidden.device.type == "cpu":  # only the clamped features' encoder columns
+    if distinct_columns:
         wanted, where = torch.unique(ids, return_inverse=True)
         held = activations_at(weights, stream, wanted).gather(1, where)
     else:
-        held = encode_dense(weights, stream).gather(1, ids)
-    target = values.index_select(0, slots.index_select(0, rows)).to(held.dtype)
-    coefficient = torch.where(on, target - held, 0.0)
-    delta = torch.einsum("nm,nmd->nd", coefficient, W_dec[ids].to(held.dtype))
+        held = activations_per_token(weights, stream, ids)
+    target = values.index_select(0, slot).to(held.dtype)
+    coefficient = torch.where(on, target - held, 0.0)  # [n, MAX_CLAMPED]
+    directions = W_dec.index_select(0, ids.reshape(-1)).view(*ids.shape, -1).to(held.dtype)
+    delta = torch.bmm(coefficient.unsqueeze(1), directions).squeeze(1)  # [n, d_in]
     hidden.index_add_(0, rows, delta.to(hidden.dtype))
 
 
@@ -86,6 +135,6 @@ def _(
     index: torch.Tensor,
     features: torch.Tensor,
     values: torch.Tensor,
-    key: int,
+    key: str,
 ) -> None:
     return None

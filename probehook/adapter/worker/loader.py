@@ -10,7 +10,6 @@ vLLM's compile-cache hash, so graphs compiled with different taps, or none, are 
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -43,7 +42,7 @@ from probehook.core.loader_keys import (
 )
 from probehook.core.request_options import MAX_CLAMPED
 from probehook.errors import UnsupportedModelError
-from probehook.worker.clamp_op import CLAMPED_SAES, ClampedSAE, clamp
+from probehook.worker.clamp_op import CLAMPED_SAES, ClampedSAE, clamp, clamp_key
 from probehook.worker.clamp_tables import ClampBuffers
 from probehook.worker.probe_bank import ProbeBank
 from probehook.worker.recorder import StepRecorder
@@ -116,9 +115,10 @@ def _make_loader_class() -> type:
                 {k: v for k, v in settings.items() if k not in _NOT_CAPTURE_CONFIG}
             )
             scheduler = vllm_config.scheduler_config
-            # Each clamp op finds its SAE by a key unique in this process (engines may share it).
-            clamps = [(str(name), int(layer), next(_CLAMP_KEYS)) for name, layer in
-                      settings.get(CLAMP_KEY) or ()]  # fmt: skip
+            # Each clamp op finds its SAE by a key made of what the compile-cache key holds
+            # (name, layer, fingerprint): a traced graph is never replayed for another SAE.
+            clamps = [(str(name), int(layer), clamp_key(str(name), int(layer), str(print_)))
+                      for name, layer, print_ in settings.get(CLAMP_KEY) or ()]  # fmt: skip
             hook = install_taps(
                 model,
                 config,
@@ -155,7 +155,6 @@ def _make_loader_class() -> type:
 
 
 _NOT_CAPTURE_CONFIG = (TAP_LAYERS_KEY, STEER_LAYERS_KEY, EXIT_AFTER_KEY, CLAMP_KEY)
-_CLAMP_KEYS = itertools.count()
 
 # The final norm of each family (vLLM's attribute names): a capture-only engine skips it.
 FINAL_NORM_NAMES: tuple[str, ...] = ("norm", "final_layernorm", "final_layer_norm", "ln_f")
@@ -294,7 +293,7 @@ def install_taps(
     hidden_size: int | None = None,
     steer_layers: tuple[int, ...] = (),
     steer_slots: int = 0,
-    clamps: Sequence[tuple[str, int, int]] = (),
+    clamps: Sequence[tuple[str, int, str]] = (),
 ) -> StepHook:
     """Add a tap after each layer in ``tap_layers``, a steering op after each layer in
     ``steer_layers`` (before that layer's tap: taps read the steered stream), and a per-step
@@ -372,7 +371,7 @@ def _steer_hook(module: nn.Module, args: Any, output: Any) -> None:
     steer(hidden, module.probehook_steer_index, module.probehook_steer_table)
 
 
-def _clamp_hook(key: int) -> Callable[[nn.Module, Any, Any], None]:
+def _clamp_hook(key: str) -> Callable[[nn.Module, Any, Any], None]:
     """The forward hook of clamp op ``key`` (its buffers are the layer's, named by key)."""
     index_name, features_name, values_name = (
         f"probehook_clamp{key}_{part}" for part in ("index", "features", "values")

@@ -1,0 +1,90 @@
+"""The clamp op on its own (no engine): its fixed-shape path (what a CUDA graph replays: every
+token, each token's own clamped features, in tiles) equals its CPU path and the full encode;
+its SAE key comes from what the compile-cache key holds."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+from sae_oracle import ARCHITECTURES, make_saelens_sae
+
+from probehook import SAE
+from probehook.core.request_options import MAX_CLAMPED
+from probehook.saes.encode import TILE_ROWS, activations_per_token
+from probehook.worker import clamp_op
+
+D_IN, D_SAE = 32, 96
+
+
+def _sae(arch: str, tmp_path, norm: str = "none") -> SAE:
+    extra = {"k": 12} if arch in ("topk", "abstopk") else {}
+    folder = make_saelens_sae(arch, tmp_path / arch, D_IN, D_SAE, "blocks.2.hook_resid_post",
+                              seed=6, normalize_activations=norm, **extra)  # fmt: skip
+    return SAE.load(folder)
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+@pytest.mark.parametrize("norm", ["none", "layer_norm"])
+def test_activations_per_token_equal_the_full_encode(tmp_path, arch: str, norm: str) -> None:
+    sae = _sae(arch, tmp_path, norm)
+    rows = torch.randn(40, D_IN, generator=torch.Generator().manual_seed(1)) * 2
+    ids = torch.randint(0, D_SAE, (40, MAX_CLAMPED), generator=torch.Generator().manual_seed(2))
+    dense = sae.encode(rows)
+    got = activations_per_token(sae.weights, rows, ids)
+    torch.testing.assert_close(got, dense.gather(1, ids), rtol=1e-5, atol=1e-5)
+    assert bool((got > 0).any()) or arch == "abstopk"
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_the_fixed_shape_path_equals_the_cpu_path(tmp_path, arch: str) -> None:
+    """Across a tile boundary, with unclamped tokens between clamped ones: the same stream
+    after the op whichever path computed it (the fixed-shape one is what runs on a GPU)."""
+    sae = _sae(arch, tmp_path)
+    decoder = torch.randn(D_SAE, D_IN, generator=torch.Generator().manual_seed(3))
+    held = clamp_op.ClampedSAE(sae.weights, decoder)
+    tokens = TILE_ROWS + 44
+    g = torch.Generator().manual_seed(4)
+    hidden = torch.randn(tokens, D_IN, generator=g)
+    residual = torch.randn(tokens, D_IN, generator=g)
+    index = torch.zeros(tokens, dtype=torch.int64)
+    index[5:20] = 1
+    index[TILE_ROWS - 3 : TILE_ROWS + 30] = 2
+    features = torch.full((3, MAX_CLAMPED), -1, dtype=torch.int64)
+    values = torch.zeros((3, MAX_CLAMPED))
+    features[1, :2], values[1, :2] = torch.tensor([4, 50]), torch.tensor([0.0, 7.5])
+    features[2, :3], values[2, :3] = torch.tensor([50, 9, D_SAE - 1]), torch.tensor([1.0, 0, 3])
+    out = {}
+    for distinct in (True, False):
+        h = hidden.clone()
+        rows = index.nonzero().squeeze(1) if distinct else torch.arange(tokens)
+        for lo in range(0, len(rows), TILE_ROWS):
+            clamp_op._clamp_rows(held, h, residual, rows[lo : lo + TILE_ROWS], index, features,
+                                 values, distinct_columns=distinct)  # fmt: skip
+        out[distinct] = h
+    torch.testing.assert_close(out[True], out[False], rtol=1e-5, atol=1e-5)
+    assert torch.equal(out[False][index == 0], hidden[index == 0])  # unclamped: untouched
+    assert not torch.equal(out[False], hidden)
+
+
+def test_the_key_follows_the_compile_cache_key_and_outlives_one_of_two_engines() -> None:
+    """Another SAE under the same name and layer gets another key (its graph is another
+    graph); two live engines clamping the same SAE share one key, and either's copy serves
+    when the other is dropped (issue 43: a per-process counter was baked into the graph)."""
+    one = clamp_op.clamp_key("s", 3, "fingerprint-a")
+    assert one == clamp_op.clamp_key("s", 3, "fingerprint-a")
+    assert one != clamp_op.clamp_key("s", 3, "fingerprint-b")
+    assert one != clamp_op.clamp_key("s", 2, "fingerprint-a")
+    weights = torch.zeros(1)
+    first = clamp_op.ClampedSAE(weights, weights)  # type: ignore[arg-type]
+    second = clamp_op.ClampedSAE(weights, weights)  # type: ignore[arg-type]
+    clamp_op.CLAMPED_SAES[one] = first
+    clamp_op.CLAMPED_SAES[one] = second
+    del first
+    gc.collect()
+    assert clamp_op.CLAMPED_SAES[one] is second
+    del second
+    gc.collect()
+    with pytest.raises(KeyError, match="no live engine"):
+        clamp_op.CLAMPED_SAES[one]

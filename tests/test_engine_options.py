@@ -168,3 +168,93 @@ def _check_generation(llm: Any, specs: tuple[str, ...], kwargs: dict[str, Any]) 
         plain = [next(iter(p.values())).logprob for p in completion.logprobs]
         moved = [next(iter(p.values())).logprob for p in steered.logprobs]
         assert plain != moved, "the steered request's log-probs did not move"
+
+
+# -- AsyncLLM and probehook serve with one option: steering only, SAEs only -----------------
+
+ONE_OPTION = ["steering", "saes"]
+
+
+@pytest.mark.parametrize("spec", ONE_OPTION)
+def test_async_llm_with_one_option(spec: str, tmp_path: Path) -> None:
+    """An ``AsyncLLM`` that only steers, or only reads an SAE, starts and streams what it
+    promises (its engine core runs in a process of its own in either layout)."""
+    import asyncio
+
+    from probehook import AsyncLLM, SamplingParams, tiny_model_path
+
+    engine = AsyncLLM(
+        str(tiny_model_path()),
+        **_options(spec, tmp_path),
+        enforce_eager=True,
+        max_model_len=64,
+        seed=0,
+        dtype="float32",
+    )
+
+    async def last(request_id: str, options: dict[str, Any]) -> Any:
+        params = SamplingParams(
+            max_tokens=TOKENS,
+            temperature=0,
+            ignore_eos=True,
+            logprobs=0,
+            extra_args={"probehook": options} if options else None,
+        )
+        final = None
+        async for out in engine.generate(PROMPT, params, request_id):
+            final = out
+        return final
+
+    async def main() -> tuple[Any, Any]:
+        plain = await last("plain", {})
+        asked = await last("asked", {"steer": {"v": 1.0}} if spec == "steering" else {})
+        return plain, asked
+
+    try:
+        plain, asked = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    if spec == "steering":
+        assert asked.outputs[0].steering["vectors"] == {"v": 1.0}
+        assert [list(p.values())[0].logprob for p in asked.outputs[0].logprobs] != [
+            list(p.values())[0].logprob for p in plain.outputs[0].logprobs
+        ]
+    else:
+        features = asked.outputs[0].sae_features["s"]
+        assert len(features) == TOKENS and features.k == 4
+
+
+@pytest.mark.parametrize("spec", ONE_OPTION)
+def test_served_with_one_option(spec: str, tmp_path: Path) -> None:
+    """``probehook serve`` with only ``--steer`` or only ``--sae`` starts and answers."""
+    import openai
+
+    from probehook import tiny_model_path, tiny_sae_path
+    from probehook.testing import ServerProcess
+
+    argv = [str(tiny_model_path()), "--served-model-name", "tiny", "--enforce-eager"]
+    argv += ["--dtype", "float32", "--max-model-len", "64", "--seed", "0"]
+    if spec == "steering":
+        argv += ["--steer", f"v={_vector().save(tmp_path / 'v.safetensors')}"]
+    else:
+        argv += ["--sae", f"s={tiny_sae_path()}", "--sae-top-k", "4"]
+    server = ServerProcess(argv, log=tmp_path / "server.log")
+    try:
+        client = openai.OpenAI(base_url=server.wait().base_url, api_key="unused", max_retries=0)
+
+        def complete(options: dict[str, Any]) -> Any:
+            body = {"ignore_eos": True, "probehook": options}
+            return client.completions.create(
+                model="tiny", prompt=PROMPT, max_tokens=TOKENS, temperature=0, logprobs=1,
+                extra_body=body,
+            ).choices[0]  # fmt: skip
+
+        if spec == "steering":
+            plain, steered = complete({}), complete({"steer": {"v": 1.0}})
+            assert steered.model_extra["probehook"]["steering"]["vectors"] == {"v": 1.0}
+            assert steered.logprobs.token_logprobs != plain.logprobs.token_logprobs
+        else:
+            features = complete({"saes": ["s"]}).model_extra["probehook"]["sae_features"]["s"]
+            assert len(features["l0"]) == TOKENS and len(features["indices"][0]) == 4
+    finally:
+        server.stop()

@@ -218,3 +218,41 @@ def test_served_features_in_lists_or_compact_base64() -> None:
     for part in ("indices", "values", "l0"):
         assert decode_array(arrays[part]).tolist() == getattr(got, part).tolist(), part
     assert arrays["indices"]["dtype"] == "int32" and arrays["values"]["dtype"] == "float32"
+
+
+def test_no_response_carries_a_non_finite_number_unflagged() -> None:
+    """A float16 encoder can overflow to inf: JSON has no such number (Python writes
+    ``Infinity``, which clients refuse), so it is null and its token is named in
+    ``non_finite``; in base64 the array keeps it and ``non_finite`` names it too. Probe scores
+    likewise come back as null, never ``Infinity`` (issue 43)."""
+    import json
+    from types import SimpleNamespace
+
+    import torch
+
+    from probehook.frontend.response_fields import ChoiceFields
+    from probehook.saes import SAEFeatures
+
+    got = SAEFeatures(
+        torch.tensor([[7, 3], [400, 2], [1, 2]]),
+        torch.tensor([[2.5, 1.25], [float("inf"), 0.5], [1.0, float("nan")]]),
+        torch.tensor([2, 5, 2]),
+    )
+    completion = SimpleNamespace(
+        index=0,
+        sae_features={"res": got},
+        probe_scores={"p": torch.tensor([0.5, float("inf")])},
+        capture_error=None,
+    )
+    output = SimpleNamespace(prefill_sae_features={}, processor_errors={})
+    plain, compact = ChoiceFields(), ChoiceFields(compact=True)
+    for fields in (plain, compact):
+        fields.add(0, output, completion)
+    lists = plain.take(0)
+    text = json.dumps(lists, allow_nan=False)  # raises on inf or NaN
+    assert "Infinity" not in text and "NaN" not in text
+    features = lists["sae_features"]["res"]
+    assert features["values"] == [[2.5, 1.25], [None, 0.5], [1.0, None]]
+    assert features["non_finite"] == [1, 2]
+    assert lists["probe_scores"]["p"] == [0.5, None]
+    assert compact.take(0)["sae_features"]["res"]["non_finite"] == [1, 2]

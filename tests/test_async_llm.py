@@ -142,17 +142,18 @@ async def collect(engine: Any, prompt: str, params: Any, request_id: str | None 
     return outs
 
 
-def test_banks_come_at_load_and_their_file_is_gone(engine, loop) -> None:
-    """The worker allocated the probe, steering and SAE banks at model load, from the bank
-    file the front end wrote; the file is gone once the engine has loaded, though the
-    AsyncLLM keeps its start-up plan until the first request (seen failing with the
-    removal left out)."""
+def test_banks_come_at_load_inline(engine, loop) -> None:
+    """The worker allocated the probe, steering and SAE banks at model load, from the banks
+    the front end encoded into the engine's config: no file on the user's machine, which a
+    worker on another node could not read (issue 43)."""
     from helpers import random_probes
 
-    # This engine's file (a process killed while it started an engine leaves its own behind).
+    from probehook.core.bank_file import WorkerBanks
+    from probehook.core.loader_keys import BANKS_KEY
+
     banks = engine._plan.banks
-    assert banks is not None and Path(banks.path).name == "banks.safetensors"
-    assert not Path(banks.path).parent.exists()
+    assert engine.vllm_config.load_config.model_loader_extra_config[BANKS_KEY] == banks
+    assert len(WorkerBanks.decode(banks).probes) == len(random_probes(128))
     loop.run_until_complete(engine.start_capture())
     outputs = sum(int(p.weight.shape[0]) for p in random_probes(128).values())
     assert engine.capture_info["banks"] == {

@@ -61,13 +61,17 @@ def test_columns_are_the_same_on_both_sides() -> None:
     assert columns_of(SPECS) == ProbeBank(SPECS, "cpu").columns
 
 
-def test_bank_file_round_trip(tmp_path: Any) -> None:
-    """The file the loader reads at load gives back the probes (same columns, same arrays),
-    the steering capacity and the vectors the front end wrote."""
+def test_banks_round_trip(tmp_path: Any) -> None:
+    """The banks the loader decodes at load give back the probes (same columns, same
+    arrays), the steering capacity and the vectors the front end encoded; a text that is not
+    probehook's banks is refused."""
+    import base64
+
     ones = np.ones(HIDDEN, np.float32)
     vectors = {"up": {1: np.arange(HIDDEN, dtype=np.float32)}, "two": {0: ones, 2: -ones}}
-    WorkerBanks(SPECS, 9, vectors).write(tmp_path / "b.safetensors")
-    read = WorkerBanks.read(tmp_path / "b.safetensors")
+    text = WorkerBanks(SPECS, 9, vectors).encode()
+    assert isinstance(text, str)  # travels in the engine's config, to any node
+    read = WorkerBanks.decode(text)
     assert columns_of(read.probes) == columns_of(SPECS) and read.steering_capacity == 9
     for a, b in zip(read.probes, SPECS, strict=True):
         assert (a.name, a.layer, a.activation) == (b.name, b.layer, b.activation)
@@ -76,12 +80,13 @@ def test_bank_file_round_trip(tmp_path: Any) -> None:
     for name, by_layer in vectors.items():
         assert read.vectors[name].keys() == by_layer.keys()
         assert all(np.array_equal(read.vectors[name][k], v) for k, v in by_layer.items())
-    empty = tmp_path / "e.safetensors"
-    WorkerBanks().write(empty)
-    assert WorkerBanks.read(empty).probes == [] and WorkerBanks.read(empty).vectors == {}
-    (tmp_path / "other.safetensors").write_bytes((tmp_path / "b.safetensors").read_bytes()[:8])
-    with pytest.raises(Exception):  # noqa: B017 - safetensors' own error for a cut file
-        WorkerBanks.read(tmp_path / "other.safetensors")
+    empty = WorkerBanks.decode(WorkerBanks().encode())
+    assert empty.probes == [] and empty.vectors == {}
+    from safetensors.numpy import save
+
+    other = base64.b64encode(save({"x": ones})).decode()
+    with pytest.raises(ValueError, match="not probehook's banks"):
+        WorkerBanks.decode(other)
 
 
 def test_score_recorder_keeps_scores_by_position_and_last_rows() -> None:

@@ -1,17 +1,16 @@
-"""The banks a worker allocates at model load, as one file: the engine's probes and its first
-steering vectors, with the steering bank's capacity. The front end writes the file before the
-engine starts and names it in ``model_loader_extra_config`` (outside the compile-cache key);
-the loader reads it inside vLLM's memory profiling, so the KV cache is sized around the
-banks, as it is around the SAEs. Arrays travel in a safetensors file, not in vLLM's config or
-RPC: no pickle, and nothing large in a config vLLM logs and copies. No vLLM."""
+"""The banks a worker allocates at model load: the engine's probes and its first steering
+vectors, with the steering bank's capacity. The front end encodes them (safetensors bytes,
+base64) into ``model_loader_extra_config``, which vLLM hands to every worker wherever it runs
+(a Ray node of its own included: no path on the user's machine) and keeps out of the
+compile-cache key and out of the config it logs; the loader decodes them inside vLLM's memory
+profiling, so the KV cache is sized around the banks, as it is around the SAEs. safetensors'
+own format: no pickle. No vLLM."""
 
 from __future__ import annotations
 
+import base64
 import json
-import os
-import tempfile
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 
@@ -31,8 +30,10 @@ class WorkerBanks:
     steering_capacity: int = DEFAULT_CAPACITY
     vectors: dict[str, dict[int, np.ndarray]] = field(default_factory=dict)
 
-    def write(self, path: str | os.PathLike) -> None:
-        from safetensors.numpy import save_file
+    def encode(self) -> str:
+        """The banks as text: base64 of a safetensors blob (arrays, and the names, layers and
+        capacity in its metadata)."""
+        from safetensors.numpy import save
 
         tensors: dict[str, np.ndarray] = {}
         probes = []
@@ -47,44 +48,34 @@ class WorkerBanks:
             vectors.append({"name": name, "layers": [int(layer) for layer in by_layer]})
         meta = {"format": _FORMAT, "probes": probes, "vectors": vectors,
                 "steering_capacity": int(self.steering_capacity)}  # fmt: skip
-        save_file(tensors, os.fspath(path), metadata={_META_KEY: json.dumps(meta)})
+        blob = save(tensors, metadata={_META_KEY: json.dumps(meta)})
+        return base64.b64encode(blob).decode("ascii")
 
     @classmethod
-    def read(cls, path: str | os.PathLike) -> WorkerBanks:
-        from safetensors import safe_open
+    def decode(cls, text: str) -> WorkerBanks:
+        """What :meth:`encode` wrote."""
+        from safetensors.numpy import load
 
-        with safe_open(os.fspath(path), framework="numpy") as f:
-            raw = (f.metadata() or {}).get(_META_KEY)
-            if raw is None:
-                raise ValueError(f"{path} is not a probehook bank file (no {_META_KEY!r})")
-            meta = json.loads(raw)
-            if meta.get("format") != _FORMAT:
-                raise ValueError(f"{path}: bank file format {meta.get('format')!r}, not {_FORMAT}")
-            probes = []
-            for i, p in enumerate(meta["probes"]):
-                if p["activation"] not in ACTIVATIONS:
-                    raise ValueError(f"activation {p['activation']!r}; valid: {ACTIVATIONS}")
-                probes.append(ProbeSpec(str(p["name"]), int(p["layer"]),
-                                        f.get_tensor(f"probe.{i}.weight"),
-                                        f.get_tensor(f"probe.{i}.bias"),
-                                        str(p["activation"])))  # fmt: skip
-            vectors = {
-                str(v["name"]): {
-                    int(layer): f.get_tensor(f"vector.{j}.{int(layer)}") for layer in v["layers"]
-                }  # fmt: skip
-                for j, v in enumerate(meta["vectors"])
+        blob = base64.b64decode(text.encode("ascii"), validate=True)
+        header_len = int.from_bytes(blob[:8], "little")
+        header = json.loads(blob[8 : 8 + header_len])
+        raw = (header.get("__metadata__") or {}).get(_META_KEY)
+        if raw is None:
+            raise ValueError(f"not probehook's banks (no {_META_KEY!r} in the metadata)")
+        meta = json.loads(raw)
+        if meta.get("format") != _FORMAT:
+            raise ValueError(f"banks of format {meta.get('format')!r}, not {_FORMAT}")
+        arrays = load(blob)
+        probes = []
+        for i, p in enumerate(meta["probes"]):
+            if p["activation"] not in ACTIVATIONS:
+                raise ValueError(f"activation {p['activation']!r}; valid: {ACTIVATIONS}")
+            probes.append(ProbeSpec(str(p["name"]), int(p["layer"]), arrays[f"probe.{i}.weight"],
+                                    arrays[f"probe.{i}.bias"], str(p["activation"])))  # fmt: skip
+        vectors = {
+            str(v["name"]): {
+                int(layer): arrays[f"vector.{j}.{int(layer)}"] for layer in v["layers"]
             }
+            for j, v in enumerate(meta["vectors"])
+        }
         return cls(probes, int(meta["steering_capacity"]), vectors)
-
-
-class BankFile:
-    """A bank file in a private temporary folder of its own, removed by :meth:`discard` once
-    the engine has loaded (or with this object, if the engine never starts)."""
-
-    def __init__(self, banks: WorkerBanks) -> None:
-        self._dir = tempfile.TemporaryDirectory(prefix="probehook-banks-")
-        self.path = str(Path(self._dir.name) / "banks.safetensors")
-        banks.write(self.path)
-
-    def discard(self) -> None:
-        self._dir.cleanup()

@@ -22,9 +22,10 @@ SAE_BANK_KEY = "probehook_saes"
 (``LoadConfig`` hashes nothing): the SAEs run after the compiled forward, on its taps, whose
 layers ``TAP_LAYERS_KEY`` names."""
 CLAMP_KEY = "clamp_saes"
-"""Key in the capture settings: ``[[sae name, layer], ...]``, the SAEs whose layers get a
-clamp op (part of the compile-cache key, as the steered layers are)."""
-BANK_FILE_KEY = "probehook_banks"
-"""Key in ``model_loader_extra_config``: the path of the engine's bank file (probes, first
-steering vectors, steering capacity: ``probehook.core.bank_file``), read by the loader at
-model load. Not part of the compile-cache key, for the reason ``SAE_BANK_KEY`` gives."""
+"""Key in the capture settings: ``[[sae name, layer, fingerprint], ...]``, the SAEs whose
+layers get a clamp op (part of the compile-cache key, as the steered layers are)."""
+BANKS_KEY = "probehook_banks"
+"""Key in ``model_loader_extra_config``: the engine's banks (probes, first steering vectors,
+steering capacity), encoded inline (``probehook.core.bank_file``: no path on the user's
+machine, so a worker on another node reads them too), decoded by the loader at model load.
+Not part of the compile-cache key, for the reason ``SAE_BANK_KEY`` gives."""

@@ -20,6 +20,7 @@ This module knows nothing about vLLM; ``probehook.adapter`` feeds it plain array
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Collection, Container, Iterable, Sequence
 from dataclasses import dataclass
@@ -378,7 +379,9 @@ class StepRecorder:
                 - np.repeat(out_offset, count)
                 + np.repeat(starts + first, count)
             )
-            device_rows, staged, ready = self._gather(index)
+            selective = getattr(self.transform, "selective", False)
+            slot_rows = self._slot_rows(owners, count, out_offset) if selective else None
+            device_rows, staged, ready = self._gather(index, slot_rows)
             if self.keep_step_rows:
                 ends_step = (count > 0) & (last == n_sched)
                 self.step_rows = StepRows(
@@ -451,17 +454,54 @@ class StepRecorder:
         self.rows_by_req[req_id] = rows
         return rows
 
-    def _gather(self, index: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, object]:
-        """Gather rows of every layer on the device (transformed, if so built), then one copy
-        to host. Returns the device rows, the host rows and the copy's event (None: done)."""
+    def _slot_rows(
+        self, owners: Sequence[RequestRows | OnePass | None], count: np.ndarray, offset: np.ndarray
+    ) -> list[np.ndarray] | None:
+        """For a selective transform (one that computes each slot on the rows that ask for
+        it: SAEs): each slot's rows in this step's block, those of the requests that asked for
+        that slot. None: every request asked for every slot."""
+        per_slot: list[list[int]] = [[] for _ in self.slots]
+        everyone = True
+        for i in np.flatnonzero(count).tolist():
+            owner = owners[i]
+            if type(owner) is OnePass:
+                layers = owner.plan.layers
+                chosen = None if layers is None else self._slots_of(layers)
+            else:
+                chosen = owner.stream_slots if owner is not None else None
+            if chosen is None or isinstance(chosen, slice):
+                for rows in per_slot:
+                    rows.append(i)
+                continue
+            everyone = False
+            for slot in chosen:
+                per_slot[slot].append(i)
+        if everyone:
+            return None
+        return [
+            np.concatenate([np.arange(offset[i], offset[i] + count[i]) for i in asked])
+            if asked
+            else np.empty(0, dtype=np.int64)
+            for asked in per_slot
+        ]
+
+    def _gather(
+        self, index: np.ndarray, slot_rows: list[np.ndarray] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, object]:
+        """Gather rows of every layer on the device (transformed, if so built; a selective
+        transform computes each slot on ``slot_rows`` alone), then one copy to host. Returns
+        the device rows, the host rows and the copy's event (None: done)."""
+        transform: Any = self.transform
+        if slot_rows is not None:
+            transform = functools.partial(self.transform, slot_rows=slot_rows)
         buf0 = self.buffers[0]
         lo = int(index[0])
         # The index rises strictly (batch order, then position): one run when its ends say
         # so, as when every token of a step is kept (prompt rows of a pooling batch).
         run = int(index[-1]) - lo + 1 == len(index)
-        if run and self.transform is not None:
+        if run and transform is not None:
             # The transform computes new tensors: it may read the buffers in place.
-            staged = self.transform([buf[lo : lo + len(index)] for buf in self.buffers])
+            staged = transform([buf[lo : lo + len(index)] for buf in self.buffers])
         else:
             staged = torch.empty(
                 (len(self.buffers), len(index), buf0.shape[1]),
@@ -475,8 +515,8 @@ class StepRecorder:
                 idx = torch.from_numpy(index).to(buf0.device, non_blocking=True)
                 for layer_slot, buf in enumerate(self.buffers):
                     torch.index_select(buf, 0, idx, out=staged[layer_slot])
-            if self.transform is not None:
-                staged = self.transform(staged)
+            if transform is not None:
+                staged = transform(staged)
         if staged.device.type == "cpu":
             return staged, staged, None
         host = torch.empty(staged.shape, dtype=staged.dtype, pin_memory=True)

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from probehook.saes.encode import SAEWeights, read_top_k
@@ -40,13 +41,33 @@ class SAEBank:
     def weights_of(self, name: str) -> SAEWeights:
         return self._saes[self.slots.index(name)][1]
 
-    def __call__(self, staged: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
+    selective = True
+    """The recorder hands it each SAE's rows (``slot_rows``): an SAE runs only on the rows of
+    the requests that asked for it."""
+
+    def __call__(
+        self,
+        staged: torch.Tensor | Sequence[torch.Tensor],
+        slot_rows: Sequence[np.ndarray] | None = None,
+    ) -> torch.Tensor:
+        """``slot_rows``: each SAE's rows (positions in ``staged``); the other rows of its
+        output are padding (no feature: -1, 0, l0 0), which no request reads. None: every SAE
+        on every row."""
         rows = staged[0].shape[0]
-        out = torch.empty(
-            (len(self._saes), rows, self.width), dtype=self.dtype, device=staged[0].device
-        )
+        device = staged[0].device
+        out = torch.empty((len(self._saes), rows, self.width), dtype=self.dtype, device=device)
         for slot, (layer_slot, weights) in enumerate(self._saes):
-            read_top_k(weights, staged[layer_slot], self.k, out[slot])
+            asked = None if slot_rows is None else slot_rows[slot]
+            if asked is None or len(asked) == rows:
+                read_top_k(weights, staged[layer_slot], self.k, out[slot])
+                continue
+            out[slot, :, : self.k] = -1
+            out[slot, :, self.k :] = 0
+            if len(asked) == 0:
+                continue
+            where = torch.from_numpy(asked).to(device, non_blocking=True)
+            features = read_top_k(weights, staged[layer_slot].index_select(0, where), self.k)
+            out[slot].index_copy_(0, where, features)
         return out
 
 

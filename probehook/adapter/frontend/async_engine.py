@@ -151,11 +151,8 @@ class AsyncLLM(VllmAsyncLLM):
         with engine_config.capture_engine_start():
             plan = setup.prepare(model, engine_kwargs, request, _resolve)
             assert plan is not None
-            try:
-                args = engine_config.engine_args(model, plan.engine_kwargs, True)
-                self._start_engine(args, start)
-            finally:  # loaded, or never will be
-                plan.engine_loaded()
+            args = engine_config.engine_args(model, plan.engine_kwargs, True)
+            self._start_engine(args, start)
         engine_config.pin_v1_runner(self.vllm_config)  # the workers run V1 for its whole life
         self._plan = plan
         self.capture_config, self.probes = plan.config, plan.probes

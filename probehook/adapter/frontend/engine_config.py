@@ -300,7 +300,7 @@ def capture_engine_kwargs(
     (``monitored``; None: whenever ``probe_layers`` are given) the monitor logits processor is
     added; with ``steer_layers``, those layers get the steering op; with ``exit_after`` (a
     capture-only engine), the model stops after that layer; ``saes``: the SAE bank's loader
-    settings; ``banks``: the path of the probes' and steering vectors' bank file."""
+    settings; ``banks``: the probes and first steering vectors, encoded (``WorkerBanks.encode``)."""
     kwargs = dict(kwargs)
     if kwargs.get("worker_extension_cls") not in (None, "", WORKER_EXTENSION):
         raise CaptureConfigError(
@@ -331,7 +331,7 @@ def capture_engine_kwargs(
     if saes:
         kwargs["model_loader_extra_config"][loader_keys.SAE_BANK_KEY] = saes
     if banks:
-        kwargs["model_loader_extra_config"][loader_keys.BANK_FILE_KEY] = banks
+        kwargs["model_loader_extra_config"][loader_keys.BANKS_KEY] = banks
     additional = dict(kwargs.get("additional_config") or {})
     # additional_config is part of vLLM's compile-cache hash: taps never share a cache entry
     # with a different tap set or with an untapped engine.

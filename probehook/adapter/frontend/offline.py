@@ -160,10 +160,7 @@ class LLM(vllm.LLM):
         with engine_config.capture_engine_start():
             plan = setup.prepare(model, kwargs, request, engine_config.resolve_vllm_config)
             assert plan is not None
-            try:
-                super().__init__(model=model, **plan.engine_kwargs)
-            finally:  # loaded, or never will be
-                plan.engine_loaded()
+            super().__init__(model=model, **plan.engine_kwargs)
         engine_config.pin_v1_runner(self.llm_engine.vllm_config)  # its workers run V1
         raise_on_engine_death(self.llm_engine.engine_core)
         self.capture_config, self.probes = plan.config, plan.probes

@@ -18,7 +18,7 @@ import torch
 from probehook._version import __version__ as probehook_version
 from probehook.adapter.frontend import engine_config, outputs
 from probehook.capture_config import CaptureConfig, LayerSpec, resolve_layers
-from probehook.core.bank_file import BankFile, WorkerBanks
+from probehook.core.bank_file import WorkerBanks
 from probehook.core.monitors import FeatureMonitor
 from probehook.core.steering_wire import DEFAULT_CAPACITY
 from probehook.errors import CaptureConfigError, CaptureError
@@ -151,17 +151,13 @@ class CaptureSetup:
     steering: SteeringSet | None = None
     saes: SAESet | None = None
 
-    banks: BankFile | None = None
-    """The probes and first steering vectors the workers' loader reads at model load."""
+    banks: str | None = None
+    """The probes and first steering vectors the workers' loader reads at model load
+    (:meth:`WorkerBanks.encode`; inline in the engine's config: no file)."""
 
     def recording_args(self) -> tuple[int]:
         """Arguments of the workers' ``probehook_start_recording`` (the banks came at load)."""
         return (self.limit,)
-
-    def engine_loaded(self) -> None:
-        """The workers have loaded the model: the bank file has been read."""
-        if self.banks is not None:
-            self.banks.discard()
 
 
 def prepare(
@@ -249,7 +245,7 @@ def prepare(
     # Probes and SAEs read their layers' taps, whether or not rows are captured there.
     read_layers = tuple(sorted({*(probe_set.layers if probe_set else ()),
                                 *(sae_set.layers if sae_set else ())}))  # fmt: skip
-    banks = _bank_file(probe_set, steering)
+    banks = _banks(probe_set, steering)
     engine_kwargs = engine_config.capture_engine_kwargs(
         kwargs,
         config,
@@ -259,7 +255,7 @@ def prepare(
         # Capture-only: nothing after the deepest tapped layer is computed.
         exit_after=max((*config.layers, *read_layers)) if request.capture_only else None,
         saes=sae_set.loader_settings() if sae_set is not None else None,
-        banks=banks.path if banks is not None else None,
+        banks=banks,
         clamps=sae_set.clamp_settings() if sae_set is not None else (),
         # Requests may bring their own monitors: whenever probes or SAEs can be watched.
         monitored=probe_set is not None or sae_set is not None,
@@ -287,21 +283,19 @@ def prepare(
     )
 
 
-def _bank_file(probes: ProbeSet | None, steering: SteeringSet | None) -> BankFile | None:
-    """The file of the banks the workers allocate at model load (None: no probes, no
+def _banks(probes: ProbeSet | None, steering: SteeringSet | None) -> str | None:
+    """The banks the workers allocate at model load, encoded (None: no probes, no
     steering)."""
     if probes is None and steering is None:
         return None
-    return BankFile(
-        WorkerBanks(
-            list(probes.specs) if probes is not None else [],
-            steering.capacity if steering is not None else DEFAULT_CAPACITY,
-            {
-                name: {layer: vector.vector(layer).numpy() for layer in vector.layers}
-                for name, vector in (steering.vectors if steering is not None else {}).items()
-            },
-        )
-    )
+    return WorkerBanks(
+        list(probes.specs) if probes is not None else [],
+        steering.capacity if steering is not None else DEFAULT_CAPACITY,
+        {
+            name: {layer: vector.vector(layer).numpy() for layer in vector.layers}
+            for name, vector in (steering.vectors if steering is not None else {}).items()
+        },
+    ).encode()
 
 
 def _check_capture_only(request: CaptureRequest) -> None:

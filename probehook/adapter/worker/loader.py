@@ -31,7 +31,7 @@ from probehook.core.architectures import (  # noqa: F401 - importable from here,
 from probehook.core.bank_file import WorkerBanks
 from probehook.core.loader_keys import (
     ADDITIONAL_CONFIG_KEY,
-    BANK_FILE_KEY,
+    BANKS_KEY,
     CLAMP_KEY,
     EXIT_AFTER_KEY,
     LOAD_FORMAT,
@@ -84,7 +84,7 @@ def _make_loader_class() -> type:
             extra = dict(load_config.model_loader_extra_config or {})
             inner_format = extra.pop(LOADER_EXTRA_KEY, None)
             self.sae_settings = extra.pop(SAE_BANK_KEY, None)
-            self.bank_file = extra.pop(BANK_FILE_KEY, None)
+            self.banks = extra.pop(BANKS_KEY, None)
             if inner_format is None:
                 raise UnsupportedModelError(
                     f"load_format={LOAD_FORMAT!r} is reserved for probehook.LLM; pass your "
@@ -142,8 +142,8 @@ def _make_loader_class() -> type:
                     clamped = ClampedSAE(hook.saes.weights_of(name), decoders[name])
                     hook.clamped.append(clamped)  # the engine holds it; the op finds it by key
                     CLAMPED_SAES[key] = clamped
-            # Probes and steering vectors too, from the bank file the front end wrote.
-            banks = WorkerBanks.read(self.bank_file) if self.bank_file else WorkerBanks()
+            # Probes and steering vectors too, from the banks the front end encoded.
+            banks = WorkerBanks.decode(self.banks) if self.banks else WorkerBanks()
             hook.allocate_banks(banks)
             exit_after = settings.get(EXIT_AFTER_KEY)
             if exit_after is not None:

@@ -63,7 +63,10 @@ def _recorder(hook: StepHook, source: str) -> StepRecorder | None:
 
 EVERY_RANK = ("scores", "sae")
 """Sources every rank records (each rank samples, so a monitor's stop must be forced on all
-alike; SAEs are replicated on every rank); hidden rows are recorded by rank 0 alone."""
+alike); hidden rows are recorded by rank 0 alone. Of SAE features the other ranks record only
+the requests a feature stop monitor watches (:data:`STOPS_ONLY_OFF_RANK_0`): every rank holds
+the SAEs, but only rank 0 answers exports."""
+STOPS_ONLY_OFF_RANK_0 = ("sae",)
 
 
 def _answers(worker: Any, source: str) -> bool:
@@ -97,7 +100,12 @@ class ProbehookWorkerExtension:
                 _reuse_plans(
                     runner,
                     runner_v1.plan_factory(
-                        runner, hook.config, recorder.source, steerable, recorder.slots
+                        runner,
+                        hook.config,
+                        recorder.source,
+                        steerable,
+                        recorder.slots,
+                        stops_only=recorder.source in STOPS_ONLY_OFF_RANK_0 and not _reports(self),
                     ),
                     signatures,
                 ),

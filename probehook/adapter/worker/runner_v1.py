@@ -173,6 +173,7 @@ def plan_factory(
     source: str = "hidden",
     steerable: Callable[[str], bool] | None = None,
     slots: Sequence[Any] = (),
+    stops_only: bool = False,
 ) -> PlanFor:
     """Builds the keep plan of a request the first time a recorder of ``source`` sees it:
     its hidden rows, its probe ``"scores"`` or its ``"sae"`` features (``slots``: the SAE
@@ -180,7 +181,8 @@ def plan_factory(
     exception ends the engine for every request, so a request whose options cannot be read
     gets a failed capture (its outputs carry the reason) and the others go on. ``steerable``
     (a steering engine's bank): a request that names a vector the bank lacks runs unsteered,
-    so its capture fails too, naming them."""
+    so its capture fails too, naming them. ``stops_only``: keep only the requests whose stop
+    monitors read this source in the sampler (a rank that answers no export)."""
 
     def plan_for(req_id: str) -> RequestPlan | None:
         raw = None
@@ -188,11 +190,22 @@ def plan_factory(
             state = runner.requests.get(req_id)
             params = request_params(state)
             raw = extra_options(params).get(EXTRA_ARGS_KEY)
+            if stops_only and not _stops_on(raw, source):
+                return None
             return _plan(req_id, state, params, raw, engine_config, source, steerable, slots)
         except Exception as e:  # noqa: BLE001 - one bad request must not end the engine
             return _failed_plan(req_id, raw, source, f"{type(e).__name__}: {e}")
 
     return plan_for
+
+
+def _stops_on(raw: Any, source: str) -> bool:
+    """Whether a request's wire has a stop monitor that reads ``source`` (SAE features) in
+    the sampler."""
+    wire = RequestWire.from_wire(raw)
+    if wire is None or source != "sae":
+        return False
+    return any(m.action == "stop" for m, _ in wire.feature_monitors)
 
 
 SOURCE_KEYS = {"scores": "probes", "sae": "saes"}

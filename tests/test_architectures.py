@@ -242,13 +242,13 @@ def _docs_table() -> dict[str, str]:
 
 
 def test_docs_table_is_the_tested_list() -> None:
-    from probehook.adapter.worker.loader import TESTED_ARCHITECTURES
+    from probehook.adapter.worker.surgery import TESTED_ARCHITECTURES
 
     assert _docs_table() == {arch: test for arch, (_, test) in TESTED_ARCHITECTURES.items()}
 
 
 def test_every_listed_test_exists() -> None:
-    from probehook.adapter.worker.loader import TESTED_ARCHITECTURES
+    from probehook.adapter.worker.surgery import TESTED_ARCHITECTURES
 
     ids = {c[0] for c in CASES}
     for arch, (_, test) in TESTED_ARCHITECTURES.items():
@@ -279,7 +279,7 @@ def _model_config(
 
 def test_refusal_names_the_list_and_the_declaration() -> None:
     from probehook.adapter.frontend.engine_config import check_architecture
-    from probehook.adapter.worker.loader import LAYER_PATH_ATTRIBUTE, TESTED_ARCHITECTURES
+    from probehook.adapter.worker.surgery import LAYER_PATH_ATTRIBUTE, TESTED_ARCHITECTURES
     from probehook.errors import UnsupportedModelError
 
     class MambaForCausalLM:  # a model class that declares nothing
@@ -312,7 +312,7 @@ def test_a_model_class_declares_its_layer_path() -> None:
     from torch import nn
 
     from probehook.adapter.frontend.engine_config import check_architecture
-    from probehook.adapter.worker.loader import locate_layers
+    from probehook.adapter.worker.surgery import locate_layers
     from probehook.errors import UnsupportedModelError
 
     class Backbone(nn.Module):

@@ -197,7 +197,7 @@ def test_the_worker_reuses_a_plan_only_where_it_applies() -> None:
     """Wires of one template (``plan``) share the first one's plan under their own keys,
     as long as the prompt length and completion index agree; anything else is read afresh.
     The same plans as reading every wire, for rows and for scores."""
-    from probehook.adapter.worker.rpc import SharedReads, _reuse_plans
+    from probehook.adapter.worker.plan_cache import SharedReads, reuse_plans
     from probehook.adapter.worker.runner_v1 import plan_factory
 
     template = {**RequestWire("s-0", CaptureConfig((0, 3), True, include_decode=False), 2,
@@ -221,8 +221,8 @@ def test_the_worker_reuses_a_plan_only_where_it_applies() -> None:
     runner = SimpleNamespace(requests=requests)
     engine = CaptureConfig(layers=(0, 3), include_prefill=True)
     signatures = SharedReads(1)
-    rows = _reuse_plans(runner, plan_factory(runner, engine), signatures)
-    scores = _reuse_plans(runner, plan_factory(runner, engine, "scores"), signatures)
+    rows = reuse_plans(runner, plan_factory(runner, engine), signatures)
+    scores = reuse_plans(runner, plan_factory(runner, engine, "scores"), signatures)
     for req_id in requests:
         for reuse, source in ((rows, "hidden"), (scores, "scores")):
             assert reuse(req_id) == plan_factory(runner, engine, source)(req_id), req_id

@@ -194,6 +194,6 @@ def test_a_request_the_worker_cannot_steer_fails_alone(steered: Any) -> None:
 
 def _steer(worker: Any) -> Any:
     """The worker's steering (the step hook's, allocated at load)."""
-    from probehook.adapter.worker.loader import step_hook
+    from probehook.adapter.worker.surgery import step_hook
 
     return step_hook(worker.model_runner.get_model()).steer

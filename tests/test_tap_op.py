@@ -54,7 +54,7 @@ class HFStyleLayer(nn.Module):
 
 @pytest.mark.parametrize("as_tuple", [False, True])
 def test_batched_stream_tap_traces_into_compiled_graph(as_tuple: bool) -> None:
-    from probehook.adapter.worker.loader import TAP_KIND_ATTR, _tap_hook
+    from probehook.adapter.worker.surgery import TAP_KIND_ATTR, _tap_hook
 
     torch.manual_seed(0)
     layer = HFStyleLayer(8, as_tuple)

@@ -501,17 +501,27 @@ def clear_outputs(output: Any, processors: Sequence[Any] | None = None) -> None:
 
 
 def mirror_first_completion(output: Any) -> None:
-    """``output.hidden_states`` / ``probe_scores``: the first completion's; for a pooling
-    output, which reads its input in one pass, its (prompt) rows and scores."""
-    if is_pooled(output):
-        output.hidden_states = output.prefill_hidden_states
-        output.probe_scores = output.prefill_probe_scores
-        output.sae_features = output.prefill_sae_features
-        return
-    first = output.outputs[0] if output.outputs else None
-    output.hidden_states = first.hidden_states if first is not None else {}
-    output.probe_scores = first.probe_scores if first is not None else {}
-    output.sae_features = first.sae_features if first is not None else {}
+    """Each capture source's completion attributes on the request output too
+    (``output.hidden_states``, ``probe_scores``, ``sae_features``, ...): the first
+    completion's; for a pooling output, which reads its input in one pass, its (prompt)
+    values. Driven by the output processors that read a capture source, so a new readout's
+    attributes are mirrored with no edit here."""
+    pooled = is_pooled(output)
+    first = None if pooled or not output.outputs else output.outputs[0]
+    for processor in _captured_processors():
+        for on_request, on_completion in zip(
+            processor.request_attributes, processor.completion_attributes, strict=False
+        ):
+            if pooled:
+                value = getattr(output, on_request)
+            else:
+                value = getattr(first, on_completion) if first is not None else {}
+            setattr(output, on_completion, value)
+
+
+def _captured_processors() -> list[Any]:
+    """The registered output processors that read a capture source."""
+    return [p for p in OUTPUT_PROCESSORS if p.source]
 
 
 def derive(output: Any) -> None:

@@ -26,7 +26,7 @@ def tap(hidden: torch.Tensor, residual: torch.Tensor | None, out: torch.Tensor) 
         raise ValueError(
             f"probehook::tap takes [tokens, hidden] rows, got hidden {tuple(hidden.shape)}"
             f"{'' if residual is None else f' and residual {tuple(residual.shape)}'}: the "
-            "layer-output adapter in probehook/adapter/worker/loader.py does not fit this model."
+            "layer-output adapter in probehook/adapter/worker/surgery.py does not fit this model."
         )
     rows = out[: hidden.shape[0]]
     if residual is None:

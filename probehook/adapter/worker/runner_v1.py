@@ -25,6 +25,7 @@ from probehook.core.request_options import (
 from probehook.core.spans import OPEN, KeepPlan, keep_plan, score_config
 from probehook.errors import CaptureConfigError
 from probehook.worker.clamp_tables import ClampPlan, StepClamps
+from probehook.worker.readouts import READOUTS
 from probehook.worker.recorder import RequestPlan, StepRecorder
 from probehook.worker.steering_bank import Gate, RequestSteering, StepSteering, phase_range
 
@@ -208,8 +209,8 @@ def _stops_on(raw: Any, source: str) -> bool:
     return any(m.action == "stop" for m, _ in wire.feature_monitors)
 
 
-SOURCE_KEYS = {"scores": "probes", "sae": "saes"}
-"""The wire key that lists what a request gets of a transform source; none: it gets nothing."""
+SOURCE_KEYS = {r.source: r.wire_key for r in READOUTS.values() if r.wire_key is not None}
+"""The wire key that lists what a request gets of a transform source (the readout table's)."""
 
 
 def _plan(

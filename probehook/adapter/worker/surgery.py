@@ -1,0 +1,328 @@
+"""Model surgery at load: where a vLLM model keeps its decoder layers, the taps, steering and
+clamp ops hooked onto them (before vLLM compiles the model, so they are traced into its
+graph), the logits/pooler hook that fires the step hook once per forward pass, and the early
+exit of capture-only engines."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from probehook.capture_config import CaptureConfig
+from probehook.core.architectures import (  # noqa: F401 - importable from here, as before
+    KNOWN_LAYER_PATHS,
+    LAYER_PATH_ATTRIBUTE,
+    TESTED_ARCHITECTURES,
+    TRANSFORMERS_BACKEND_CLASSES,
+    declared_layer_path,
+    supported_message,
+)
+from probehook.core.request_options import MAX_CLAMPED
+from probehook.errors import UnsupportedModelError
+from probehook.worker.clamp_op import clamp
+from probehook.worker.clamp_tables import ClampBuffers
+from probehook.worker.steer_op import steer
+from probehook.worker.tap_op import tap
+
+logger = logging.getLogger(__name__)
+
+RECORDER_ATTR = "probehook_step_hook"
+
+TAP_KIND_ATTR = "probehook_tap_kind"
+"""Layer attribute: how to read the layer's output (see ``_tap_hook``)."""
+
+
+FINAL_NORM_NAMES: tuple[str, ...] = ("norm", "final_layernorm", "final_layer_norm", "ln_f")
+
+
+class _PassThrough(nn.Module):
+    """Stands in for a final norm the capture-only engine does not compute: returns its input
+    in the shape the norm would (``(hidden, residual)`` when called with a residual)."""
+
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None = None) -> Any:
+        return hidden if residual is None else (hidden, residual)
+
+
+def exit_early(model: nn.Module, last_layer: int) -> list[str]:
+    """Make ``model`` stop after decoder layer ``last_layer``: the layers after it are dropped
+    from the layer list and its final norm is replaced by a pass-through; return what was cut.
+
+    vLLM's decoder models run ``islice(self.layers, self.start_layer, self.end_layer)`` (its
+    pipeline-parallel split; HF layer loops run over the list), so a shorter list and
+    ``end_layer`` set to its length stop the loop there. Weights are loaded already, so the
+    dropped layers' memory is freed. The rows of the layers kept, and everything before them,
+    are unchanged; what reaches the pooler (and its embedding) is not the model's output, so a
+    capture-only engine gives none.
+    """
+    path, layers = locate_layers(model)
+    parent: Any = model
+    for part in path.split(".")[:-1]:
+        parent = getattr(parent, part)
+    if is_transformers_backend(model):
+        parent = parent.get_decoder() if hasattr(parent, "get_decoder") else parent
+    cut = [f"{path}[{last_layer + 1}:{len(layers)}]"] if last_layer + 1 < len(layers) else []
+    del layers[last_layer + 1 :]
+    if isinstance(getattr(parent, "end_layer", None), int):
+        parent.end_layer = min(parent.end_layer, last_layer + 1)
+    for name in FINAL_NORM_NAMES:
+        if isinstance(getattr(parent, name, None), nn.Module):
+            setattr(parent, name, _PassThrough())
+            cut.append(f"{path.rpartition('.')[0] or '(model)'}.{name}")
+            break
+    logger.info("probehook: capture-only engine stops after layer %d (cut %s)", last_layer, cut)
+    return cut
+
+
+def is_transformers_backend(model: nn.Module) -> bool:
+    """Whether vLLM runs this model through its Transformers modeling backend (the Hugging
+    Face model itself, with vLLM's attention and linear layers swapped in)."""
+    try:
+        from vllm.model_executor.models.transformers.base import Base
+    except ImportError:  # a vLLM without the backend
+        return False
+    return isinstance(model, Base)
+
+
+def locate_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
+    """Find the layer list of a vLLM model: where its class declares it
+    (:data:`LAYER_PATH_ATTRIBUTE`), else where the tested architectures keep theirs; or say
+    which architectures are tested and how to declare a path."""
+    if is_transformers_backend(model):
+        return _transformers_backend_layers(model)
+    declared = declared_layer_path(type(model))
+    if declared is not None:
+        layers = _resolve(model, declared)
+        if layers is None:
+            raise UnsupportedModelError(
+                f"{type(model).__name__}.{LAYER_PATH_ATTRIBUTE} = {declared!r}, but that is not "
+                "a non-empty nn.ModuleList of the model."
+            )
+        return declared, layers
+    for path in KNOWN_LAYER_PATHS:
+        layers = _resolve(model, path)
+        if layers is not None:
+            return path, layers
+    raise UnsupportedModelError(
+        f"Cannot find the layers of {type(model).__name__}: it declares no "
+        f"{LAYER_PATH_ATTRIBUTE}, and none of {list(KNOWN_LAYER_PATHS)} is a layer list. "
+        f"{supported_message()}"
+    )
+
+
+def _resolve(model: nn.Module, path: str) -> nn.ModuleList | None:
+    obj: Any = model
+    for part in path.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return None
+    return obj if isinstance(obj, nn.ModuleList) and len(obj) > 0 else None
+
+
+def _transformers_backend_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
+    # The HF decoder holds exactly one layer list (vLLM's own pipeline-parallel split of this
+    # backend relies on the same rule); its length is the config's layer count.
+    hf_model: Any = model.model
+    decoder = hf_model.get_decoder() if hasattr(hf_model, "get_decoder") else hf_model
+    num_layers = getattr(model.text_config, "num_hidden_layers", None)
+    found = [
+        (name, child)
+        for name, child in decoder.named_children()
+        if isinstance(child, nn.ModuleList) and len(child) == num_layers
+    ]
+    if len(found) != 1:
+        raise UnsupportedModelError(
+            f"Cannot find the decoder layers of {type(decoder).__name__} (Transformers "
+            f"backend): expected one layer list of {num_layers} layers, found "
+            f"{[name for name, _ in found]}. {supported_message()}"
+        )
+    for layer in found[0][1]:
+        setattr(layer, TAP_KIND_ATTR, "batched_stream")
+    return f"model.{found[0][0]}", found[0][1]
+
+
+def _split_layer_output(output: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    # Most vLLM decoder layers return (hidden, residual) with the add deferred to the next
+    # norm; GPT-2/OPT/Granite-style layers return the finished stream.
+    if isinstance(output, torch.Tensor):
+        return output, None
+    if isinstance(output, tuple) and len(output) == 2:
+        return output[0], output[1]
+    raise UnsupportedModelError(
+        f"Unexpected decoder-layer output {type(output).__name__}; expected a tensor or a "
+        "(hidden, residual) pair."
+    )
+
+
+def _tokens_first(x: torch.Tensor) -> torch.Tensor:
+    # The Transformers backend runs HF layers on [1, tokens, hidden] (vLLM adds a batch dim of
+    # 1 and packs every request into it). ndim is static under torch.compile, and flatten is a
+    # view both in eager and in the traced graph, so this adds no copy and no graph break.
+    return x.flatten(0, -2) if x.dim() == 3 else x
+
+
+def install_taps(
+    model: nn.Module,
+    config: CaptureConfig,
+    tap_layers: tuple[int, ...],
+    max_tokens: int,
+    hidden_size: int | None = None,
+    steer_layers: tuple[int, ...] = (),
+    steer_slots: int = 0,
+    clamps: Sequence[tuple[str, int, str]] = (),
+) -> Any:
+    """Add a tap after each layer in ``tap_layers``, a steering op after each layer in
+    ``steer_layers`` (before that layer's tap: taps read the steered stream), and a per-step
+    hook; return the hook.
+
+    ``config.layers`` (possibly none) are captured as rows; the other tapped layers feed
+    probes only.
+    """
+    _, layer_list = locate_layers(model)
+    if max((*tap_layers, *steer_layers), default=-1) >= len(layer_list):
+        raise UnsupportedModelError(
+            f"layers {sorted({*tap_layers, *steer_layers})} asked for, but the model has "
+            f"{len(layer_list)} decoder layers in this worker (pipeline parallelism is not "
+            "supported)."
+        )
+    param = next(model.parameters())
+    hidden_size = hidden_size or _hidden_size(model)
+    steering = None
+    if steer_layers:
+        index = torch.zeros(max_tokens, dtype=torch.int64, device=param.device)
+        tables = {}
+        for layer_index in steer_layers:
+            layer = layer_list[layer_index]
+            table = torch.zeros((steer_slots, hidden_size), dtype=param.dtype, device=param.device)
+            # Buffers of the module, like the tap's, so the compiled graph reads them as inputs.
+            layer.register_buffer("probehook_steer_index", index, persistent=False)
+            layer.register_buffer("probehook_steer_table", table, persistent=False)
+            layer.register_forward_hook(_steer_hook, prepend=True)
+            tables[layer_index] = layer.probehook_steer_table
+        steering = SteeringBuffers(index, tables)
+    clamp_buffers = {}
+    for name, layer_index, key in clamps:  # after steering (prepended), before the taps
+        layer = layer_list[layer_index]
+        buffers_of = ClampBuffers(
+            torch.zeros(max_tokens, dtype=torch.int64, device=param.device),
+            torch.full((steer_slots, MAX_CLAMPED), -1, dtype=torch.int64, device=param.device),
+            torch.zeros((steer_slots, MAX_CLAMPED), dtype=torch.float32, device=param.device),
+        )
+        for part in ("index", "features", "values"):
+            layer.register_buffer(
+                f"probehook_clamp{key}_{part}", getattr(buffers_of, part), persistent=False
+            )
+            setattr(buffers_of, part, getattr(layer, f"probehook_clamp{key}_{part}"))
+        layer.register_forward_hook(_clamp_hook(key))
+        clamp_buffers[name] = buffers_of
+    buffers = {}
+    for layer_index in tap_layers:
+        layer = layer_list[layer_index]
+        buf = torch.zeros((max_tokens, hidden_size), dtype=param.dtype, device=param.device)
+        # A non-persistent buffer is part of the module, so torch.compile sees the mutation.
+        layer.register_buffer("probehook_tap_out", buf, persistent=False)
+        layer.register_forward_hook(_tap_hook)
+        buffers[layer_index] = layer.probehook_tap_out
+    from probehook.adapter.worker.step_hook import StepHook
+
+    hook = StepHook(buffers, config, steering, hidden_size, param.dtype, param.device)
+    hook.clamp_buffers = clamp_buffers
+    setattr(model, RECORDER_ATTR, hook)
+    _install_logits_hook(model)
+    logger.info(
+        "probehook: tapped layers %s, steered layers %s (hidden %d, %s)",
+        list(tap_layers),
+        list(steer_layers),
+        hidden_size,
+        param.dtype,
+    )
+    return hook
+
+
+def _steer_hook(module: nn.Module, args: Any, output: Any) -> None:
+    # In place, so the hook returns nothing and the layer's output objects stay as they are.
+    if getattr(module, TAP_KIND_ATTR, None) == "batched_stream":
+        stream = output[0] if isinstance(output, tuple) else output
+        steer(_tokens_first(stream), module.probehook_steer_index, module.probehook_steer_table)
+        return
+    hidden, _ = _split_layer_output(output)
+    steer(hidden, module.probehook_steer_index, module.probehook_steer_table)
+
+
+def _clamp_hook(key: str) -> Callable[[nn.Module, Any, Any], None]:
+    """The forward hook of clamp op ``key`` (its buffers are the layer's, named by key)."""
+    index_name, features_name, values_name = (
+        f"probehook_clamp{key}_{part}" for part in ("index", "features", "values")
+    )
+
+    def hook(module: nn.Module, args: Any, output: Any) -> None:
+        buffers = (getattr(module, index_name), getattr(module, features_name),
+                   getattr(module, values_name))  # fmt: skip
+        if getattr(module, TAP_KIND_ATTR, None) == "batched_stream":
+            stream = output[0] if isinstance(output, tuple) else output
+            clamp(_tokens_first(stream), None, *buffers, key)
+            return
+        hidden, residual = _split_layer_output(output)
+        clamp(hidden, residual, *buffers, key)
+
+    return hook
+
+
+@dataclass
+class SteeringBuffers:
+    """The steering op's buffers in one worker: the per-token slot index (shared by every
+    steered layer) and each steered layer's table."""
+
+    index: torch.Tensor
+    tables: dict[int, torch.Tensor]
+
+
+def _tap_hook(module: nn.Module, args: Any, output: Any) -> None:
+    if getattr(module, TAP_KIND_ATTR, None) == "batched_stream":
+        # An HF layer (Transformers backend) returns the finished stream after the layer,
+        # alone or first in a tuple (attention weights may follow: never a residual).
+        stream = output[0] if isinstance(output, tuple) else output
+        tap(_tokens_first(stream), None, module.probehook_tap_out)
+        return
+    hidden, residual = _split_layer_output(output)
+    tap(hidden, residual, module.probehook_tap_out)
+
+
+def _hidden_size(model: nn.Module) -> int:
+    config = getattr(model, "config", None)
+    for name in ("hidden_size", "n_embd", "d_model"):
+        value = getattr(config, name, None)
+        if isinstance(value, int):
+            return value
+    raise UnsupportedModelError(f"Cannot read the hidden size of {type(model).__name__}.")
+
+
+def _install_logits_hook(model: nn.Module) -> None:
+    pooler = getattr(model, "pooler", None)
+    if getattr(model, "is_pooling_model", False) and isinstance(pooler, nn.Module):
+        # Pooling models never call compute_logits: the runner hands the step's hidden states
+        # to the pooler instead (eagerly, outside the compiled graph), once per forward.
+        pooler.register_forward_pre_hook(lambda module, args: getattr(model, RECORDER_ATTR).fire())
+        return
+    original = model.compute_logits
+
+    def compute_logits(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        getattr(model, RECORDER_ATTR).fire()
+        return original(hidden_states, *args, **kwargs)
+
+    model.compute_logits = compute_logits
+
+
+def step_hook(model: nn.Module) -> Any:
+    """The step hook installed on a worker's model, or a clear error if there is none."""
+    hook = getattr(model, RECORDER_ATTR, None)
+    if hook is None:
+        raise UnsupportedModelError(
+            "This worker's model has no probehook taps: the probehook vLLM plugin did not "
+            "load (is VLLM_PLUGINS set without 'probehook'?)."
+        )
+    return hook

@@ -1,0 +1,83 @@
+"""The worker's readout table: one row per capture source (``"hidden"`` rows, probe
+``"scores"``, ``"sae"`` features, and the readouts to come), saying how its recorder is built
+from what the loader allocated, which wire key lists what a request gets of it, and which
+ranks record it. The step hook, the plan factory and the RPC surface read the table instead of
+naming sources; a new readout adds its row here (and its bank to the loader).
+
+No vLLM imports.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from probehook.worker.probe_bank import ProbeBank
+from probehook.worker.recorder import StepRecorder
+
+RANK_0 = "rank 0"
+"""Recorded by the rank that answers exports alone (the other ranks hold the same data)."""
+EVERY_RANK = "every rank"
+"""Recorded by every rank: each rank samples, so a stop monitor's stop must be forced on all
+alike."""
+STOPS_OFF_RANK_0 = "rank 0, and the stops elsewhere"
+"""Recorded by rank 0, and by the other ranks only for the requests a stop monitor of this
+source watches in the sampler."""
+
+
+@dataclass(frozen=True)
+class WorkerReadout:
+    """One row of the table."""
+
+    source: str
+    """What exports ask the recorder by and stream messages are labelled with."""
+    wire_key: str | None
+    """The request wire's key listing what a request gets of it (probe or SAE names); None:
+    what it gets follows the capture config (hidden rows, by layer)."""
+    ranks: str
+    """:data:`RANK_0`, :data:`EVERY_RANK` or :data:`STOPS_OFF_RANK_0`."""
+    build: Callable[[Any, Any], StepRecorder | None]
+    """``build(hook, banks)``: the recorder, from the step hook's tap buffers and what was
+    allocated at load (None: this engine has no such readout)."""
+    read_in_sampler: bool = False
+    """Stop monitors read this step's rows before sampling (``keep_step_rows``)."""
+
+    def records_on(self, reports: bool) -> bool:
+        """Whether a rank records this source at all (``reports``: it answers exports)."""
+        return reports or self.ranks != RANK_0
+
+    def stops_only_on(self, reports: bool) -> bool:
+        """Whether a rank records only the requests a stop monitor watches."""
+        return not reports and self.ranks == STOPS_OFF_RANK_0
+
+
+def _hidden(hook: Any, banks: Any) -> StepRecorder | None:
+    layers = hook.config.layers
+    return StepRecorder([hook.buffers[layer] for layer in layers], layers) if layers else None
+
+
+def _scores(hook: Any, banks: Any) -> StepRecorder | None:
+    if not banks.probes:
+        return None
+    probes = ProbeBank(banks.probes, hook.device)
+    buffers = [hook.buffers[layer] for layer in probes.layers]
+    return StepRecorder(buffers, probes.layers, transform=probes, source="scores")
+
+
+def _sae(hook: Any, banks: Any) -> StepRecorder | None:
+    if hook.saes is None:  # read from the SAEs' folders by the loader, before this
+        return None
+    buffers = [hook.buffers[layer] for layer in hook.saes.layers]
+    return StepRecorder(buffers, hook.saes.layers, transform=hook.saes, source="sae")
+
+
+READOUTS: dict[str, WorkerReadout] = {
+    r.source: r
+    for r in (
+        WorkerReadout("hidden", None, RANK_0, _hidden),
+        WorkerReadout("scores", "probes", EVERY_RANK, _scores, read_in_sampler=True),
+        WorkerReadout("sae", "saes", STOPS_OFF_RANK_0, _sae, read_in_sampler=True),
+    )
+}
+"""Every readout a worker knows, by source, in the order the step hook records them."""

@@ -119,11 +119,13 @@ class ProbeMonitor:
 class FeatureMonitor:
     """Stop or flag generation when feature ``feature`` of SAE ``sae`` crosses ``threshold``.
 
-    The watched value is the feature's activation as the request's features show it: its
-    value where it is among the token's top-k (the engine's ``sae_top_k``), 0 where it is not.
-    The same rule as :class:`ProbeMonitor`, on the same rows (each decode row: the state that
-    produces the next token): ``"stop"`` ends the completion at the first crossing (its
-    ``stop_reason`` is ``"feature:<sae>:<feature>"``), ``"flag"`` lists every crossing row in
+    The watched value is the feature's activation where it is among the token's top features
+    at the engine's ``sae_top_k`` (whatever k the request keeps: the worker and the front end
+    read the same values), 0 where it is not. So ``direction="below"`` fires on every token
+    where the feature is outside the engine's top-k, active below the cut or not. The same rule
+    as :class:`ProbeMonitor`, on the same rows (each decode row: the state that produces the
+    next token): ``"stop"`` ends the completion at the first crossing (its ``stop_reason`` is
+    ``"feature:<sae>:<feature>"``), ``"flag"`` lists every crossing row in
     ``CompletionOutput.feature_flags["<sae>:<feature>"]``.
     """
 

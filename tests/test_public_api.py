@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import probehook
 
 PUBLIC = [
@@ -56,3 +58,21 @@ def test_errors_are_one_family() -> None:
         value = getattr(probehook, name)
         if name.endswith("Error"):
             assert issubclass(value, probehook.ProbehookError), name
+
+
+def test_the_capture_arguments_are_declared_once() -> None:
+    """``LLM`` and ``AsyncLLM`` take the capture arguments of ``CaptureRequest`` (declared
+    there once), and their signatures show each with its default."""
+    import inspect
+
+    from probehook import LLM, AsyncLLM
+    from probehook.adapter.frontend.setup import CAPTURE_ARGUMENTS, CaptureRequest
+
+    fields = {f.name: f.default for f in dataclasses.fields(CaptureRequest)}
+    assert set(CAPTURE_ARGUMENTS) == set(fields) and "saes" in fields
+    for front_end, refused in ((LLM, set()), (AsyncLLM, {"capture_only"})):
+        shown = inspect.signature(front_end.__init__).parameters
+        assert {n: p.default for n, p in shown.items() if n in fields} == {
+            n: d for n, d in fields.items() if n not in refused
+        }
+        assert "kwargs" in shown

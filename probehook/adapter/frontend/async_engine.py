@@ -14,10 +14,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import inspect
 import os
 import uuid
 import weakref
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -30,7 +31,7 @@ from vllm.v1.executor import Executor
 
 from probehook.adapter.frontend import cpu_memory, engine_config, outputs, setup
 from probehook.adapter.frontend.prompts import with_cache_salt
-from probehook.capture_config import CaptureConfig, LayerSpec
+from probehook.capture_config import CaptureConfig
 from probehook.errors import CaptureConfigError
 from probehook.frontend.fill import clear_outputs, reset
 from probehook.frontend.probe_set import ProbeSet
@@ -69,26 +70,11 @@ class AsyncLLM(VllmAsyncLLM):
         self,
         model: str | os.PathLike[str] | None = None,
         *,
-        layers: LayerSpec | None = None,
-        include_prefill: bool = False,
-        include_decode: bool = True,
-        last_prefill_token: bool = False,
-        last_decode_token: bool = False,
-        store: str | os.PathLike[str] | None = None,
-        store_options: dict[str, Any] | None = None,
-        max_request_capture_bytes: int | None = None,
-        probes: Any = None,
-        monitors: Sequence[Any] | None = None,
-        steering: Any = None,
-        steering_layers: LayerSpec | None = None,
-        steering_capacity: int = 64,
-        saes: Any = None,
-        sae_top_k: int = 32,
-        sae_clamping: bool = False,
-        sae_dtype: str | None = None,
         vllm_config: Any = None,
         **kwargs: Any,
     ) -> None:
+        # The capture arguments are declared once, as setup.CaptureRequest's fields (the
+        # signature below shows them); everything else is vLLM's.
         self.capture_config: CaptureConfig | None = None
         self.session: CaptureSession | None = None
         self.store: ActivationStore | None = None
@@ -103,7 +89,8 @@ class AsyncLLM(VllmAsyncLLM):
         """Capture requests that carry no probehook options with the engine's defaults. The
         server sets False: only requests that opt in capture (its pooling routes: none)."""
         if vllm_config is not None:  # vLLM's own constructor path: a plain engine
-            if model is not None or layers is not None or probes is not None:
+            given = [name for name in setup.CAPTURE_ARGUMENTS if name in kwargs]
+            if model is not None or given:
                 raise CaptureConfigError(
                     "AsyncLLM(vllm_config=...) builds a plain vLLM engine; for capture pass "
                     "model=... with layers/probes, or use AsyncLLM.from_engine_args(args, "
@@ -120,27 +107,9 @@ class AsyncLLM(VllmAsyncLLM):
                 "llm.capture(prompts), or probehook.collect / `probehook capture --capture-only` "
                 "for a resumable collection (docs/collect.md)."
             )
+        request = setup.take_capture_arguments(kwargs)
         model = os.fspath(model)
         self._model = model
-        request = setup.CaptureRequest(
-            layers=layers,
-            include_prefill=include_prefill,
-            include_decode=include_decode,
-            last_prefill_token=last_prefill_token,
-            last_decode_token=last_decode_token,
-            store=store,
-            store_options=store_options,
-            max_request_capture_bytes=max_request_capture_bytes,
-            probes=probes,
-            monitors=monitors,
-            steering=steering,
-            steering_layers=steering_layers,
-            steering_capacity=steering_capacity,
-            saes=saes,
-            sae_top_k=sae_top_k,
-            sae_clamping=sae_clamping,
-            sae_dtype=sae_dtype,
-        )
         engine_kwargs, start = _split_start_kwargs(kwargs)
         engine_kwargs = cpu_memory.size_for_cpu(
             model, engine_kwargs, _resolve, request.worker_bytes()
@@ -495,3 +464,13 @@ def _default(field: dataclasses.Field) -> Any:
 
 def _no_sync_rpc(method: str, args: tuple) -> list:
     raise RuntimeError(f"AsyncLLM's capture session has no synchronous RPC ({method}).")
+
+
+AsyncLLM.__init__.__signature__ = setup.front_end_signature(  # type: ignore[attr-defined]
+    [
+        inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+        inspect.Parameter("model", inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None,
+                          annotation="str | None"),
+    ],
+    refused=("capture_only",),
+)  # fmt: skip

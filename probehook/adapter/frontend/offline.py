@@ -8,6 +8,7 @@ connects it to the offline request path: ``_add_request`` (tag and register), th
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import os
 import weakref
@@ -20,7 +21,7 @@ from vllm import PoolingParams, SamplingParams
 from probehook.adapter.frontend import cpu_memory, engine_config, outputs, setup
 from probehook.adapter.frontend.engine_death import raise_on_engine_death
 from probehook.adapter.frontend.prompts import with_cache_salt
-from probehook.capture_config import CaptureConfig, LayerSpec
+from probehook.capture_config import CaptureConfig
 from probehook.errors import CaptureConfigError
 from probehook.frontend.fill import clear_outputs, copy_captures
 from probehook.frontend.item_ids import check_item_ids
@@ -97,32 +98,12 @@ class LLM(vllm.LLM):
     is the stream before the final norm (HF's last entry is after it).
     """
 
-    def __init__(
-        self,
-        model: str | os.PathLike[str],
-        *,
-        layers: LayerSpec | None = None,
-        include_prefill: bool | None = None,
-        include_decode: bool | None = None,
-        last_prefill_token: bool = False,
-        last_decode_token: bool = False,
-        store: str | os.PathLike[str] | None = None,
-        store_options: dict[str, Any] | None = None,
-        max_request_capture_bytes: int | None = None,
-        probes: Any = None,
-        monitors: Sequence[Any] | None = None,
-        steering: Any = None,
-        steering_layers: LayerSpec | None = None,
-        steering_capacity: int = 64,
-        saes: Any = None,
-        sae_top_k: int = 32,
-        sae_clamping: bool = False,
-        sae_dtype: str | None = None,
-        capture_only: bool = False,
-        **kwargs: Any,
-    ) -> None:
+    def __init__(self, model: str | os.PathLike[str], **kwargs: Any) -> None:
+        # The capture arguments are declared once, as setup.CaptureRequest's fields (the
+        # signature below shows them); everything else is vLLM's.
         model = os.fspath(model)
-        self.capture_only = capture_only
+        request = setup.take_capture_arguments(kwargs)
+        self.capture_only = request.capture_only
         # capture(): the store record fields of each request it adds, in order
         self._labels: Iterator[dict[str, Any]] | None = None
         self.capture_config: CaptureConfig | None = None
@@ -131,26 +112,6 @@ class LLM(vllm.LLM):
         self.probes: ProbeSet | None = None
         self._inputs = itertools.count()  # user inputs split by an IO Processor plugin
         self._pooled: dict[str, Any] = {}  # the last pooling call's outputs, by request id
-        request = setup.CaptureRequest(
-            layers=layers,
-            include_prefill=include_prefill,
-            include_decode=include_decode,
-            last_prefill_token=last_prefill_token,
-            last_decode_token=last_decode_token,
-            store=store,
-            store_options=store_options,
-            max_request_capture_bytes=max_request_capture_bytes,
-            probes=probes,
-            monitors=monitors,
-            steering=steering,
-            steering_layers=steering_layers,
-            steering_capacity=steering_capacity,
-            saes=saes,
-            sae_top_k=sae_top_k,
-            sae_clamping=sae_clamping,
-            sae_dtype=sae_dtype,
-            capture_only=capture_only,
-        )
         kwargs = cpu_memory.size_for_cpu(
             model, kwargs, engine_config.resolve_vllm_config, request.worker_bytes()
         )
@@ -457,3 +418,11 @@ def _request_id(engine_id: str) -> str:
 
 
 _HEX = frozenset("0123456789abcdef")
+
+
+LLM.__init__.__signature__ = setup.front_end_signature(  # type: ignore[attr-defined]
+    [
+        inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+        inspect.Parameter("model", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation="str"),
+    ]
+)

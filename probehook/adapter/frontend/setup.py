@@ -8,6 +8,8 @@ up and its workers answered ``probehook_start_recording``, :func:`start` builds 
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -134,6 +136,36 @@ class CaptureRequest:
             or self.saes is not None
             or self.steers
         )
+
+
+CAPTURE_ARGUMENTS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(CaptureRequest))
+"""The capture keyword arguments every front end takes (``LLM``, ``AsyncLLM``): the fields
+of :class:`CaptureRequest`, declared there once."""
+
+
+def take_capture_arguments(kwargs: dict[str, Any]) -> CaptureRequest:
+    """The capture arguments out of a front end's keyword arguments, checked; what is left in
+    ``kwargs`` goes to vLLM."""
+    return CaptureRequest(
+        **{name: kwargs.pop(name) for name in CAPTURE_ARGUMENTS if name in kwargs}
+    )
+
+
+def front_end_signature(
+    leading: Sequence[inspect.Parameter], refused: Sequence[str] = ()
+) -> inspect.Signature:
+    """A front end's ``__init__`` signature: ``leading`` (self, model, ...), every capture
+    argument as a keyword with its default (but ``refused``), then vLLM's ``**kwargs``; what
+    ``help()`` and editors show of the one declaration."""
+    fields = {f.name: f for f in dataclasses.fields(CaptureRequest)}
+    capture = [
+        inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=fields[name].default,
+                          annotation=fields[name].type)
+        for name in CAPTURE_ARGUMENTS
+        if name not in refused
+    ]  # fmt: skip
+    rest = inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD, annotation="Any")
+    return inspect.Signature([*leading, *capture, rest])
 
 
 @dataclass

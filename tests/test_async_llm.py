@@ -161,6 +161,7 @@ def test_banks_come_at_load_inline(engine, loop) -> None:
         "steering_capacity": 64,
         "steering_vectors": [],
         "saes": ["res3"],
+        "readouts": {},
     }
 
 

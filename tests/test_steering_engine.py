@@ -114,14 +114,15 @@ def test_engine_processes_were_started_with_v1(steer_llm) -> None:
 
 
 def test_banks_are_allocated_at_model_load(steer_llm, vectors) -> None:
-    """The probe and steering banks come from the bank file the loader reads at model load
+    """The probe and steering banks come from the banks the loader decodes at model load
     (inside vLLM's memory profiling), not from an RPC after start-up: the worker's report says
-    what it allocated there (the file's removal: test_async_llm)."""
+    what it allocated there."""
     assert steer_llm.capture_info["banks"] == {
         "probe_outputs": 1,
         "steering_capacity": 8,
         "steering_vectors": sorted(vectors),
         "saes": [],
+        "readouts": {},
     }
 
 

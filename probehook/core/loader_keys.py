@@ -29,3 +29,8 @@ BANKS_KEY = "probehook_banks"
 steering capacity), encoded inline (``probehook.core.bank_file``: no path on the user's
 machine, so a worker on another node reads them too), decoded by the loader at model load.
 Not part of the compile-cache key, for the reason ``SAE_BANK_KEY`` gives."""
+READOUTS_KEY = "probehook_readouts"
+"""Key in ``model_loader_extra_config``: the engine's top-k readouts, ``{source: {"k": k,
+"instances": {name: settings}}}`` (``probehook.outputs.top_k_readout``), read by the loader
+into each readout's bank at model load. Not part of the compile-cache key: they read the taps
+after the compiled forward."""

@@ -98,11 +98,17 @@ class RequestOptions:
     clamp: tuple[tuple[str, tuple[tuple[int, float], ...]], ...] | None = None
     """SAE features held at values on every token: ``(sae, ((feature, value), ...))`` pairs,
     sorted (a hashable, canonical form of ``{"sae": {feature: value}}``)."""
+    readouts: tuple[tuple[str, tuple[str, ...] | bool], ...] = ()
+    """Top-k readouts picked by their request options: ``(source, names or True/False)``."""
 
     @classmethod
-    def from_user(cls, value: Any) -> RequestOptions:
+    def from_user(
+        cls, value: Any, readout_options: Mapping[str, str] | None = None
+    ) -> RequestOptions:
         """Check the types of a user's options object (None: no options). Engine-dependent
-        checks (which layers and probes exist, narrowing) come after, with the engine."""
+        checks (which layers and probes exist, narrowing) come after, with the engine.
+        ``readout_options``: the request option of each top-k readout the engine has
+        (option -> source), accepted beside the built-in keys."""
         if value is None:
             return cls()
         if isinstance(value, RequestOptions):
@@ -112,14 +118,22 @@ class RequestOptions:
                 f"probehook options must be a dict (a JSON object) such as {EXAMPLE}, not "
                 f"{_show(value)}; valid keys are {list(USER_KEYS)}."
             )
-        unknown = [k for k in value if k not in USER_KEYS]
+        extra = dict(readout_options or {})
+        unknown = [k for k in value if k not in USER_KEYS and k not in extra]
         if unknown:
             raise CaptureConfigError(
                 f"Unknown probehook option(s) {', '.join(sorted(map(repr, unknown)))}; valid "
                 f"options are "
-                f"{list(USER_KEYS)}."
+                f"{[*USER_KEYS, *extra]}."
             )
         parsed: dict[str, Any] = {}
+        readouts = [
+            (source, _user_names(option, value[option], "readout"))
+            for option, source in extra.items()
+            if value.get(option) is not None
+        ]
+        if readouts:
+            parsed["readouts"] = tuple(readouts)
         if "layers" in value:
             parsed["layers"] = _user_layers(value["layers"])
         for key in FLAG_KEYS:
@@ -326,6 +340,8 @@ class RequestWire:
     in the worker's bank (where the stop processor finds the feature's value)."""
     clamp: tuple[tuple[str, tuple[tuple[int, float], ...]], ...] = ()
     """SAE features held at values on every token of the request (:func:`clamp_terms`)."""
+    readouts: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    """The top-k readouts the request gets: ``(source, instance names)``."""
 
     def to_wire(self) -> WireDict:
         wire = WireDict(
@@ -354,7 +370,13 @@ class RequestWire:
             wire["feature_monitors"] = [
                 {**m.to_dict(), "slot": slot} for m, slot in self.feature_monitors
             ]
+        if self.readouts:
+            wire["readouts"] = {source: list(names) for source, names in self.readouts}
         return wire
+
+    def readout(self, source: str) -> tuple[str, ...]:
+        """The instances of top-k readout ``source`` the request gets (none: ``()``)."""
+        return next((names for s, names in self.readouts if s == source), ())
 
     @classmethod
     def from_wire(cls, value: Any) -> RequestWire | None:
@@ -366,6 +388,7 @@ class RequestWire:
         known = {"tag", "n", "stream", "probes", "monitors", "stop_token", "record", PLAN_KEY}
         known.update(SAE_KEYS)
         known.add("feature_monitors")
+        known.add("readouts")
         known.update(STEER_KEYS)
         unknown = [k for k in value if k not in known and k not in CAPTURE_KEYS]
         if unknown:
@@ -430,6 +453,14 @@ class RequestWire:
         record = value.get("record")
         if record is not None and not isinstance(record, Mapping):
             raise CaptureConfigError(f"record={_show(record)} is not a dict")
+        readouts = value.get("readouts", {})
+        if not isinstance(readouts, Mapping) or not all(
+            isinstance(source, str)
+            and _is_list(names)
+            and all(isinstance(n, str) and n for n in names)
+            for source, names in readouts.items()
+        ):
+            raise CaptureConfigError(f"readouts={_show(readouts)} is not a dict of name lists")
         steer = steer_terms(value["steer"], "steer") if "steer" in value else ()
         phase = value.get("steer_phase", "both")
         if phase not in STEER_PHASES:
@@ -449,6 +480,7 @@ class RequestWire:
             None if top_k is None else int(top_k),
             tuple(feature_monitors),
             clamp_terms(value["clamp"], "clamp") if "clamp" in value else (),
+            tuple((source, tuple(names)) for source, names in readouts.items() if names),
         )
 
 

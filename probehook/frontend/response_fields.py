@@ -42,13 +42,15 @@ OFF = {"layers": [], "probes": False, "saes": False, "include_prefill": False}
 """What a request that names nothing gets: no rows, no scores, no features."""
 
 
-def request_options(value: Any) -> dict[str, Any]:
+def request_options(value: Any, readout_options: Mapping[str, str] | None = None) -> dict[str, Any]:
     """The engine's per-request options for a request body's ``probehook`` value (None when
-    the body has none): opt-in, so every key defaults to off."""
+    the body has none): opt-in, so every key defaults to off (``readout_options``: the
+    engine's top-k readouts' request options, off too)."""
+    off = {**OFF, **dict.fromkeys(readout_options or {}, False)}
     if value is None:
-        return dict(OFF)
-    RequestOptions.from_user(value)  # the same checks and words as every front end
-    return {**OFF, **value}
+        return off
+    RequestOptions.from_user(value, readout_options)  # the checks and words of every front end
+    return {**off, **value}
 
 
 def response_bytes_bound(rows: int, layers: int, hidden_size: int, itemsize: int) -> int:

@@ -31,7 +31,7 @@ import itertools
 import logging
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,6 +65,7 @@ from probehook.frontend.fill import (
     source_attributes,
 )
 from probehook.frontend.probe_set import ProbeSet, RequestProbes
+from probehook.frontend.readout_set import ReadoutSet, RequestReadout
 from probehook.frontend.sae_set import RequestSAEs, SAESet
 from probehook.frontend.sources import engine_sources
 from probehook.frontend.steering_set import RequestSteer, SteeringSet
@@ -121,6 +122,7 @@ class CaptureSession:
         stop_token: int | None = None,
         steering: SteeringSet | None = None,
         saes: SAESet | None = None,
+        readouts: Mapping[str, ReadoutSet] | None = None,
     ) -> None:
         """
         Args:
@@ -132,11 +134,15 @@ class CaptureSession:
             stop_token: the token a stop monitor forces (the model's EOS).
             steering: the engine's steering vectors, if it steers.
             saes: the engine's SAEs, if any.
+            readouts: the engine's top-k readouts, by source.
         """
         self.config = config
         self.probes = probes
         self.saes = saes
-        self.sources = engine_sources(probes, saes)
+        self.readouts = dict(readouts or {})
+        self.readout_options = {r.readout.request_option: s for s, r in self.readouts.items()}
+        """Each top-k readout's request option -> its source (accepted in a request)."""
+        self.sources = engine_sources(probes, saes, self.readouts)
         """What the engine records, by source name (:mod:`probehook.frontend.sources`)."""
         self.steering = steering
         self.stop_token = stop_token
@@ -181,7 +187,7 @@ class CaptureSession:
                 template.config is None or getattr(params, "prompt_logprob_token_ids", None) is None
             ):
                 return self._tag_from(template, params, field, extra)
-        options = RequestOptions.from_user(extra.get(EXTRA_ARGS_KEY))
+        options = RequestOptions.from_user(extra.get(EXTRA_ARGS_KEY), self.readout_options)
         if field == POOLING_EXTRA and (options.steered() or options.clamp):
             raise CaptureConfigError(
                 "This request sets steer or clamp, but it is a pooling request: probehook "
@@ -209,11 +215,13 @@ class CaptureSession:
                 "This request sets probes/monitors, but the engine has no probes; build the LLM "
                 "with probes={...}."
             )
+        readouts = self._readouts(options)
         if (
             config is not None
             and not config.layers
             and not (probes and probes.names)
             and not (saes and saes.names)
+            and not readouts
         ):
             config = None  # nothing to collect: no rows, scores or features
         if config is not None and getattr(params, "prompt_logprob_token_ids", None) is not None:
@@ -248,6 +256,9 @@ class CaptureSession:
                 if saes is not None and config is not None
                 else (),
                 clamp=clamp,
+                readouts=tuple((s, r.names) for s, r in readouts.items())
+                if config is not None
+                else (),
             )
             extra = with_wire(extra, wire.to_wire())
             setattr(tagged, field, extra)
@@ -265,6 +276,16 @@ class CaptureSession:
                 stops=config is not None and _stops(probes, saes),
             )
         return tagged
+
+    def _readouts(self, options: RequestOptions) -> dict[str, RequestReadout]:
+        """The top-k readouts a request gets (every instance of each, unless it picks)."""
+        picked = dict(options.readouts)
+        got = {}
+        for source, readout_set in self.readouts.items():
+            chosen = readout_set.for_request(picked.get(source))
+            if chosen is not None:
+                got[source] = chosen
+        return got
 
     def _tag_from(self, template: _TagTemplate, params: Any, field: str, extra: dict) -> Any:
         """:meth:`tag` for a request without options, from the plan of the first one: the
@@ -375,6 +396,7 @@ class CaptureSession:
                 None,
                 known.steering,
                 known.saes,
+                known.readouts,
             )
         wire = RequestWire.from_wire(raw)
         if wire is None:
@@ -388,7 +410,14 @@ class CaptureSession:
         if self.saes is not None and wire.saes:
             monitors = tuple(m for m, _ in wire.feature_monitors)
             saes = RequestSAEs(wire.saes, wire.sae_top_k or self.saes.k, monitors)
-        captures = bool(wire.config.layers) or bool(wire.probes) or saes is not None
+        readouts = {
+            source: RequestReadout(names, self.readouts[source].k)
+            for source, names in wire.readouts
+            if source in self.readouts
+        }
+        captures = (
+            bool(wire.config.layers) or bool(wire.probes) or saes is not None or bool(readouts)
+        )
         return TrackedRequest(
             wire.tag,
             engine_id,
@@ -399,6 +428,7 @@ class CaptureSession:
             dict(wire.record) if wire.record is not None else None,
             self._steering_of(wire),
             saes,
+            readouts or None,
         )
 
     def _sampling(self, params: Any, names: Sequence[str]) -> dict[str, Any]:
@@ -523,11 +553,11 @@ def _stops(probes: RequestProbes | None, saes: RequestSAEs | None) -> bool:
     return (probes is not None and probes.stops) or (saes is not None and saes.stops)
 
 
-def options_of(params: Any) -> RequestOptions:
+def options_of(params: Any, readout_options: Mapping[str, str] | None = None) -> RequestOptions:
     """The user's probehook options ``params`` carry (``extra_args`` of SamplingParams,
     ``extra_kwargs`` of PoolingParams), checked; empty when none."""
     return RequestOptions.from_user(
-        (getattr(params, extra_field(params), None) or {}).get(EXTRA_ARGS_KEY)
+        (getattr(params, extra_field(params), None) or {}).get(EXTRA_ARGS_KEY), readout_options
     )
 
 

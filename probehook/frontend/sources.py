@@ -19,6 +19,7 @@ from probehook.outputs.top_k import TopKDecoder
 
 if TYPE_CHECKING:
     from probehook.frontend.probe_set import ProbeSet
+    from probehook.frontend.readout_set import ReadoutSet
     from probehook.frontend.sae_set import SAESet
     from probehook.frontend.tracked_request import TrackedRequest
 
@@ -185,15 +186,51 @@ class SAEFeatureRows(CaptureSource):
         }
 
 
+class TopKReadoutRows(CaptureSource):
+    """A top-k readout's rows (:class:`~probehook.frontend.readout_set.ReadoutSet`): one
+    source for every registered readout, named by it."""
+
+    def __init__(self, readouts: ReadoutSet) -> None:
+        self.readouts = readouts
+        self.name = readouts.source
+
+    def _of(self, request: TrackedRequest) -> Any:
+        return (request.readouts or {}).get(self.name)
+
+    def active(self, request: TrackedRequest) -> bool:
+        return self._of(request) is not None
+
+    def slots(self, request: TrackedRequest) -> tuple[Any, ...]:
+        return self._of(request).names
+
+    def value(self, rows: torch.Tensor, request: TrackedRequest) -> dict[Any, Any]:
+        return self.readouts.values(rows, self._of(request))
+
+    def empty(self, request: TrackedRequest) -> dict[Any, Any]:
+        return self.readouts.empty(self._of(request))
+
+    def stream_value(self, rows, lo, key, request, state):  # type: ignore[no-untyped-def]
+        asked = self._of(request)
+        decoder = state.get((self.name, key))
+        if decoder is None:
+            decoder = state[(self.name, key)] = TopKDecoder()
+        decoded = decoder.decode(rows, lo)
+        return {name: r.top(asked.k) for name, r in zip(asked.names, decoded, strict=True)}
+
+
 def engine_sources(
-    probes: ProbeSet | None = None, saes: SAESet | None = None
+    probes: ProbeSet | None = None,
+    saes: SAESet | None = None,
+    readouts: Mapping[str, ReadoutSet] | None = None,
 ) -> dict[str, CaptureSource]:
-    """The sources an engine with these probes and SAEs records."""
+    """The sources an engine with these probes, SAEs and top-k readouts records."""
     sources: dict[str, CaptureSource] = {"hidden": HiddenRows()}
     if probes is not None:
         sources["scores"] = ProbeScores(probes)
     if saes is not None:
         sources["sae"] = SAEFeatureRows(saes)
+    for source, readout_set in (readouts or {}).items():
+        sources[source] = TopKReadoutRows(readout_set)
     return sources
 
 

@@ -6,14 +6,13 @@ This module knows nothing about vLLM.
 
 from __future__ import annotations
 
-import math
 from typing import Any, ClassVar
 
 import torch
 
 from probehook.outputs.array_codec import encode_array
 from probehook.outputs.registry import OutputProcessor
-from probehook.outputs.top_k import TopKRows
+from probehook.outputs.top_k import TopKRows, json_floats, json_top_k, non_finite_rows
 
 
 def _concat_by_key(pieces: list[dict[Any, torch.Tensor]]) -> dict[Any, torch.Tensor]:
@@ -23,39 +22,6 @@ def _concat_by_key(pieces: list[dict[Any, torch.Tensor]]) -> dict[Any, torch.Ten
         parts = [piece[key] for piece in pieces if key in piece]
         out[key] = parts[0] if len(parts) == 1 else torch.cat(parts)
     return out
-
-
-def _non_finite_rows(values: torch.Tensor) -> list[int]:
-    """The tokens (rows) whose values hold an inf or a NaN (a float16 encoder can overflow)."""
-    bad = ~torch.isfinite(values)
-    return (
-        bad.reshape(len(values), -1).any(dim=1).nonzero().squeeze(1).tolist() if bad.any() else []
-    )
-
-
-def _json_floats(values: torch.Tensor) -> Any:
-    """``values.tolist()`` with every inf and NaN as None: JSON has no such numbers (Python's
-    ``json`` would write ``Infinity``, which no client parses). The rows that held one are
-    named by the caller where the form allows (``non_finite``)."""
-    values = values.float()
-    return values.tolist() if bool(torch.isfinite(values).all()) else _nulls(values.tolist())
-
-
-def _json_top_k(features: Any) -> dict[str, Any]:
-    """A top-k readout's JSON lists; ``non_finite``: the tokens whose values held an inf or
-    NaN (written as null), present only when there are any."""
-    out = features.to_dict()
-    rows = _non_finite_rows(features.values)
-    if rows:
-        out["values"] = _nulls(out["values"])
-        out["non_finite"] = rows
-    return out
-
-
-def _nulls(values: Any) -> Any:
-    if isinstance(values, list):
-        return [_nulls(v) for v in values]
-    return values if math.isfinite(values) else None
 
 
 class HiddenStates(OutputProcessor):
@@ -86,7 +52,7 @@ class ProbeScores(OutputProcessor):
         return _concat_by_key(pieces)
 
     def to_response(self, value: dict[str, torch.Tensor]) -> dict[str, Any]:
-        return {name: _json_floats(scores) for name, scores in value.items()}
+        return {name: json_floats(scores) for name, scores in value.items()}
 
 
 class SAEFeatureSets(OutputProcessor):
@@ -105,7 +71,7 @@ class SAEFeatureSets(OutputProcessor):
         }
 
     def to_response(self, value: dict[str, Any]) -> dict[str, Any]:
-        return {name: _json_top_k(features) for name, features in value.items()}
+        return {name: json_top_k(features) for name, features in value.items()}
 
     def to_compact(self, value: dict[str, Any]) -> dict[str, Any]:
         """Base64 arrays (``decode_array``): int32 indices, float32 values, int32 l0; about a
@@ -117,7 +83,7 @@ class SAEFeatureSets(OutputProcessor):
                 "values": encode_array(features.values),
                 "l0": encode_array(features.l0.to(torch.int32)),
             }
-            rows = _non_finite_rows(features.values)
+            rows = non_finite_rows(features.values)
             if rows:
                 out[name]["non_finite"] = rows
         return out

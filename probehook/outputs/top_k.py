@@ -9,8 +9,10 @@ keep fewer (``k <= K``, the first ``k``: rows are sorted). No vLLM, no torch.com
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -181,3 +183,39 @@ class TopKDecoder:
             indices[:, :kept] = self._indices[:, :kept]
             l0[:, :kept] = self._l0[:, :kept]
         self._indices, self._l0 = indices, l0
+
+
+# -- JSON forms (the server's) --------------------------------------------------------------
+
+
+def non_finite_rows(values: torch.Tensor) -> list[int]:
+    """The tokens (rows) whose values hold an inf or a NaN (a float16 encoder can overflow)."""
+    bad = ~torch.isfinite(values)
+    return (
+        bad.reshape(len(values), -1).any(dim=1).nonzero().squeeze(1).tolist() if bad.any() else []
+    )
+
+
+def json_floats(values: torch.Tensor) -> Any:
+    """``values.tolist()`` with every inf and NaN as None: JSON has no such numbers (Python's
+    ``json`` would write ``Infinity``, which no client parses). The rows that held one are
+    named by the caller where the form allows (``non_finite``)."""
+    values = values.float()
+    return values.tolist() if bool(torch.isfinite(values).all()) else _nulls(values.tolist())
+
+
+def json_top_k(features: Any) -> dict[str, Any]:
+    """A top-k readout's JSON lists; ``non_finite``: the tokens whose values held an inf or
+    NaN (written as null), present only when there are any."""
+    out = features.to_dict()
+    rows = non_finite_rows(features.values)
+    if rows:
+        out["values"] = _nulls(out["values"])
+        out["non_finite"] = rows
+    return out
+
+
+def _nulls(values: Any) -> Any:
+    if isinstance(values, list):
+        return [_nulls(v) for v in values]
+    return values if math.isfinite(values) else None

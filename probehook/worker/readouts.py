@@ -9,6 +9,7 @@ No vLLM imports.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -81,3 +82,20 @@ READOUTS: dict[str, WorkerReadout] = {
     )
 }
 """Every readout a worker knows, by source, in the order the step hook records them."""
+
+
+def readout_row(source: str) -> WorkerReadout:
+    """The table's row of ``source``: a built-in one, or the generic row of a top-k readout
+    (:class:`~probehook.worker.top_k_bank.TopKBank`, allocated at load; rank 0 records it)."""
+    row = READOUTS.get(source)
+    if row is not None:
+        return row
+    return WorkerReadout(source, source, RANK_0, functools.partial(_top_k, source))
+
+
+def _top_k(source: str, hook: Any, banks: Any) -> StepRecorder | None:
+    bank = hook.top_k_banks.get(source)
+    if bank is None:
+        return None
+    buffers = [hook.buffers[layer] for layer in bank.layers]
+    return StepRecorder(buffers, bank.layers, transform=bank, source=source)

@@ -169,11 +169,16 @@ class AsyncLLM(VllmAsyncLLM):
         this at start-up, so that it can check requests before they reach the engine)."""
         await self._ensure_capturing()
 
+    @property
+    def readout_options(self) -> dict[str, str]:
+        """The request option of each top-k readout the engine has -> its source."""
+        return self.session.readout_options if self.session is not None else {}
+
     def check_request(self, params: SamplingParams | PoolingParams) -> TrackedRequest | None:
         """What ``params`` would capture (None: nothing), or :class:`CaptureConfigError` for
         bad per-request options; nothing reaches the engine. Call :meth:`start_capture`
         first."""
-        options = options_of(params)
+        options = options_of(params, self.readout_options)
         if self.session is None:
             if hasattr(self, "_plan"):
                 raise CaptureConfigError("check_request: call await start_capture() first.")

@@ -294,13 +294,15 @@ def capture_engine_kwargs(
     monitored: bool | None = None,
     clamps: Sequence[Sequence[Any]] = (),
     banks: str | None = None,
+    readouts: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Return ``kwargs`` for ``vllm.LLM`` with probehook's loader, extension and config;
     ``probe_layers`` (the layers probes and SAEs read) are tapped too; with probes
     (``monitored``; None: whenever ``probe_layers`` are given) the monitor logits processor is
     added; with ``steer_layers``, those layers get the steering op; with ``exit_after`` (a
     capture-only engine), the model stops after that layer; ``saes``: the SAE bank's loader
-    settings; ``banks``: the probes and first steering vectors, encoded (``WorkerBanks.encode``)."""
+    settings; ``banks``: the probes and first steering vectors, encoded (``WorkerBanks.encode``);
+    ``readouts``: each top-k readout's loader settings, by source."""
     kwargs = dict(kwargs)
     if kwargs.get("worker_extension_cls") not in (None, "", WORKER_EXTENSION):
         raise CaptureConfigError(
@@ -330,6 +332,8 @@ def capture_engine_kwargs(
     kwargs["model_loader_extra_config"] = {**extra, loader_keys.LOADER_EXTRA_KEY: inner_format}
     if saes:
         kwargs["model_loader_extra_config"][loader_keys.SAE_BANK_KEY] = saes
+    if readouts:
+        kwargs["model_loader_extra_config"][loader_keys.READOUTS_KEY] = readouts
     if banks:
         kwargs["model_loader_extra_config"][loader_keys.BANKS_KEY] = banks
     additional = dict(kwargs.get("additional_config") or {})

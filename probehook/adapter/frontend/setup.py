@@ -26,9 +26,12 @@ from probehook.core.steering_wire import DEFAULT_CAPACITY
 from probehook.errors import CaptureConfigError, CaptureError
 from probehook.frontend.named import load_named
 from probehook.frontend.probe_set import ProbeSet, load_probes
+from probehook.frontend.readout_set import ReadoutSet
 from probehook.frontend.sae_set import DEFAULT_TOP_K, SAESet, load_saes
 from probehook.frontend.session import CaptureSession, Rpc
 from probehook.frontend.steering_set import SteeringSet, check_capacity
+from probehook.outputs import OUTPUT_PROCESSORS
+from probehook.outputs.top_k_readout import top_k_readouts
 from probehook.store import ActivationStore
 from probehook.store.features import check_values
 from probehook.store.fingerprint import legacy_fingerprint, model_fingerprint
@@ -63,6 +66,11 @@ class CaptureRequest:
     """Requests may clamp SAE features (a clamp op on each SAE's layer)."""
     sae_dtype: str | None = None
     """The encoder GEMM's dtype in the worker (None: each SAE's own)."""
+    readouts: dict[str, Any] | None = None
+    """Top-k readouts by source: ``{source: {name: spec}}`` (each registered readout's
+    engine option, e.g. ``norms={...}``, lands here)."""
+    readout_top_k: dict[str, int] | None = None
+    """Entries kept per token, by source (each readout's ``<option>_top_k``)."""
 
     def __post_init__(self) -> None:
         # Checked at once, so that a plain engine is built without probehook's runner choice.
@@ -107,7 +115,7 @@ class CaptureRequest:
                     f"sae_dtype={self.sae_dtype!r} sets the SAEs' GEMM dtype, but no SAEs were "
                     "given; pass saes={...} too, or drop sae_dtype."
                 )
-        if self.layers is None and self.probes is None and self.saes is None:
+        if self.layers is None and self.probes is None and self.saes is None and not self.readouts:
             if self.store is not None:
                 raise CaptureConfigError(
                     f"store={os.fspath(self.store)!r} needs something to store: pass "
@@ -134,6 +142,7 @@ class CaptureRequest:
             self.layers is not None
             or self.probes is not None
             or self.saes is not None
+            or bool(self.readouts)
             or self.steers
         )
 
@@ -146,9 +155,15 @@ of :class:`CaptureRequest`, declared there once."""
 def take_capture_arguments(kwargs: dict[str, Any]) -> CaptureRequest:
     """The capture arguments out of a front end's keyword arguments, checked; what is left in
     ``kwargs`` goes to vLLM."""
-    return CaptureRequest(
-        **{name: kwargs.pop(name) for name in CAPTURE_ARGUMENTS if name in kwargs}
-    )
+    given = {name: kwargs.pop(name) for name in CAPTURE_ARGUMENTS if name in kwargs}
+    readouts = dict(given.pop("readouts", None) or {})
+    top_k = dict(given.pop("readout_top_k", None) or {})
+    for source, readout in top_k_readouts(OUTPUT_PROCESSORS).items():
+        if readout.engine_option in kwargs:  # a registered readout's own keyword
+            readouts[source] = kwargs.pop(readout.engine_option)
+        if readout.k_option in kwargs:
+            top_k[source] = kwargs.pop(readout.k_option)
+    return CaptureRequest(**given, readouts=readouts or None, readout_top_k=top_k or None)
 
 
 def front_end_signature(
@@ -186,6 +201,8 @@ class CaptureSetup:
     banks: str | None = None
     """The probes and first steering vectors the workers' loader reads at model load
     (:meth:`WorkerBanks.encode`; inline in the engine's config: no file)."""
+    readouts: dict[str, ReadoutSet] = dataclasses.field(default_factory=dict)
+    """The engine's top-k readouts, by source."""
 
     def recording_args(self) -> tuple[int]:
         """Arguments of the workers' ``probehook_start_recording`` (the banks came at load)."""
@@ -239,6 +256,7 @@ def prepare(
             clamping=request.sae_clamping,
             dtype=request.sae_dtype,
         )
+    readouts = _readout_sets(request, num_layers, resolved.model_config.get_hidden_size())
     pooling = engine_config.is_pooling(resolved)
     if pooling:
         _check_pooling(request, resolved.model_config.architectures)
@@ -275,8 +293,15 @@ def prepare(
         last_decode_token=request.last_decode_token,
     )
     # Probes and SAEs read their layers' taps, whether or not rows are captured there.
-    read_layers = tuple(sorted({*(probe_set.layers if probe_set else ()),
-                                *(sae_set.layers if sae_set else ())}))  # fmt: skip
+    read_layers = tuple(
+        sorted(
+            {
+                *(probe_set.layers if probe_set else ()),
+                *(sae_set.layers if sae_set else ()),
+                *(layer for r in readouts.values() for layer in r.layers),
+            }
+        )
+    )
     banks = _banks(probe_set, steering)
     engine_kwargs = engine_config.capture_engine_kwargs(
         kwargs,
@@ -288,6 +313,7 @@ def prepare(
         exit_after=max((*config.layers, *read_layers)) if request.capture_only else None,
         saes=sae_set.loader_settings() if sae_set is not None else None,
         banks=banks,
+        readouts={source: r.loader_settings() for source, r in readouts.items()} or None,
         clamps=sae_set.clamp_settings() if sae_set is not None else (),
         # Requests may bring their own monitors: whenever probes or SAEs can be watched.
         monitored=probe_set is not None or sae_set is not None,
@@ -312,7 +338,31 @@ def prepare(
         steering,
         sae_set,
         banks,
+        readouts,
     )
+
+
+def _readout_sets(
+    request: CaptureRequest, num_layers: int, hidden_size: int
+) -> dict[str, ReadoutSet]:
+    """The engine's top-k readouts (registered output processors), checked against the
+    model; a source nobody registered is refused, naming those that are."""
+    registered = top_k_readouts(OUTPUT_PROCESSORS)
+    sets = {}
+    for source, specs in (request.readouts or {}).items():
+        readout = registered.get(source)
+        if readout is None:
+            raise CaptureConfigError(
+                f"readouts={{{source!r}: ...}}: no top-k readout {source!r} is registered; "
+                f"registered: {sorted(registered)} (OUTPUT_PROCESSORS.register or the "
+                "'probehook.output_processors' entry points)."
+            )
+        k = (request.readout_top_k or {}).get(source)
+        sets[source] = ReadoutSet(readout, specs, k, num_layers=num_layers, hidden_size=hidden_size)
+    unknown = sorted(set(request.readout_top_k or {}) - set(sets))
+    if unknown:
+        raise CaptureConfigError(f"readout_top_k names {unknown}, which the engine does not read.")
+    return sets
 
 
 def _banks(probes: ProbeSet | None, steering: SteeringSet | None) -> str | None:
@@ -332,7 +382,12 @@ def _banks(probes: ProbeSet | None, steering: SteeringSet | None) -> str | None:
 
 def _check_capture_only(request: CaptureRequest) -> None:
     """``capture_only=True`` reads prompts in one pass: refuse what needs generated tokens."""
-    if request.layers is None and request.probes is None and request.saes is None:
+    if (
+        request.layers is None
+        and request.probes is None
+        and request.saes is None
+        and not request.readouts
+    ):
         raise CaptureConfigError(
             "capture_only=True needs something to capture: pass layers=[...], probes={...} "
             "or saes={...}."
@@ -398,6 +453,7 @@ def start(
         stop_token=stop_token if setup.probes is not None or setup.saes is not None else None,
         steering=setup.steering,
         saes=setup.saes,
+        readouts=setup.readouts,
     )
     session.row_format = (int(infos[0]["hidden_size"]), _torch_dtype(infos[0]["dtype"]))
     store = None

@@ -58,7 +58,9 @@ class CapturePooling:
         self._check_route(request)
         try:
             # A pooling model reads its input in one pass: every row is an input row.
-            options = {**request_options(asked), "include_prefill": True, "include_decode": False}
+            readouts = self.engine_client.readout_options  # type: ignore[attr-defined]
+            options = {**request_options(asked, readouts), "include_prefill": True,
+                       "include_decode": False}  # fmt: skip
             params: PoolingParams = ctx.pooling_params
             params.extra_kwargs = {**(params.extra_kwargs or {}), EXTRA_ARGS_KEY: options}
             tracked = self.engine_client.check_request(params)  # type: ignore[attr-defined]

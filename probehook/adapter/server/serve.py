@@ -129,6 +129,21 @@ def add_capture_args(parser: Any) -> None:
         '\'{"probes": true, "layers": [3]}\'); a request\'s own object wins, {} opts out',
     )
     group.add_argument(
+        "--readout",
+        action="append",
+        default=[],
+        metavar="SOURCE:NAME=SPEC",
+        help="an instance of a registered top-k readout (repeatable): its source, a name, and "
+        "the spec its engine option takes (e.g. a layer)",
+    )
+    group.add_argument(
+        "--readout-top-k",
+        action="append",
+        default=[],
+        metavar="SOURCE=K",
+        help="entries kept per token of a top-k readout (default: the readout's own)",
+    )
+    group.add_argument(
         "--max-capture-response-mb",
         type=float,
         default=64.0,
@@ -175,7 +190,34 @@ def capture_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         sae_top_k=args.sae_top_k,
         sae_dtype=args.sae_dtype,
         sae_clamping=args.sae_clamping,
+        readouts=_readouts(args.readout) or None,
+        readout_top_k=_readout_top_k(args.readout_top_k) or None,
     )
+
+
+def _readouts(items: list[str]) -> dict[str, dict[str, str]]:
+    """``--readout SOURCE:NAME=SPEC`` flags as ``{source: {name: spec}}``."""
+    out: dict[str, dict[str, str]] = {}
+    for item in items:
+        head, sep, spec = item.partition("=")
+        source, colon, name = head.partition(":")
+        if not sep or not colon or not source or not name or not spec:
+            raise SystemExit(f"error: --readout {item!r} must be SOURCE:NAME=SPEC (e.g. norm:n3=3)")
+        if name in out.setdefault(source, {}):
+            raise SystemExit(f"error: --readout {source}:{name} is given twice")
+        out[source][name] = spec
+    return out
+
+
+def _readout_top_k(items: list[str]) -> dict[str, int]:
+    """``--readout-top-k SOURCE=K`` flags."""
+    out = {}
+    for item in items:
+        source, sep, k = item.partition("=")
+        if not sep or not source or not k.isdigit() or int(k) < 1:
+            raise SystemExit(f"error: --readout-top-k {item!r} must be SOURCE=K, K >= 1")
+        out[source] = int(k)
+    return out
 
 
 def _named_paths(flag: str, items: list[str], example: str) -> dict[str, str]:
@@ -231,7 +273,8 @@ def check_capture_default(engine: Any, default: dict[str, Any] | None, tasks: An
             "with their own probehook object; drop --capture-default."
         )
     try:
-        engine.check_request(SamplingParams(extra_args={EXTRA_ARGS_KEY: request_options(default)}))
+        options = request_options(default, engine.readout_options)
+        engine.check_request(SamplingParams(extra_args={EXTRA_ARGS_KEY: options}))
     except (CaptureConfigError, TypeError, ValueError) as e:
         raise SystemExit(
             f"error: --capture-default {json.dumps(default)} cannot be served by this engine: {e}"

@@ -133,7 +133,9 @@ class CaptureServing:
                 )
         try:
             asked = (request.model_extra or {}).get(FIELD)
-            options = request_options(self.capture_default if asked is None else asked)
+            options = request_options(
+                self.capture_default if asked is None else asked, engine.readout_options
+            )
             n = request.n or 1
             tracked = engine.check_request(
                 SamplingParams(n=n, extra_args={EXTRA_ARGS_KEY: options})
@@ -171,6 +173,8 @@ class CaptureServing:
         saes = tracked.saes
         if saes is not None:
             bound += features_bytes_bound(rows * completions, len(saes.names), saes.k)
+        for readout in (tracked.readouts or {}).values():  # top-k rows, as SAE features
+            bound += features_bytes_bound(rows * completions, len(readout.names), readout.k)
         if bound > self.max_response_bytes:
             features = f", {len(saes.names)} SAE(s) x top-{saes.k}" if saes is not None else ""
             raise CaptureConfigError(

@@ -27,12 +27,16 @@ from probehook.core.loader_keys import (
     EXIT_AFTER_KEY,
     LOAD_FORMAT,
     LOADER_EXTRA_KEY,
+    READOUTS_KEY,
     SAE_BANK_KEY,
     STEER_LAYERS_KEY,
     TAP_LAYERS_KEY,
 )
 from probehook.errors import UnsupportedModelError
+from probehook.outputs import OUTPUT_PROCESSORS
+from probehook.outputs.top_k_readout import top_k_readouts
 from probehook.worker.clamp_op import CLAMPED_SAES, ClampedSAE, clamp_key
+from probehook.worker.top_k_bank import TopKBank
 
 
 def register_loader() -> None:
@@ -59,6 +63,7 @@ def _make_loader_class() -> type:
             inner_format = extra.pop(LOADER_EXTRA_KEY, None)
             self.sae_settings = extra.pop(SAE_BANK_KEY, None)
             self.banks = extra.pop(BANKS_KEY, None)
+            self.readouts = extra.pop(READOUTS_KEY, None)
             if inner_format is None:
                 raise UnsupportedModelError(
                     f"load_format={LOAD_FORMAT!r} is reserved for probehook.LLM; pass your "
@@ -116,6 +121,17 @@ def _make_loader_class() -> type:
                     clamped = ClampedSAE(hook.saes.weights_of(name), decoders[name])
                     hook.clamped.append(clamped)  # the engine holds it; the op finds it by key
                     CLAMPED_SAES[key] = clamped
+            for source, entry in (self.readouts or {}).items():
+                # Each top-k readout's instances (its class is registered in this process
+                # too: an output processor, or its entry point).
+                readout = top_k_readouts(OUTPUT_PROCESSORS).get(source)
+                if readout is None:
+                    raise UnsupportedModelError(
+                        f"The engine reads top-k readout {source!r}, which is not registered "
+                        "in this worker's process: register it through the entry-point group "
+                        "'probehook.output_processors' so every process knows it."
+                    )
+                hook.top_k_banks[source] = TopKBank(readout, entry["instances"], entry["k"])
             # Probes and steering vectors too, from the banks the front end encoded.
             banks = WorkerBanks.decode(self.banks) if self.banks else WorkerBanks()
             hook.allocate_banks(banks)

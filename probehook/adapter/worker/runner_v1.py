@@ -209,6 +209,9 @@ def _stops_on(raw: Any, source: str) -> bool:
     return any(m.action == "stop" for m, _ in wire.feature_monitors)
 
 
+BUILT_IN_SOURCES = tuple(READOUTS)
+"""Sources with a row of their own in the readout table; every other is a top-k readout's,
+listed under the wire's ``readouts``."""
 SOURCE_KEYS = {r.source: r.wire_key for r in READOUTS.values() if r.wire_key is not None}
 """The wire key that lists what a request gets of a transform source (the readout table's)."""
 
@@ -235,6 +238,14 @@ def _plan(
     transformed = source != "hidden"
     if source == "scores" and not wire.probes or source == "sae" and not wire.saes:
         return None  # the front end lists the probes and SAEs a request gets; none here
+    instances = wire.readout(source) if source not in BUILT_IN_SOURCES else None
+    if instances is not None and not instances:
+        return None  # a top-k readout the request does not ask for
+    if instances and not set(instances) <= set(slots):
+        raise CaptureConfigError(
+            f"it asks for {source} readout(s) {sorted(set(instances) - set(slots))}, which the "
+            f"engine does not have (its {source} readouts: {list(slots)})"
+        )
     if source == "sae" and not set(wire.saes) <= set(slots):
         raise CaptureConfigError(
             f"it asks for SAE(s) {sorted(set(wire.saes) - set(slots))}, which the engine does "
@@ -256,7 +267,7 @@ def _plan(
         # the engine. A stream sends each row as it is computed, before the end is known.
         end_known = not getattr(params, "stop", None) and not wire.stream
         keep = keep_plan(config, prompt_len, index, end_known)
-    layers = config.layers if source == "hidden" else wire.saes if source == "sae" else None
+    layers = config.layers if source == "hidden" else wire.saes if source == "sae" else instances
     one_pass = getattr(state, "sampling_params", None) is None  # a pooling request
     return RequestPlan(f"{wire.tag}/{index}", keep, wire.stream, layers, one_pass=one_pass)
 
@@ -267,7 +278,10 @@ def _failed_plan(req_id: str, raw: Any, source: str, error: str) -> RequestPlan 
     collects it)."""
     tag = raw_tag(raw)
     key = SOURCE_KEYS.get(source)
-    if tag is None or (key is not None and not (isinstance(raw, Mapping) and raw.get(key))):
+    asked = isinstance(raw, Mapping) and (
+        raw.get(key) if key is not None or source == "hidden" else _asks_readout(raw, source)
+    )
+    if tag is None or (source != "hidden" and not asked):
         logger.warning("probehook: ignoring request %s with unreadable options: %s", req_id, error)
         return None
     reason = f"the worker could not read this request's probehook options ({error})"
@@ -276,6 +290,11 @@ def _failed_plan(req_id: str, raw: Any, source: str, error: str) -> RequestPlan 
     index = completion_index(req_id, n if isinstance(n, int) and n > 0 else 2)
     stream = isinstance(raw, Mapping) and raw.get("stream") is True
     return RequestPlan(f"{tag}/{index}", KeepPlan(None, None), stream, error=reason)
+
+
+def _asks_readout(raw: Mapping[str, Any], source: str) -> bool:
+    readouts = raw.get("readouts")
+    return isinstance(readouts, Mapping) and bool(readouts.get(source))
 
 
 def completion_index(req_id: str, n: int) -> int:

@@ -12,7 +12,7 @@ import torch
 from probehook.adapter.worker.runner_patch import patch_runner
 from probehook.capture_config import CaptureConfig
 from probehook.core.bank_file import WorkerBanks
-from probehook.worker.readouts import READOUTS
+from probehook.worker.readouts import READOUTS, readout_row
 from probehook.worker.recorder import StepRecorder
 from probehook.worker.steering_bank import SteeringBank, StepSteering
 
@@ -53,6 +53,9 @@ class StepHook:
         """Each clamped SAE's op buffers, by name (:class:`ClampBuffers`)."""
         self.clamped: list[Any] = []
         """The SAEs the clamp ops read (held here: the ops' registry holds them weakly)."""
+        self.top_k_banks: dict[str, Any] = {}
+        """Each top-k readout's :class:`~probehook.worker.top_k_bank.TopKBank`, by source,
+        read from the loader's settings at load."""
         self.saes: Any = None
         """The engine's :class:`~probehook.worker.sae_bank.SAEBank`, read at load (None: no
         SAEs)."""
@@ -75,7 +78,9 @@ class StepHook:
         """Allocate the steering bank and every readout's recorder (the readout table's
         ``build``: probe scores from ``banks``, SAE features from the SAE bank the loader read
         before this), at model load, inside vLLM's memory profiling."""
-        for source, readout in READOUTS.items():
+        rows = [*READOUTS.values(), *(readout_row(source) for source in self.top_k_banks)]
+        for readout in rows:
+            source = readout.source
             recorder = readout.build(self, banks)
             if recorder is not None:
                 recorder.keep_step_rows = readout.read_in_sampler  # monitors read the step's
@@ -92,6 +97,7 @@ class StepHook:
             "steering_capacity": self.steer.bank.capacity if self.steer is not None else 0,
             "steering_vectors": sorted(banks.vectors) if self.steer is not None else [],
             "saes": list(self.saes.slots) if self.saes is not None else [],
+            "readouts": {source: list(bank.slots) for source, bank in self.top_k_banks.items()},
         }
 
     def recorders(self) -> list[StepRecorder]:

@@ -1,0 +1,84 @@
+"""The front end's view of an engine's top-k readouts (each a registered
+:class:`~probehook.outputs.top_k_readout.TopKReadout`): the instances checked against the
+model at construction, the settings the workers' loader reads, each request's pick checked
+before it reaches the engine, and the worker's packed rows turned into
+:class:`~probehook.outputs.top_k.TopKRows`. No vLLM imports.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from probehook.errors import CaptureConfigError
+from probehook.frontend.named import select_names
+from probehook.outputs.top_k import TopKRows
+
+
+@dataclass(frozen=True)
+class RequestReadout:
+    """The instances of one top-k readout a request gets, and the entries it keeps."""
+
+    names: tuple[str, ...]
+    k: int
+
+
+class ReadoutSet:
+    """One top-k readout's instances in an engine, by name, and its k."""
+
+    def __init__(
+        self,
+        readout: Any,
+        specs: Mapping[str, Any],
+        k: int | None,
+        *,
+        num_layers: int,
+        hidden_size: int,
+    ) -> None:
+        self.readout = readout
+        self.source: str = readout.source
+        option = readout.engine_option
+        if not isinstance(specs, Mapping) or not specs:
+            raise CaptureConfigError(
+                f"{option}={specs!r} is not valid: pass a non-empty dict of names and "
+                f"{readout.name} specs."
+            )
+        k = readout.default_k if k is None else k
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= readout.max_k:
+            raise CaptureConfigError(
+                f"{readout.k_option}={k!r} is not valid: pass an int in 1..{readout.max_k}."
+            )
+        self.k = k
+        self.instances = {
+            str(name): readout.settings(
+                str(name), spec, num_layers=num_layers, hidden_size=hidden_size
+            )
+            for name, spec in specs.items()
+        }
+        self.layers = tuple(sorted({int(s["layer"]) for s in self.instances.values()}))
+
+    def loader_settings(self) -> dict[str, Any]:
+        """What the workers' loader builds the readout's bank from."""
+        return {"k": self.k, "instances": self.instances}
+
+    def for_request(self, picked: Any) -> RequestReadout | None:
+        """A request's pick (None or True: every instance; False or []: none; names)."""
+        option = self.readout.request_option
+        names = select_names(picked, list(self.instances), option, self.readout.name,
+                             CaptureConfigError)  # fmt: skip
+        return RequestReadout(tuple(names), self.k) if names else None
+
+    def values(self, packed: Any, request: RequestReadout) -> dict[str, TopKRows]:
+        """``[len(request.names), n, 2k + 1]`` packed rows -> rows per instance."""
+        return {
+            name: TopKRows.unpack(rows, request.k)
+            for name, rows in zip(request.names, packed, strict=True)
+        }
+
+    def empty(self, request: RequestReadout) -> dict[str, TopKRows]:
+        return {name: TopKRows.empty(request.k) for name in request.names}
+
+    def describe(self) -> dict[str, Any]:
+        """What a store's run records of the readout: its instances' settings and k."""
+        return {"k": self.k, "instances": self.instances}

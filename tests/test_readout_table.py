@@ -1,0 +1,162 @@
+"""A readout is one entry of the readout table: the test-only toy readout of
+tests/toy_readout.py (each row's norm as a one-entry top-k), registered by one line and named
+nowhere in probehook, reaches offline outputs (prompt and generated rows, per-request picks),
+``AsyncLLM`` streams, ``probehook serve`` choices and chunks, and the store, equal to the norm
+of the rows the same engine captures."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.engine
+
+PROMPT = "12+34="
+TOKENS = 4
+ENGINE = dict(enforce_eager=True, max_model_len=64, seed=0, dtype="float32")
+TESTS = Path(__file__).parent
+
+
+@pytest.fixture(scope="module")
+def registered() -> Iterator[Any]:
+    """The one registration line, in this process (the engines' other processes take the
+    entry point below)."""
+    from toy_readout import RowNorm
+
+    from probehook.outputs import OUTPUT_PROCESSORS
+
+    list(OUTPUT_PROCESSORS)  # the entry points this process sees, loaded before (once)
+    OUTPUT_PROCESSORS.register(RowNorm)
+    yield RowNorm
+    OUTPUT_PROCESSORS.unregister(RowNorm.name)
+
+
+@pytest.fixture(scope="module")
+def entry_point_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A distribution that declares the entry point, as a package of the readout would in its
+    pyproject."""
+    root = tmp_path_factory.mktemp("entry_point")
+    info = root / "toy_readout-0.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: toy-readout\nVersion: 0.0\n")
+    (info / "entry_points.txt").write_text(
+        "[probehook.output_processors]\nrow_norms = toy_readout:RowNorm\n"
+    )
+    return root
+
+
+@pytest.fixture(scope="module")
+def entry_point_path(entry_point_root: Path) -> str:
+    """PYTHONPATH for a server's processes: tests/ (the module) and the distribution."""
+    return os.pathsep.join([str(TESTS), str(entry_point_root), os.environ.get("PYTHONPATH", "")])
+
+
+def norm_of(rows: torch.Tensor) -> torch.Tensor:
+    return rows.float().norm(dim=1)
+
+
+def assert_norms(got: Any, rows: torch.Tensor) -> None:
+    assert got.indices.tolist() == [[0]] * len(rows) and got.l0.tolist() == [1] * len(rows)
+    torch.testing.assert_close(got.values[:, 0], norm_of(rows), rtol=1e-5, atol=1e-5)
+
+
+def test_offline_outputs_picks_and_the_store(registered, tmp_path: Path) -> None:
+    from probehook import LLM, SamplingParams, tiny_model_path
+    from probehook.store import ActivationStore
+
+    llm = LLM(str(tiny_model_path()), layers=[1, 3], include_prefill=True,
+              norms={"n1": 1, "n3": 3}, store=tmp_path / "store", **ENGINE)  # fmt: skip
+    try:
+        params = [
+            SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True),
+            SamplingParams(
+                max_tokens=TOKENS,
+                temperature=0,
+                ignore_eos=True,
+                extra_args={"probehook": {"norms": ["n3"]}},
+            ),  # fmt: skip
+        ]
+        every, picked = llm.generate([PROMPT, PROMPT], params, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    for name, layer in (("n1", 1), ("n3", 3)):
+        assert_norms(every.outputs[0].row_norms[name], every.outputs[0].hidden_states[layer])
+        assert_norms(every.prefill_row_norms[name], every.prefill_hidden_states[layer])
+    assert every.row_norms is every.outputs[0].row_norms  # mirrored like every readout
+    assert set(picked.outputs[0].row_norms) == {"n3"}
+    assert_norms(picked.outputs[0].row_norms["n3"], picked.outputs[0].hidden_states[3])
+    assert ActivationStore.open(tmp_path / "store")[every.store_id] is not None
+
+
+def test_async_llm_streams_it(registered, entry_point_root: Path, monkeypatch) -> None:
+    """Every cumulative yield holds every token's norm to date; the engine core (a process of
+    its own, spawned with this process's sys.path) knows the readout by its entry point."""
+    from probehook import AsyncLLM, SamplingParams, tiny_model_path
+
+    monkeypatch.syspath_prepend(str(entry_point_root))
+    engine = AsyncLLM(str(tiny_model_path()), layers=[3], norms={"n3": 3}, **ENGINE)
+    params = SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True)
+
+    async def main() -> list[tuple[int, Any, Any]]:
+        seen = []
+        async for out in engine.generate(PROMPT, params, "stream"):
+            c = out.outputs[0]
+            seen.append((len(c.token_ids), c.row_norms["n3"], c.hidden_states[3]))
+        return seen
+
+    try:
+        seen = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert seen and seen[-1][0] == TOKENS
+    for tokens, norms, rows in seen:
+        assert len(norms) == tokens
+        assert_norms(norms, rows)
+
+
+def test_served_in_choices_and_chunks(registered, entry_point_path: str, tmp_path) -> None:
+    import openai
+
+    from probehook import tiny_model_path
+    from probehook.frontend.response_fields import decode_array
+    from probehook.testing import ServerProcess
+
+    argv = [str(tiny_model_path()), "--served-model-name", "tiny", "--enforce-eager"]
+    argv += ["--dtype", "float32", "--max-model-len", "64", "--seed", "0"]
+    argv += ["--layers", "3", "--readout", "norm:n3=3"]
+    server = ServerProcess(argv, log=tmp_path / "server.log", env={"PYTHONPATH": entry_point_path})
+    try:
+        client = openai.OpenAI(base_url=server.wait().base_url, api_key="unused", max_retries=0)
+        body = {"ignore_eos": True, "probehook": {"norms": ["n3"], "layers": [3]}}
+        choice = client.completions.create(
+            model="tiny", prompt=PROMPT, max_tokens=TOKENS, temperature=0, extra_body=body
+        ).choices[0]
+        field = choice.model_extra["probehook"]
+        rows = torch.from_numpy(decode_array(field["hidden_states"]["3"]))
+        got = field["row_norms"]["n3"]
+        assert got["indices"] == [[0]] * TOKENS and got["l0"] == [1] * TOKENS
+        torch.testing.assert_close(torch.tensor(got["values"])[:, 0], norm_of(rows))
+        chunks = client.completions.create(
+            model="tiny", prompt=PROMPT, max_tokens=TOKENS, temperature=0, extra_body=body,
+            stream=True,
+        )  # fmt: skip
+        joined = []
+        for chunk in chunks:
+            extra = chunk.choices[0].model_extra or {}
+            joined += (
+                extra.get("probehook", {}).get("row_norms", {}).get("n3", {}).get("values", [])
+            )
+        assert joined == got["values"]
+        plain = client.completions.create(
+            model="tiny", prompt=PROMPT, max_tokens=TOKENS, temperature=0,
+            extra_body={"ignore_eos": True},
+        ).choices[0]  # fmt: skip
+        assert "row_norms" not in (plain.model_extra or {}).get("probehook", {})  # opt-in
+    finally:
+        server.stop()

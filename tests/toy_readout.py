@@ -1,0 +1,41 @@
+"""A test-only top-k readout: each row's L2 norm, as a one-entry top-k (index 0, the norm,
+l0 1). The proof that a readout is one module plus one registration line
+(``OUTPUT_PROCESSORS.register(RowNorm)``, or the entry point a package declares:
+``row_norms = toy_readout:RowNorm`` in ``probehook.output_processors``): nothing else in
+probehook names it, and it reaches offline outputs, streams, the server and the store."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from probehook.errors import CaptureConfigError
+from probehook.outputs.top_k_readout import TopKReadout, pack
+
+
+class RowNorm(TopKReadout):
+    name = "row_norms"
+    source = "norm"
+    request_attributes = ("prefill_row_norms",)
+    completion_attributes = ("row_norms",)
+    engine_option = "norms"
+    request_option = "norms"
+    default_k = 1
+    max_k = 1
+
+    def settings(self, name: str, spec: Any, *, num_layers: int, hidden_size: int) -> dict:
+        if isinstance(spec, str) and spec.isdigit():
+            spec = int(spec)  # from the server's command line
+        if isinstance(spec, bool) or not isinstance(spec, int) or not 0 <= spec < num_layers:
+            raise CaptureConfigError(
+                f"norms[{name!r}]={spec!r}: pass a layer in 0..{num_layers - 1}."
+            )
+        return {"layer": spec}
+
+    def read(self, rows: torch.Tensor, settings: Mapping[str, Any], k: int) -> torch.Tensor:
+        n = rows.shape[0]
+        norms = rows.float().norm(dim=1, keepdim=True)
+        index = torch.zeros((n, 1), device=rows.device)
+        return pack(index, norms, torch.ones(n, device=rows.device))

@@ -4,8 +4,6 @@ its SAE key comes from what the compile-cache key holds."""
 
 from __future__ import annotations
 
-import gc
-
 import pytest
 import torch
 from sae_oracle import ARCHITECTURES, make_saelens_sae
@@ -43,7 +41,6 @@ def test_the_fixed_shape_path_equals_the_cpu_path(tmp_path, arch: str) -> None:
     after the op whichever path computed it (the fixed-shape one is what runs on a GPU)."""
     sae = _sae(arch, tmp_path)
     decoder = torch.randn(D_SAE, D_IN, generator=torch.Generator().manual_seed(3))
-    held = clamp_op.ClampedSAE(sae.weights, decoder)
     tokens = TILE_ROWS + 44
     g = torch.Generator().manual_seed(4)
     hidden = torch.randn(tokens, D_IN, generator=g)
@@ -60,31 +57,38 @@ def test_the_fixed_shape_path_equals_the_cpu_path(tmp_path, arch: str) -> None:
         h = hidden.clone()
         rows = index.nonzero().squeeze(1) if distinct else torch.arange(tokens)
         for lo in range(0, len(rows), TILE_ROWS):
-            clamp_op._clamp_rows(held, h, residual, rows[lo : lo + TILE_ROWS], index, features,
-                                 values, distinct_columns=distinct)  # fmt: skip
+            clamp_op._clamp_rows(sae.weights, decoder, h, residual, rows[lo : lo + TILE_ROWS],
+                                 index, features, values, distinct_columns=distinct)  # fmt: skip
         out[distinct] = h
     torch.testing.assert_close(out[True], out[False], rtol=1e-5, atol=1e-5)
     assert torch.equal(out[False][index == 0], hidden[index == 0])  # unclamped: untouched
     assert not torch.equal(out[False], hidden)
 
 
-def test_the_key_follows_the_compile_cache_key_and_outlives_one_of_two_engines() -> None:
-    """Another SAE under the same name and layer gets another key (its graph is another
-    graph); two live engines clamping the same SAE share one key, and either's copy serves
-    when the other is dropped (issue 43: a per-process counter was baked into the graph)."""
+def test_the_op_takes_its_sae_as_arguments(tmp_path) -> None:
+    """The op reads the SAE from its arguments (the layer's buffers), not from a registry a
+    traced or captured graph would freeze another engine's copy into (issue 43: a
+    per-process key, then a key shared by two engines, picked the SAE at trace time): two
+    SAEs through one op give each its own result, equal to the fixed-shape path's."""
+    tokens = 8
+    hidden = torch.randn(tokens, D_IN, generator=torch.Generator().manual_seed(5))
+    index = torch.ones(tokens, dtype=torch.int64)
+    features = torch.full((2, MAX_CLAMPED), -1, dtype=torch.int64)
+    values = torch.zeros((2, MAX_CLAMPED))
+    features[1, :2], values[1, :2] = torch.tensor([3, 40]), torch.tensor([5.0, 0.0])
+    results = []
+    for arch in ("standard", "jumprelu"):
+        sae = _sae(arch, tmp_path)
+        decoder = torch.randn(D_SAE, D_IN, generator=torch.Generator().manual_seed(6))
+        tensors, spec = clamp_op.sae_tensors(sae.weights), clamp_op.sae_spec(sae.weights)
+        assert clamp_op.weights_of(tensors, spec).architecture == arch
+        h = hidden.clone()
+        torch.ops.probehook.clamp(h, None, index, features, values, tensors, decoder, spec)
+        want = hidden.clone()
+        clamp_op._clamp_rows(sae.weights, decoder, want, None, torch.arange(tokens), index,
+                             features, values, distinct_columns=False)  # fmt: skip
+        torch.testing.assert_close(h, want, rtol=1e-5, atol=1e-5)
+        results.append(h)
+    assert not torch.equal(results[0], results[1])
     one = clamp_op.clamp_key("s", 3, "fingerprint-a")
-    assert one == clamp_op.clamp_key("s", 3, "fingerprint-a")
-    assert one != clamp_op.clamp_key("s", 3, "fingerprint-b")
-    assert one != clamp_op.clamp_key("s", 2, "fingerprint-a")
-    weights = torch.zeros(1)
-    first = clamp_op.ClampedSAE(weights, weights)  # type: ignore[arg-type]
-    second = clamp_op.ClampedSAE(weights, weights)  # type: ignore[arg-type]
-    clamp_op.CLAMPED_SAES[one] = first
-    clamp_op.CLAMPED_SAES[one] = second
-    del first
-    gc.collect()
-    assert clamp_op.CLAMPED_SAES[one] is second
-    del second
-    gc.collect()
-    with pytest.raises(KeyError, match="no live engine"):
-        clamp_op.CLAMPED_SAES[one]
+    assert one == clamp_op.clamp_key("s", 3, "fingerprint-a") != clamp_op.clamp_key("s", 3, "b")

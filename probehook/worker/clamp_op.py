@@ -7,8 +7,9 @@ to 0 removes a feature, to a large value holds it on. Like the steering op it is
 ``torch.library.custom_op`` that stays one opaque call in vLLM's compiled graph and reads
 fixed buffers the worker writes before each forward pass: ``index`` (each token's row in the
 tables, 0: not clamped), ``features`` (``[rows, MAX_CLAMPED]`` feature ids, -1 unused; row 0
-all -1) and ``values``. The SAE itself is found by ``key`` in :data:`CLAMPED_SAES` (the
-loader puts it there at load, before the first forward pass).
+all -1) and ``values``. The SAE's own tensors are arguments of the op too (buffers of the
+layer, :func:`sae_tensors`; its architecture and settings in ``spec``), so a compiled graph
+and a captured CUDA graph read this engine's SAE, never another's.
 
 On a CPU only the clamped tokens are encoded, and for every architecture but topk/abstopk only
 the distinct clamped features' encoder columns (a step without any clamped token is skipped
@@ -17,54 +18,46 @@ in tiles of :data:`~probehook.saes.encode.TILE_ROWS` rows, and each token's own 
 features alone are encoded (``activations_per_token``: its ``MAX_CLAMPED`` encoder columns;
 a dense encode of the tile for topk/abstopk), so the op's memory is bounded by the tile, not
 the step, and an unclamped token adds 0.
-
-The op finds its SAE by ``key``, which the loader derives from the clamp settings in vLLM's
-compile-cache key (SAE name, layer, fingerprint): a graph traced for one SAE is never replayed
-for another, and two engines of one process clamping the same SAE share the key (either's
-copy serves).
 """
 
 from __future__ import annotations
 
 import hashlib
-import weakref
-from dataclasses import dataclass
 
 import torch
 
 from probehook.saes.encode import TILE_ROWS, SAEWeights, activations_at, activations_per_token
 from probehook.worker.tap_op import OP_NAMESPACE
 
-
-@dataclass(eq=False)
-class ClampedSAE:
-    """An SAE a clamp op reads: its encoder and decoder rows ``W_dec [d_sae, d_in]``."""
-
-    weights: SAEWeights
-    W_dec: torch.Tensor
+TENSORS = ("W_enc", "b_enc", "b_dec", "threshold", "b_gate", "b_mag", "r_mag_exp",
+           "decoder_norms")  # fmt: skip
+"""The :class:`SAEWeights` tensors the op takes, in order (an empty tensor stands for None)."""
 
 
-class _ClampedSAEs:
-    """key -> the SAEs of the clamp ops in this process; each held by its engine's step hook,
-    so it goes with the engine (two live engines may hold equal copies under one key)."""
-
-    def __init__(self) -> None:
-        self._held: dict[str, weakref.WeakSet[ClampedSAE]] = {}
-
-    def __setitem__(self, key: str, sae: ClampedSAE) -> None:
-        self._held.setdefault(key, weakref.WeakSet()).add(sae)
-
-    def __getitem__(self, key: str) -> ClampedSAE:
-        for sae in self._held.get(key, ()):
-            return sae
-        raise KeyError(f"no live engine holds the clamped SAE {key!r}")
+def sae_tensors(weights: SAEWeights) -> list[torch.Tensor]:
+    """``weights``'s tensors as the op takes them."""
+    empty = weights.W_enc.new_empty(0)
+    return [t if t is not None else empty for t in (getattr(weights, n) for n in TENSORS)]
 
 
-CLAMPED_SAES = _ClampedSAEs()
+def sae_spec(weights: SAEWeights) -> str:
+    """What else of ``weights`` the op needs (a constant of the traced graph)."""
+    return f"{weights.architecture}|{int(weights.apply_b_dec_to_input)}|" \
+           f"{weights.normalize_activations}|{weights.k or 0}"  # fmt: skip
+
+
+def weights_of(tensors: list[torch.Tensor], spec: str) -> SAEWeights:
+    """The :class:`SAEWeights` the op's arguments describe."""
+    architecture, apply_b_dec, normalization, k = spec.split("|")
+    named = {n: (t if t.numel() else None) for n, t in zip(TENSORS, tensors, strict=True)}
+    return SAEWeights(architecture=architecture, apply_b_dec_to_input=apply_b_dec == "1",
+                      normalize_activations=normalization, k=int(k) or None,
+                      **named)  # type: ignore[arg-type]  # fmt: skip
 
 
 def clamp_key(name: str, layer: int, fingerprint: str) -> str:
-    """A clamp op's key, from what vLLM's compile-cache key holds of it."""
+    """A clamp op's key (its buffers' names on the layer), from what vLLM's compile-cache key
+    holds of it."""
     digest = hashlib.sha256(f"{name}|{layer}|{fingerprint}".encode()).hexdigest()
     return digest[:16]
 
@@ -76,11 +69,14 @@ def clamp(
     index: torch.Tensor,
     features: torch.Tensor,
     values: torch.Tensor,
-    key: str,
+    sae: list[torch.Tensor],
+    W_dec: torch.Tensor,
+    spec: str,
 ) -> None:
     """``hidden[t] += sum_f (values - a_f(hidden[t] + residual[t])) * W_dec[f]`` for the
     step's tokens with ``index[t] > 0`` (``hidden``: ``[tokens, d_in]``; ``residual``: the
-    deferred residual of vLLM layers that return ``(hidden, residual)``, or None)."""
+    deferred residual of vLLM layers that return ``(hidden, residual)``, or None; ``sae``,
+    ``spec``: :func:`sae_tensors`, :func:`sae_spec`; ``W_dec``: ``[d_sae, d_in]``)."""
     slots = index[: hidden.shape[0]]
     on_cpu = hidden.device.type == "cpu"
     if on_cpu:
@@ -89,14 +85,15 @@ def clamp(
         rows = slots.nonzero().squeeze(1)
     else:
         rows = torch.arange(hidden.shape[0], device=hidden.device)
-    sae = CLAMPED_SAES[key]
+    weights = weights_of(sae, spec)
     for lo in range(0, rows.shape[0], TILE_ROWS):
-        _clamp_rows(sae, hidden, residual, rows[lo : lo + TILE_ROWS], slots, features, values,
-                    distinct_columns=on_cpu)  # fmt: skip
+        tile = rows[lo : lo + TILE_ROWS]
+        _clamp_rows(weights, W_dec, hidden, residual, tile, slots, features, values, on_cpu)
 
 
 def _clamp_rows(
-    sae: ClampedSAE,
+    weights: SAEWeights,
+    W_dec: torch.Tensor,
     hidden: torch.Tensor,
     residual: torch.Tensor | None,
     rows: torch.Tensor,
@@ -108,7 +105,6 @@ def _clamp_rows(
     """The clamp of ``rows`` (one tile). ``distinct_columns``: encode the distinct clamped
     features' columns for every row (few features, data-dependent shapes: a CPU); else each
     row's own ``MAX_CLAMPED`` columns (fixed shapes)."""
-    weights, W_dec = sae.weights, sae.W_dec
     stream = hidden.index_select(0, rows)
     if residual is not None:
         stream = stream + residual.index_select(0, rows)
@@ -135,6 +131,8 @@ def _(
     index: torch.Tensor,
     features: torch.Tensor,
     values: torch.Tensor,
-    key: str,
+    sae: list[torch.Tensor],
+    W_dec: torch.Tensor,
+    spec: str,
 ) -> None:
     return None

@@ -17,7 +17,12 @@ from typing import Any
 
 from torch import nn
 
-from probehook.adapter.worker.surgery import exit_early, install_taps, locate_layers
+from probehook.adapter.worker.surgery import (
+    attach_clamped_sae,
+    exit_early,
+    install_taps,
+    locate_layers,
+)
 from probehook.capture_config import CaptureConfig
 from probehook.core.bank_file import WorkerBanks
 from probehook.core.loader_keys import (
@@ -35,7 +40,7 @@ from probehook.core.loader_keys import (
 from probehook.errors import UnsupportedModelError
 from probehook.outputs import OUTPUT_PROCESSORS
 from probehook.outputs.top_k_readout import top_k_readouts
-from probehook.worker.clamp_op import CLAMPED_SAES, ClampedSAE, clamp_key
+from probehook.worker.clamp_op import clamp_key
 from probehook.worker.top_k_bank import TopKBank
 
 
@@ -94,8 +99,8 @@ def _make_loader_class() -> type:
                 {k: v for k, v in settings.items() if k not in _NOT_CAPTURE_CONFIG}
             )
             scheduler = vllm_config.scheduler_config
-            # Each clamp op finds its SAE by a key made of what the compile-cache key holds
-            # (name, layer, fingerprint): a traced graph is never replayed for another SAE.
+            # Each clamp op's buffers are named by a key made of what the compile-cache key
+            # holds (name, layer, fingerprint).
             clamps = [(str(name), int(layer), clamp_key(str(name), int(layer), str(print_)))
                       for name, layer, print_ in settings.get(CLAMP_KEY) or ()]  # fmt: skip
             hook = install_taps(
@@ -117,10 +122,10 @@ def _make_loader_class() -> type:
                 hook.saes, decoders = load_bank(
                     self.sae_settings, device, keep_decoders=[name for name, _, _ in clamps]
                 )
-                for name, _, key in clamps:
-                    clamped = ClampedSAE(hook.saes.weights_of(name), decoders[name])
-                    hook.clamped.append(clamped)  # the engine holds it; the op finds it by key
-                    CLAMPED_SAES[key] = clamped
+                for name, layer, key in clamps:
+                    attach_clamped_sae(
+                        model, layer, key, hook.saes.weights_of(name), decoders[name]
+                    )
             for source, entry in (self.readouts or {}).items():
                 # Each top-k readout's instances (its class is registered in this process
                 # too: an output processor, or its entry point).

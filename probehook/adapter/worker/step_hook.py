@@ -51,8 +51,6 @@ class StepHook:
         (built at load by :meth:`allocate_banks`)."""
         self.clamp_buffers: dict[str, Any] = {}
         """Each clamped SAE's op buffers, by name (:class:`ClampBuffers`)."""
-        self.clamped: list[Any] = []
-        """The SAEs the clamp ops read (held here: the ops' registry holds them weakly)."""
         self.top_k_banks: dict[str, Any] = {}
         """Each top-k readout's :class:`~probehook.worker.top_k_bank.TopKBank`, by source,
         read from the loader's settings at load."""

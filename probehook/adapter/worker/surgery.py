@@ -24,7 +24,8 @@ from probehook.core.architectures import (  # noqa: F401 - importable from here,
 )
 from probehook.core.request_options import MAX_CLAMPED
 from probehook.errors import UnsupportedModelError
-from probehook.worker.clamp_op import clamp
+from probehook.worker.clamp_op import TENSORS as CLAMP_TENSORS
+from probehook.worker.clamp_op import clamp, sae_spec, sae_tensors
 from probehook.worker.clamp_tables import ClampBuffers
 from probehook.worker.steer_op import steer
 from probehook.worker.tap_op import tap
@@ -254,22 +255,41 @@ def _steer_hook(module: nn.Module, args: Any, output: Any) -> None:
 
 
 def _clamp_hook(key: str) -> Callable[[nn.Module, Any, Any], None]:
-    """The forward hook of clamp op ``key`` (its buffers are the layer's, named by key)."""
+    """The forward hook of clamp op ``key``: its tables and its SAE's tensors are the layer's
+    buffers, named by key (:func:`attach_clamped_sae`), so the compiled graph and a captured
+    CUDA graph read them as this engine's inputs."""
     index_name, features_name, values_name = (
         f"probehook_clamp{key}_{part}" for part in ("index", "features", "values")
     )
+    tensor_names = [f"probehook_clamp{key}_sae_{name}" for name in CLAMP_TENSORS]
+    decoder_name, spec_name = f"probehook_clamp{key}_W_dec", f"probehook_clamp{key}_spec"
 
     def hook(module: nn.Module, args: Any, output: Any) -> None:
         buffers = (getattr(module, index_name), getattr(module, features_name),
                    getattr(module, values_name))  # fmt: skip
+        sae = [getattr(module, name) for name in tensor_names]
+        decoder, spec = getattr(module, decoder_name), getattr(module, spec_name)
         if getattr(module, TAP_KIND_ATTR, None) == "batched_stream":
             stream = output[0] if isinstance(output, tuple) else output
-            clamp(_tokens_first(stream), None, *buffers, key)
+            clamp(_tokens_first(stream), None, *buffers, sae, decoder, spec)
             return
         hidden, residual = _split_layer_output(output)
-        clamp(hidden, residual, *buffers, key)
+        clamp(hidden, residual, *buffers, sae, decoder, spec)
 
     return hook
+
+
+def attach_clamped_sae(
+    model: nn.Module, layer_index: int, key: str, weights: Any, W_dec: torch.Tensor
+) -> None:
+    """Give clamp op ``key`` on layer ``layer_index`` its SAE: the encoder's tensors and the
+    decoder rows as non-persistent buffers of the layer (after the SAE bank is read at load,
+    before the first forward pass), its settings as the op's constant ``spec``."""
+    layer = locate_layers(model)[1][layer_index]
+    for name, tensor in zip(CLAMP_TENSORS, sae_tensors(weights), strict=True):
+        layer.register_buffer(f"probehook_clamp{key}_sae_{name}", tensor, persistent=False)
+    layer.register_buffer(f"probehook_clamp{key}_W_dec", W_dec, persistent=False)
+    setattr(layer, f"probehook_clamp{key}_spec", sae_spec(weights))
 
 
 @dataclass

@@ -10,12 +10,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import h5py
+import numpy as np
 import pytest
 import torch
 from test_store_unit import HIDDEN, META, fake_request, write
 
 from probehook.errors import StoreCorruptError
 from probehook.store import ActivationStore
+from probehook.store.appender import DatasetAppender
 from probehook.store.format import MANIFEST_FILE, SHARD_DIR
 from probehook.store.maintenance import compact, fsck
 from probehook.store.writer import PendingRequest, RowBlock
@@ -224,3 +227,40 @@ def test_appended_runs_with_other_layers(tmp_path: Path, caplog) -> None:
     assert three.missing_runs == [] and len(three) == 6
     with pytest.raises(ValueError, match=r"captured layers \[1, 2, 3\]"):
         reader.layer(0)
+
+
+def test_an_appender_refuses_rows_of_another_type_or_width(tmp_path: Path) -> None:
+    """A dataset holds one dtype and width: a chunk buffer of the first rows' dtype used to
+    take later rows by casting (uint32 SAE indices cut to uint16 by compaction)."""
+    with h5py.File(tmp_path / "f.h5", "w") as f:
+        target = DatasetAppender(f, "decode/sae_s/indices", None)
+        assert target.append(np.zeros((3, 6), dtype=np.uint16)) == 0
+        assert target.append(np.zeros((0, 4), dtype=np.uint32)) == 3  # no rows: nothing to hold
+        with pytest.raises(ValueError, match="decode/sae_s/indices.*uint16.*refusing uint32"):
+            target.append(np.full((2, 6), 70_000, dtype=np.uint32))
+        with pytest.raises(ValueError, match=r"\(6,\).*\(4,\)"):
+            target.append(np.zeros((2, 4), dtype=np.uint16))
+        target.close()
+        assert f["decode/sae_s/indices"].shape == (3, 6)
+
+
+def test_fsck_follows_each_sae_layout(tmp_path: Path) -> None:
+    """fsck checks SAE segments in the dataset of their layout: after compacting runs of two
+    layouts into one shard, damage to one layout's datasets costs only that run's requests."""
+    from test_store_features import sae_run
+
+    root = tmp_path / "s"
+    small = sae_run(root, range(3), 512, 8)
+    wide = sae_run(root, range(3, 6), 70_000, 4)
+    compact(root, progress=False)
+    assert fsck(root).ok
+    store = ActivationStore.open(root)
+    seg = store[next(iter(wide))].record["sae_segments"][0]
+    assert seg["layout"] == "k4-uint32-float32"
+    with h5py.File(root / SHARD_DIR / store[next(iter(wide))].record["shard"], "r+") as f:
+        values = f[f"{seg['phase']}/sae_s/{seg['layout']}/values"]
+        values.resize(0, axis=0)
+    report = fsck(root)
+    assert sorted(report.unverifiable_requests) == sorted(wide)
+    assert fsck(root, repair=True).ok
+    assert sorted(ActivationStore.open(root)._records) == sorted(small)

@@ -1,21 +1,44 @@
 """May this run append to that store? Only a store of the same model: same fingerprint (see
-:mod:`probehook.store.fingerprint`), hidden size and dtype; or a new or empty directory."""
+:mod:`probehook.store.fingerprint`), hidden size and dtype; or a new or empty directory.
+
+A run's SAEs are compared with those of the store's earlier runs (:func:`compare_saes`), not
+refused: a run may store features under a name an earlier run used for another SAE, d_sae or
+k. Stored features are kept apart by layout (store/features.py: a run of another index type,
+width or value type never shares a dataset with it, in a shard or after ``compact``), and a
+request's features are its own run's SAE's (``store.runs[run]["saes"][name]``). What is
+refused, with a :class:`~probehook.errors.StoreError` naming the SAE, is a description the
+store cannot lay out (:func:`check_saes`)."""
 
 from __future__ import annotations
 
 import logging
+import operator
 from pathlib import Path
 from typing import Any
 
-from probehook.errors import StoreFormatError
+from probehook.errors import StoreError, StoreFormatError
 from probehook.store.contents import read_meta
-from probehook.store.format import CREATE_LOCK, META_FILE, WRITER_LOCK
+from probehook.store.features import MAX_D_SAE
+from probehook.store.format import (
+    CREATE_LOCK,
+    META_FILE,
+    WRITER_LOCK,
+    lane_dir,
+    list_lanes,
+)
+from probehook.store.manifest import scan_manifest
 
 logger = logging.getLogger(__name__)
+SAE_IDENTITY = ("fingerprint", "d_sae", "k", "layer")
+"""What :func:`compare_saes` compares of two runs' SAEs of one name."""
 
 
 def check_appendable(
-    path: str | Path, meta: dict[str, Any], *, legacy_fingerprint: str | None = None
+    path: str | Path,
+    meta: dict[str, Any],
+    *,
+    legacy_fingerprint: str | None = None,
+    saes: dict[str, Any] | None = None,
 ) -> None:
     """Raise unless ``path`` is new, empty, or a store of the same model (the keys of
     ``meta`` that it has: model_fingerprint, hidden_size, dtype).
@@ -23,6 +46,11 @@ def check_appendable(
     Fingerprints are compared only within one ``fingerprint_version`` (a missing one is
     version 1, the legacy whole-config hash). A legacy store accepts a run whose
     ``legacy_fingerprint`` matches it; anything else is refused with what to do.
+
+    ``saes``: the run's SAEs (``{name: {"d_sae", "k", "fingerprint", "layer", ...}}``, as
+    ``begin_run`` records them), checked (:func:`check_saes`) and compared with the store's
+    earlier runs: an SAE, d_sae or k that differs from an earlier run's under the same name
+    is allowed and logged (INFO), since features of other layouts are stored apart.
     """
     root = Path(path)
     if (root / META_FILE).exists():
@@ -35,6 +63,10 @@ def check_appendable(
                     f"Cannot append to {root}: its {key} is {existing.get(key)!r} but this "
                     f"run's is {meta[key]!r}. Use a new store path for another model."
                 )
+        if saes is not None:
+            check_saes(root, saes)
+            for note in compare_saes(_runs(root), saes):
+                logger.info("probehook store %s: %s", root, note)
     elif root.exists() and (
         not root.is_dir()
         # Lock files, and meta.json being written by a writer creating the store now.
@@ -43,6 +75,82 @@ def check_appendable(
         raise StoreFormatError(
             f"{root} exists, is not empty and is not an activation store; pick a new path."
         )
+    elif saes is not None:
+        check_saes(root, saes)
+
+
+def check_saes(root: str | Path, saes: Any) -> None:
+    """Raise :class:`StoreError`, naming the SAE, unless every description in ``saes``
+    (``{name: {"d_sae", "k", ...}}``) is one whose features the store can lay out: a
+    non-empty name, ``d_sae`` from 1 to :data:`~probehook.store.features.MAX_D_SAE` (indices
+    and the padding mark fit in uint32), ``k`` at least 1."""
+    if not isinstance(saes, dict):
+        raise StoreError(
+            f"Cannot store SAE features in {root}: a run's SAEs must be a dict name -> "
+            f"description, not a {type(saes).__name__}."
+        )
+    for name, sae in saes.items():
+        if not isinstance(name, str) or not name:
+            raise StoreError(
+                f"Cannot store features of SAE {name!r} in {root}: an SAE name must be a "
+                "non-empty string."
+            )
+        if not isinstance(sae, dict):
+            raise StoreError(
+                f"Cannot store features of SAE {name!r} in {root}: its description is a "
+                f"{type(sae).__name__}, not a dict with d_sae and k."
+            )
+        for key, top in (("d_sae", MAX_D_SAE), ("k", None)):
+            value = sae.get(key)
+            try:
+                number = operator.index(value) if not isinstance(value, bool) else None
+            except TypeError:
+                number = None
+            if number is None or number < 1 or (top is not None and number > top):
+                bound = f"from 1 to {top:,}" if top is not None else "at least 1"
+                raise StoreError(
+                    f"Cannot store features of SAE {name!r} in {root}: its {key} is "
+                    f"{value!r}; it must be an integer {bound}."
+                )
+
+
+def compare_saes(runs: dict[str, dict[str, Any]], saes: dict[str, Any]) -> list[str]:
+    """One line for each SAE of ``saes`` whose name the latest earlier run in ``runs`` that
+    used it gave another SAE (fingerprint), d_sae, k or layer: what changed, and that the
+    store keeps both (empty when nothing changed)."""
+    notes = []
+    for name, sae in saes.items():
+        earlier = [
+            (run_id, run["saes"][name])
+            for run_id, run in runs.items()
+            if isinstance(run.get("saes"), dict) and isinstance(run["saes"].get(name), dict)
+        ]
+        if not earlier or not isinstance(sae, dict):
+            continue
+        run_id, before = earlier[-1]
+        changed = [
+            f"{key} {before.get(key)} -> {sae.get(key)}"
+            for key in SAE_IDENTITY
+            if before.get(key) != sae.get(key)
+        ]
+        if changed:
+            notes.append(
+                f"SAE {name!r} differs from run {run_id}'s ({', '.join(changed)}); both are "
+                "kept: features of another d_sae, k or value type are stored in datasets of "
+                "their own, and a request's features are its run's SAE's (store.runs[run]"
+                '["saes"])'
+            )
+    return notes
+
+
+def _runs(root: Path) -> dict[str, dict[str, Any]]:
+    """The run records of every lane of the store at ``root``, in store order."""
+    runs: dict[str, dict[str, Any]] = {}
+    for lane in list_lanes(root)[0]:
+        for record in scan_manifest(lane_dir(root, lane)).records:
+            if record.get("kind") == "run":
+                runs[record["run_id"]] = record
+    return runs
 
 
 def check_fingerprint(

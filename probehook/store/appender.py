@@ -43,12 +43,25 @@ class DatasetAppender:
         self._pending_bytes = 0
         self._dataset: h5py.Dataset | None = None
         self._chunk_rows = 0
+        self._kind: tuple[np.dtype, tuple[int, ...]] | None = None  # dtype, row shape
 
     def append(self, data: np.ndarray) -> int:
-        """Queue ``data`` (``[rows, width]``, C-contiguous); return its first row's index."""
+        """Queue ``data`` (``[rows, width]``, C-contiguous); return its first row's index.
+
+        Every append must have the first one's dtype and width: rows of another are refused
+        with ``ValueError`` (a chunk buffer of the first dtype would cast them silently, e.g.
+        cut uint32 indices to uint16)."""
         start = self.rows
         if len(data) == 0:
             return start
+        kind = (np.dtype(data.dtype), tuple(data.shape[1:]))
+        if self._kind is None:
+            self._kind = kind
+        elif kind != self._kind:
+            raise ValueError(
+                f"dataset {self.name!r} holds {self._kind[0]} rows of shape {self._kind[1]}; "
+                f"refusing {kind[0]} rows of shape {kind[1]} (they would not be stored as given)"
+            )
         self.rows += len(data)
         self._pending.append(np.ascontiguousarray(data))
         self._pending_rows += len(data)

@@ -1,22 +1,35 @@
-"""SAE features in a store: sparse, three datasets per (phase, SAE) in each shard.
+"""SAE features in a store: sparse, three datasets per (phase, SAE, layout) in each shard.
 
-    {phase}/sae_{name}/indices  [rows, k]  uint16 when every index fits (d_sae < 65,535),
-                                           else uint32; padding (no feature) is the type's max;
-                                           k is the run's (a request that kept fewer: padded)
-    {phase}/sae_{name}/values   [rows, k]  float32 (or float16: store_options sae_values)
-    {phase}/sae_{name}/l0       [rows, 1]  uint32
+    {phase}/sae_{name}/{layout}/indices  [rows, k]  uint16 when every index fits (d_sae < 65,535),
+                                                    else uint32; padding (no feature) is the
+                                                    type's max; k is the run's (a request that
+                                                    kept fewer: padded)
+    {phase}/sae_{name}/{layout}/values   [rows, k]  float32 (or float16: store_options sae_values)
+    {phase}/sae_{name}/{layout}/l0       [rows, 1]  uint32
+
+``layout`` names what decides the datasets' shape and types: ``k{k}-{index type}-{value
+type}``, e.g. ``k32-uint16-float32`` (:func:`layout_of`). Runs that store one SAE name with
+another d_sae (index type), k (width) or value type therefore never share a dataset, in a
+writer's shard or in a compacted one; runs of the same layout do, whatever their SAE's
+fingerprint (a segment's SAE is its record's run's ``saes[name]``).
 
 The three are appended together, so a segment's ``start`` is the same row in each (a
-compaction that merges shards keeps them in step: it appends whole datasets). A request's
-record lists its feature segments under ``"sae_segments"`` (``phase``, ``completion``,
-``sae``, ``k`` (the request's), ``first_position``, ``start``, ``count``), beside the row
-``"segments"``; the run's record names each SAE's fingerprint, k, layer and settings under
-``"saes"``.
+compaction that merges shards keeps them in step: it appends whole datasets, and refuses a
+group whose three are not). A request's record lists its feature segments under
+``"sae_segments"`` (``phase``, ``completion``, ``sae``, ``layout``, ``k`` (the request's),
+``first_position``, ``start``, ``count``), beside the row ``"segments"``; the run's record
+names each SAE's fingerprint, k, layer and settings under ``"saes"``.
+
+Stores written before layouts (before issue 43, item 6) have no ``layout`` in their segments and
+keep the three datasets directly in ``{phase}/sae_{name}/``; they are read as they are, and a
+compaction moves their rows into layout groups like any other.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -37,8 +50,30 @@ def check_values(value: str) -> str:
     return value
 
 
-def feature_dataset(phase: str, sae: str, part: str) -> str:
-    return f"{phase}/sae_{sae}/{part}"
+LAYOUT = re.compile(r"k[0-9]+-[a-z]+[0-9]+-[a-z]+[0-9]+")
+"""What :func:`layout_of` names look like (``k32-uint16-float32``)."""
+
+
+def feature_group(phase: str, sae: str, layout: str | None = None) -> str:
+    """The HDF5 group of SAE ``sae``'s datasets of one layout (None: a store written before
+    layouts, whose three datasets lie directly in ``{phase}/sae_{name}``)."""
+    group = f"{phase}/sae_{sae}"
+    return f"{group}/{layout}" if layout else group
+
+
+def feature_dataset(phase: str, sae: str, part: str, layout: str | None = None) -> str:
+    return f"{feature_group(phase, sae, layout)}/{part}"
+
+
+def segment_group(segment: dict[str, Any]) -> str:
+    """The group an SAE segment's rows lie in."""
+    return feature_group(segment["phase"], segment["sae"], segment.get("layout"))
+
+
+def layout_of(indices: Any, values: Any) -> str:
+    """The layout of stored ``indices`` and ``values`` (arrays or HDF5 datasets): width, index
+    type and value type, everything that decides how their rows are laid out."""
+    return f"k{indices.shape[1]}-{np.dtype(indices.dtype).name}-{np.dtype(values.dtype).name}"
 
 
 @dataclass
@@ -62,6 +97,10 @@ class FeatureBlock:
 def index_dtype(d_sae: int) -> type:
     """The smallest unsigned type that holds every index and the padding mark (its max)."""
     return np.uint16 if d_sae < np.iinfo(np.uint16).max else np.uint32
+
+
+MAX_D_SAE = int(np.iinfo(np.uint32).max) - 1
+"""The widest SAE a store holds: every index and the padding mark must fit in uint32."""
 
 
 def to_storage(features: object, d_sae: int, k: int, values: str) -> dict[str, np.ndarray]:

@@ -22,10 +22,16 @@ from typing import Any
 
 import h5py
 
-from probehook.errors import StoreCorruptError, StoreLockedError
+from probehook.errors import StoreCorruptError, StoreError, StoreLockedError
 from probehook.store.appender import DatasetAppender
 from probehook.store.contents import read_meta
-from probehook.store.features import PARTS, feature_dataset
+from probehook.store.features import (
+    LAYOUT,
+    PARTS,
+    feature_dataset,
+    layout_of,
+    segment_group,
+)
 from probehook.store.format import (
     DEFAULT_SHARD_BYTES,
     MANIFEST_FILE,
@@ -319,13 +325,27 @@ def _compact_lane(store_root: Path, lane: str, shard_bytes: int, progress: bool)
         )
     shards = [r for r in scan.records if r.get("kind") == "shard"]
     groups = _plan(shards, shard_bytes)
-    renames: dict[str, tuple[str, dict[str, int]]] = {}  # old shard -> new, offsets
+    merged = {s["name"] for g in groups for s in g}
+    sae_groups: dict[str, dict[str, tuple[str, str, str | None]]] = {}
+    for record in scan.records:
+        if record.get("kind") == "request" and record["shard"] in merged:
+            for seg in record.get("sae_segments", ()):
+                if seg["count"]:
+                    where = (seg["phase"], seg["sae"], seg.get("layout"))
+                    sae_groups.setdefault(record["shard"], {})[segment_group(seg)] = where
+    renames: dict[str, _Moved] = {}  # old shard -> where its datasets went
     into: list[dict[str, Any]] = []
     desc = "compacting" + ("" if lane == ROOT_LANE else f" lane {lane}")
     bar = tqdm(groups, desc=desc, unit="shard", disable=not progress or not groups)
     for group in bar:
         name = f"{COMPACT_PREFIX}{uuid.uuid4().hex[:12]}.h5"
-        offsets = _merge(root / SHARD_DIR, [s["name"] for s in group], name)
+        try:
+            offsets = _merge(root / SHARD_DIR, [s["name"] for s in group], name, sae_groups)
+        except StoreError:
+            # A refusal: the copies made so far are referenced by nothing; remove them now.
+            for done in into:
+                (root / SHARD_DIR / done["name"]).unlink(missing_ok=True)
+            raise
         renames.update(offsets)
         into.append(
             {
@@ -345,14 +365,14 @@ def _compact_lane(store_root: Path, lane: str, shard_bytes: int, progress: bool)
             if record["name"] in first_of_group:
                 records.append(first_of_group[record["name"]])
         elif kind == "request" and record["shard"] in renames:
-            new_name, offsets = renames[record["shard"]]
-            moved = {**record, "shard": new_name}
-            for key in ("segments", "sae_segments"):
-                if key in record:
-                    moved[key] = [
-                        {**seg, "start": seg["start"] + offsets.get(_datasets(seg)[0], 0)}
-                        for seg in record[key]
-                    ]
+            target = renames[record["shard"]]
+            moved = {**record, "shard": target.name}
+            moved["segments"] = [
+                {**seg, "start": seg["start"] + target.offsets.get(_datasets(seg)[0], 0)}
+                for seg in record["segments"]
+            ]
+            if "sae_segments" in record:
+                moved["sae_segments"] = [target.sae_segment(seg) for seg in record["sae_segments"]]
             records.append(moved)
         else:
             records.append(record)
@@ -372,7 +392,8 @@ def _compact_lane(store_root: Path, lane: str, shard_bytes: int, progress: bool)
 def _datasets(segment: dict[str, Any]) -> list[str]:
     """The datasets a segment's rows lie in (an SAE segment: its three, in step)."""
     if "sae" in segment:
-        return [feature_dataset(segment["phase"], segment["sae"], part) for part in PARTS]
+        group = segment_group(segment)
+        return [f"{group}/{part}" for part in PARTS]
     return [dataset_name(segment["phase"], segment["layer"])]
 
 
@@ -395,39 +416,155 @@ def _plan(shards: list[dict[str, Any]], shard_bytes: int) -> list[list[dict[str,
     return groups
 
 
+@dataclass
+class _Moved:
+    """Where one merged shard's datasets went."""
+
+    name: str
+    """The new shard."""
+    offsets: dict[str, int] = field(default_factory=dict)
+    """Source dataset -> the row its first row became in its destination dataset."""
+    layouts: dict[str, str] = field(default_factory=dict)
+    """Source SAE group -> its layout: its rows are in ``{phase}/sae_{name}/{layout}`` now."""
+
+    def sae_segment(self, seg: dict[str, Any]) -> dict[str, Any]:
+        """An SAE segment of a request of the old shard, pointed at its rows in the new."""
+        group = segment_group(seg)
+        layout = self.layouts.get(group)
+        if layout is None:  # no rows (count 0): there is no group to follow
+            return dict(seg)
+        offset = self.offsets[f"{group}/{PARTS[0]}"]
+        return {**seg, "layout": layout, "start": seg["start"] + offset}
+
+
 def _merge(
-    shards_dir: Path, names: list[str], new_name: str
-) -> dict[str, tuple[str, dict[str, int]]]:
+    shards_dir: Path,
+    names: list[str],
+    new_name: str,
+    sae_groups: dict[str, dict[str, tuple[str, str, str | None]]],
+) -> dict[str, _Moved]:
     """Concatenate the datasets of ``names`` into one new shard (tmp, fsync, rename); return
-    for each old shard the new name and the row offset of each of its datasets there.
+    for each old shard where its datasets went (:class:`_Moved`).
+
+    Row datasets go to the dataset of the same name. SAE datasets go to the group of their
+    layout (store/features.py), read from the datasets themselves, so rows of another width,
+    index type or value type are never appended to each other and every stored value is
+    copied as it is. ``sae_groups``: each shard's SAE groups that its records' segments name
+    (group -> ``(phase, sae, layout)``). A group whose three datasets are out of step (or
+    that a segment names but the shard lacks) is refused with a :class:`StoreError` naming
+    the SAE, and nothing is written.
 
     Streams one source dataset at a time, so memory stays at the largest source dataset.
     """
-    layout: dict[str, list[tuple[str, int]]] = {}  # dataset -> [(shard, rows)] in order
+    plan: dict[str, list[tuple[str, str]]] = {}  # destination -> [(shard, source)] in order
     compressions: dict[str, str | None] = {}
+    moved = {n: _Moved(new_name) for n in names}
+    saes: dict[str, str] = {}  # destination dataset -> SAE name (for messages)
     for name in names:
         with h5py.File(shards_dir / name, "r") as f:
-
-            def note(key: str, obj: Any, name: str = name) -> None:
-                if isinstance(obj, h5py.Dataset):
-                    layout.setdefault(key, []).append((name, obj.shape[0]))
-                    compressions.setdefault(key, obj.compression)
-
-            f.visititems(note)
-    offsets: dict[str, tuple[str, dict[str, int]]] = {n: (new_name, {}) for n in names}
+            keys: list[str] = []
+            f.visititems(
+                lambda key, obj, keys=keys: (
+                    keys.append(key) if isinstance(obj, h5py.Dataset) else None
+                )
+            )
+            targets = _sae_destinations(f, name, keys, sae_groups.get(name, {}), moved[name], saes)
+            # All parts of a source group next to each other, groups in one order for every
+            # part: groups that share a destination land at the same row in each of its three.
+            for key in sorted(keys, key=lambda k: k.rpartition("/")[0]):
+                dest = targets.get(key, key)
+                plan.setdefault(dest, []).append((name, key))
+                compressions.setdefault(dest, f[key].compression)
     tmp = shards_dir / (new_name + ".tmp")
-    with h5py.File(tmp, "w") as out:
-        for key, parts in layout.items():
-            target = DatasetAppender(out, key, compressions[key])
-            for name, _ in parts:
-                with h5py.File(shards_dir / name, "r") as f:
-                    offsets[name][1][key] = target.append(f[key][()])
-            target.close()
-    with open(tmp, "rb+") as f:
-        os.fsync(f.fileno())
+    try:
+        with h5py.File(tmp, "w") as out:
+            for dest, parts in plan.items():
+                target = DatasetAppender(out, dest, compressions[dest])
+                for name, key in parts:
+                    with h5py.File(shards_dir / name, "r") as f:
+                        try:
+                            moved[name].offsets[key] = target.append(f[key][()])
+                        except ValueError as e:
+                            what = f"SAE {saes[dest]!r}'s" if dest in saes else "the"
+                            raise StoreError(
+                                f"Cannot compact {what} dataset {key} of shard {name} into "
+                                f"{dest}: {e}. Nothing was changed."
+                            ) from e
+                target.close()
+        for name in names:
+            for group in moved[name].layouts:
+                starts = {moved[name].offsets[f"{group}/{part}"] for part in PARTS}
+                if len(starts) != 1:  # a bug, not damage: refuse rather than misplace rows
+                    raise StoreError(
+                        f"Compacting shard {name}: SAE datasets of {group} would land at rows "
+                        f"{sorted(starts)}, out of step. Nothing was changed."
+                    )
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     os.replace(tmp, shards_dir / new_name)
     fsync_dir(shards_dir)
-    return offsets
+    return moved
+
+
+def _sae_destinations(
+    f: h5py.File,
+    shard: str,
+    keys: list[str],
+    named: dict[str, tuple[str, str, str | None]],
+    moved: _Moved,
+    saes: dict[str, str],
+) -> dict[str, str]:
+    """Where the SAE datasets of shard ``f`` go: ``{source dataset: destination}``; notes each
+    group's layout in ``moved`` and each destination's SAE name in ``saes``.
+
+    An SAE group is one that segments name (``named``), or any group holding the three
+    datasets (kept even if no record names it, as every other dataset is). Its destination is
+    ``{phase}/sae_{name}/{layout}`` with the layout of its datasets as they are."""
+    datasets = set(keys)
+    groups = {g: named[g] for g in named}
+    for key in keys:
+        group, _, part = key.rpartition("/")
+        whole = all(f"{group}/{p}" in datasets for p in PARTS)
+        if part == PARTS[0] and group not in groups and whole:
+            # Not named by any record: a layout group if its name says so, else a group of a
+            # store written before layouts.
+            parent, _, last = group.rpartition("/")
+            base = parent if LAYOUT.fullmatch(last) and parent else group
+            phase, _, sae = base.partition("/")
+            groups[group] = (phase, sae.removeprefix("sae_"), last if base == parent else None)
+    targets: dict[str, str] = {}
+    for group, (phase, sae, recorded) in groups.items():
+        missing = [p for p in PARTS if f"{group}/{p}" not in datasets]
+        if missing:
+            raise StoreError(
+                f"Cannot compact shard {shard}: its records name SAE {sae!r}'s features in "
+                f"{group}, which lacks {missing}. Run `probehook store fsck` on the store. "
+                "Nothing was changed."
+            )
+        parts = {p: f[f"{group}/{p}"] for p in PARTS}
+        rows = {p: d.shape[0] for p, d in parts.items()}
+        if len(set(rows.values())) != 1:
+            raise StoreError(
+                f"Cannot compact shard {shard}: the datasets of SAE {sae!r} in {group} are out "
+                f"of step ({rows} rows), so their rows cannot be moved together. Nothing was "
+                "changed; the shard may be damaged (`probehook store fsck`)."
+            )
+        layout = layout_of(parts["indices"], parts["values"])
+        if recorded is not None and recorded != layout:
+            raise StoreError(
+                f"Cannot compact shard {shard}: its records say SAE {sae!r}'s features in "
+                f"{group} are laid out as {recorded}, but its datasets are {layout}. Nothing "
+                "was changed; the shard may be damaged."
+            )
+        moved.layouts[group] = layout
+        for p in PARTS:
+            dest = feature_dataset(phase, sae, p, layout)
+            targets[f"{group}/{p}"] = dest
+            saes[dest] = sae
+    return targets
 
 
 def _bytes(root: Path, shards: list[dict[str, Any]]) -> int:

@@ -316,11 +316,12 @@ class StoreReader:
         return self._to_tensor(self._dataset(shard, phase, layer)[start:stop])
 
     def _read_features(
-        self, shard: str, phase: str, sae: str, start: int, stop: int
+        self, shard: str, phase: str, sae: str, start: int, stop: int, layout: str | None = None
     ) -> tuple[Any, ...]:
-        """The stored arrays of SAE ``sae``'s features, rows ``start:stop`` (store/features)."""
+        """The stored arrays of SAE ``sae``'s features of one layout (None: a store written
+        before layouts), rows ``start:stop`` (store/features)."""
         f = self._shard_file(shard)
-        return tuple(f[feature_dataset(phase, sae, part)][start:stop] for part in PARTS)
+        return tuple(f[feature_dataset(phase, sae, part, layout)][start:stop] for part in PARTS)
 
     def close(self) -> None:
         """Close the shard files this reader holds open."""

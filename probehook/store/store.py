@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from probehook.errors import DuplicateStoreIdError, StoreError, StoreFormatError
-from probehook.store.appendable import check_appendable
+from probehook.store.appendable import check_appendable, check_saes, compare_saes
 from probehook.store.export import check_export_options, export_writer
 from probehook.store.features import check_values
 from probehook.store.format import (
@@ -194,18 +194,32 @@ class ActivationStore(StoreReader):
 
     @classmethod
     def check_appendable(
-        cls, path: str | Path, meta: dict[str, Any], *, legacy_fingerprint: str | None = None
+        cls,
+        path: str | Path,
+        meta: dict[str, Any],
+        *,
+        legacy_fingerprint: str | None = None,
+        saes: dict[str, Any] | None = None,
     ) -> None:
-        """Raise unless ``path`` is new, empty, or a store of the same model (see
-        :func:`probehook.store.appendable.check_appendable`)."""
-        check_appendable(path, meta, legacy_fingerprint=legacy_fingerprint)
+        """Raise unless ``path`` is new, empty, or a store of the same model; ``saes`` (a
+        run's SAEs, as :meth:`begin_run` takes them) are checked and compared with the earlier
+        runs' (see :func:`probehook.store.appendable.check_appendable`)."""
+        check_appendable(path, meta, legacy_fingerprint=legacy_fingerprint, saes=saes)
 
     # -- writing ------------------------------------------------------------------------------
 
     @_locked
     def begin_run(self, info: dict[str, Any]) -> str:
         """Record a new run (``info``: what it captures, under ``"capture"``; its SAEs under
-        ``"saes"``: ``{name: {"d_sae", "k", "layer", "fingerprint", ...}}``); return its id."""
+        ``"saes"``: ``{name: {"d_sae", "k", "layer", "fingerprint", ...}}``); return its id.
+
+        Its SAEs are checked (a :class:`~probehook.errors.StoreError` names one the store
+        cannot lay out) and compared with the earlier runs': another SAE, d_sae or k under a
+        stored name is logged and kept apart (see :mod:`probehook.store.appendable`)."""
+        if "saes" in info:
+            check_saes(self.root, info["saes"])
+            for note in compare_saes(self.runs, info["saes"]):
+                logger.info("probehook store %s: %s", self.root, note)
         run_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
         record = {"kind": "run", "run_id": run_id, "started": time.time(), **info}
         try:

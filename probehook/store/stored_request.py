@@ -118,7 +118,9 @@ class StoredRequest:
             if seg["phase"] == phase and seg["completion"] == completion:
                 start, stop = seg["start"], seg["start"] + seg["count"]
                 shard = self.record["shard"]
-                parts = self.store._read_features(shard, phase, seg["sae"], start, stop)
+                parts = self.store._read_features(
+                    shard, phase, seg["sae"], start, stop, seg.get("layout")
+                )
                 features = SAEFeatures(*from_storage(*parts))
                 out[seg["sae"]] = features.top(seg.get("k", features.k))
         return out

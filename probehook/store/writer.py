@@ -28,7 +28,7 @@ import torch
 
 from probehook.errors import StoreError
 from probehook.store.appender import DatasetAppender
-from probehook.store.features import FeatureBlock, feature_dataset
+from probehook.store.features import FeatureBlock, feature_dataset, layout_of
 from probehook.store.features import to_storage as features_to_storage
 from probehook.store.format import (
     MANIFEST_FILE,
@@ -319,8 +319,10 @@ class ShardWriter:
         for block in request.features:
             d_sae, k = request.sae_sizes[block.sae]
             arrays = features_to_storage(block.features, d_sae, k, self.sae_values)
+            # Runs of another d_sae, k or value type under this name get datasets of their own.
+            layout = layout_of(arrays["indices"], arrays["values"])
             starts = {
-                self._append(feature_dataset(block.phase, block.sae, part), data)
+                self._append(feature_dataset(block.phase, block.sae, part, layout), data)
                 for part, data in arrays.items()
             }
             assert len(starts) == 1, f"SAE datasets of {block.sae} out of step: {starts}"
@@ -329,6 +331,7 @@ class ShardWriter:
                     "phase": block.phase,
                     "completion": block.completion,
                     "sae": block.sae,
+                    "layout": layout,
                     "k": block.features.k,  # type: ignore[attr-defined]
                     "first_position": block.first_position,
                     "start": starts.pop(),

@@ -91,7 +91,17 @@ def test_offline_outputs_picks_and_the_store(registered, tmp_path: Path) -> None
     assert every.row_norms is every.outputs[0].row_norms  # mirrored like every readout
     assert set(picked.outputs[0].row_norms) == {"n3"}
     assert_norms(picked.outputs[0].row_norms["n3"], picked.outputs[0].hidden_states[3])
-    assert ActivationStore.open(tmp_path / "store")[every.store_id] is not None
+    stored = ActivationStore.open(tmp_path / "store")[every.store_id]
+    for name in ("n1", "n3"):
+        for got, want in (
+            (stored.top_k("norm")[name], every.outputs[0].row_norms[name]),
+            (stored.top_k("norm", "prefill")[name], every.prefill_row_norms[name]),
+        ):
+            assert torch.equal(got.indices, want.indices) and torch.equal(got.l0, want.l0)
+            assert torch.equal(got.values, want.values)
+    assert stored.sae_features == {}  # the SAEs' own accessor sees SAEs only
+    picked_stored = ActivationStore.open(tmp_path / "store")[picked.store_id]
+    assert set(picked_stored.top_k("norm")) == {"n3"}
 
 
 def test_async_llm_streams_it(registered, entry_point_root: Path, monkeypatch) -> None:

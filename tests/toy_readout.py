@@ -34,6 +34,9 @@ class RowNorm(TopKReadout):
             )
         return {"layer": spec}
 
+    def index_bound(self, settings: Mapping[str, Any]) -> int:
+        return 1  # one entry, index 0: stored as uint16
+
     def read(self, rows: torch.Tensor, settings: Mapping[str, Any], k: int) -> torch.Tensor:
         n = rows.shape[0]
         norms = rows.float().norm(dim=1, keepdim=True)

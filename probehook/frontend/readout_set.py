@@ -79,6 +79,18 @@ class ReadoutSet:
     def empty(self, request: RequestReadout) -> dict[str, TopKRows]:
         return {name: TopKRows.empty(request.k) for name in request.names}
 
-    def describe(self) -> dict[str, Any]:
-        """What a store's run records of the readout: its instances' settings and k."""
-        return {"k": self.k, "instances": self.instances}
+    def store_description(self) -> dict[str, dict[str, Any]]:
+        """What a store's run records of each instance, under its stored name
+        (``"<source>:<name>"``, beside the run's SAEs): the index bound (``d_sae``), k and
+        settings."""
+        return {
+            f"{self.source}:{name}": {
+                "source": self.source,
+                "readout": name,
+                "d_sae": int(self.readout.index_bound(settings)),
+                "k": self.k,
+                "layer": int(settings["layer"]),
+                "settings": settings,
+            }
+            for name, settings in self.instances.items()
+        }

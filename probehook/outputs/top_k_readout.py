@@ -51,6 +51,12 @@ class TopKReadout(OutputProcessor):
         :class:`~probehook.errors.CaptureConfigError` otherwise."""
         raise NotImplementedError
 
+    def index_bound(self, settings: Mapping[str, Any]) -> int:
+        """How many distinct indices an instance's rows can hold (a vocabulary's size, an
+        SAE's width): the store keeps indices in the smallest unsigned type that holds them.
+        Default: uint32's range."""
+        return 2**32 - 2
+
     def read(self, rows: torch.Tensor, settings: Mapping[str, Any], k: int) -> torch.Tensor:
         """In the worker: ``rows`` ``[n, hidden]`` of the instance's layer -> packed float32
         ``[n, 2k + 1]`` (k indices, -1 padding; k values, 0 padding; l0), on the rows'

@@ -85,6 +85,14 @@ class FeatureBlock:
     sae: str
     first_position: int
     features: object  # probehook.saes.SAEFeatures (not imported: the store reads no SAEs)
+    source: str = "sae"
+    """The readout whose top-k rows these are: ``"sae"``, or a top-k readout's source (its
+    instance ``sae`` is then stored under :attr:`stored_name`)."""
+
+    @property
+    def stored_name(self) -> str:
+        """The feature set's name in the store: the SAE's, or ``"<source>:<instance>"``."""
+        return stored_name(self.source, self.sae)
 
     @property
     def nbytes(self) -> int:
@@ -92,6 +100,12 @@ class FeatureBlock:
         f = self.features
         parts = (f.indices, f.values, f.l0)  # type: ignore[attr-defined]
         return sum(int(t.numel() * t.element_size()) for t in parts)
+
+
+def stored_name(source: str, name: str) -> str:
+    """A feature set's name in a store: an SAE's own name, else ``"<source>:<name>"`` (the
+    top-k readout ``source``'s instance ``name``; segments also record ``"source"``)."""
+    return name if source == "sae" else f"{source}:{name}"
 
 
 def index_dtype(d_sae: int) -> type:

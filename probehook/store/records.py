@@ -7,7 +7,9 @@ from typing import Any
 
 from probehook.capture_config import CaptureConfig
 from probehook.core.spans import completion_spans, score_config
+from probehook.outputs import OUTPUT_PROCESSORS
 from probehook.outputs.shapes import completions, failed, is_pooled
+from probehook.outputs.top_k_readout import top_k_readouts
 from probehook.store.features import FeatureBlock
 from probehook.store.writer import PendingRequest, RowBlock
 
@@ -91,13 +93,24 @@ def _feature_blocks(
         if prefill is not None:
             for name, features in prefill_features.items():
                 blocks.append(FeatureBlock("prefill", None, name, prefill.lo, features))
+    readouts = [(source, p.request_attributes[0], p.completion_attributes[0])
+                for source, p in top_k_readouts(OUTPUT_PROCESSORS).items()]  # fmt: skip
+    for source, on_request, _ in readouts:  # the top-k readouts' rows: stored alike
+        prefill, _ = completion_spans(spans, prompt_len, 0)
+        for name, rows in (getattr(output, on_request, None) or {}).items():
+            if prefill is not None:
+                blocks.append(FeatureBlock("prefill", None, name, prefill.lo, rows, source))
     if pooled:
         return blocks
     for c in completions(output):
         _, decode = completion_spans(spans, prompt_len, len(c.token_ids), c.index)
+        if decode is None:
+            continue
         for name, features in (getattr(c, "sae_features", None) or {}).items():
-            if decode is not None:
-                blocks.append(FeatureBlock("decode", c.index, name, decode.lo, features))
+            blocks.append(FeatureBlock("decode", c.index, name, decode.lo, features))
+        for source, _, on_completion in readouts:
+            for name, rows in (getattr(c, on_completion, None) or {}).items():
+                blocks.append(FeatureBlock("decode", c.index, name, decode.lo, rows, source))
     return blocks
 
 

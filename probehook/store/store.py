@@ -261,7 +261,7 @@ class ActivationStore(StoreReader):
             )
         if request.features:
             sizes = self._run_saes()
-            unknown = sorted({f.sae for f in request.features} - set(sizes))
+            unknown = sorted({f.stored_name for f in request.features} - set(sizes))
             if unknown:
                 raise StoreError(
                     f"Request {request_id!r} carries features of SAE(s) {unknown}, which run "

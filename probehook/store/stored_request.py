@@ -112,9 +112,22 @@ class StoredRequest:
     def completion_sae_features(self, index: int) -> dict[str, SAEFeatures]:
         return self._features("decode", index)
 
-    def _features(self, phase: str, completion: int | None) -> dict[str, SAEFeatures]:
+    def top_k(
+        self, source: str, phase: str = "decode", completion: int | None = 0
+    ) -> dict[str, SAEFeatures]:
+        """The stored top-k rows of readout ``source`` (``"sae"`` or a registered top-k
+        readout's source), by instance name: a completion's decode tokens (``phase="decode"``,
+        ``completion``) or the prompt's (``phase="prefill"``)."""
+        return self._features(phase, completion if phase == "decode" else None, source)
+
+    def _features(
+        self, phase: str, completion: int | None, source: str = "sae"
+    ) -> dict[str, SAEFeatures]:
         out = {}
+        prefix = "" if source == "sae" else f"{source}:"
         for seg in self.record.get("sae_segments", ()):
+            if seg.get("source", "sae") != source:
+                continue
             if seg["phase"] == phase and seg["completion"] == completion:
                 start, stop = seg["start"], seg["start"] + seg["count"]
                 shard = self.record["shard"]
@@ -122,7 +135,7 @@ class StoredRequest:
                     shard, phase, seg["sae"], start, stop, seg.get("layout")
                 )
                 features = SAEFeatures(*from_storage(*parts))
-                out[seg["sae"]] = features.top(seg.get("k", features.k))
+                out[seg["sae"].removeprefix(prefix)] = features.top(seg.get("k", features.k))
         return out
 
     def completion_hidden_states(self, index: int) -> dict[int, torch.Tensor]:

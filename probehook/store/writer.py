@@ -317,20 +317,22 @@ class ShardWriter:
     def _write_features(self, request: PendingRequest) -> list[dict[str, Any]]:
         segments = []
         for block in request.features:
-            d_sae, k = request.sae_sizes[block.sae]
+            name = block.stored_name
+            d_sae, k = request.sae_sizes[name]
             arrays = features_to_storage(block.features, d_sae, k, self.sae_values)
             # Runs of another d_sae, k or value type under this name get datasets of their own.
             layout = layout_of(arrays["indices"], arrays["values"])
             starts = {
-                self._append(feature_dataset(block.phase, block.sae, part, layout), data)
+                self._append(feature_dataset(block.phase, name, part, layout), data)
                 for part, data in arrays.items()
             }
-            assert len(starts) == 1, f"SAE datasets of {block.sae} out of step: {starts}"
+            assert len(starts) == 1, f"SAE datasets of {name} out of step: {starts}"
             segments.append(
                 {
                     "phase": block.phase,
                     "completion": block.completion,
-                    "sae": block.sae,
+                    **({} if block.source == "sae" else {"source": block.source}),
+                    "sae": name,
                     "layout": layout,
                     "k": block.features.k,  # type: ignore[attr-defined]
                     "first_position": block.first_position,

@@ -488,6 +488,8 @@ def _open_store(setup: CaptureSetup, model: str, info: dict[str, Any]) -> Activa
     run: dict[str, Any] = {"capture": setup.config.to_dict()}
     if setup.saes is not None:
         run["saes"] = setup.saes.describe()
+    for readout_set in setup.readouts.values():  # stored as feature sets alike
+        run.setdefault("saes", {}).update(readout_set.store_description())
     store.begin_run(run)
     return store
 

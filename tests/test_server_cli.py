@@ -27,6 +27,8 @@ def flags(**overrides: object) -> argparse.Namespace:
         sae_top_k=32,
         sae_dtype=None,
         sae_clamping=False,
+        readout=[],
+        readout_top_k=[],
     )
     return argparse.Namespace(**{**values, **overrides})
 
@@ -43,6 +45,12 @@ def test_flags_become_async_llm_arguments() -> None:
     saes = capture_kwargs(flags(sae=["res3=saes/l3"], sae_top_k=8, sae_clamping=True))
     assert saes["saes"] == {"res3": "saes/l3"} and saes["sae_top_k"] == 8
     assert saes["sae_clamping"] is True and saes["sae_dtype"] is None
+    readouts = capture_kwargs(flags(readout=["norm:n3=3", "norm:n1=1"], readout_top_k=["norm=1"]))
+    assert readouts["readouts"] == {"norm": {"n3": "3", "n1": "1"}}
+    assert readouts["readout_top_k"] == {"norm": 1}
+    for bad in (["norm=3"], ["norm:n3"], ["norm:n3=3", "norm:n3=4"]):
+        with pytest.raises(SystemExit, match="--readout"):
+            capture_kwargs(flags(readout=bad))
 
 
 def test_monitor_specs() -> None:
@@ -158,6 +166,7 @@ def test_a_stream_never_started_still_gives_its_inline_vectors_back() -> None:
 
     class Engine:
         steering: dict = {}
+        readout_options: dict = {}
 
         async def acquire_inline_steering(self, vector: object) -> str:
             return "inline:mine"

@@ -12,7 +12,7 @@ import torch
 
 from probehook.outputs.array_codec import encode_array
 from probehook.outputs.registry import OutputProcessor
-from probehook.outputs.top_k import TopKRows, json_floats, json_top_k, non_finite_rows
+from probehook.outputs.top_k import TopKRows, compact_top_k, json_floats, json_top_k
 
 
 def _concat_by_key(pieces: list[dict[Any, torch.Tensor]]) -> dict[Any, torch.Tensor]:
@@ -74,19 +74,7 @@ class SAEFeatureSets(OutputProcessor):
         return {name: json_top_k(features) for name, features in value.items()}
 
     def to_compact(self, value: dict[str, Any]) -> dict[str, Any]:
-        """Base64 arrays (``decode_array``): int32 indices, float32 values, int32 l0; about a
-        third of the JSON lists' characters."""
-        out = {}
-        for name, features in value.items():
-            out[name] = {
-                "indices": encode_array(features.indices.to(torch.int32)),
-                "values": encode_array(features.values),
-                "l0": encode_array(features.l0.to(torch.int32)),
-            }
-            rows = non_finite_rows(features.values)
-            if rows:
-                out[name]["non_finite"] = rows
-        return out
+        return compact_top_k(value)
 
 
 class ProbeFlags(OutputProcessor):

@@ -204,6 +204,25 @@ def json_floats(values: torch.Tensor) -> Any:
     return values.tolist() if bool(torch.isfinite(values).all()) else _nulls(values.tolist())
 
 
+def compact_top_k(value: dict[str, Any]) -> dict[str, Any]:
+    """Top-k rows by name as base64 arrays (``decode_array``): int32 indices, float32 values,
+    int32 l0 (about a third of the JSON lists' characters); ``non_finite`` as in
+    :func:`json_top_k`."""
+    from probehook.outputs.array_codec import encode_array
+
+    out = {}
+    for name, rows in value.items():
+        out[name] = {
+            "indices": encode_array(rows.indices.to(torch.int32)),
+            "values": encode_array(rows.values),
+            "l0": encode_array(rows.l0.to(torch.int32)),
+        }
+        bad = non_finite_rows(rows.values)
+        if bad:
+            out[name]["non_finite"] = bad
+    return out
+
+
 def json_top_k(features: Any) -> dict[str, Any]:
     """A top-k readout's JSON lists; ``non_finite``: the tokens whose values held an inf or
     NaN (written as null), present only when there are any."""

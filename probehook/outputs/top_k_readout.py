@@ -20,9 +20,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from probehook.outputs.array_codec import encode_array
 from probehook.outputs.registry import OutputProcessor
-from probehook.outputs.top_k import TopKRows, json_top_k, non_finite_rows
+from probehook.outputs.top_k import TopKRows, compact_top_k, json_top_k
 
 
 class TopKReadout(OutputProcessor):
@@ -73,17 +72,7 @@ class TopKReadout(OutputProcessor):
         return {name: json_top_k(rows) for name, rows in value.items()}
 
     def to_compact(self, value: dict[str, TopKRows]) -> dict[str, Any]:
-        out = {}
-        for name, rows in value.items():
-            out[name] = {
-                "indices": encode_array(rows.indices.to(torch.int32)),
-                "values": encode_array(rows.values),
-                "l0": encode_array(rows.l0.to(torch.int32)),
-            }
-            bad = non_finite_rows(rows.values)
-            if bad:
-                out[name]["non_finite"] = bad
-        return out
+        return compact_top_k(value)
 
 
 def pack(indices: torch.Tensor, values: torch.Tensor, l0: torch.Tensor) -> torch.Tensor:

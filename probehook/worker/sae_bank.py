@@ -13,6 +13,7 @@ No vLLM imports: ``probehook.adapter`` builds the bank from the loader's setting
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -20,6 +21,7 @@ import numpy as np
 import torch
 
 from probehook.saes.encode import SAEWeights, read_top_k
+from probehook.worker.top_k_bank import read_selected
 
 
 class SAEBank:
@@ -58,16 +60,11 @@ class SAEBank:
         out = torch.empty((len(self._saes), rows, self.width), dtype=self.dtype, device=device)
         for slot, (layer_slot, weights) in enumerate(self._saes):
             asked = None if slot_rows is None else slot_rows[slot]
-            if asked is None or len(asked) == rows:
+            if asked is None or len(asked) == rows:  # written in place: no copy
                 read_top_k(weights, staged[layer_slot], self.k, out[slot])
                 continue
-            out[slot, :, : self.k] = -1
-            out[slot, :, self.k :] = 0
-            if len(asked) == 0:
-                continue
-            where = torch.from_numpy(asked).to(device, non_blocking=True)
-            features = read_top_k(weights, staged[layer_slot].index_select(0, where), self.k)
-            out[slot].index_copy_(0, where, features)
+            read = functools.partial(read_top_k, weights, k=self.k)
+            read_selected(out[slot], self.k, staged[layer_slot], asked, read)
         return out
 
 

@@ -7,11 +7,31 @@ No vLLM imports.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import functools
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import torch
+
+
+def read_selected(
+    out: torch.Tensor,
+    k: int,
+    rows: torch.Tensor,
+    asked: np.ndarray | None,
+    read: Callable[[torch.Tensor], torch.Tensor],
+) -> None:
+    """``out`` (``[n, 2k + 1]``) = ``read`` of the rows ``asked`` (None: of every row);
+    the other rows are padding (no entry: -1, 0, l0 0), which no request reads."""
+    if asked is None or len(asked) == rows.shape[0]:
+        out.copy_(read(rows))
+        return
+    out[:, :k] = -1
+    out[:, k:] = 0
+    if len(asked):
+        where = torch.from_numpy(asked).to(rows.device, non_blocking=True)
+        out.index_copy_(0, where, read(rows.index_select(0, where)))
 
 
 class TopKBank:
@@ -43,13 +63,6 @@ class TopKBank:
         out = torch.empty((len(self.slots), rows, self.width), dtype=self.dtype, device=device)
         for slot, (layer_slot, settings) in enumerate(self._instances):
             asked = None if slot_rows is None else slot_rows[slot]
-            if asked is None or len(asked) == rows:
-                out[slot] = self.readout.read(staged[layer_slot], settings, self.k)
-                continue
-            out[slot, :, : self.k] = -1  # rows nobody asked this instance for: no entries
-            out[slot, :, self.k :] = 0
-            if len(asked):
-                where = torch.from_numpy(asked).to(device, non_blocking=True)
-                picked = staged[layer_slot].index_select(0, where)
-                out[slot].index_copy_(0, where, self.readout.read(picked, settings, self.k))
+            read = functools.partial(self.readout.read, settings=settings, k=self.k)
+            read_selected(out[slot], self.k, staged[layer_slot], asked, read)
         return out

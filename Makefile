@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast lint format bench soak notebooks venv clean compat
+.PHONY: demo test test-fast lint format bench bench-smoke soak notebooks venv clean compat
 
 venv: $(STAMP)
 
@@ -54,6 +54,13 @@ bench: $(STAMP)
 	VLLM_CPU_KVCACHE_SPACE=1 $(PY) benchmarks/saes.py
 	VLLM_CPU_KVCACHE_SPACE=1 $(PY) benchmarks/collect.py
 	$(PY) benchmarks/store_lanes.py
+
+# Every benchmark of `make bench` with --smoke (benchmarks/smoke.py): a tiny model, one round,
+# eager in-process engines, nothing written; minutes, not an hour. A check that they still run,
+# not a measurement (tests/test_benchmarks_smoke.py runs the same, in one process).
+bench-smoke: $(STAMP)
+	set -e; for b in overhead store_throughput async_streams serve_load pooling steering saes \
+		collect store_lanes; do VLLM_CPU_KVCACHE_SPACE=1 $(PY) benchmarks/$$b.py --smoke; done
 
 # 30 minutes of mixed requests against `probehook serve` with a store: memory, descriptors,
 # requests lost, the store's fsck (benchmarks/results/soak.md). Not part of `make bench`.

@@ -13,7 +13,9 @@ a collection on 1 and 2 replicas, measured in one run.
    each): prompt tokens per second over the collection (engine start-up excluded) and per
    core, alternating the two over the rounds.
 
-Writes benchmarks/results/collect.json and collect.md.
+Writes benchmarks/results/collect.json and collect.md. ``--smoke``: a few seconds' check that
+it still runs (benchmarks/smoke.py: hidden 128, 4 layers, eager engines, a collection on 1
+replica only: no Ray cluster, whose replicas tests/test_collect.py runs; nothing written).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 sys.path.insert(0, str(Path(__file__).parent))
 
+import smoke  # noqa: E402  (benchmarks/smoke.py)
 from pooling import BASELINE, bracketed  # noqa: E402  (one bracketing rule for benchmarks)
 
 RESULTS = Path(__file__).parent / "results"
@@ -52,7 +55,9 @@ def capture_only_ratio(model: str, args: argparse.Namespace) -> dict[str, object
 
     from probehook import LLM, SamplingParams
 
-    common = dict(load_format="dummy", max_model_len=args.prompt_len + 16, seed=0)
+    common = dict(
+        load_format="dummy", max_model_len=args.prompt_len + 16, seed=0, **smoke.engine_args(args)
+    )
     seeds = itertools.count(1)
     tokens = args.prompts * args.prompt_len
 
@@ -76,8 +81,7 @@ def capture_only_ratio(model: str, args: argparse.Namespace) -> dict[str, object
     try:
         return bracketed(run, args.rounds)
     finally:
-        for engine in engines.values():
-            engine.llm_engine.engine_core.shutdown()
+        smoke.shutdown(engines.values())
 
 
 def replicas_scaling(model: str, args: argparse.Namespace) -> dict[str, object]:
@@ -85,10 +89,11 @@ def replicas_scaling(model: str, args: argparse.Namespace) -> dict[str, object]:
 
     prompts = token_prompts(args.collect_prompts, args.prompt_len, 32000, seed=2)
     texts = [p["prompt_token_ids"] for p in prompts]
-    rates: dict[int, list[float]] = {1: [], 2: []}
+    counts = (1,) if args.smoke else (1, 2)  # smoke: no Ray cluster
+    rates: dict[int, list[float]] = {n: [] for n in counts}
     cores = len(os.sched_getaffinity(0))
     for _ in range(args.collect_rounds):
-        for replicas in (1, 2):
+        for replicas in counts:
             store = Path(tempfile.mkdtemp(dir="/dev/shm")) / "store"
             try:
                 result = collect(
@@ -101,17 +106,19 @@ def replicas_scaling(model: str, args: argparse.Namespace) -> dict[str, object]:
                     progress=False,
                     load_format="dummy",
                     max_model_len=args.prompt_len + 16,
+                    **smoke.engine_args(args),
                 )
             finally:
                 shutil.rmtree(store.parent, ignore_errors=True)
             rates[replicas].append(result.tokens_per_second)
-    one, two = statistics.median(rates[1]), statistics.median(rates[2])
+    names = {n: f"{n} replica" + ("s" if n > 1 else "") for n in counts}
+    medians = {names[n]: statistics.median(rates[n]) for n in counts}
     return {
         "cores": cores,
-        "tokens_per_s": {"1 replica": rates[1], "2 replicas": rates[2]},
-        "median_tokens_per_s": {"1 replica": one, "2 replicas": two},
-        "median_tokens_per_s_per_core": {"1 replica": one / cores, "2 replicas": two / cores},
-        "two_over_one": two / one,
+        "tokens_per_s": {names[n]: rates[n] for n in counts},
+        "median_tokens_per_s": medians,
+        "median_tokens_per_s_per_core": {name: v / cores for name, v in medians.items()},
+        "two_over_one": medians["2 replicas"] / medians["1 replica"] if 2 in counts else None,
     }
 
 
@@ -124,17 +131,30 @@ def main() -> None:
     parser.add_argument("--collect-prompts", type=int, default=512)
     parser.add_argument("--collect-rounds", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=64)
-    args = parser.parse_args()
-    from probehook.testing import write_dummy_config
-
-    model = str(write_dummy_config(Path(tempfile.mkdtemp()) / "llama-dummy"))
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=8)
+    smoke.add_flag(parser)
+    args = smoke.shrink(
+        parser.parse_args(),
+        rounds=1,
+        prompts=4,
+        prompt_len=16,
+        collect_prompts=8,
+        collect_rounds=1,
+        batch_size=4,
+        hidden=128,
+        layers=4,
+    )
+    folder = Path(tempfile.mkdtemp()) / "llama-dummy"
+    model = str(smoke.dummy_model(folder, hidden=args.hidden, layers=args.layers))
     report: dict[str, object] = {"workload": vars(args)}
     report["capture_only"] = ratio = capture_only_ratio(model, args)
     report["replicas"] = scaling = replicas_scaling(model, args)
     lines = [
-        f"Workload: Llama hidden 1024, 8 layers, dummy bf16 weights, compiled; {args.prompts} "
-        f"prompts of {args.prompt_len} tokens, layer {args.layer} (L/4); {args.rounds} "
-        "bracketed rounds.",
+        f"Workload: Llama hidden {args.hidden}, {args.layers} layers, dummy bf16 weights, "
+        f"{'eager' if args.smoke else 'compiled'}; {args.prompts} prompts of {args.prompt_len} "
+        f"tokens, layer {args.layer}{' (L/4)' if 4 * args.layer == args.layers else ''}; "
+        f"{args.rounds} bracketed rounds.",
         "",
         "| config | median prompt tokens/s | median bracketed ratio to vLLM |",
         "| --- | --- | --- |",
@@ -154,11 +174,14 @@ def main() -> None:
     for name, value in scaling["median_tokens_per_s"].items():  # type: ignore[union-attr]
         per_core = scaling["median_tokens_per_s_per_core"][name]  # type: ignore[index]
         lines.append(f"| {name} | {value:,.0f} | {per_core:,.0f} |")
-    lines.append(f"\n2 replicas / 1 replica: {scaling['two_over_one']:.2f}x")
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "collect.json").write_text(json.dumps(report, indent=2))
-    (RESULTS / "collect.md").write_text("\n".join(lines) + "\n")
+    if scaling["two_over_one"] is not None:
+        lines.append(f"\n2 replicas / 1 replica: {scaling['two_over_one']:.2f}x")
+    if not args.smoke:
+        RESULTS.mkdir(exist_ok=True)
+        (RESULTS / "collect.json").write_text(json.dumps(report, indent=2))
+        (RESULTS / "collect.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+    smoke.done(args)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,9 @@ the step hook (row selection, gather, host copy, per-request copies) and the exp
 stable where throughput is not, and show what to cut. The front end's attach (RPC, mapping the
 rows) runs in another process while the engine keeps stepping; it is reported per generate().
 
-Writes benchmarks/results/overhead.json and overhead.md.
+Writes benchmarks/results/overhead.json and overhead.md. ``--smoke``: a few seconds' check that
+it still runs (benchmarks/smoke.py: tiny model, eager engines, no plain eager engine, nothing
+written).
 """
 
 from __future__ import annotations
@@ -28,7 +30,10 @@ from pathlib import Path
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
+import smoke  # noqa: E402  (benchmarks/smoke.py)
+
 RESULTS = Path(__file__).parent / "results"
+EAGER = "vLLM eager"
 
 
 PROBES_ONLY = "probehook 4 probes on 1 layer, no hidden states"
@@ -55,18 +60,29 @@ def bench_probes(hidden: int, layer: int) -> dict[str, object]:
 
 
 def build_engines(
-    model_dir: str, max_model_len: int, store_dir: str, hidden: int
+    model_dir: str,
+    max_model_len: int,
+    store_dir: str,
+    hidden: int,
+    layer: int,
+    smoke_args: dict | None = None,
 ) -> dict[str, object]:
+    """The configurations; ``smoke_args``: smoke mode's engine arguments (benchmarks/smoke.py:
+    every engine eager, the baseline included), and no plain eager engine (it only matters
+    for real figures)."""
     import vllm
 
     from probehook import LLM
 
     common = dict(load_format="dummy", dtype="bfloat16", max_model_len=max_model_len, seed=0)
-    probes = bench_probes(hidden, layer=4)
+    common |= smoke_args or {}
+    probes = bench_probes(hidden, layer=layer)
+    plain = {BASELINE: vllm.LLM(model_dir, **common)}
+    if not smoke_args:
+        plain[EAGER] = vllm.LLM(model_dir, enforce_eager=True, **common)
     return {
-        "vLLM compiled": vllm.LLM(model_dir, **common),
-        "vLLM eager": vllm.LLM(model_dir, enforce_eager=True, **common),
-        "probehook 1 layer (decode)": LLM(model_dir, layers=[4], **common),
+        **plain,
+        "probehook 1 layer (decode)": LLM(model_dir, layers=[layer], **common),
         "probehook all layers (prefill+decode)": LLM(
             model_dir, layers="all", include_prefill=True, **common
         ),
@@ -121,14 +137,15 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=8)
-    args = parser.parse_args()
+    smoke.add_flag(parser)
+    args = smoke.shrink(
+        parser.parse_args(), rounds=1, prompts=4, prompt_len=8, max_tokens=4, hidden=128, layers=2
+    )
 
     from collect import token_prompts
 
-    from probehook.testing import write_dummy_config
-
-    model_dir = write_dummy_config(
-        Path(tempfile.mkdtemp()) / "llama-dummy", hidden_size=args.hidden, num_layers=args.layers
+    model_dir = smoke.dummy_model(
+        Path(tempfile.mkdtemp()) / "llama-dummy", hidden=args.hidden, layers=args.layers
     )
     seeds = itertools.count(1)
 
@@ -138,8 +155,14 @@ def main() -> None:
         return token_prompts(args.prompts, args.prompt_len, 30000, seed=next(seeds))
 
     store_dir = str(model_dir.parent / "store")
+    layer = args.layers // 2  # layer 4 of the benchmark model's 8
     engines = build_engines(
-        str(model_dir), args.prompt_len + args.max_tokens + 16, store_dir, args.hidden
+        str(model_dir),
+        args.prompt_len + args.max_tokens + 16,
+        store_dir,
+        args.hidden,
+        layer,
+        smoke.engine_args(args),
     )
     extra = {ASKS_NOTHING: NOTHING}
     for llm in engines.values():  # warm-up outside the measurement
@@ -174,6 +197,8 @@ def main() -> None:
             + ", ".join(f"{n}: {s[-1]:.0f} tok/s" for n, s in samples.items()),
             flush=True,
         )
+
+    smoke.shutdown(engines.values())
 
     store_vs_capture = [
         s / c
@@ -221,8 +246,6 @@ def main() -> None:
             statistics.median(store_vs_capture), 3
         ),
     }
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "overhead.json").write_text(json.dumps(report, indent=2))
     lines = [
         f"Workload: Llama hidden {args.hidden}, {args.layers} layers, bf16 dummy weights, "
         f"{args.prompts} prompts x {args.prompt_len} tokens -> {args.max_tokens} new tokens, "
@@ -257,8 +280,12 @@ def main() -> None:
         "All-layer capture into the store vs the same capture without it (median "
         f"per-round ratio): {report['store_vs_all_layer_capture_median_round_ratio']}",
     ]
-    (RESULTS / "overhead.md").write_text("\n".join(lines) + "\n")
+    if not args.smoke:
+        RESULTS.mkdir(exist_ok=True)
+        (RESULTS / "overhead.json").write_text(json.dumps(report, indent=2))
+        (RESULTS / "overhead.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+    smoke.done(args)
 
 
 if __name__ == "__main__":

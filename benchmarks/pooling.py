@@ -9,7 +9,9 @@ garbage collection, so a full collection's pause lands on no particular configur
 Configurations: one probe (scores only leave the worker), and one layer of rows plus the
 probe.
 
-Writes benchmarks/results/pooling.json and pooling.md.
+Writes benchmarks/results/pooling.json and pooling.md. ``--smoke``: a few seconds' check that it
+still runs (benchmarks/smoke.py: a few sentences, a small image, eager engines, nothing
+written).
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from pathlib import Path
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+import smoke  # noqa: E402  (benchmarks/smoke.py)
 
 RESULTS = Path(__file__).parent / "results"
 BASELINE = "vLLM"
@@ -82,6 +86,7 @@ def embed_workload(args: argparse.Namespace) -> dict[str, object]:
 
     model = str(minilm_path())
     common = dict(dtype="float32", max_model_len=128, gpu_memory_utilization=0.1, seed=0)
+    common |= smoke.engine_args(args)
     probe = LinearProbe(torch.randn(1, 384) / 384**0.5, torch.zeros(1), layer=3, kind="binary")
     texts = sentences(args.sentences)
     engines = {
@@ -96,8 +101,7 @@ def embed_workload(args: argparse.Namespace) -> dict[str, object]:
 
         return bracketed({name: embed(e) for name, e in engines.items()}, args.rounds)
     finally:
-        for engine in engines.values():
-            engine.llm_engine.engine_core.shutdown()  # type: ignore[attr-defined]
+        smoke.shutdown(engines.values())
 
 
 def segment_workload(args: argparse.Namespace) -> dict[str, object]:
@@ -109,7 +113,7 @@ def segment_workload(args: argparse.Namespace) -> dict[str, object]:
     from probehook.models.segmenter import ENGINE_KWARGS, segmenter_path
 
     model = str(segmenter_path())
-    common = dict(ENGINE_KWARGS, gpu_memory_utilization=0.1, seed=0)
+    common = dict(ENGINE_KWARGS, gpu_memory_utilization=0.1, seed=0, **smoke.engine_args(args))
     probe = LinearProbe(torch.randn(1, 32) / 32**0.5, torch.zeros(1), layer=1, kind="binary")
     image = Path(tempfile.mkdtemp()) / "image.npy"
     np.save(image, np.random.default_rng(0).random((args.image, args.image, 3)).astype("f4"))
@@ -130,8 +134,7 @@ def segment_workload(args: argparse.Namespace) -> dict[str, object]:
 
         return bracketed({name: segment(e) for name, e in engines.items()}, args.rounds)
     finally:
-        for engine in engines.values():
-            engine.llm_engine.engine_core.shutdown()  # type: ignore[attr-defined]
+        smoke.shutdown(engines.values())
 
 
 def main() -> None:
@@ -139,13 +142,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--sentences", type=int, default=256)
     parser.add_argument("--image", type=int, default=256)
-    args = parser.parse_args()
+    smoke.add_flag(parser)
+    args = smoke.shrink(parser.parse_args(), rounds=1, sentences=8, image=32)
     report = {"workload": vars(args)}
     report["embed"] = embed_workload(args)
     report["segment"] = segment_workload(args)
     lines = [
         f"Workloads: `embed` of {args.sentences} sentences (8-31 words) on all-MiniLM-L6-v2, "
-        f"compiled; the tiny segmenter on a {args.image}x{args.image} image "
+        f"{'eager' if args.smoke else 'compiled'}; the tiny segmenter on a "
+        f"{args.image}x{args.image} image "
         f"({(args.image // 8) ** 2} patch requests), eager (it has no compiled path). "
         f"{args.rounds} bracketed rounds each.",
         "",
@@ -157,10 +162,12 @@ def main() -> None:
         for name, value in result["median_items_s"].items():  # type: ignore[index]
             ratio = result["median_bracketed_ratio"].get(name, 1.0)  # type: ignore[index]
             lines.append(f"| {workload} | {name} | {value:.1f} {unit}/s | {ratio:.3f} |")
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "pooling.json").write_text(json.dumps(report, indent=2))
-    (RESULTS / "pooling.md").write_text("\n".join(lines) + "\n")
+    if not args.smoke:
+        RESULTS.mkdir(exist_ok=True)
+        (RESULTS / "pooling.json").write_text(json.dumps(report, indent=2))
+        (RESULTS / "pooling.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+    smoke.done(args)
 
 
 if __name__ == "__main__":

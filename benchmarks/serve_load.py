@@ -9,7 +9,9 @@ rounds on plain vLLM and compared with their geometric mean; medians over rounds
 Configurations: requests that ask for nothing (capture configured, off per request), requests
 that ask for the probe's scores, and requests that ask for the scores and one layer of rows.
 
-Writes benchmarks/results/serve_load.json and serve_load.md.
+Writes benchmarks/results/serve_load.json and serve_load.md. ``--smoke``: a short check that it
+still runs (benchmarks/smoke.py: tiny model, eager servers, one round, nothing written); its
+time is the two servers' start-up (each a process and an engine core importing vLLM).
 """
 
 from __future__ import annotations
@@ -18,18 +20,27 @@ import argparse
 import asyncio
 import json
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).parent))
+
+import smoke  # noqa: E402  (benchmarks/smoke.py)
+
 RESULTS = Path(__file__).parent / "results"
 BASELINE = "vllm serve"
-CONFIGS = {
-    "probehook serve, request asks nothing": None,
-    "probehook serve, 1 probe": {"probes": ["p"]},
-    "probehook serve, 1 probe + 1 layer rows": {"probes": ["p"], "layers": [4]},
-}
+
+
+def configs(layer: int) -> dict[str, dict | None]:
+    """What each configuration's requests ask for; ``layer``: the captured layer (4 of 8)."""
+    return {
+        "probehook serve, request asks nothing": None,
+        "probehook serve, 1 probe": {"probes": ["p"]},
+        "probehook serve, 1 probe + 1 layer rows": {"probes": ["p"], "layers": [layer]},
+    }
 
 
 async def run_once(
@@ -74,16 +85,17 @@ async def measure(args: argparse.Namespace, urls: dict[str, str], prompts: list[
 
     plain = openai.AsyncOpenAI(base_url=urls["vllm"], api_key="x", max_retries=0, timeout=600)
     ours = openai.AsyncOpenAI(base_url=urls["probehook"], api_key="x", max_retries=0, timeout=600)
+    asks = configs(args.layers // 2)
     await run_once(plain, prompts, 8, None)  # warm-up outside the measurement
-    for ask in CONFIGS.values():
+    for ask in asks.values():
         await run_once(ours, prompts, 8, ask)
-    samples: dict[str, list[float]] = {name: [] for name in [BASELINE, *CONFIGS]}
+    samples: dict[str, list[float]] = {name: [] for name in [BASELINE, *asks]}
     ttft: dict[str, list[float]] = {name: [] for name in samples}
-    ratio: dict[str, list[float]] = {name: [] for name in CONFIGS}
-    ttft_ratio: dict[str, list[float]] = {name: [] for name in CONFIGS}
+    ratio: dict[str, list[float]] = {name: [] for name in asks}
+    ttft_ratio: dict[str, list[float]] = {name: [] for name in asks}
     for round_index in range(args.rounds):
         base, base_ttft = await run_once(plain, prompts, args.max_tokens, None)
-        for name, ask in CONFIGS.items():
+        for name, ask in asks.items():
             value, first = await run_once(ours, prompts, args.max_tokens, ask)
             after, after_ttft = await run_once(plain, prompts, args.max_tokens, None)
             samples[name].append(value)
@@ -109,25 +121,28 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=8)
-    args = parser.parse_args()
+    smoke.add_flag(parser)
+    args = smoke.shrink(
+        parser.parse_args(), rounds=1, clients=4, prompt_len=8, max_tokens=4, hidden=128, layers=2
+    )
 
     import torch
 
     from probehook import LinearProbe
-    from probehook.testing import ServerProcess, write_dummy_config
+    from probehook.testing import ServerProcess
 
     work = Path(tempfile.mkdtemp())
-    model_dir = write_dummy_config(
-        work / "llama-dummy", hidden_size=args.hidden, num_layers=args.layers
-    )
+    model_dir = smoke.dummy_model(work / "llama-dummy", hidden=args.hidden, layers=args.layers)
+    layer = args.layers // 2
     g = torch.Generator().manual_seed(0)
     weight = torch.randn(1, args.hidden, generator=g) / args.hidden**0.5
-    probe = LinearProbe(weight, torch.zeros(1), layer=4, kind="binary", name="p")
+    probe = LinearProbe(weight, torch.zeros(1), layer=layer, kind="binary", name="p")
     probe_path = probe.save(work / "p.safetensors")
     common = [str(model_dir), "--load-format", "dummy", "--dtype", "bfloat16", "--seed", "0"]
     common += ["--max-model-len", str(args.prompt_len + args.max_tokens + 16)]
     common += ["--served-model-name", "m", "--disable-log-stats", "--disable-uvicorn-access-log"]
-    capture = ["--layers", "4", "--probe", f"p={probe_path}"]
+    common += smoke.server_args(args)
+    capture = ["--layers", str(layer), "--probe", f"p={probe_path}"]
     servers = {
         "vllm": ServerProcess(common, work / "vllm.log", program="vllm"),
         "probehook": ServerProcess(common + capture, work / "probehook.log"),
@@ -154,8 +169,8 @@ def main() -> None:
     lines = [
         f"Workload: Llama hidden {args.hidden}, {args.layers} layers, bf16 dummy weights, "
         f"{args.clients} concurrent streaming clients x {args.prompt_len} prompt tokens -> "
-        f"{args.max_tokens} new tokens, {args.rounds} bracketed rounds, compiled mode, both "
-        "servers on this machine.",
+        f"{args.max_tokens} new tokens, {args.rounds} bracketed rounds, "
+        f"{'eager' if args.smoke else 'compiled'} mode, both servers on this machine.",
         "",
         "| config | median tok/s | median bracketed ratio | median TTFT ms | TTFT ratio |",
         "| --- | --- | --- | --- | --- |",
@@ -167,10 +182,12 @@ def main() -> None:
             f"{report['median_ttft_ms'][name]:.1f} | "
             f"{report['median_ttft_ratio'].get(name, 1.0):.3f} |"
         )
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "serve_load.json").write_text(json.dumps(report, indent=2))
-    (RESULTS / "serve_load.md").write_text("\n".join(lines) + "\n")
+    if not args.smoke:
+        RESULTS.mkdir(exist_ok=True)
+        (RESULTS / "serve_load.json").write_text(json.dumps(report, indent=2))
+        (RESULTS / "serve_load.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+    smoke.done(args)
 
 
 if __name__ == "__main__":

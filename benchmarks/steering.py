@@ -11,7 +11,8 @@ It also reports what steering costs per engine step inside the worker: the host 
 writes the step's slot index (and each new request's table row), and the step time of the
 same engine steered vs not (their difference includes the op itself).
 
-Writes benchmarks/results/steering.json and steering.md.
+Writes benchmarks/results/steering.json and steering.md. ``--smoke``: a few seconds' check that
+it still runs (benchmarks/smoke.py: tiny model, eager engines, nothing written).
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from pathlib import Path
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+import smoke  # noqa: E402  (benchmarks/smoke.py)
 
 RESULTS = Path(__file__).parent / "results"
 BASELINE = "vLLM compiled"
@@ -70,16 +73,18 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=8)
-    args = parser.parse_args()
+    smoke.add_flag(parser)
+    args = smoke.shrink(
+        parser.parse_args(), rounds=1, prompts=4, prompt_len=8, max_tokens=4, hidden=128, layers=2
+    )
 
     import torch
     import vllm
 
     from probehook import LLM, SteeringVector
-    from probehook.testing import write_dummy_config
 
-    model_dir = write_dummy_config(
-        Path(tempfile.mkdtemp()) / "llama-dummy", hidden_size=args.hidden, num_layers=args.layers
+    model_dir = smoke.dummy_model(
+        Path(tempfile.mkdtemp()) / "llama-dummy", hidden=args.hidden, layers=args.layers
     )
     prompts = [
         {"prompt_token_ids": [(i * 131 + j * 17) % 30000 + 100 for j in range(args.prompt_len)]}
@@ -96,6 +101,7 @@ def main() -> None:
         dtype="bfloat16",
         max_model_len=args.prompt_len + args.max_tokens + 16,
         seed=0,
+        **smoke.engine_args(args),
     )
     base = vllm.LLM(str(model_dir), **common)
     steering = LLM(str(model_dir), steering=vectors, **common)
@@ -128,7 +134,7 @@ def main() -> None:
             + ", ".join(f"{n}: {s[-1]:.0f} tok/s" for n, s in samples.items()),
             flush=True,
         )
-    steering.shutdown()
+    smoke.shutdown([steering, base])
 
     baseline = statistics.median(samples[BASELINE])
     rows = [
@@ -159,8 +165,6 @@ def main() -> None:
         "per_step": per_step,
         "added_step_us_steered_vs_not": round(added, 1),
     }
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "steering.json").write_text(json.dumps(report, indent=2))
     lines = [
         f"Workload: Llama hidden {args.hidden}, {args.layers} layers, bf16 dummy weights, "
         f"{args.prompts} prompts x {args.prompt_len} tokens -> {args.max_tokens} new tokens, "
@@ -189,8 +193,12 @@ def main() -> None:
         for r in per_step
     ]
     lines += ["", f"Added step time, steered vs not (same engine): {added:.1f} µs"]
-    (RESULTS / "steering.md").write_text("\n".join(lines) + "\n")
+    if not args.smoke:
+        RESULTS.mkdir(exist_ok=True)
+        (RESULTS / "steering.json").write_text(json.dumps(report, indent=2))
+        (RESULTS / "steering.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+    smoke.done(args)
 
 
 if __name__ == "__main__":

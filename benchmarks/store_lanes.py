@@ -17,6 +17,8 @@ Control: the same bytes written raw (``ndarray.tofile`` into one file per writer
 flush) by one process and by two, in the same rounds. Its two/one ratio is what the machine
 allows (free cores, memory bandwidth): on a machine whose cores are busy with other work, two
 processes cannot be faster than one, store or not. Writes results/store_lanes.{json,md}.
+``--smoke``: a few seconds' check that it still runs (benchmarks/smoke.py: a few small
+requests, one round, nothing written).
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+
+import smoke  # benchmarks/smoke.py
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -131,7 +135,10 @@ def main() -> None:
     parser.add_argument("--flush-every", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--dir", default="/dev/shm", help="where the store is written (tmpfs)")
-    args = parser.parse_args()
+    smoke.add_flag(parser)
+    args = smoke.shrink(
+        parser.parse_args(), requests=8, rows=16, hidden=128, layers=2, flush_every=2, rounds=1
+    )
     half = args.requests // 2
     total = 2 * half  # the same bytes either way
     nbytes = total * args.rows * args.hidden * 4 * args.layers
@@ -211,8 +218,6 @@ def main() -> None:
         ],
         "target_ratio": 1.6,
     }
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "store_lanes.json").write_text(json.dumps(report, indent=2) + "\n")
     lines = [
         f"Workload: {total} requests x {args.layers} layers x {args.rows} rows x {args.hidden} "
         f"fp32 = {nbytes / 1e6:.0f} MB into a new store on {args.dir}, flushed every "
@@ -234,8 +239,12 @@ def main() -> None:
         + ", ".join(f"{r:.2f}" for r in raw_ratios)
         + f". Load average after the run: {report['load_average_after']}.",
     ]
-    (RESULTS / "store_lanes.md").write_text("\n".join(lines) + "\n")
+    if not args.smoke:
+        RESULTS.mkdir(exist_ok=True)
+        (RESULTS / "store_lanes.json").write_text(json.dumps(report, indent=2) + "\n")
+        (RESULTS / "store_lanes.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+    smoke.done(args)
 
 
 if __name__ == "__main__":

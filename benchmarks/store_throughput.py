@@ -3,7 +3,8 @@
 Raw write: ``ndarray.tofile`` + fsync per file (the disk's sequential ceiling as Python sees
 it). Raw read: ``np.fromfile`` of the same bytes. Both sides see the same page cache state,
 rounds are interleaved with the write order alternating, medians reported. Writes
-results/store_throughput.{json,md}.
+results/store_throughput.{json,md}. ``--smoke``: a second's check that it still runs
+(benchmarks/smoke.py: a few small requests, one round, nothing written).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import smoke  # benchmarks/smoke.py
 import torch
 
 from probehook.store import ActivationStore
@@ -103,7 +105,17 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--reads", type=int, default=4, help="reads of each side per round")
     parser.add_argument("--small-shards", type=int, default=2000)
-    args = parser.parse_args()
+    smoke.add_flag(parser)
+    args = smoke.shrink(
+        parser.parse_args(),
+        requests=8,
+        rows=16,
+        hidden=128,
+        layers=2,
+        rounds=1,
+        reads=2,
+        small_shards=20,
+    )
     layers = list(range(args.layers))
     requests = make_requests(args.requests, args.rows, args.hidden, layers)
     nbytes = sum(r.nbytes for r in requests)
@@ -157,8 +169,6 @@ def main() -> None:
         "one_shard_read_s": round(compacted["one shard"], 4),
         "compacted_vs_one_shard_time": round(compacted["compacted"] / compacted["one shard"], 3),
     }
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "store_throughput.json").write_text(json.dumps(report, indent=2))
     lines = [
         f"Workload: {args.requests} requests x {args.layers} layers x {args.rows} rows x "
         f"{args.hidden} fp32 = {nbytes / 1e6:.0f} MB, {args.rounds} interleaved rounds.",
@@ -181,8 +191,12 @@ def main() -> None:
         f"{report['one_shard_read_s']} s (time ratio {report['compacted_vs_one_shard_time']}, "
         "target <= 1.2).",
     ]
-    (RESULTS / "store_throughput.md").write_text("\n".join(lines) + "\n")
+    if not args.smoke:
+        RESULTS.mkdir(exist_ok=True)
+        (RESULTS / "store_throughput.json").write_text(json.dumps(report, indent=2))
+        (RESULTS / "store_throughput.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+    smoke.done(args)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,9 @@ if TYPE_CHECKING:
     from probehook.capture_config import CaptureConfig
     from probehook.core.monitors import FeatureMonitor, ProbeMonitor
     from probehook.frontend.fill import FailedCapture
+    from probehook.lenses.artifacts import JacobianLens, TunedLens
     from probehook.outputs.array_codec import decode_array
+    from probehook.outputs.lens import LensRows
     from probehook.probes import LinearProbe
     from probehook.saes import SAE, SAEFeatures
     from probehook.steering import SteeringVector
@@ -54,6 +56,9 @@ _LAZY = {
     "SAE": ("probehook.saes", "SAE"),
     "SAEFeatures": ("probehook.saes", "SAEFeatures"),
     "SAEError": ("probehook.saes", "SAEError"),
+    "JacobianLens": ("probehook.lenses.artifacts", "JacobianLens"),
+    "TunedLens": ("probehook.lenses.artifacts", "TunedLens"),
+    "LensRows": ("probehook.outputs.lens", "LensRows"),
     "decode_array": ("probehook.outputs.array_codec", "decode_array"),
 }
 
@@ -72,6 +77,9 @@ __all__ = [
     "SAE",
     "SAEFeatures",
     "SAEError",
+    "JacobianLens",
+    "TunedLens",
+    "LensRows",
     "decode_array",
     "FailedCapture",
     "CaptureConfigError",

@@ -10,7 +10,7 @@ Everything here builds models locally; nothing is downloaded.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -227,3 +227,79 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+
+
+def hf_lens_logprobs(
+    model_dir: str | Path,
+    token_ids: Sequence[int],
+    layer: int,
+    matrix: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Hugging Face reference of a lens at ``layer``: ``[T, vocab]`` float32 log-probs of
+    ``log_softmax(W_U final_norm(M h + b))`` on the residual stream ``h`` after the layer
+    (``hf_residual_stream``); ``M`` None: the identity (the logit lens)."""
+    model = _hf_model(str(model_dir), torch.float32)
+    rows = hf_residual_stream(model_dir, token_ids)[layer].float()
+    with torch.no_grad():
+        if matrix is not None:
+            rows = rows @ matrix.float().T
+        if bias is not None:
+            rows = rows + bias.float()
+        logits = model.get_output_embeddings()(_final_norm(model)(rows))  # type: ignore[operator]
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+def assert_lens_matches_hf(
+    model_dir: str | Path,
+    output: Any,
+    lenses: Mapping[str, Any],
+    layers: Sequence[int],
+    *,
+    prefill: bool = True,
+    tol: float = 1e-3,
+) -> float:
+    """Assert a RequestOutput's lens readings (``out.outputs[i].lens`` and, with ``prefill``,
+    ``out.prefill_lens``) equal Hugging Face's for its tokens: the top-k ids are HF's k most
+    likely (ties within 1e-4 may swap), their log-probs and the target log-prob within
+    ``tol``. ``lenses``: name -> what the engine was given (``"logit"``, a lens or its path).
+    Returns the largest absolute log-prob difference seen."""
+    from probehook.lenses.artifacts import lens_affine, load_lens
+
+    num_layers = len(_hf_model(str(model_dir), torch.float32).base_model.layers)  # type: ignore[union-attr]
+    worst = 0.0
+    prompt = list(output.prompt_token_ids)
+    p = len(prompt)
+
+    def check(readings: Any, tokens: list[int], first: int, what: str) -> None:
+        nonlocal worst
+        assert sorted(readings) == sorted(lenses), (what, sorted(readings))
+        for name, spec in lenses.items():
+            lens = load_lens(spec)
+            assert sorted(readings[name]) == sorted(layers), (what, name, sorted(readings[name]))
+            for layer in layers:
+                matrix, bias = lens_affine(lens, layer, num_layers)
+                ref = hf_lens_logprobs(model_dir, tokens, layer, matrix, bias)
+                rows = readings[name][layer]
+                n = len(rows)
+                expected = ref[first : first + n]
+                targets = torch.tensor(tokens[first + 1 : first + 1 + n])
+                assert len(targets) == n, (what, name, layer, n, len(targets))
+                got = expected.gather(1, rows.token_ids)
+                diff = (got - rows.logprobs).abs().max().item()
+                kth = expected.topk(rows.k, dim=1).values[:, -1]
+                assert bool((rows.logprobs[:, -1] >= kth - 1e-4).all()), (what, name, layer)
+                tdiff = expected.gather(1, targets[:, None])[:, 0] - rows.target_logprob
+                tdiff = tdiff.abs().max().item()
+                label = f"{what} lens {name!r} layer {layer}"
+                assert diff <= tol, f"{label}: top-k log-probs differ by {diff}"
+                assert tdiff <= tol, f"{label}: target log-probs differ by {tdiff}"
+                worst = max(worst, diff, tdiff)
+
+    for completion in output.outputs:
+        tokens = prompt + list(completion.token_ids)
+        check(completion.lens, tokens, p - 1, f"completion {completion.index}")
+    if prefill:
+        tokens = prompt + list(output.outputs[0].token_ids[:1])
+        check(output.prefill_lens, tokens, 0, "prompt")
+    return worst

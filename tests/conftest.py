@@ -360,10 +360,21 @@ def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def compiled_llm(llama_dir: Path) -> Iterator[object]:
+def llama_lenses(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """The lenses ``compiled_llm`` reads: the logit lens, a random J-lens file and a random
+    tuned-lens folder for ``llama_dir``'s shape (``helpers.write_random_lenses``)."""
+    from helpers import write_random_lenses
+
+    files = write_random_lenses(tmp_path_factory.mktemp("lenses"), 128, 4)
+    return {"logit": "logit", **files}
+
+
+@pytest.fixture(scope="session")
+def compiled_llm(llama_dir: Path, llama_lenses: dict[str, str]) -> Iterator[object]:
     """vLLM's default compiled mode, under pressure: small prefill chunks, a KV cache small
-    enough to force preemption, prefix caching on."""
-    from helpers import random_probes
+    enough to force preemption, prefix caching on; rows of every layer, probes, and three
+    lenses on two layers."""
+    from helpers import COMPILED_LENS_LAYERS, random_probes
 
     from probehook import LLM
 
@@ -372,6 +383,9 @@ def compiled_llm(llama_dir: Path) -> Iterator[object]:
         layers="all",
         include_prefill=True,
         probes=random_probes(128),
+        lenses=llama_lenses,
+        lens_layers=COMPILED_LENS_LAYERS,
+        lens_top_k=4,
         max_num_batched_tokens=32,
         max_num_seqs=16,
         enable_chunked_prefill=True,

@@ -302,3 +302,50 @@ def corrupt_wires_past_the_front_end(
     monkeypatch.setattr(session, "tag", tag)
     monkeypatch.setattr(session, "register", lambda r, e, p: real_register(r, e, good(p)))
     monkeypatch.setattr(session, "cache_salt", lambda params: real_salt(good(params)))
+
+
+COMPILED_LENS_LAYERS = [1, 3]
+"""The layers ``compiled_llm``'s lenses read (3 is the last: the J and tuned lenses are the
+identity there)."""
+
+
+def write_random_lenses(
+    out_dir: str | Path, hidden_size: int, num_layers: int, seed: int = 0
+) -> dict[str, str]:
+    """A random J-lens file (TransformerLens's artifact format: fp16 matrices for every layer
+    but the last) and a random tuned-lens folder (the ``tuned-lens`` package's format:
+    ``config.json`` and ``params.pt``, translator ``i`` reading HF ``hidden_states[i]``), for
+    the model's shape: ``{"j": path, "tuned": folder}``. The maps are far enough from the
+    identity that a lens applied at the wrong layer, transposed, or not at all, shows."""
+    import json
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(seed)
+    d = hidden_size
+
+    def near_identity(scale: float) -> torch.Tensor:
+        return torch.eye(d) + scale * torch.randn(d, d, generator=g) / d**0.5
+
+    j_path = out / "j_lens.pt"
+    torch.save(
+        {
+            "J": {layer: near_identity(0.5).half() for layer in range(num_layers - 1)},
+            "n_prompts": 1,
+            "source_layers": list(range(num_layers - 1)),
+            "d_model": d,
+            "metadata": {"model_name": "random-test-model"},
+        },
+        j_path,
+    )
+    tuned = out / "tuned_lens"
+    tuned.mkdir(exist_ok=True)
+    (tuned / "config.json").write_text(
+        json.dumps({"d_model": d, "num_hidden_layers": num_layers, "bias": True})
+    )
+    params = {}
+    for i in range(num_layers):
+        params[f"{i}.weight"] = 0.5 * torch.randn(d, d, generator=g) / d**0.5
+        params[f"{i}.bias"] = 0.1 * torch.randn(d, generator=g)
+    torch.save(params, tuned / "params.pt")
+    return {"j": str(j_path), "tuned": str(tuned)}

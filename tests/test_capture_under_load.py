@@ -3,7 +3,8 @@
 One engine (compiled, 32-token prefill chunks, a KV cache small enough to preempt, prefix
 caching on) serves 40 concurrent requests with distinct prompts and lengths, shared prefixes,
 n=2 sampling, stop strings and per-request options. Every returned row must equal the Hugging
-Face residual stream for exactly the tokens that request returned.
+Face residual stream for exactly the tokens that request returned, and every lens reading
+(logit, J and tuned lenses) Hugging Face's lens on those rows, with the token that came next.
 """
 
 from __future__ import annotations
@@ -12,9 +13,9 @@ import random
 from pathlib import Path
 
 import pytest
-from helpers import assert_scores_match_rows
+from helpers import COMPILED_LENS_LAYERS, assert_scores_match_rows
 
-from probehook.testing import assert_matches_hf
+from probehook.testing import assert_lens_matches_hf, assert_matches_hf
 
 pytestmark = pytest.mark.engine
 SHARED_PREFIX = "10+20=30. 11+21=32. 12+22=34. 13+23=36. "
@@ -46,7 +47,7 @@ def num_preemptions(llm) -> int:
     return int(sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions"))
 
 
-def test_attribution_under_load(compiled_llm, llama_dir: Path) -> None:
+def test_attribution_under_load(compiled_llm, llama_dir: Path, llama_lenses) -> None:
     prompts, params = make_requests()
     before = num_preemptions(compiled_llm)
     outs = compiled_llm.generate(prompts, params, use_tqdm=False)
@@ -58,6 +59,11 @@ def test_attribution_under_load(compiled_llm, llama_dir: Path) -> None:
         narrowed = p.extra_args is not None
         layers = [1] if narrowed else [0, 1, 2, 3]
         assert_matches_hf(llama_dir, out, layers, prefill=not narrowed)
+        assert_lens_matches_hf(
+            llama_dir, out, llama_lenses, COMPILED_LENS_LAYERS, prefill=not narrowed
+        )
+        if narrowed:
+            assert out.prefill_lens == {}
         if narrowed:
             assert out.prefill_hidden_states == {}
             assert out.prefill_probe_scores == {}

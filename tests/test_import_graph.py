@@ -40,7 +40,9 @@ ALLOWED_CYCLES: dict[frozenset[str], str] = {
 # Layers that run without vLLM (the user's process, vLLM's worker through our own operators,
 # offline tools): neither they nor any probehook module they import may import vllm. Only
 # probehook/adapter, the command line and model plugins (probehook/models) do.
-NO_VLLM = ("core", "worker", "frontend", "store", "probes", "steering", "outputs", "saes")
+NO_VLLM = (
+    "core", "worker", "frontend", "store", "probes", "steering", "outputs", "saes", "lenses",
+)  # fmt: skip
 
 
 def module_names(root: Path = ROOT, package: str = PACKAGE) -> dict[str, Path]:

@@ -100,6 +100,9 @@ class RequestOptions:
     sorted (a hashable, canonical form of ``{"sae": {feature: value}}``)."""
     readouts: tuple[tuple[str, tuple[str, ...] | bool], ...] = ()
     """Top-k readouts picked by their request options: ``(source, names or True/False)``."""
+    readout_extras: tuple[tuple[str, str, Any], ...] = ()
+    """The top-k readouts' further request options (a lens's ``lens_layers``): ``(source,
+    option, value)``, lists as tuples; checked by the readout (``TopKReadout.pick``)."""
 
     @classmethod
     def from_user(
@@ -107,8 +110,9 @@ class RequestOptions:
     ) -> RequestOptions:
         """Check the types of a user's options object (None: no options). Engine-dependent
         checks (which layers and probes exist, narrowing) come after, with the engine.
-        ``readout_options``: the request option of each top-k readout the engine has
-        (option -> source), accepted beside the built-in keys."""
+        ``readout_options``: the request options of each top-k readout the engine has
+        (option -> source; a source's first option picks its instances, the others are its
+        further options), accepted beside the built-in keys."""
         if value is None:
             return cls()
         if isinstance(value, RequestOptions):
@@ -127,13 +131,23 @@ class RequestOptions:
                 f"{[*USER_KEYS, *extra]}."
             )
         parsed: dict[str, Any] = {}
+        picking: dict[str, str] = {}  # source -> the option that picks its instances
+        for option, source in extra.items():
+            picking.setdefault(source, option)
         readouts = [
             (source, _user_names(option, value[option], "readout"))
             for option, source in extra.items()
-            if value.get(option) is not None
+            if picking[source] == option and value.get(option) is not None
         ]
         if readouts:
             parsed["readouts"] = tuple(readouts)
+        further = [
+            (source, option, _hashable(value[option]))
+            for option, source in extra.items()
+            if picking[source] != option and value.get(option) not in (None, False)
+        ]
+        if further:
+            parsed["readout_extras"] = tuple(further)
         if "layers" in value:
             parsed["layers"] = _user_layers(value["layers"])
         for key in FLAG_KEYS:
@@ -185,6 +199,15 @@ class RequestOptions:
     def asked(self) -> list[str]:
         """The keys that ask for something (not None, False or empty)."""
         return [f.name for f in fields(self) if getattr(self, f.name) not in (None, False, ())]
+
+
+def _hashable(value: Any) -> Any:
+    """A JSON-like value with its lists (and arrays) as tuples: options are hashed."""
+    if hasattr(value, "tolist") and not isinstance(value, str):
+        value = value.tolist()
+    if isinstance(value, (list, tuple)):
+        return tuple(_hashable(v) for v in value)
+    return value
 
 
 def _user_layers(value: Any) -> tuple[int, ...] | str:

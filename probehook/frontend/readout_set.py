@@ -13,7 +13,6 @@ from typing import Any
 
 from probehook.errors import CaptureConfigError
 from probehook.frontend.named import select_names
-from probehook.outputs.top_k import TopKRows
 
 
 @dataclass(frozen=True)
@@ -35,6 +34,8 @@ class ReadoutSet:
         *,
         num_layers: int,
         hidden_size: int,
+        extras: Mapping[str, Any] | None = None,
+        model_name: str | None = None,
     ) -> None:
         self.readout = readout
         self.source: str = readout.source
@@ -50,34 +51,41 @@ class ReadoutSet:
                 f"{readout.k_option}={k!r} is not valid: pass an int in 1..{readout.max_k}."
             )
         self.k = k
-        self.instances = {
-            str(name): readout.settings(
-                str(name), spec, num_layers=num_layers, hidden_size=hidden_size
-            )
-            for name, spec in specs.items()
-        }
+        self.instances = readout.instances(
+            specs, dict(extras or {}), num_layers=num_layers, hidden_size=hidden_size,
+            model_name=model_name,
+        )  # fmt: skip
         self.layers = tuple(sorted({int(s["layer"]) for s in self.instances.values()}))
 
     def loader_settings(self) -> dict[str, Any]:
         """What the workers' loader builds the readout's bank from."""
         return {"k": self.k, "instances": self.instances}
 
-    def for_request(self, picked: Any) -> RequestReadout | None:
-        """A request's pick (None or True: every instance; False or []: none; names)."""
-        option = self.readout.request_option
-        names = select_names(picked, list(self.instances), option, self.readout.name,
-                             CaptureConfigError)  # fmt: skip
+    def for_request(
+        self, picked: Any, extras: Mapping[str, Any] | None = None
+    ) -> RequestReadout | None:
+        """A request's pick (None or True: every instance; False or []: none; names) and its
+        values of the readout's further request options (``extras``)."""
+        readout = self.readout
+        names = select_names(picked, readout.pickable(self.instances), readout.request_option,
+                             readout.name, CaptureConfigError)  # fmt: skip
+        names = readout.narrow(names, dict(extras or {}), self.instances) if names else []
         return RequestReadout(tuple(names), self.k) if names else None
 
-    def values(self, packed: Any, request: RequestReadout) -> dict[str, TopKRows]:
-        """``[len(request.names), n, 2k + 1]`` packed rows -> rows per instance."""
-        return {
-            name: TopKRows.unpack(rows, request.k)
-            for name, rows in zip(request.names, packed, strict=True)
-        }
+    def values(self, packed: Any, request: RequestReadout) -> Any:
+        """``[len(request.names), n, 2k + 1]`` packed rows -> the readout's value (rows per
+        instance, as the readout presents them)."""
+        unpack = self.readout.row_type.unpack
+        return self.readout.present(
+            {
+                name: unpack(rows, request.k)
+                for name, rows in zip(request.names, packed, strict=True)
+            }
+        )
 
-    def empty(self, request: RequestReadout) -> dict[str, TopKRows]:
-        return {name: TopKRows.empty(request.k) for name in request.names}
+    def empty(self, request: RequestReadout) -> Any:
+        empty = self.readout.row_type.empty
+        return self.readout.present({name: empty(request.k) for name in request.names})
 
     def store_description(self) -> dict[str, dict[str, Any]]:
         """What a store's run records of each instance, under its stored name

@@ -140,8 +140,13 @@ class CaptureSession:
         self.probes = probes
         self.saes = saes
         self.readouts = dict(readouts or {})
-        self.readout_options = {r.readout.request_option: s for s, r in self.readouts.items()}
-        """Each top-k readout's request option -> its source (accepted in a request)."""
+        self.readout_options = {
+            option: source
+            for source, r in self.readouts.items()
+            for option in (r.readout.request_option, *r.readout.extra_request_options)
+        }
+        """Each top-k readout's request options -> its source (accepted in a request): its
+        picking option first, then its further ones."""
         self.sources = engine_sources(probes, saes, self.readouts)
         """What the engine records, by source name (:mod:`probehook.frontend.sources`)."""
         self.steering = steering
@@ -282,7 +287,8 @@ class CaptureSession:
         picked = dict(options.readouts)
         got = {}
         for source, readout_set in self.readouts.items():
-            chosen = readout_set.for_request(picked.get(source))
+            extras = {o: v for s, o, v in options.readout_extras if s == source}
+            chosen = readout_set.for_request(picked.get(source), extras)
             if chosen is not None:
                 got[source] = chosen
         return got

@@ -213,9 +213,11 @@ class TopKReadoutRows(CaptureSource):
         asked = self._of(request)
         decoder = state.get((self.name, key))
         if decoder is None:
-            decoder = state[(self.name, key)] = TopKDecoder()
+            decoder = state[(self.name, key)] = TopKDecoder(self.readouts.readout.row_type)
         decoded = decoder.decode(rows, lo)
-        return {name: r.top(asked.k) for name, r in zip(asked.names, decoded, strict=True)}
+        return self.readouts.readout.present(
+            {name: r.top(asked.k) for name, r in zip(asked.names, decoded, strict=True)}
+        )
 
 
 def engine_sources(

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -35,6 +35,13 @@ class TopKRows:
     l0: torch.Tensor
     engine: TopKRows | None = field(default=None, compare=False, repr=False)
     """The same tokens at the engine's k, when this request keeps fewer (see ``watched``)."""
+
+    scalar_dtype: ClassVar[torch.dtype] = torch.int64
+    """The dtype of the per-token scalar (the packed rows' last column): an SAE's ``l0``
+    counts; a readout whose scalar is a real number (a lens's target log-prob) subclasses
+    with float32."""
+    column_names: ClassVar[tuple[str, str, str]] = ("indices", "values", "l0")
+    """What the JSON forms call the three columns (a subclass names them for its readout)."""
 
     def __len__(self) -> int:
         return int(self.l0.shape[0])
@@ -73,12 +80,12 @@ class TopKRows:
         ``l0`` is unchanged; ``watched`` stays the engine's."""
         if k == self.k:
             return self
-        return TopKRows(self.indices[:, :k], self.values[:, :k], self.l0, self.watched)
+        return type(self)(self.indices[:, :k], self.values[:, :k], self.l0, self.watched)
 
     def rows(self, lo: int, hi: int | None = None) -> TopKRows:
         """Tokens ``lo..hi`` (views)."""
         engine = self.engine.rows(lo, hi) if self.engine is not None else None
-        return TopKRows(self.indices[lo:hi], self.values[lo:hi], self.l0[lo:hi], engine)
+        return type(self)(self.indices[lo:hi], self.values[lo:hi], self.l0[lo:hi], engine)
 
     @classmethod
     def unpack(cls, packed: torch.Tensor, k: int) -> TopKRows:
@@ -88,7 +95,7 @@ class TopKRows:
         full = cls(
             packed[:, :engine_k].to(torch.int64),
             packed[:, engine_k : 2 * engine_k].clone(),
-            packed[:, 2 * engine_k].to(torch.int64),
+            packed[:, 2 * engine_k].to(cls.scalar_dtype),
         )
         return full.top(k)
 
@@ -97,7 +104,7 @@ class TopKRows:
         return cls(
             torch.empty((0, k), dtype=torch.int64),
             torch.empty((0, k), dtype=torch.float32),
-            torch.empty(0, dtype=torch.int64),
+            torch.empty(0, dtype=cls.scalar_dtype),
         )
 
     @classmethod
@@ -114,11 +121,12 @@ class TopKRows:
         )
 
     def to_dict(self) -> dict[str, list]:
-        """JSON-ready lists (the server's form)."""
+        """JSON-ready lists (the server's form): every inf and NaN as None."""
+        indices, values, scalar = self.column_names
         return {
-            "indices": self.indices.tolist(),
-            "values": self.values.tolist(),
-            "l0": self.l0.tolist(),
+            indices: self.indices.tolist(),
+            values: json_floats(self.values),
+            scalar: self.l0.tolist() if not self.l0.is_floating_point() else json_floats(self.l0),
         }
 
     def __repr__(self) -> str:
@@ -135,7 +143,8 @@ class TopKDecoder:
     int64 indices and l0 are converted, into buffers of their own.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, row_type: type[TopKRows] = TopKRows) -> None:
+        self.row_type = row_type
         self.base = self.done = -1
         self._indices: torch.Tensor | None = None  # [slots, capacity, K]
         self._l0: torch.Tensor | None = None  # [slots, capacity]
@@ -163,7 +172,7 @@ class TopKDecoder:
         assert self._indices is not None and self._l0 is not None
         at = slice(lo - self.base, hi - self.base)
         return [
-            TopKRows(
+            self.row_type(
                 self._indices[slot, at],
                 packed[slot, :, engine_k : 2 * engine_k],
                 self._l0[slot, at],
@@ -176,7 +185,7 @@ class TopKDecoder:
             return
         capacity = max(end, 2 * (self._indices.shape[1] if self._indices is not None else 0), 16)
         indices = torch.empty((slots, capacity, engine_k), dtype=torch.int64)
-        l0 = torch.empty((slots, capacity), dtype=torch.int64)
+        l0 = torch.empty((slots, capacity), dtype=self.row_type.scalar_dtype)
         if self._indices is not None and self._l0 is not None:
             # Views handed out earlier keep the old buffers alive and unchanged.
             kept = self.done - self.base
@@ -212,10 +221,13 @@ def compact_top_k(value: dict[str, Any]) -> dict[str, Any]:
 
     out = {}
     for name, rows in value.items():
+        indices, values, scalar = rows.column_names
         out[name] = {
-            "indices": encode_array(rows.indices.to(torch.int32)),
-            "values": encode_array(rows.values),
-            "l0": encode_array(rows.l0.to(torch.int32)),
+            indices: encode_array(rows.indices.to(torch.int32)),
+            values: encode_array(rows.values),
+            scalar: encode_array(
+                rows.l0.to(torch.float32 if rows.l0.is_floating_point() else torch.int32)
+            ),
         }
         bad = non_finite_rows(rows.values)
         if bad:
@@ -226,10 +238,9 @@ def compact_top_k(value: dict[str, Any]) -> dict[str, Any]:
 def json_top_k(features: Any) -> dict[str, Any]:
     """A top-k readout's JSON lists; ``non_finite``: the tokens whose values held an inf or
     NaN (written as null), present only when there are any."""
-    out = features.to_dict()
+    out = features.to_dict()  # inf and NaN written as null
     rows = non_finite_rows(features.values)
     if rows:
-        out["values"] = _nulls(out["values"])
         out["non_finite"] = rows
     return out
 

@@ -20,6 +20,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from probehook.errors import CaptureConfigError
 from probehook.outputs.registry import OutputProcessor
 from probehook.outputs.top_k import TopKRows, compact_top_k, json_top_k
 
@@ -35,14 +36,72 @@ class TopKReadout(OutputProcessor):
     """The engine keyword argument that names the readout's instances: ``{name: spec}``."""
     request_option: ClassVar[str] = ""
     """The per-request option that picks instances: a list of names, True (all) or False."""
+    extra_engine_options: ClassVar[tuple[str, ...]] = ()
+    """Further engine keyword arguments of the readout (a lens's ``lens_layers``), handed to
+    :meth:`instances`."""
+    extra_request_options: ClassVar[tuple[str, ...]] = ()
+    """Further per-request options (a lens's ``lens_layers``), handed to :meth:`pick`."""
     default_k: ClassVar[int] = 8
     """Entries kept per token (the engine's ``<engine_option>_top_k`` may change it)."""
     max_k: ClassVar[int] = 256
+    row_type: ClassVar[type[TopKRows]] = TopKRows
+    """The rows' class (a subclass names the columns for its readout)."""
+    tensor_parallel: ClassVar[bool] = True
+    """Whether it runs under tensor parallelism (rank 0 reads every row)."""
+    reads_next_token: ClassVar[bool] = False
+    """The worker reads a row together with the id of the token that came next (a lens's
+    target log-prob): it records after the step's sampling, and :meth:`read` gets
+    ``next_tokens``."""
 
     @property
     def k_option(self) -> str:
         """The engine keyword argument for k: ``<engine_option>_top_k``."""
         return f"{self.engine_option}_top_k"
+
+    def instances(
+        self,
+        specs: Mapping[str, Any],
+        extras: Mapping[str, Any],
+        *,
+        num_layers: int,
+        hidden_size: int,
+        model_name: str | None = None,
+    ) -> dict[str, dict]:
+        """The settings of every instance, by instance name, from the engine option's
+        ``{name: spec}`` and the readout's :attr:`extra_engine_options` (``extras``). Default:
+        one instance per name (:meth:`settings`)."""
+        return {
+            str(name): self.settings(str(name), spec, num_layers=num_layers,
+                                     hidden_size=hidden_size)
+            for name, spec in specs.items()
+        }  # fmt: skip
+
+    def pickable(self, instances: Mapping[str, Mapping[str, Any]]) -> list[str]:
+        """The names a request picks from with :attr:`request_option` (default: the
+        instances')."""
+        return list(instances)
+
+    def narrow(
+        self,
+        names: list[str],
+        extras: Mapping[str, Any],
+        instances: Mapping[str, Mapping[str, Any]],
+    ) -> list[str]:
+        """The instances a request gets: from the names it picked and its values of
+        :attr:`extra_request_options` (``extras``; checked here). Default: the names."""
+        if extras:
+            raise CaptureConfigError(
+                f"the {self.name} readout takes no option(s) {sorted(extras)}."
+            )
+        return names
+
+    def present(self, rows: dict[str, TopKRows]) -> Any:
+        """The value users see from the rows by instance name (default: that dict)."""
+        return rows
+
+    def flat(self, value: Any) -> dict[str, TopKRows]:
+        """The inverse of :meth:`present`: rows by instance name (what the store keeps)."""
+        return value
 
     def settings(self, name: str, spec: Any, *, num_layers: int, hidden_size: int) -> dict:
         """The JSON-able settings of instance ``name`` the worker reads (``"layer"``: the
@@ -64,15 +123,18 @@ class TopKReadout(OutputProcessor):
 
     # -- the output processor's part: generic over top-k rows --------------------------
 
-    def merge(self, pieces: list[dict[str, TopKRows]]) -> dict[str, TopKRows]:
-        names = list(dict.fromkeys(name for piece in pieces for name in piece))
-        return {name: TopKRows.cat([p[name] for p in pieces if name in p]) for name in names}
+    def merge(self, pieces: list[Any]) -> Any:
+        flats = [self.flat(piece) for piece in pieces]
+        names = list(dict.fromkeys(name for piece in flats for name in piece))
+        return self.present(
+            {name: self.row_type.cat([p[name] for p in flats if name in p]) for name in names}
+        )
 
-    def to_response(self, value: dict[str, TopKRows]) -> dict[str, Any]:
-        return {name: json_top_k(rows) for name, rows in value.items()}
+    def to_response(self, value: Any) -> dict[str, Any]:
+        return {name: json_top_k(rows) for name, rows in self.flat(value).items()}
 
-    def to_compact(self, value: dict[str, TopKRows]) -> dict[str, Any]:
-        return compact_top_k(value)
+    def to_compact(self, value: Any) -> dict[str, Any]:
+        return compact_top_k(self.flat(value))
 
 
 def pack(indices: torch.Tensor, values: torch.Tensor, l0: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,9 @@
                                                     type's max; k is the run's (a request that
                                                     kept fewer: padded)
     {phase}/sae_{name}/{layout}/values   [rows, k]  float32 (or float16: store_options sae_values)
-    {phase}/sae_{name}/{layout}/l0       [rows, 1]  uint32
+    {phase}/sae_{name}/{layout}/l0       [rows, 1]  uint32 (a top-k readout whose scalar is
+                                                    a real number, a lens's target log-prob:
+                                                    float32)
 
 ``layout`` names what decides the datasets' shape and types: ``k{k}-{index type}-{value
 type}``, e.g. ``k32-uint16-float32`` (:func:`layout_of`). Runs that store one SAE name with
@@ -132,17 +134,27 @@ def to_storage(features: object, d_sae: int, k: int, values: str) -> dict[str, n
     return {
         "indices": stored,
         "values": stored_values,
-        "l0": features.l0.numpy().astype(np.uint32).reshape(-1, 1),  # type: ignore[attr-defined]
+        "l0": _scalar(features.l0.numpy()).reshape(-1, 1),  # type: ignore[attr-defined]
     }
 
 
+def _scalar(column: np.ndarray) -> np.ndarray:
+    """The per-token scalar as stored: an SAE's ``l0`` as uint32, a real number (a lens's
+    target log-prob) as float32."""
+    if np.issubdtype(column.dtype, np.floating):
+        return column.astype(np.float32)
+    return column.astype(np.uint32)
+
+
 def from_storage(indices: np.ndarray, values: np.ndarray, l0: np.ndarray) -> tuple:
-    """``(indices int64 with -1 padding, values float32, l0 int64)`` tensors."""
+    """``(indices int64 with -1 padding, values float32, l0 int64)`` tensors (a float scalar,
+    a lens's target log-prob, comes back float32)."""
     pad = np.iinfo(indices.dtype).max
     as_int = indices.astype(np.int64)
     as_int[indices == pad] = -1
+    floating = np.issubdtype(l0.dtype, np.floating)
     return (
         torch.from_numpy(as_int),
         torch.from_numpy(values.astype(np.float32)),
-        torch.from_numpy(l0.reshape(-1).astype(np.int64)),
+        torch.from_numpy(l0.reshape(-1).astype(np.float32 if floating else np.int64)),
     )

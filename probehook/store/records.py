@@ -93,11 +93,11 @@ def _feature_blocks(
         if prefill is not None:
             for name, features in prefill_features.items():
                 blocks.append(FeatureBlock("prefill", None, name, prefill.lo, features))
-    readouts = [(source, p.request_attributes[0], p.completion_attributes[0])
+    readouts = [(source, p.request_attributes[0], p.completion_attributes[0], p.flat)
                 for source, p in top_k_readouts(OUTPUT_PROCESSORS).items()]  # fmt: skip
-    for source, on_request, _ in readouts:  # the top-k readouts' rows: stored alike
+    for source, on_request, _, flat in readouts:  # the top-k readouts' rows: stored alike
         prefill, _ = completion_spans(spans, prompt_len, 0)
-        for name, rows in (getattr(output, on_request, None) or {}).items():
+        for name, rows in flat(getattr(output, on_request, None) or {}).items():
             if prefill is not None:
                 blocks.append(FeatureBlock("prefill", None, name, prefill.lo, rows, source))
     if pooled:
@@ -108,8 +108,8 @@ def _feature_blocks(
             continue
         for name, features in (getattr(c, "sae_features", None) or {}).items():
             blocks.append(FeatureBlock("decode", c.index, name, decode.lo, features))
-        for source, _, on_completion in readouts:
-            for name, rows in (getattr(c, on_completion, None) or {}).items():
+        for source, _, on_completion, flat in readouts:
+            for name, rows in flat(getattr(c, on_completion, None) or {}).items():
                 blocks.append(FeatureBlock("decode", c.index, name, decode.lo, rows, source))
     return blocks
 

@@ -125,6 +125,7 @@ class StoredRequest:
     ) -> dict[str, SAEFeatures]:
         out = {}
         prefix = "" if source == "sae" else f"{source}:"
+        row_type = _row_type(source)
         for seg in self.record.get("sae_segments", ()):
             if seg.get("source", "sae") != source:
                 continue
@@ -134,7 +135,7 @@ class StoredRequest:
                 parts = self.store._read_features(
                     shard, phase, seg["sae"], start, stop, seg.get("layout")
                 )
-                features = SAEFeatures(*from_storage(*parts))
+                features = row_type(*from_storage(*parts))
                 out[seg["sae"].removeprefix(prefix)] = features.top(seg.get("k", features.k))
         return out
 
@@ -157,3 +158,15 @@ class StoredRequest:
 
 def _score_tensors(scores: dict[str, list] | None) -> dict[str, torch.Tensor]:
     return {name: torch.tensor(v, dtype=torch.float32) for name, v in (scores or {}).items()}
+
+
+def _row_type(source: str) -> type:
+    """The rows' class of a readout's stored features: a registered top-k readout's own
+    (a lens's :class:`~probehook.outputs.lens.LensRows`), else SAE features'."""
+    if source == "sae":
+        return SAEFeatures
+    from probehook.outputs import OUTPUT_PROCESSORS
+    from probehook.outputs.top_k_readout import top_k_readouts
+
+    readout = top_k_readouts(OUTPUT_PROCESSORS).get(source)
+    return readout.row_type if readout is not None else SAEFeatures

@@ -16,6 +16,7 @@ from typing import Any
 
 from probehook.worker.probe_bank import ProbeBank
 from probehook.worker.recorder import StepRecorder
+from probehook.worker.top_k_bank import TopKBank
 
 RANK_0 = "rank 0"
 """Recorded by the rank that answers exports alone (the other ranks hold the same data)."""
@@ -82,6 +83,34 @@ READOUTS: dict[str, WorkerReadout] = {
     )
 }
 """Every readout a worker knows, by source, in the order the step hook records them."""
+
+
+def _lens_bank(readout: Any, instances: Any, k: int, model: Any) -> Any:
+    from probehook.errors import UnsupportedModelError
+    from probehook.worker.lens_bank import LensBank
+
+    if model.head is None:
+        raise UnsupportedModelError(
+            "lenses read the model's final norm and unembedding, and this model has none "
+            "probehook can call (a pooling model, or a final norm of a name it does not know)."
+        )
+    return LensBank(instances, k, model.head).to(model.device)
+
+
+def _generic_bank(readout: Any, instances: Any, k: int, model: Any) -> Any:
+    return TopKBank(readout, instances, k)
+
+
+TOP_K_BANKS: dict[str, Callable[[Any, Any, int, Any], Any]] = {"lens": _lens_bank}
+"""The bank of each top-k readout that needs more than its ``read`` (lenses: the model's
+head), by source; every other top-k readout gets the generic
+:class:`~probehook.worker.top_k_bank.TopKBank`."""
+
+
+def top_k_bank(source: str, readout: Any, instances: Any, k: int, model: Any) -> Any:
+    """The worker's bank of top-k readout ``source``, built at load (``model``: the parts of
+    the model readouts may need, ``ModelParts``)."""
+    return TOP_K_BANKS.get(source, _generic_bank)(readout, instances, k, model)
 
 
 def readout_row(source: str) -> WorkerReadout:

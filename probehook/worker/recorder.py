@@ -340,6 +340,7 @@ class StepRecorder:
         query_start: np.ndarray,
         num_computed: np.ndarray,
         plan_for: Callable[[str], RequestPlan | None],
+        next_tokens: Callable[[np.ndarray], torch.Tensor] | None = None,
     ) -> None:
         """Keep this step's wanted rows.
 
@@ -348,6 +349,9 @@ class StepRecorder:
             query_start: ``[len(req_ids) + 1]`` row offsets of each request in the step.
             num_computed: ``[len(req_ids)]`` position of each request's first row.
             plan_for: builds the plan of a request seen for the first time (None: no capture).
+            next_tokens: for a transform that reads each row's next token
+                (``reads_next_token``): the step's rows (flat indices) -> their next tokens
+                on the device.
         """
         started = time.perf_counter_ns()
         self.steps_recorded += 1
@@ -381,7 +385,8 @@ class StepRecorder:
             )
             selective = getattr(self.transform, "selective", False)
             slot_rows = self._slot_rows(owners, count, out_offset) if selective else None
-            device_rows, staged, ready = self._gather(index, slot_rows)
+            targets = next_tokens(index) if next_tokens is not None else None
+            device_rows, staged, ready = self._gather(index, slot_rows, targets)
             if self.keep_step_rows:
                 ends_step = (count > 0) & (last == n_sched)
                 self.step_rows = StepRows(
@@ -486,14 +491,20 @@ class StepRecorder:
         ]
 
     def _gather(
-        self, index: np.ndarray, slot_rows: list[np.ndarray] | None = None
+        self,
+        index: np.ndarray,
+        slot_rows: list[np.ndarray] | None = None,
+        next_tokens: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, object]:
         """Gather rows of every layer on the device (transformed, if so built; a selective
-        transform computes each slot on ``slot_rows`` alone), then one copy to host. Returns
+        transform computes each slot on ``slot_rows`` alone; ``next_tokens``: each gathered
+        row's next token, for a transform that reads them), then one copy to host. Returns
         the device rows, the host rows and the copy's event (None: done)."""
         transform: Any = self.transform
         if slot_rows is not None:
-            transform = functools.partial(self.transform, slot_rows=slot_rows)
+            transform = functools.partial(transform, slot_rows=slot_rows)
+        if next_tokens is not None:
+            transform = functools.partial(transform, next_tokens=next_tokens)
         buf0 = self.buffers[0]
         lo = int(index[0])
         # The index rises strictly (batch order, then position): one run when its ends say

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,6 +71,8 @@ class CaptureRequest:
     engine option, e.g. ``norms={...}``, lands here)."""
     readout_top_k: dict[str, int] | None = None
     """Entries kept per token, by source (each readout's ``<option>_top_k``)."""
+    readout_extras: dict[str, dict[str, Any]] | None = None
+    """Each readout's further engine options, by source (a lens's ``lens_layers``)."""
 
     def __post_init__(self) -> None:
         # Checked at once, so that a plain engine is built without probehook's runner choice.
@@ -158,12 +160,26 @@ def take_capture_arguments(kwargs: dict[str, Any]) -> CaptureRequest:
     given = {name: kwargs.pop(name) for name in CAPTURE_ARGUMENTS if name in kwargs}
     readouts = dict(given.pop("readouts", None) or {})
     top_k = dict(given.pop("readout_top_k", None) or {})
+    extras = {s: dict(e) for s, e in (given.pop("readout_extras", None) or {}).items()}
     for source, readout in top_k_readouts(OUTPUT_PROCESSORS).items():
         if readout.engine_option in kwargs:  # a registered readout's own keyword
             readouts[source] = kwargs.pop(readout.engine_option)
         if readout.k_option in kwargs:
             top_k[source] = kwargs.pop(readout.k_option)
-    return CaptureRequest(**given, readouts=readouts or None, readout_top_k=top_k or None)
+        for option in readout.extra_engine_options:
+            if option in kwargs:
+                extras.setdefault(source, {})[option] = kwargs.pop(option)
+    for source, options in extras.items():
+        if source not in readouts:
+            raise CaptureConfigError(
+                f"{', '.join(f'{o}=' for o in options)} configure{'s' if len(options) == 1 else ''}"
+                f" the {source!r} readout, which the engine does not read; pass its "
+                "instances too (or drop the option)."
+            )
+    return CaptureRequest(
+        **given, readouts=readouts or None, readout_top_k=top_k or None,
+        readout_extras=extras or None,
+    )  # fmt: skip
 
 
 def front_end_signature(
@@ -256,10 +272,14 @@ def prepare(
             clamping=request.sae_clamping,
             dtype=request.sae_dtype,
         )
-    readouts = _readout_sets(request, num_layers, resolved.model_config.get_hidden_size())
+    readouts = _readout_sets(
+        request, num_layers, resolved.model_config.get_hidden_size(),
+        model_name=resolved.model_config.model,
+    )  # fmt: skip
     pooling = engine_config.is_pooling(resolved)
     if pooling:
         _check_pooling(request, resolved.model_config.architectures)
+    _check_readouts(readouts, request, pooling, resolved.parallel_config.tensor_parallel_size)
     steering = None
     if request.steers:
         steer_layers = {layer for v in request.steering.values() for layer in v.layers}
@@ -343,7 +363,7 @@ def prepare(
 
 
 def _readout_sets(
-    request: CaptureRequest, num_layers: int, hidden_size: int
+    request: CaptureRequest, num_layers: int, hidden_size: int, model_name: str | None = None
 ) -> dict[str, ReadoutSet]:
     """The engine's top-k readouts (registered output processors), checked against the
     model; a source nobody registered is refused, naming those that are."""
@@ -358,7 +378,10 @@ def _readout_sets(
                 "'probehook.output_processors' entry points)."
             )
         k = (request.readout_top_k or {}).get(source)
-        sets[source] = ReadoutSet(readout, specs, k, num_layers=num_layers, hidden_size=hidden_size)
+        extras = (request.readout_extras or {}).get(source)
+        sets[source] = ReadoutSet(readout, specs, k, num_layers=num_layers,
+                                  hidden_size=hidden_size, extras=extras,
+                                  model_name=model_name)  # fmt: skip
     unknown = sorted(set(request.readout_top_k or {}) - set(sets))
     if unknown:
         raise CaptureConfigError(f"readout_top_k names {unknown}, which the engine does not read.")
@@ -512,6 +535,33 @@ def fingerprint_meta(fingerprint: dict[str, Any]) -> dict[str, Any]:
         "fingerprint_version": fingerprint["version"],
         "fingerprint_covers": fingerprint["covers"],
     }
+
+
+def _check_readouts(
+    readouts: Mapping[str, ReadoutSet], request: CaptureRequest, pooling: bool, tp: int
+) -> None:
+    """Refuse a top-k readout where it cannot run: one that reads each row's next token
+    (lenses) needs the engine's sampling, which a pooling model and a capture-only engine do
+    not run; one not built for tensor parallelism under it."""
+    for readout_set in readouts.values():
+        readout = readout_set.readout
+        option = readout.engine_option
+        if readout.reads_next_token and pooling:
+            raise CaptureConfigError(
+                f"{option}= reads the model's next-token prediction, and this is a pooling "
+                "model (no LM head, no sampling); drop it, or serve a generative model."
+            )
+        if readout.reads_next_token and request.capture_only:
+            raise CaptureConfigError(
+                f"{option}= is not available with capture_only=True yet (a capture-only "
+                "engine cuts the final norm and samples nothing); build the engine without "
+                "capture_only."
+            )
+        if tp > 1 and not readout.tensor_parallel:
+            raise CaptureConfigError(
+                f"{option}= is not available with tensor_parallel_size={tp} yet (each rank "
+                "holds a shard of the vocabulary); use tensor_parallel_size=1."
+            )
 
 
 def _check_pooling(request: CaptureRequest, architectures: Any) -> None:

@@ -129,6 +129,25 @@ def add_capture_args(parser: Any) -> None:
         '\'{"probes": true, "layers": [3]}\'); a request\'s own object wins, {} opts out',
     )
     group.add_argument(
+        "--lens",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help='a lens requests may ask readings of ("probehook": {"lenses": ["NAME"]}): '
+        "'logit', a J-lens file (.pt) or a tuned-lens folder; repeatable; needs --lens-layers",
+    )
+    group.add_argument(
+        "--lens-layers",
+        default=None,
+        help="the layers the lenses read: '2,4' or 'all'",
+    )
+    group.add_argument(
+        "--lens-top-k",
+        type=int,
+        default=None,
+        help="next tokens a lens reading keeps per token (default 5)",
+    )
+    group.add_argument(
         "--readout",
         action="append",
         default=[],
@@ -174,7 +193,18 @@ def capture_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     steering_layers = (
         parse_layers(args.steering_layers) if args.steering_layers is not None else None
     )
+    lenses = _named_paths("--lens", args.lens, "j=j_lens.pt")
+    if args.lens_layers is not None and not lenses:
+        raise SystemExit("error: --lens-layers needs --lens NAME=PATH")
+    lens_options: dict[str, Any] = {}
+    if lenses:
+        lens_options["lenses"] = lenses  # "logit", a J-lens file or a tuned-lens folder
+        if args.lens_layers is not None:
+            lens_options["lens_layers"] = parse_layers(args.lens_layers)
+        if args.lens_top_k is not None:
+            lens_options["lens_top_k"] = args.lens_top_k
     return dict(
+        **lens_options,
         layers=layers,
         probes=probes or None,
         monitors=monitors or None,

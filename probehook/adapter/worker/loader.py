@@ -22,6 +22,7 @@ from probehook.adapter.worker.surgery import (
     exit_early,
     install_taps,
     locate_layers,
+    model_parts,
 )
 from probehook.capture_config import CaptureConfig
 from probehook.core.bank_file import WorkerBanks
@@ -41,7 +42,7 @@ from probehook.errors import UnsupportedModelError
 from probehook.outputs import OUTPUT_PROCESSORS
 from probehook.outputs.top_k_readout import top_k_readouts
 from probehook.worker.clamp_op import clamp_key
-from probehook.worker.top_k_bank import TopKBank
+from probehook.worker.readouts import top_k_bank
 
 
 def register_loader() -> None:
@@ -136,7 +137,9 @@ def _make_loader_class() -> type:
                         "in this worker's process: register it through the entry-point group "
                         "'probehook.output_processors' so every process knows it."
                     )
-                hook.top_k_banks[source] = TopKBank(readout, entry["instances"], entry["k"])
+                hook.top_k_banks[source] = top_k_bank(
+                    source, readout, entry["instances"], entry["k"], model_parts(model)
+                )
             # Probes and steering vectors too, from the banks the front end encoded.
             banks = WorkerBanks.decode(self.banks) if self.banks else WorkerBanks()
             hook.allocate_banks(banks)

@@ -129,22 +129,34 @@ class ProbehookWorkerExtension:
                     runner_v1.prepare_clamps(runner, clamps, clamp_plan)
 
         scorer = hook.scorer
+        # Readouts that read each row's next token record after the step's sampling.
+        late = [r for r in recorders if getattr(r[0].transform, "reads_next_token", False)]
+        now = [r for r in recorders if r not in late]
 
         def on_step() -> None:
-            runner_v1.record_step(runner, recorders)
+            runner_v1.record_step(runner, now)
             if steer is not None and steer.failed:  # fail those requests alone, named
                 for req_id, reason in steer.take_failed().items():
                     for recorder, _ in recorders:
                         recorder.fail_request(req_id, f"probehook could not steer it ({reason})")
             if steer is not None and scorer is not None and scorer.step_rows is not None:
                 steer.check_gates(scorer.step_rows.rows, scorer.step_rows.last_row)
-            for recorder, _ in recorders:
+            for recorder, _ in now:
                 _publish(recorder, self._probehook_publisher, runner.requests)
                 recorder.bound(runner.requests)
             if clamps is not None:
                 clamps.bound(runner.requests)
 
-        hook.install_on(runner, on_step, before_forward, on_schedule)
+        after_sample = None
+        if late:
+
+            def after_sample(sampled: Any) -> None:
+                runner_v1.record_step(runner, late, sampled)
+                for recorder, _ in late:
+                    _publish(recorder, self._probehook_publisher, runner.requests)
+                    recorder.bound(runner.requests)
+
+        hook.install_on(runner, on_step, before_forward, on_schedule, after_sample)
         if not _reports(self):
             return None
         return {

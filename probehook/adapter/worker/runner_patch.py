@@ -1,6 +1,8 @@
 """The patch of vLLM's V1 model runner that drives the step hook: ``execute_model`` arms it
 (and counts steps), ``_model_forward`` (the batch order and query offsets of the step are final
-there, and warm-up does not pass it) calls the steering and clamp tables' ``before_forward``."""
+there, and warm-up does not pass it) calls the steering and clamp tables' ``before_forward``,
+and ``_sample`` hands the step's sampled tokens to ``after_sample`` (readouts that read each
+row's next token record there)."""
 
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ def patch_runner(runner: Any, hook: Any) -> None:
         if getattr(scheduled, "total_num_scheduled_tokens", 0) > 0:
             hook.forwards += 1
         hook.armed = True
+        hook.recorded_step = False
         started = time.perf_counter_ns()
         try:
             return original(*args, **kwargs)
@@ -43,3 +46,16 @@ def patch_runner(runner: Any, hook: Any) -> None:
         return model_forward(*args, **kwargs)
 
     runner._model_forward = _model_forward
+    # The V1 runner's sampling call (``_sample``, in ``sample_tokens``): the step's sampled
+    # tokens are known there, and the batch and the tap buffers are still this step's.
+    sample = runner._sample
+
+    def _sample(*args: Any, **kwargs: Any) -> Any:
+        output = sample(*args, **kwargs)
+        if hook.recorded_step:
+            hook.recorded_step = False
+            if hook.after_sample is not None:
+                hook.after_sample(output.sampled_token_ids)
+        return output
+
+    runner._sample = _sample

@@ -9,10 +9,12 @@ refuses anything else with a clear error instead of an ``AttributeError`` mid-ge
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from probehook.capture_config import CaptureConfig
@@ -56,7 +58,14 @@ def hand_hook_to_processors(runner: Any, hook: Any) -> None:
             processor.hook = hook
 
 
-def record_step(runner: Any, recorders: Sequence[tuple[StepRecorder, PlanFor]]) -> None:
+def record_step(
+    runner: Any,
+    recorders: Sequence[tuple[StepRecorder, PlanFor]],
+    sampled: torch.Tensor | None = None,
+) -> None:
+    """Record this step's rows; ``sampled`` (after the step's sampling: the sampled token of
+    each request, ``[num_reqs, >= 1]`` in batch order): the recorders read each row's next
+    token too."""
     batch = runner.input_batch
     num_reqs = batch.num_reqs
     if num_reqs == 0:
@@ -64,8 +73,35 @@ def record_step(runner: Any, recorders: Sequence[tuple[StepRecorder, PlanFor]]) 
     req_ids = batch.req_ids[:num_reqs]
     query_start = runner.query_start_loc.np[: num_reqs + 1]
     computed = batch.num_computed_tokens_cpu[:num_reqs]
+    next_tokens = None
+    if sampled is not None:
+        next_tokens = functools.partial(_next_tokens, batch, query_start, computed, sampled)
     for recorder, plan_for in recorders:
-        recorder.record(req_ids, query_start, computed, plan_for)
+        recorder.record(req_ids, query_start, computed, plan_for, next_tokens)
+
+
+def _next_tokens(
+    batch: Any,
+    query_start: np.ndarray,
+    computed: np.ndarray,
+    sampled: torch.Tensor,
+    index: np.ndarray,
+) -> torch.Tensor:
+    """The token after each of the step's rows ``index`` (flat, batch order), on the device:
+    a position the request already knows (a prompt token, or a token generated before this
+    step: the batch's token ids hold them) or, at a request's newest position, the token
+    sampled from it in this step."""
+    req = np.searchsorted(query_start, index, side="right") - 1
+    after = computed[req] + (index - query_start[req]) + 1
+    known = after < batch.num_tokens_no_spec[req]
+    ids = batch.token_ids_cpu[req, np.minimum(after, batch.token_ids_cpu.shape[1] - 1)]
+    ids = np.where(known, ids, -1).astype(np.int64)
+    device = sampled.device
+    out = torch.from_numpy(ids).to(device)
+    if known.all():
+        return out
+    drawn = sampled[torch.from_numpy(req).to(device), 0].to(torch.int64)
+    return torch.where(out >= 0, out, drawn)
 
 
 def prepare_steering(

@@ -64,6 +64,9 @@ class StepHook:
         self.on_step: Callable[[], None] | None = None
         self.before_forward: Callable[[Any], None] | None = None
         self.on_schedule: Callable[[Any], None] | None = None
+        self.after_sample: Callable[[torch.Tensor], None] | None = None
+        """Called with the step's sampled tokens, after a step whose rows were recorded."""
+        self.recorded_step = False
         self.armed = False
         self.steps = 0  # execute_model calls since install_on (for the benchmark)
         self.step_ns = 0  # their wall time
@@ -123,6 +126,7 @@ class StepHook:
         on_step: Callable[[], None],
         before_forward: Callable[[Any], None] | None = None,
         on_schedule: Callable[[Any], None] | None = None,
+        after_sample: Callable[[torch.Tensor], None] | None = None,
     ) -> None:
         """Patch ``runner`` so that ``on_step`` records once per forward pass;
         ``before_forward`` (steering) is called with the step's scheduler output after the
@@ -131,6 +135,7 @@ class StepHook:
         requests). Installed once: a second call only replaces the callbacks."""
         self.before_forward = before_forward
         self.on_schedule = on_schedule
+        self.after_sample = after_sample
         if self.on_step is not None:
             self.on_step = on_step
             return
@@ -141,4 +146,5 @@ class StepHook:
         """Called by the model's ``compute_logits``, or by its pooler for pooling models."""
         if self.armed and self.on_step is not None:
             self.armed = False
+            self.recorded_step = True  # the sampling that follows may record too
             self.on_step()

@@ -61,11 +61,7 @@ def exit_early(model: nn.Module, last_layer: int) -> list[str]:
     capture-only engine gives none.
     """
     path, layers = locate_layers(model)
-    parent: Any = model
-    for part in path.split(".")[:-1]:
-        parent = getattr(parent, part)
-    if is_transformers_backend(model):
-        parent = parent.get_decoder() if hasattr(parent, "get_decoder") else parent
+    parent = _decoder(model)
     cut = [f"{path}[{last_layer + 1}:{len(layers)}]"] if last_layer + 1 < len(layers) else []
     del layers[last_layer + 1 :]
     if isinstance(getattr(parent, "end_layer", None), int):
@@ -77,6 +73,47 @@ def exit_early(model: nn.Module, last_layer: int) -> list[str]:
             break
     logger.info("probehook: capture-only engine stops after layer %d (cut %s)", last_layer, cut)
     return cut
+
+
+def _decoder(model: nn.Module) -> Any:
+    """The module that holds the decoder layers (and the final norm)."""
+    path, _ = locate_layers(model)
+    parent: Any = model
+    for part in path.split(".")[:-1]:
+        parent = getattr(parent, part)
+    if is_transformers_backend(model):
+        parent = parent.get_decoder() if hasattr(parent, "get_decoder") else parent
+    return parent
+
+
+@dataclass(frozen=True)
+class ModelParts:
+    """What readouts that need parts of the model get at load (``TopKReadout.worker_bank``):
+    the model's device and ``head(rows)``, its own final norm and unembedding (logits as the
+    model computes them: soft-capping, scales, the vocabulary without padding)."""
+
+    device: torch.device
+    head: Callable[[torch.Tensor], torch.Tensor] | None
+    """None: the model has no final norm probehook knows, or no unembedding (pooling)."""
+
+
+def model_parts(model: nn.Module) -> ModelParts:
+    device = next(model.parameters()).device
+    norm = None
+    decoder = _decoder(model)
+    for name in FINAL_NORM_NAMES:
+        if isinstance(getattr(decoder, name, None), nn.Module):
+            norm = getattr(decoder, name)
+            break
+    # The class's own compute_logits: the instance's is wrapped to fire the step hook.
+    compute_logits = getattr(type(model), "compute_logits", None)
+    if norm is None or compute_logits is None or getattr(model, "is_pooling_model", False):
+        return ModelParts(device, None)
+
+    def head(rows: torch.Tensor) -> torch.Tensor:
+        return compute_logits(model, norm(rows))
+
+    return ModelParts(device, head)
 
 
 def is_transformers_backend(model: nn.Module) -> bool:

@@ -1,0 +1,206 @@
+"""Lenses as one entry of the readout table: what the model would say next at a layer, for
+every kept token, as the top-k rows of one readout.
+
+A lens reads a row ``h`` of layer ``L`` through an affine map (none for the logit lens, ``J_L``
+for the J-lens, ``I + A_L`` and ``b_L`` for the tuned lens), then the model's own final norm
+and unembedding, and keeps the ``k`` most likely tokens with their log-probs and the log-prob
+of the token that actually came next (the target). Each ``(lens, layer)`` pair is one instance
+of the readout (``"j@4"``), so the worker's bank, the stream, the server and the store treat
+it as any top-k readout; users see ``out.lens["j"][4]``.
+
+No vLLM: the worker's bank is :class:`~probehook.worker.lens_bank.LensBank` (the worker's
+readout table names it), the model's head comes from the adapter; the lens files are
+:mod:`probehook.lenses`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from probehook.errors import CaptureConfigError
+from probehook.outputs.top_k import TopKRows
+from probehook.outputs.top_k_readout import TopKReadout
+
+LOGIT = "logit"
+MAX_LENS_TOP_K = 64
+"""Tokens kept per row and lens at most: the wire and the responses stay small."""
+
+
+@dataclass(frozen=True, repr=False)
+class LensRows(TopKRows):
+    """A lens's reading of ``n`` tokens at one layer.
+
+    - ``token_ids``: int64 ``[n, k]``, the ``k`` most likely next tokens under the lens,
+      descending by log-prob;
+    - ``logprobs``: float32 ``[n, k]``, their log-probs under the lens;
+    - ``target_logprob``: float32 ``[n]``, the lens's log-prob of the token that actually came
+      next (of a prompt row, the next prompt token; of the last prompt row and of decode row
+      ``i``, output token ``i``).
+    """
+
+    scalar_dtype: ClassVar[torch.dtype] = torch.float32
+    column_names: ClassVar[tuple[str, str, str]] = ("token_ids", "logprobs", "target_logprob")
+
+    @property
+    def token_ids(self) -> torch.Tensor:
+        return self.indices
+
+    @property
+    def logprobs(self) -> torch.Tensor:
+        return self.values
+
+    @property
+    def target_logprob(self) -> torch.Tensor:
+        return self.l0
+
+
+def instance_name(lens: str, layer: int) -> str:
+    """The readout instance of ``lens`` at ``layer`` (the store's and the wire's name)."""
+    return f"{lens}@{layer}"
+
+
+def split_instance(name: str) -> tuple[str, int]:
+    lens, _, layer = name.rpartition("@")
+    return lens, int(layer)
+
+
+class LensReadout(TopKReadout):
+    """The ``lenses={name: lens}`` engine option (``lens_layers=[...]``, ``lens_top_k=k``)
+    and the ``lenses`` / ``lens_layers`` request options."""
+
+    name = "lens"
+    source = "lens"
+    request_attributes = ("prefill_lens",)
+    completion_attributes = ("lens",)
+    engine_option = "lenses"
+    request_option = "lenses"
+    extra_engine_options = ("lens_layers",)
+    extra_request_options = ("lens_layers",)
+    default_k = 5
+    max_k = MAX_LENS_TOP_K
+    row_type = LensRows
+    reads_next_token = True
+    tensor_parallel = False  # each rank holds a vocabulary shard: not merged yet
+
+    @property
+    def k_option(self) -> str:
+        return "lens_top_k"
+
+    def instances(
+        self,
+        specs: Mapping[str, Any],
+        extras: Mapping[str, Any],
+        *,
+        num_layers: int,
+        hidden_size: int,
+        model_name: str | None = None,
+    ) -> dict[str, dict]:
+        from probehook.lenses.artifacts import check_lens, load_lens
+
+        unknown = sorted(set(extras) - {"lens_layers"})
+        if unknown:
+            raise CaptureConfigError(f"unknown lens option(s) {unknown}; valid: ['lens_layers'].")
+        layers = _layers(extras.get("lens_layers"), num_layers, "lens_layers")
+        if not layers:
+            raise CaptureConfigError(
+                "lenses={...} needs lens_layers=[...]: the layers whose rows the lenses read "
+                f"(0..{num_layers - 1}), e.g. lens_layers=[{num_layers // 2}]."
+            )
+        out = {}
+        for name, spec in specs.items():
+            name = str(name)
+            if "@" in name or not name:
+                raise CaptureConfigError(
+                    f"lenses: the name {name!r} is not valid: pass a non-empty name without '@'."
+                )
+            lens = load_lens(spec)
+            kind = LOGIT if isinstance(lens, str) else lens.kind
+            if kind != LOGIT:
+                check_lens(lens, name, hidden_size=hidden_size, num_layers=num_layers,
+                           layers=layers, model_name=model_name)  # fmt: skip
+                if lens.path is None:
+                    raise CaptureConfigError(
+                        f"lenses[{name!r}] was never saved: the workers read lenses from files; "
+                        "call its save(path) first."
+                    )
+            for layer in layers:
+                out[instance_name(name, layer)] = {
+                    "layer": layer,
+                    "lens": name,
+                    "kind": kind,
+                    "path": None if kind == LOGIT else str(lens.path),
+                    "num_layers": num_layers,
+                }
+        return out
+
+    def settings(self, name: str, spec: Any, *, num_layers: int, hidden_size: int) -> dict:
+        raise NotImplementedError("lens instances come from instances()")  # (lens, layer) pairs
+
+    def index_bound(self, settings: Mapping[str, Any]) -> int:
+        return 2**32 - 2  # a vocabulary's ids; the model's size is not known here
+
+    def pickable(self, instances: Mapping[str, Mapping]) -> list[str]:
+        return list(dict.fromkeys(str(s["lens"]) for s in instances.values()))
+
+    def narrow(
+        self, names: list[str], extras: Mapping[str, Any], instances: Mapping[str, Mapping]
+    ) -> list[str]:
+        engine_layers = sorted({int(s["layer"]) for s in instances.values()})
+        asked = extras.get("lens_layers")
+        if asked is None or asked is True:
+            layers = engine_layers
+        else:
+            layers = _layers(asked, None, "probehook option lens_layers")
+            missing = [layer for layer in layers if layer not in engine_layers]
+            if missing:
+                raise CaptureConfigError(
+                    f"probehook option lens_layers={list(asked)!r} names layer(s) {missing}, "
+                    f"which the engine's lenses do not read; its lens_layers: {engine_layers}."
+                )
+        return [instance_name(name, layer) for name in names for layer in layers]
+
+    def present(self, rows: dict[str, TopKRows]) -> dict[str, dict[int, LensRows]]:
+        out: dict[str, dict[int, LensRows]] = {}
+        for name, value in rows.items():
+            lens, layer = split_instance(name)
+            out.setdefault(lens, {})[layer] = value  # type: ignore[assignment]
+        return out
+
+    def flat(self, value: Any) -> dict[str, TopKRows]:
+        return {
+            instance_name(lens, layer): rows
+            for lens, by_layer in value.items()
+            for layer, rows in by_layer.items()
+        }
+
+
+def _layers(value: Any, num_layers: int | None, option: str) -> list[int]:
+    """Layer indices from a user's list (None: [])."""
+    if value is None:
+        return []
+    if value == "all" and num_layers is not None:
+        return list(range(num_layers))
+    if hasattr(value, "tolist") and not isinstance(value, str):
+        value = value.tolist()
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = [value]
+    if not isinstance(value, Sequence) or isinstance(value, str):
+        raise CaptureConfigError(
+            f"{option}={value!r} is not valid: pass a list of layer indices or 'all'."
+        )
+    layers = []
+    for item in value:
+        if isinstance(item, bool) or not isinstance(item, int):
+            raise CaptureConfigError(
+                f"{option}={list(value)!r} is not valid: {item!r} is not a layer index (int)."
+            )
+        if num_layers is not None and not -num_layers <= item < num_layers:
+            raise CaptureConfigError(
+                f"{option}={list(value)!r}: the model has no layer {item} (0..{num_layers - 1})."
+            )
+        layers.append(item % num_layers if num_layers is not None else item)
+    return sorted(set(layers))

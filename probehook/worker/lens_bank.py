@@ -1,0 +1,159 @@
+"""Lenses inside the worker: each kept row read through a lens's affine map, the model's own
+final norm and unembedding, and cut to its top-k next tokens and the target's log-prob.
+
+The bank is a selective recorder transform (each ``(lens, layer)`` instance on the rows of the
+requests that asked for it) that also reads each row's next token (``next_tokens``): its
+recorder records after the step's sampling, when the token each last row produced is known.
+Logits are ``[rows, vocab]`` float32, so rows go through in tiles that bound that memory; only
+``[rows, 2k + 1]`` per instance leaves the device.
+
+No vLLM imports: the model's head comes from the adapter as a callable.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from probehook.worker.top_k_bank import read_selected
+
+LOGITS_TILE_BYTES = 64 * 2**20
+"""Float32 logits one tile of rows may hold (the tile is at least one row)."""
+
+
+class LensBank:
+    """The lenses of one worker, callable on a recorder's staged rows (in :attr:`layers`
+    order) with each row's next token: returns ``[len(slots), rows, 2k + 1]`` float32
+    (token ids, log-probs, target log-prob)."""
+
+    dtype = torch.float32
+    selective = True
+    reads_next_token = True
+
+    def __init__(
+        self,
+        instances: Mapping[str, Mapping[str, Any]],
+        k: int,
+        head: Callable[[torch.Tensor], torch.Tensor],
+    ) -> None:
+        """``head(rows)``: the model's final norm and unembedding, ``[n, hidden]`` (the model's
+        dtype) -> ``[n, vocab]`` logits as the model computes them."""
+        if not instances:
+            raise ValueError("a LensBank needs at least one instance")
+        self.slots = tuple(instances)
+        self.k = int(k)
+        self.width = 2 * self.k + 1
+        self.head = head
+        self.layers = tuple(sorted({int(s["layer"]) for s in instances.values()}))
+        loaded: dict[str, Any] = {}
+        self._instances: list[tuple[int, torch.Tensor | None, torch.Tensor | None]] = []
+        for settings in instances.values():
+            layer = int(settings["layer"])
+            matrix = bias = None
+            if settings["kind"] != "logit":
+                from probehook.lenses.artifacts import lens_affine, load_lens
+
+                path = str(settings["path"])
+                if path not in loaded:  # one read per file, whatever its layers
+                    loaded[path] = load_lens(path)
+                matrix, bias = lens_affine(loaded[path], layer, int(settings["num_layers"]))
+            self._instances.append((self.layers.index(layer), matrix, bias))
+        self.device: torch.device | None = None
+
+    def to(self, device: torch.device | str) -> LensBank:
+        """The lens matrices on ``device`` (the model's), at load."""
+        self._instances = [
+            (slot, m.to(device) if m is not None else None, b.to(device) if b is not None else None)
+            for slot, m, b in self._instances
+        ]
+        self.device = torch.device(device)
+        return self
+
+    def __call__(
+        self,
+        staged: torch.Tensor | Sequence[torch.Tensor],
+        slot_rows: Sequence[np.ndarray] | None = None,
+        next_tokens: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``next_tokens``: ``[rows]`` int64, the token that came after each row (None: not
+        known; the target log-prob is NaN)."""
+        rows = staged[0].shape[0]
+        device = staged[0].device
+        if next_tokens is None:
+            next_tokens = torch.full((rows,), -1, dtype=torch.int64, device=device)
+        out = torch.empty((len(self._instances), rows, self.width), dtype=self.dtype,
+                          device=device)  # fmt: skip
+        for slot, (layer_slot, matrix, bias) in enumerate(self._instances):
+            asked = None if slot_rows is None else slot_rows[slot]
+            h = staged[layer_slot]
+
+            def read(
+                picked: torch.Tensor,
+                matrix: torch.Tensor | None = matrix,
+                bias: torch.Tensor | None = bias,
+                asked: np.ndarray | None = asked,
+            ) -> torch.Tensor:
+                targets = next_tokens
+                if asked is not None and len(asked) != rows:
+                    where = torch.from_numpy(asked).to(device)
+                    targets = next_tokens.index_select(0, where)
+                return self.read(picked, targets, matrix, bias)
+
+            read_selected(out[slot], self.k, h, asked, read)
+        return out
+
+    def read(
+        self,
+        rows: torch.Tensor,
+        targets: torch.Tensor,
+        matrix: torch.Tensor | None,
+        bias: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """``rows`` ``[n, hidden]`` and their next tokens ``[n]`` -> packed ``[n, 2k + 1]``."""
+        n = rows.shape[0]
+        out = torch.empty((n, self.width), dtype=torch.float32, device=rows.device)
+        tile = None
+        start = 0
+        while start < n:
+            if tile is None:  # sized by the first tile's vocabulary
+                first = self._one(rows[:1], targets[:1], matrix, bias)
+                vocab = first[1]
+                out[:1] = first[0]
+                tile = max(1, LOGITS_TILE_BYTES // (4 * vocab))
+                start = 1
+                continue
+            stop = min(n, start + tile)
+            out[start:stop] = self._one(rows[start:stop], targets[start:stop], matrix, bias)[0]
+            start = stop
+        return out
+
+    def _one(
+        self,
+        rows: torch.Tensor,
+        targets: torch.Tensor,
+        matrix: torch.Tensor | None,
+        bias: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, int]:
+        x = rows
+        if matrix is not None:
+            x = rows.float() @ matrix.T  # the lens's map, in float32 (its own dtype)
+            if bias is not None:
+                x = x + bias
+            x = x.to(rows.dtype)
+        logits = self.head(x).float()
+        vocab = logits.shape[1]
+        lse = torch.logsumexp(logits, dim=1, keepdim=True)
+        k = min(self.k, vocab)
+        top = torch.topk(logits, k, dim=1)
+        packed = torch.empty((rows.shape[0], self.width), dtype=torch.float32, device=rows.device)
+        packed[:, : self.k] = -1
+        packed[:, self.k : 2 * self.k] = 0
+        packed[:, :k] = top.indices.float()
+        packed[:, self.k : self.k + k] = top.values - lse
+        known = (targets >= 0) & (targets < vocab)
+        picked = logits.gather(1, targets.clamp(0, vocab - 1).unsqueeze(1)) - lse
+        packed[:, 2 * self.k] = torch.where(known, picked.squeeze(1), float("nan"))
+        return packed, vocab

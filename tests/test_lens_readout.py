@@ -1,0 +1,128 @@
+"""The lens readout's parts without an engine: the worker's bank on a stand-in head (top-k
+log-probs and the target's against a hand computation, tiling, the rows a request asked for),
+the request options, the rows' forms (JSON, base64, streams). The engine and Hugging Face
+comparisons are in test_capture_under_load.py and test_lens_engine.py."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from probehook.errors import CaptureConfigError
+from probehook.outputs.lens import LensReadout, LensRows
+from probehook.outputs.top_k import TopKDecoder, compact_top_k
+from probehook.worker import lens_bank
+from probehook.worker.lens_bank import LensBank
+
+HIDDEN, VOCAB = 8, 11
+
+
+def _head() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Linear(HIDDEN, VOCAB, bias=False)
+
+
+def _logit_instances(*layers: int) -> dict:
+    return {
+        f"logit@{layer}": {"layer": layer, "lens": "logit", "kind": "logit", "path": None,
+                           "num_layers": 4}
+        for layer in layers
+    }  # fmt: skip
+
+
+def test_bank_reads_top_k_and_target_log_probs_like_a_hand_computation() -> None:
+    head = _head()
+    bank = LensBank(_logit_instances(1), 3, head)
+    rows = torch.randn(5, HIDDEN)
+    nxt = torch.tensor([4, 0, 10, -1, 7])  # -1: not known
+    with torch.no_grad():
+        out = bank([rows], None, nxt)
+        expected = torch.log_softmax(head(rows), dim=1)
+    assert out.shape == (1, 5, 7)
+    got = LensRows.unpack(out[0], 3)
+    top = expected.topk(3, dim=1)
+    assert torch.equal(got.token_ids, top.indices)
+    torch.testing.assert_close(got.logprobs, top.values)
+    known = nxt >= 0
+    torch.testing.assert_close(
+        got.target_logprob[known], expected[known].gather(1, nxt[known, None])[:, 0]
+    )
+    assert torch.isnan(got.target_logprob[~known]).all()
+
+
+def test_bank_tiles_rows_and_reads_only_the_rows_asked(monkeypatch) -> None:
+    head = _head()
+    monkeypatch.setattr(lens_bank, "LOGITS_TILE_BYTES", 4 * VOCAB * 2)  # two rows a tile
+    bank = LensBank(_logit_instances(1, 2), 2, head)
+    layer1, layer2 = torch.randn(7, HIDDEN), torch.randn(7, HIDDEN)
+    nxt = torch.arange(7) % VOCAB
+    asked = [np.array([0, 2, 3, 6]), np.array([], dtype=np.int64)]
+    with torch.no_grad():
+        out = bank([layer1, layer2], asked, nxt)
+        full = LensBank(_logit_instances(1), 2, head)([layer1], None, nxt)
+    torch.testing.assert_close(out[0, asked[0]], full[0, asked[0]])
+    assert (out[0, [1, 4, 5], :2] == -1).all() and (out[1, :, :2] == -1).all()
+
+
+def test_requests_pick_lenses_and_layers() -> None:
+    readout = LensReadout()
+    instances = {
+        **_logit_instances(1, 3),
+        "j@1": {"layer": 1, "lens": "j", "kind": "jacobian", "path": "x", "num_layers": 4},
+        "j@3": {"layer": 3, "lens": "j", "kind": "jacobian", "path": "x", "num_layers": 4},
+    }
+    assert readout.pickable(instances) == ["logit", "j"]
+    assert readout.narrow(["j"], {"lens_layers": (3,)}, instances) == ["j@3"]
+    assert readout.narrow(["logit", "j"], {}, instances) == ["logit@1", "logit@3", "j@1", "j@3"]
+    with pytest.raises(CaptureConfigError, match=r"layer\(s\) \[2\].*lens_layers: \[1, 3\]"):
+        readout.narrow(["j"], {"lens_layers": (2,)}, instances)
+    with pytest.raises(CaptureConfigError, match="not a layer index"):
+        readout.narrow(["j"], {"lens_layers": ("two",)}, instances)
+
+
+def test_engine_options_are_checked() -> None:
+    readout = LensReadout()
+    with pytest.raises(CaptureConfigError, match="needs lens_layers"):
+        readout.instances({"l": "logit"}, {}, num_layers=4, hidden_size=HIDDEN)
+    with pytest.raises(CaptureConfigError, match="no layer 9"):
+        readout.instances({"l": "logit"}, {"lens_layers": [9]}, num_layers=4, hidden_size=HIDDEN)
+    with pytest.raises(CaptureConfigError, match="without '@'"):
+        readout.instances({"a@b": "logit"}, {"lens_layers": [1]}, num_layers=4, hidden_size=8)
+    with pytest.raises(CaptureConfigError, match="unknown lens option"):
+        readout.instances({"l": "logit"}, {"lens_layer": [1]}, num_layers=4, hidden_size=8)
+    got = readout.instances({"l": "logit"}, {"lens_layers": "all"}, num_layers=4, hidden_size=8)
+    assert sorted(got) == ["l@0", "l@1", "l@2", "l@3"]
+
+
+def test_rows_are_presented_by_lens_and_layer_and_flattened_back() -> None:
+    readout = LensReadout()
+    rows = LensRows.empty(2)
+    value = readout.present({"j@1": rows, "j@3": rows, "logit@1": rows})
+    assert value == {"j": {1: rows, 3: rows}, "logit": {1: rows}}
+    assert readout.flat(value) == {"j@1": rows, "j@3": rows, "logit@1": rows}
+
+
+def test_json_and_base64_forms_name_the_lens_columns_and_write_nan_as_null() -> None:
+    packed = torch.tensor([[3.0, 1.0, -0.5, -1.5, -2.25], [2.0, 0.0, -0.1, -2.0, float("nan")]])
+    rows = LensRows.unpack(packed, 2)
+    assert rows.target_logprob.dtype == torch.float32
+    assert rows.to_dict() == {
+        "token_ids": [[3, 1], [2, 0]],
+        "logprobs": [[-0.5, -1.5], [-0.10000000149011612, -2.0]],
+        "target_logprob": [-2.25, None],
+    }
+    response = LensReadout().to_response({"j": {1: rows}})
+    assert response["j@1"]["target_logprob"] == [-2.25, None]
+    compact = compact_top_k({"j@1": rows})["j@1"]
+    assert sorted(compact) == ["logprobs", "target_logprob", "token_ids"]
+
+
+def test_a_cumulative_stream_decodes_lens_rows_once_with_float_targets() -> None:
+    decoder = TopKDecoder(LensRows)
+    buffer = torch.tensor([[[1.0, 0.0, -0.5, -1.0, -0.25]] * 6])  # [slots, n, 2k + 1]
+    first = decoder.decode(buffer[:, :2], 0)[0]
+    later = decoder.decode(buffer[:, :6], 0)[0]
+    assert isinstance(later, LensRows) and len(first) == 2 and len(later) == 6
+    assert later.target_logprob.tolist() == [-0.25] * 6
+    assert decoder.converted == 6

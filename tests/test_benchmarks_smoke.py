@@ -40,6 +40,7 @@ BENCHMARKS = {
     "pooling.py": "| segment | probehook, 1 layer rows + 1 probe |",
     "steering.py": "Added step time, steered vs not (same engine)",
     "saes.py": "| prefill | requests ask for the four in turn |",
+    "lenses.py": "| J-lens, 1 layer, every prompt row |",
     "collect.py": "| 1 replica |",
     "store_lanes.py": "Median of the per-round store ratios",
 }

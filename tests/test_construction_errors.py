@@ -301,3 +301,33 @@ def test_async_llm_refuses_capture_only(llama_dir: Path) -> None:
 
     with pytest.raises(CaptureConfigError, match=r"capture_only=True.*probehook\.LLM"):
         AsyncLLM(str(llama_dir), layers=[1], capture_only=True)
+
+
+@pytest.mark.parametrize(
+    ("model", "kwargs", "match"),
+    [
+        ("minilm", {}, "this is a pooling model"),
+        ("llama", {"tensor_parallel_size": 2}, "not available with tensor_parallel_size=2"),
+        ("llama", {"lens_layers": [7]}, r"no layer 7 \(0..3\)"),
+        ("llama", {"lens_top_k": 65}, r"lens_top_k=65 is not valid: pass an int in 1..64"),
+        ("llama", {"lens_layers": None}, "needs lens_layers"),
+    ],
+)
+def test_lenses_where_they_cannot_run(llm_cls, llama_dir: Path, model, kwargs, match) -> None:
+    """A lens needs the model's LM head and sampling, and (for now) one rank's vocabulary."""
+    from probehook.testing import minilm_path
+
+    path = minilm_path() if model == "minilm" else llama_dir
+    options = {"lenses": {"l": "logit"}, "lens_layers": [0], **kwargs}
+    with pytest.raises(CaptureConfigError, match=match):
+        llm_cls(str(path), **options)
+
+
+def test_a_lens_file_for_another_model_is_refused(llm_cls, llama_dir: Path, tmp_path) -> None:
+    from helpers import write_random_lenses
+
+    files = write_random_lenses(tmp_path, 64, 4)
+    with pytest.raises(CaptureConfigError, match=r"d_model 64.*hidden size is 128"):
+        llm_cls(str(llama_dir), lenses={"j": files["j"]}, lens_layers=[1])
+    with pytest.raises(CaptureConfigError, match="lens_layers= configures the 'lens' readout"):
+        llm_cls(str(llama_dir), layers=[0], lens_layers=[1])

@@ -22,6 +22,7 @@ pytestmark = pytest.mark.engine
 PROMPT = "12+34="
 TOKENS = 3
 HIDDEN = 128  # the tiny model's
+LAST = 3  # its last layer: the logit lens there is the model's own next-token distribution
 
 
 def _probe() -> Any:
@@ -55,6 +56,8 @@ def _options(spec: str, tmp_path: Path) -> dict[str, Any]:
         "sae_dtype": {"sae_dtype": "bfloat16"},
         "store": {"store": tmp_path / "store"},
         "capture_only": {"capture_only": True},
+        "lenses": {"lenses": {"l": "logit"}, "lens_layers": [LAST]},
+        "lens_layers": {"lens_layers": [LAST]},
     }[spec]
 
 
@@ -71,6 +74,8 @@ ALONE = [
     (("sae_dtype",), "no SAEs were given"),
     (("store",), "needs something to store"),
     (("capture_only",), "capture_only=True needs something to capture"),
+    (("lenses",), None),
+    (("lens_layers",), "lens_layers= configures the 'lens' readout"),
 ]
 PAIRS = [
     (("layers", "include_prefill"), None),
@@ -88,6 +93,10 @@ PAIRS = [
     (("layers", "capture_only"), None),
     (("saes", "capture_only"), None),
     (("steering", "capture_only"), "capture_only=True needs something to capture"),
+    (("lenses", "include_prefill"), None),
+    (("lenses", "steering"), None),
+    (("lenses", "store"), None),
+    (("lenses", "capture_only"), "not available with capture_only=True"),
 ]
 
 
@@ -143,6 +152,21 @@ def _check_generation(llm: Any, specs: tuple[str, ...], kwargs: dict[str, Any]) 
         features = completion.sae_features["s"]
         assert len(features) == TOKENS and features.k == 4
         assert (features.l0 > 0).all()
+    if "lenses" in specs:
+        # The logit lens at the last layer is the model's own distribution: its target
+        # log-prob is the log-prob vLLM reports for the token it sampled.
+        reading = completion.lens["l"][LAST]
+        assert len(reading) == TOKENS and reading.k == 5
+        sampled = [
+            p[t].logprob for p, t in zip(completion.logprobs, completion.token_ids, strict=True)
+        ]
+        if not steers:
+            torch.testing.assert_close(reading.target_logprob, torch.tensor(sampled))
+            assert reading.token_ids[:, 0].tolist() == list(completion.token_ids)  # greedy
+        if "include_prefill" in specs:
+            prompt = out.prefill_lens["l"][LAST]
+            assert len(prompt) == len(out.prompt_token_ids)
+            assert prompt.target_logprob[-1] == reading.target_logprob[0]
     if "feature_monitors" in specs:
         assert completion.feature_flags["s:0"] == list(range(TOKENS))
     if "store" in specs:
@@ -153,6 +177,10 @@ def _check_generation(llm: Any, specs: tuple[str, ...], kwargs: dict[str, Any]) 
             assert torch.equal(stored.probe_scores["p"], completion.probe_scores["p"])
         if "saes" in specs:
             assert torch.equal(stored.sae_features["s"].indices, features.indices)
+        if "lenses" in specs:
+            kept = stored.top_k("lens")[f"l@{LAST}"]
+            assert torch.equal(kept.token_ids, completion.lens["l"][LAST].token_ids)
+            assert torch.equal(kept.target_logprob, completion.lens["l"][LAST].target_logprob)
     if steers:
         steered = llm.generate(
             [PROMPT],

@@ -113,9 +113,10 @@ def test_json_and_base64_forms_name_the_lens_columns_and_write_nan_as_null() -> 
         "target_logprob": [-2.25, None],
     }
     response = LensReadout().to_response({"j": {1: rows}})
-    assert response["j@1"]["target_logprob"] == [-2.25, None]
-    compact = compact_top_k({"j@1": rows})["j@1"]
+    assert response["j"]["1"]["target_logprob"] == [-2.25, None]
+    compact = LensReadout().to_compact({"j": {1: rows}})["j"]["1"]
     assert sorted(compact) == ["logprobs", "target_logprob", "token_ids"]
+    assert compact == compact_top_k({"j@1": rows})["j@1"]
 
 
 def test_a_cumulative_stream_decodes_lens_rows_once_with_float_targets() -> None:

@@ -64,6 +64,15 @@ def sae_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
+def lens_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """The server's --lens logit=logit and --lens j=... (a random J-lens file)."""
+    from helpers import write_random_lenses
+
+    files = write_random_lenses(tmp_path_factory.mktemp("lenses"), 128, 4, seed=3)
+    return {"logit": "logit", "j": files["j"]}
+
+
+@pytest.fixture(scope="module")
 def steer_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The reference engine's vector "up" on layer 2 (between the two captured layers)."""
     return reference_steering().save(tmp_path_factory.mktemp("steer") / "up.safetensors")
@@ -104,6 +113,7 @@ def server(
     probe_files: dict[str, Path],
     steer_file: Path,
     sae_dir: Path,
+    lens_files: dict[str, str],
     tmp_path_factory: Any,
 ) -> ServerProcess:
     """The module's server; a test that kills it (the kill -9 test) leaves the next test a
@@ -119,6 +129,8 @@ def server(
     argv += ["--steer", f"up={steer_file}", "--allow-inline-steering"]
     argv += ["--sae", f"res3={sae_dir}", "--sae-top-k", str(SAE_TOP_K), "--sae-dtype", "bfloat16"]
     argv += ["--sae-clamping"]
+    argv += [arg for name, path in lens_files.items() for arg in ("--lens", f"{name}={path}")]
+    argv += ["--lens-layers", "0,3", "--lens-top-k", "3"]
     argv += ["--store", str(work / "store"), "--store-flush-interval", "0.5"]
     argv += ["--capture-default", json.dumps(DEFAULT)]
     argv += ["--chat-template", str(work / "chat.jinja"), "--served-model-name", "tiny"]
@@ -197,6 +209,88 @@ def test_sae_features_in_choices_and_chunks(client, sae_dir: Path) -> None:
             client.completions.create(prompt=prompt, extra_body=ignore_eos(bad), **greedy())
     plain = client.completions.create(prompt=prompt, extra_body=ignore_eos({}), **greedy())
     assert "sae_features" not in field(plain.choices[0])
+
+
+def test_lenses_in_choices_chunks_and_the_store(client, server, llama_dir, lens_files) -> None:
+    """--lens: a request that asks gets each token's lens readings, Hugging Face's lens on
+    the tokens it returned (prompt and generated); each streamed chunk carries its own tokens'
+    readings and they join to the whole; the store keeps them. An unknown lens or layer is a
+    400 before generation; a request that does not ask gets none."""
+    from types import SimpleNamespace
+
+    import openai
+
+    from probehook import ActivationStore, LensRows
+    from probehook.testing import assert_lens_matches_hf
+
+    def rows(reading: dict[str, list]) -> LensRows:
+        return LensRows(
+            torch.tensor(reading["token_ids"]),
+            torch.tensor(reading["logprobs"], dtype=torch.float32),
+            torch.tensor(reading["target_logprob"], dtype=torch.float32),
+        )
+
+    def readings(value: dict[str, dict[str, dict]]) -> dict[str, dict[int, LensRows]]:
+        return {n: {int(layer): rows(r) for layer, r in v.items()} for n, v in value.items()}
+
+    prompt = prompts(8)[2]
+    options = {"lenses": ["logit", "j"], "lens_layers": [3], "include_prefill": True}
+    body = {**ignore_eos(options), "return_token_ids": True}
+    whole = client.completions.create(prompt=prompt, extra_body=body, **greedy())
+    choice = whole.choices[0]
+    got = field(choice)
+    assert sorted(got) == ["lens", "prefill_lens"]
+    output = SimpleNamespace(
+        prompt_token_ids=choice.model_extra["prompt_token_ids"],
+        prefill_lens=readings(got["prefill_lens"]),
+        outputs=[
+            SimpleNamespace(
+                index=0, token_ids=choice.model_extra["token_ids"], lens=readings(got["lens"])
+            )
+        ],
+    )
+    assert len(output.outputs[0].token_ids) == MAX_TOKENS
+    assert_lens_matches_hf(llama_dir, output, lens_files, [3])
+
+    streamed = {**ignore_eos({"lenses": ["j"], "lens_layers": [3]}), "return_token_ids": True}
+    stream = client.completions.create(prompt=prompt, stream=True, extra_body=streamed, **greedy())
+    joined: list[int] = []
+    for chunk in stream:
+        for part in chunk.choices:
+            tokens = (part.model_extra or {}).get("token_ids") or []
+            if tokens:
+                reading = field(part)["lens"]["j"]["3"]
+                assert len(reading["token_ids"]) == len(tokens)
+                joined += reading["token_ids"]
+    assert joined == got["lens"]["j"]["3"]["token_ids"]
+
+    only_layers = client.completions.create(
+        prompt=prompt, extra_body=ignore_eos({"lens_layers": [0]}), **greedy()
+    )
+    assert sorted(field(only_layers.choices[0])["lens"]) == ["j", "logit"]
+    assert list(field(only_layers.choices[0])["lens"]["j"]) == ["0"]
+    bad_ones = [({"lenses": ["nope"]}, "nope"), ({"lenses": ["j"], "lens_layers": [2]}, "layer")]
+    for bad, match in bad_ones:
+        with pytest.raises(openai.BadRequestError, match=match):
+            client.completions.create(prompt=prompt, extra_body=ignore_eos(bad), **greedy())
+    plain = client.completions.create(prompt=prompt, extra_body=ignore_eos({}), **greedy())
+    assert "lens" not in field(plain.choices[0])
+
+    root = Path(server.log).parent / "store"
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        stored = {r.request_id: r for r in ActivationStore.open(root).requests}
+        if f"{whole.id}-0" in stored:
+            break
+        time.sleep(0.5)
+    record = stored[f"{whole.id}-0"]
+    kept = record.top_k("lens")
+    assert sorted(kept) == ["j@3", "logit@3"]
+    for name, layer in [("j", 3), ("logit", 3)]:
+        want = output.outputs[0].lens[name][layer]
+        assert torch.equal(kept[f"{name}@{layer}"].token_ids, want.token_ids)
+        assert torch.allclose(kept[f"{name}@{layer}"].target_logprob, want.target_logprob)
+    assert sorted(record.top_k("lens", phase="prefill")) == ["j@3", "logit@3"]
 
 
 def test_a_served_request_clamps_a_feature(client, sae_dir: Path) -> None:

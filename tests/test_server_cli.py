@@ -29,8 +29,22 @@ def flags(**overrides: object) -> argparse.Namespace:
         sae_clamping=False,
         readout=[],
         readout_top_k=[],
+        lens=[],
+        lens_layers=None,
+        lens_top_k=None,
     )
     return argparse.Namespace(**{**values, **overrides})
+
+
+def test_lens_flags_become_lens_arguments() -> None:
+    kwargs = capture_kwargs(flags(lens=["logit=logit", "j=j.pt"], lens_layers="2,4", lens_top_k=3))
+    assert kwargs["lenses"] == {"logit": "logit", "j": "j.pt"}
+    assert kwargs["lens_layers"] == [2, 4] and kwargs["lens_top_k"] == 3
+    assert "lenses" not in capture_kwargs(flags())
+    with pytest.raises(SystemExit, match="--lens-layers needs --lens"):
+        capture_kwargs(flags(lens_layers="1"))
+    with pytest.raises(SystemExit, match="NAME=PATH"):
+        capture_kwargs(flags(lens=["j"]))
 
 
 def test_flags_become_async_llm_arguments() -> None:

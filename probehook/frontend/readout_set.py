@@ -69,7 +69,7 @@ class ReadoutSet:
         readout = self.readout
         names = select_names(picked, readout.pickable(self.instances), readout.request_option,
                              readout.name, CaptureConfigError)  # fmt: skip
-        names = readout.narrow(names, dict(extras or {}), self.instances) if names else []
+        names = readout.narrow(names, dict(extras or {}), self.instances)  # checks extras
         return RequestReadout(tuple(names), self.k) if names else None
 
     def values(self, packed: Any, request: RequestReadout) -> Any:

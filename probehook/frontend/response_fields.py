@@ -46,7 +46,14 @@ def request_options(value: Any, readout_options: Mapping[str, str] | None = None
     """The engine's per-request options for a request body's ``probehook`` value (None when
     the body has none): opt-in, so every key defaults to off (``readout_options``: the
     engine's top-k readouts' request options, off too)."""
-    off = {**OFF, **dict.fromkeys(readout_options or {}, False)}
+    readout_options = dict(readout_options or {})
+    picking: dict[str, str] = {}  # source -> its picking option (its first)
+    for option, source in readout_options.items():
+        picking.setdefault(source, option)
+    # A readout is off unless the request names one of its options (lens_layers alone asks
+    # for every lens on those layers).
+    named = {s for o, s in readout_options.items() if value is not None and o in value}
+    off = {**OFF, **{o: False for s, o in picking.items() if s not in named}}
     if value is None:
         return off
     RequestOptions.from_user(value, readout_options)  # the checks and words of every front end

@@ -22,7 +22,7 @@ from typing import Any, ClassVar
 import torch
 
 from probehook.errors import CaptureConfigError
-from probehook.outputs.top_k import TopKRows
+from probehook.outputs.top_k import TopKRows, compact_top_k, json_top_k
 from probehook.outputs.top_k_readout import TopKReadout
 
 LOGIT = "logit"
@@ -169,6 +169,20 @@ class LensReadout(TopKReadout):
             lens, layer = split_instance(name)
             out.setdefault(lens, {})[layer] = value  # type: ignore[assignment]
         return out
+
+    def to_response(self, value: Any) -> dict[str, Any]:
+        """``{lens: {layer: {"token_ids", "logprobs", "target_logprob"}}}`` (JSON keys are
+        strings: ``"4"``)."""
+        return {
+            lens: {str(layer): json_top_k(rows) for layer, rows in by_layer.items()}
+            for lens, by_layer in value.items()
+        }
+
+    def to_compact(self, value: Any) -> dict[str, Any]:
+        return {
+            lens: {str(layer): compact_top_k({"": rows})[""] for layer, rows in by_layer.items()}
+            for lens, by_layer in value.items()
+        }
 
     def flat(self, value: Any) -> dict[str, TopKRows]:
         return {

@@ -541,21 +541,21 @@ def _check_readouts(
     readouts: Mapping[str, ReadoutSet], request: CaptureRequest, pooling: bool, tp: int
 ) -> None:
     """Refuse a top-k readout where it cannot run: one that reads each row's next token
-    (lenses) needs the engine's sampling, which a pooling model and a capture-only engine do
-    not run; one not built for tensor parallelism under it."""
+    (lenses) needs the engine's sampling, which a capture-only engine (itself a pooling
+    engine) and a pooling model do not run; one not built for tensor parallelism under it."""
     for readout_set in readouts.values():
         readout = readout_set.readout
         option = readout.engine_option
-        if readout.reads_next_token and pooling:
-            raise CaptureConfigError(
-                f"{option}= reads the model's next-token prediction, and this is a pooling "
-                "model (no LM head, no sampling); drop it, or serve a generative model."
-            )
         if readout.reads_next_token and request.capture_only:
             raise CaptureConfigError(
                 f"{option}= is not available with capture_only=True yet (a capture-only "
                 "engine cuts the final norm and samples nothing); build the engine without "
                 "capture_only."
+            )
+        if readout.reads_next_token and pooling:
+            raise CaptureConfigError(
+                f"{option}= reads the model's next-token prediction, and this is a pooling "
+                "model (no LM head, no sampling); drop it, or serve a generative model."
             )
         if tp > 1 and not readout.tensor_parallel:
             raise CaptureConfigError(

@@ -167,6 +167,15 @@ def _check_generation(llm: Any, specs: tuple[str, ...], kwargs: dict[str, Any]) 
             prompt = out.prefill_lens["l"][LAST]
             assert len(prompt) == len(out.prompt_token_ids)
             assert prompt.target_logprob[-1] == reading.target_logprob[0]
+            # The last prompt row alone: one row computed and returned, the same reading.
+            last = SamplingParams(
+                max_tokens=1,
+                temperature=0,
+                extra_args={"probehook": {"last_prefill_token": True}},
+            )
+            alone = llm.generate([PROMPT], last, use_tqdm=False)[0].prefill_lens["l"][LAST]
+            assert len(alone) == 1 and torch.equal(alone.token_ids, prompt.token_ids[-1:])
+            torch.testing.assert_close(alone.target_logprob, prompt.target_logprob[-1:])
     if "feature_monitors" in specs:
         assert completion.feature_flags["s:0"] == list(range(TOKENS))
     if "store" in specs:

@@ -81,6 +81,16 @@ def score_config(config: CaptureConfig) -> CaptureConfig:
     return replace(config, last_prefill_token=False, last_decode_token=False)
 
 
+def readout_config(config: CaptureConfig, last_prefill_token: bool) -> CaptureConfig:
+    """The spans a top-k readout covers: as scores (:func:`score_config`), but the prompt's
+    last row alone under ``last_prefill_token`` when the readout follows it (a lens on the
+    last prompt token costs one row, not a prompt's worth)."""
+    spans = score_config(config)
+    if last_prefill_token and config.last_prefill_token:
+        spans = replace(spans, last_prefill_token=True)
+    return spans
+
+
 def keep_plan(
     config: CaptureConfig, prompt_len: int, completion_index: int, end_known_in_worker: bool
 ) -> KeepPlan:

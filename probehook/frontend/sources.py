@@ -14,7 +14,7 @@ import torch
 
 from probehook.capture_config import CaptureConfig
 from probehook.core.probe_spec import SCORES_SLOT
-from probehook.core.spans import score_config
+from probehook.core.spans import readout_config, score_config
 from probehook.outputs.top_k import TopKDecoder
 
 if TYPE_CHECKING:
@@ -196,6 +196,9 @@ class TopKReadoutRows(CaptureSource):
 
     def _of(self, request: TrackedRequest) -> Any:
         return (request.readouts or {}).get(self.name)
+
+    def spans_config(self, config: CaptureConfig) -> CaptureConfig:
+        return readout_config(config, self.readouts.readout.follows_last_prefill_token)
 
     def active(self, request: TrackedRequest) -> bool:
         return self._of(request) is not None

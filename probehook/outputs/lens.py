@@ -84,6 +84,7 @@ class LensReadout(TopKReadout):
     max_k = MAX_LENS_TOP_K
     row_type = LensRows
     reads_next_token = True
+    follows_last_prefill_token = True  # the last prompt token's reading costs one row
     tensor_parallel = False  # each rank holds a vocabulary shard: not merged yet
 
     @property

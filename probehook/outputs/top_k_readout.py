@@ -46,6 +46,9 @@ class TopKReadout(OutputProcessor):
     max_k: ClassVar[int] = 256
     row_type: ClassVar[type[TopKRows]] = TopKRows
     """The rows' class (a subclass names the columns for its readout)."""
+    follows_last_prefill_token: ClassVar[bool] = False
+    """Whether a request's ``last_prefill_token`` thins its prompt rows to the last one (as
+    hidden rows), instead of every prompt token (as probe scores and SAE features)."""
     tensor_parallel: ClassVar[bool] = True
     """Whether it runs under tensor parallelism (rank 0 reads every row)."""
     reads_next_token: ClassVar[bool] = False

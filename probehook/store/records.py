@@ -6,7 +6,7 @@ import logging
 from typing import Any
 
 from probehook.capture_config import CaptureConfig
-from probehook.core.spans import completion_spans, score_config
+from probehook.core.spans import completion_spans, readout_config, score_config
 from probehook.outputs import OUTPUT_PROCESSORS
 from probehook.outputs.shapes import completions, failed, is_pooled
 from probehook.outputs.top_k_readout import top_k_readouts
@@ -95,8 +95,10 @@ def _feature_blocks(
                 blocks.append(FeatureBlock("prefill", None, name, prefill.lo, features))
     readouts = [(source, p.request_attributes[0], p.completion_attributes[0], p.flat)
                 for source, p in top_k_readouts(OUTPUT_PROCESSORS).items()]  # fmt: skip
+    registered = top_k_readouts(OUTPUT_PROCESSORS)
     for source, on_request, _, flat in readouts:  # the top-k readouts' rows: stored alike
-        prefill, _ = completion_spans(spans, prompt_len, 0)
+        thin = registered[source].follows_last_prefill_token
+        prefill, _ = completion_spans(readout_config(config, thin), prompt_len, 0)
         for name, rows in flat(getattr(output, on_request, None) or {}).items():
             if prefill is not None:
                 blocks.append(FeatureBlock("prefill", None, name, prefill.lo, rows, source))

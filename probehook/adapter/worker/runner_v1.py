@@ -24,8 +24,10 @@ from probehook.core.request_options import (
     extra_field,
     raw_tag,
 )
-from probehook.core.spans import OPEN, KeepPlan, keep_plan, score_config
+from probehook.core.spans import OPEN, KeepPlan, keep_plan, readout_config, score_config
 from probehook.errors import CaptureConfigError
+from probehook.outputs import OUTPUT_PROCESSORS
+from probehook.outputs.top_k_readout import top_k_readouts
 from probehook.worker.clamp_tables import ClampPlan, StepClamps
 from probehook.worker.readouts import READOUTS
 from probehook.worker.recorder import RequestPlan, StepRecorder
@@ -296,7 +298,10 @@ def _plan(
     index = completion_index(req_id, wire.n)
     if transformed:
         # A score or a feature list is a few bytes: every token of the request's phases.
-        keep = keep_plan(score_config(config), prompt_len, index, end_known_in_worker=True)
+        spans = score_config(config)
+        if instances:  # a top-k readout's: its last-prompt-token rule
+            spans = readout_config(config, _follows_last_prefill_token(source))
+        keep = keep_plan(spans, prompt_len, index, end_known_in_worker=True)
     else:
         # Stop strings are matched in the front end, possibly steps after the worker
         # computed further positions; everything else that ends a request is decided in
@@ -306,6 +311,11 @@ def _plan(
     layers = config.layers if source == "hidden" else wire.saes if source == "sae" else instances
     one_pass = getattr(state, "sampling_params", None) is None  # a pooling request
     return RequestPlan(f"{wire.tag}/{index}", keep, wire.stream, layers, one_pass=one_pass)
+
+
+def _follows_last_prefill_token(source: str) -> bool:
+    readout = top_k_readouts(OUTPUT_PROCESSORS).get(source)
+    return bool(readout is not None and readout.follows_last_prefill_token)
 
 
 def _failed_plan(req_id: str, raw: Any, source: str, error: str) -> RequestPlan | None:

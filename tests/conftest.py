@@ -291,7 +291,7 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):  #
 ENGINE_DEFAULTS = dict(dtype="float32", max_model_len=256, gpu_memory_utilization=0.1, seed=0)
 
 
-BACKGROUND_MODULES = ("test_notebooks_and_examples", "test_architectures")
+BACKGROUND_MODULES = ("test_benchmarks_smoke", "test_notebooks_and_examples", "test_architectures")
 """Modules whose engines run in subprocesses started at the session's first test, in this
 order, beside the rest of the suite (:func:`background`). Each defines
 ``start_in_background(pool, items, tmp_path_factory)``; its tests run last, after the rest,
@@ -300,7 +300,8 @@ BACKGROUND_PROCESSES = 2
 """Background subprocesses at a time. The suite's own engine tests left about a quarter of
 the two cores idle (spawns, handshakes, shutdowns, waits; 77% busy on average), and the
 notebooks, examples and architecture engines, run apart after the rest, took about eight
-minutes of its 22. Beside the rest, on a fresh clone: pytest 1414 s -> 1145 s."""
+minutes of its 22. Beside the rest, on a fresh clone: pytest 1414 s -> 1145 s. The benchmarks'
+smoke run (about five minutes alone) joined them first, as the longest."""
 LATE_MODULES = ("test_collect",)
 """Modules that run after the rest, when the background subprocesses are likely done: the
 collection test starts a Ray cluster with two replicas of its own, and beside two background

@@ -131,3 +131,30 @@ def test_a_pickled_object_is_refused_not_run(tmp_path: Path, capsys) -> None:
     with pytest.raises(CaptureConfigError, match=r"evil.pt.*weights_only=True"):
         load_lens(tmp_path / "evil.pt")
     assert "ran code" not in capsys.readouterr().out
+
+
+def test_lens_vectors_are_rows_of_the_unembedding_times_the_map(tmp_path: Path) -> None:
+    """``SteeringVector.from_lens``: ``v_t = M^T W_U[t]`` (TransformerLens's J-lens vectors)
+    at the lens's layer, ``W_U`` the model's own (here read by transformers for comparison)."""
+    from transformers import AutoModelForCausalLM
+
+    from probehook import SteeringVector, tiny_model_path
+
+    model = tiny_model_path()
+    w_u = AutoModelForCausalLM.from_pretrained(model).lm_head.weight.detach().float()
+    d = w_u.shape[1]
+    g = torch.Generator().manual_seed(5)
+    lens = JacobianLens({1: torch.randn(d, d, generator=g)}, n_prompts=1, d_model=d,
+                        metadata={"model_name": str(model)})  # fmt: skip
+    lens.save(tmp_path / "j.pt")
+    vector = SteeringVector.from_lens(JacobianLens.load(tmp_path / "j.pt"), 1, 7, scale=2.0)
+    assert tuple(vector.layers) == (1,)
+    want = 2.0 * lens.jacobians[1].half().float().T @ w_u[7]
+    torch.testing.assert_close(vector.vectors[1], want)
+    logit = SteeringVector.from_lens("logit", 3, 7, model=model)
+    torch.testing.assert_close(logit.vectors[3], w_u[7])
+    assert logit.made_by["method"] == "lens"
+    with pytest.raises(CaptureConfigError, match="pass model=PATH"):
+        SteeringVector.from_lens("logit", 3, 7)
+    with pytest.raises(CaptureConfigError, match="outside the model's vocabulary"):
+        SteeringVector.from_lens("logit", 3, 10_000, model=model)

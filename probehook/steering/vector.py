@@ -322,6 +322,46 @@ class SteeringVector:
         )
 
     @classmethod
+    def from_lens(
+        cls,
+        lens: Any,
+        layer: int,
+        token: int | str,
+        *,
+        model: str | os.PathLike[str] | None = None,
+        scale: float = 1.0,
+        name: str | None = None,
+    ) -> SteeringVector:
+        """The lens's vector of ``token`` at ``layer`` (row ``token`` of ``W_U M``, ``M`` the
+        lens's map there: the J-lens vector for a :class:`~probehook.JacobianLens`, the
+        unembedding row for ``"logit"``), ``scale`` times, at ``layer``: adding it moves what
+        the lens reads there toward ``token``. ``W_U`` is read from ``model``'s checkpoint
+        folder (default: the model the lens records it was fitted on); ``token`` an id or a
+        one-token string."""
+        from probehook.lenses.artifacts import load_lens
+        from probehook.lenses.vectors import lens_vectors
+
+        lens = load_lens(lens)
+        if model is None and not isinstance(lens, str):
+            recorded = getattr(lens, "metadata", None) or getattr(lens, "config", {})
+            model = recorded.get("model_name") or recorded.get("base_model_name_or_path")
+        if model is None or not Path(model).is_dir():
+            raise CaptureConfigError(
+                f"SteeringVector.from_lens needs the model's checkpoint folder for its "
+                f"unembedding: pass model=PATH (got {model!r})."
+            )
+        vector = lens_vectors(lens, int(layer), [token], model)[0] * float(scale)
+        made_by = {
+            "method": "lens",
+            "lens": lens if isinstance(lens, str) else lens.kind,
+            "lens_path": None if isinstance(lens, str) else lens.path,
+            "layer": int(layer),
+            "token": token,
+            "scale": float(scale),
+        }
+        return cls({int(layer): vector}, name, made_by=made_by)
+
+    @classmethod
     def from_sae(
         cls, sae: Any, features: Mapping[int, float], name: str | None = None
     ) -> SteeringVector:

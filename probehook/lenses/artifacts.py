@@ -92,12 +92,18 @@ class JacobianLens:
         if not isinstance(payload, Mapping):
             raise CaptureConfigError(f"{os.fspath(path)!r} holds no J-lens (not a dict).")
         if "J" in payload:
-            return cls(
+            if "d_model" not in payload or not isinstance(payload["J"], Mapping):
+                raise CaptureConfigError(
+                    f"{os.fspath(path)!r} is a damaged J-lens: it needs 'J' (layer -> [d, d] "
+                    "matrix) and 'd_model'."
+                )
+            return _build(
+                cls,
+                path,
                 payload["J"],
                 n_prompts=int(payload.get("n_prompts", 0)),
                 d_model=int(payload["d_model"]),
                 metadata=payload.get("metadata"),
-                path=path,
             )
         if "jacobian_sum" in payload:
             n = int(payload.get("n_done", payload.get("n_prompts", 0)))
@@ -108,13 +114,9 @@ class JacobianLens:
                 )
             sums = payload["jacobian_sum"]
             d = int(next(iter(sums.values())).shape[0])
-            metadata = dict(payload.get("metadata") or {})
-            metadata["converted_from"] = "jacobian_lens_checkpoint"
-            for key in ("model_name", "target_layer", "corpus"):
-                if key in payload and key not in metadata:
-                    metadata[key] = payload[key]
             matrices = {int(k): v.float() / n for k, v in sums.items()}
-            return cls(matrices, n_prompts=n, d_model=d, metadata=metadata, path=path)
+            metadata = _checkpoint_metadata(payload)
+            return _build(cls, path, matrices, n_prompts=n, d_model=d, metadata=metadata)
         raise CaptureConfigError(
             f"{os.fspath(path)!r} is not a J-lens: it has neither a 'J' key (an artifact) nor "
             "a 'jacobian_sum' key (a fit checkpoint)."
@@ -123,6 +125,7 @@ class JacobianLens:
     def save(self, path: str | os.PathLike[str], *, dtype: torch.dtype = torch.float16) -> Path:
         """Write the artifact TransformerLens's ``JacobianLens.load`` reads (fp16 by default,
         as it writes them); the lens remembers the path."""
+        _check_metadata(self.metadata)
         payload: dict[str, Any] = {
             "J": {layer: m.to(dtype) for layer, m in self.jacobians.items()},
             "n_prompts": self.n_prompts,
@@ -176,6 +179,74 @@ class JacobianLens:
         )
 
 
+# What TransformerLens's checkpoint conversion leaves out of the metadata (its fit's own keys,
+# so that its merge refuses to mix converted lenses with fitted ones) and takes from the top
+# level of the payload: the same here, so a checkpoint reads the same in both.
+_FIT_RESERVED_KEYS = frozenset(
+    {
+        "transformer_lens_fit",
+        "transformer_lens_version",
+        "model_system",
+        "processing",
+        "hook_convention",
+        "fit_dtype",
+        "dim_batch",
+        "max_seq_len",
+        "skip_first_positions",
+    }
+)
+_FLAT_PROVENANCE = ("model_name", "model_revision", "corpus", "target_layer")
+
+
+def _checkpoint_metadata(payload: Mapping[str, Any]) -> dict[str, Any]:
+    raw = dict(payload.get("metadata") or {})
+    for key in _FLAT_PROVENANCE:
+        if key in payload and key not in raw:
+            raw[key] = payload[key]
+    clean: dict[str, Any] = {}
+    dropped: list[str] = []
+    for key, value in raw.items():
+        if key in _FIT_RESERVED_KEYS:
+            continue
+        if isinstance(value, torch.Tensor):
+            dropped.append(f"{key}: shape={tuple(value.shape)} dtype={value.dtype}")
+        elif _plain(value):
+            clean[key] = value
+        else:
+            dropped.append(key)
+    clean["converted_from"] = "jacobian_lens_checkpoint"
+    if dropped:
+        clean["dropped_fields"] = dropped
+    return clean
+
+
+def _plain(value: Any) -> bool:
+    """What ``torch.load(weights_only=True)`` reads back, as TransformerLens allows it."""
+    if value is None or type(value) in (bool, int, float, str):
+        return True
+    if type(value) in (list, tuple):
+        return all(_plain(v) for v in value)
+    if type(value) is dict:
+        return all(type(k) is str and _plain(v) for k, v in value.items())
+    return False
+
+
+def _check_metadata(metadata: Mapping[str, Any]) -> None:
+    bad = sorted(k for k, v in metadata.items() if not _plain(v))
+    if bad:
+        raise CaptureConfigError(
+            f"J-lens metadata {bad} would not load back (weights_only=True): use None, bool, "
+            "int, float, str, lists, tuples and string-keyed dicts."
+        )
+
+
+def _build(cls: type[JacobianLens], path: Any, matrices: Any, **fields: Any) -> JacobianLens:
+    try:
+        return cls(matrices, path=path, **fields)
+    except (ValueError, TypeError, AttributeError) as e:  # a wrong shape, a non-tensor
+        raise CaptureConfigError(f"{os.fspath(path)!r} is a damaged J-lens: {e}") from e
+
+
 class TunedLens:
     """A tuned lens: one affine translator per Hugging Face hidden state."""
 
@@ -212,11 +283,25 @@ class TunedLens:
         if missing:
             raise CaptureConfigError(f"{os.fspath(folder)!r}: config.json lacks {missing}.")
         params = _load_tensors(folder / "params.pt")
+        if not isinstance(params, Mapping):
+            raise CaptureConfigError(f"{os.fspath(folder)!r}: params.pt holds no state dict.")
+        d = int(config["d_model"])
         translators: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
         for key in params:
             index, _, part = str(key).partition(".")
             if part == "weight" and index.isdigit():
-                translators[int(index)] = (params[key], params.get(f"{index}.bias"))
+                weight, bias = params[key], params.get(f"{index}.bias")
+                # Checked here, not when the engine first applies it.
+                for name, value, shape in ((key, weight, (d, d)), (f"{index}.bias", bias, (d,))):
+                    if value is not None and (
+                        not isinstance(value, torch.Tensor) or tuple(value.shape) != shape
+                    ):
+                        got = tuple(value.shape) if isinstance(value, torch.Tensor) else value
+                        raise CaptureConfigError(
+                            f"{os.fspath(folder)!r}: params.pt's {name} has shape {got}, not "
+                            f"{shape} (config.json's d_model is {d})."
+                        )
+                translators[int(index)] = (weight, bias)
         return cls(translators, config, folder)
 
     def save(self, folder: str | os.PathLike[str]) -> Path:

@@ -36,7 +36,9 @@ def main() -> None:
         **QUIET,
     )
     with llm:
-        out = llm.generate(["12+34="], SamplingParams(max_tokens=3, temperature=0))[0]
+        out = llm.generate(["12+34="], SamplingParams(max_tokens=3, temperature=0), use_tqdm=False)[
+            0
+        ]
         tokenizer = llm.get_tokenizer()
         text = out.outputs[0].text
         answer = tokenizer.decode([out.outputs[0].token_ids[0]])

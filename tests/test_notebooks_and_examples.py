@@ -40,6 +40,7 @@ EXAMPLES = [
     "quickstart.py",
     "collect_and_probe.py",
     "sae_features.py",
+    "lenses.py",
 ]
 NOISE = ("Triton", "FutureWarning", "NUMA binding", "Loading safetensors", " WARNING ")
 """vLLM's warnings and loading bars, which the examples keep out of their output."""
@@ -335,6 +336,12 @@ def test_example_runs(script: str, runs: dict[str, Run]) -> None:
         assert "text '46.'; features of layer 3 per generated token" in result.stdout
         assert re.search(r"token 3: l0 8 +top \[\d+:", result.stdout), result.stdout
         assert "4 tokens of features, no rows" in result.stdout
+    if script == "lenses.py":
+        # A J-lens fitted on the tiny model; both lenses read the answer's first token.
+        assert "fitted JacobianLens(layers=[0, 1, 2], d_model=128)" in result.stdout
+        assert "text '46.'; the first token '4' under each lens" in result.stdout
+        assert re.search(r"logit layer 3: top \['4'", result.stdout), result.stdout
+        assert re.search(r"j +layer 3: top \['4'", result.stdout), result.stdout
     if script == "collect_and_probe.py":
         # 3,000 statements on two Ray replicas into one store, then a probe trained from it.
         assert "3000 statements captured (0 already stored)" in result.stdout, result.stdout

@@ -52,7 +52,8 @@ def request_options(value: Any, readout_options: Mapping[str, str] | None = None
         picking.setdefault(source, option)
     # A readout is off unless the request names one of its options (lens_layers alone asks
     # for every lens on those layers).
-    named = {s for o, s in readout_options.items() if value is not None and o in value}
+    asked = value if isinstance(value, Mapping) else {}  # a non-dict is refused below
+    named = {s for o, s in readout_options.items() if o in asked}
     off = {**OFF, **{o: False for s, o in picking.items() if s not in named}}
     if value is None:
         return off

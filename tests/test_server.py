@@ -572,10 +572,15 @@ def test_malformed_options_storm(client, server, offline) -> None:
 
     objects = malformed(json_only=True)
     assert len(objects) >= 100
+    with urllib.request.urlopen(f"{server.base_url}/probehook") as reply:
+        readouts = json.load(reply)["readouts"]
+    # The server's lenses add their options to the valid ones the refusals list.
+    options = {o: name for name, r in readouts.items() for o in r["options"]}
+    assert options == {"lenses": "lenses", "lens_layers": "lenses"}
     messages = []
     for value in objects:
         with pytest.raises(CaptureConfigError) as err:
-            RequestOptions.from_user(value)
+            RequestOptions.from_user(value, options)
         messages.append(str(err.value))
     chat = {"messages": [{"role": "user", "content": "1+1="}]}
     bodies = [
@@ -638,6 +643,8 @@ def test_reserved_xargs_key_and_info_route(client, server) -> None:
     assert info["capture_default"] == DEFAULT
     assert info["steering"]["layers"] == [2] and list(info["steering"]["vectors"]) == ["up"]
     assert info["steering"]["capacity"] == 64
+    lenses = {"options": ["lenses", "lens_layers"], "names": ["logit", "j"], "layers": [0, 3]}
+    assert info["readouts"] == {"lenses": {**lenses, "k": 3}}
     # The server is still serving after every refusal above.
     assert client.completions.create(prompt="1+1=", **greedy()).choices[0].text is not None
 

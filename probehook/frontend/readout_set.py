@@ -57,6 +57,16 @@ class ReadoutSet:
         )  # fmt: skip
         self.layers = tuple(sorted({int(s["layer"]) for s in self.instances.values()}))
 
+    def describe(self) -> dict[str, Any]:
+        """What a request may ask of this readout (the server's ``GET /v1/probehook``)."""
+        readout = self.readout
+        return {
+            "options": [readout.request_option, *readout.extra_request_options],
+            "names": readout.pickable(self.instances),
+            "layers": list(self.layers),
+            "k": self.k,
+        }
+
     def loader_settings(self) -> dict[str, Any]:
         """What the workers' loader builds the readout's bank from."""
         return {"k": self.k, "instances": self.instances}

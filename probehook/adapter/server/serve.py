@@ -464,6 +464,8 @@ def _describe(engine: Any, limit: int, default: dict[str, Any] | None = None) ->
     """``GET /v1/probehook``: what requests may ask this server for."""
     config, probes = engine.capture_config, engine.probes
     info = getattr(engine, "capture_info", {})
+    session = getattr(engine, "session", None)
+    readouts = session.readouts if session is not None else {}
     body = {
         "layers": list(config.layers) if config is not None else [],
         "include_prefill": bool(config is not None and config.include_prefill),
@@ -476,6 +478,9 @@ def _describe(engine: Any, limit: int, default: dict[str, Any] | None = None) ->
             else {}
         ),
         "monitors": [m.to_dict() for m in probes.monitors] if probes else [],
+        # Each top-k readout by its engine option (a lens: "lenses"), with the request
+        # options that ask it.
+        "readouts": {r.readout.engine_option: r.describe() for r in readouts.values()},
         "hidden_size": info.get("hidden_size"),
         "dtype": str(info.get("dtype", "")).removeprefix("torch.") or None,
         "max_capture_response_bytes": limit,

@@ -127,3 +127,32 @@ def test_a_cumulative_stream_decodes_lens_rows_once_with_float_targets() -> None
     assert isinstance(later, LensRows) and len(first) == 2 and len(later) == 6
     assert later.target_logprob.tolist() == [-0.25] * 6
     assert decoder.converted == 6
+
+
+@pytest.mark.parametrize("compact", [False, True])
+def test_served_readings_carry_each_tokens_text_beside_its_id(compact: bool) -> None:
+    """The server's choice field writes each entry's text (its ``TokenText``) beside the ids,
+    in the JSON and the base64 forms; other readouts' fields get none."""
+    from types import SimpleNamespace
+
+    from probehook.frontend.response_fields import ChoiceFields, TokenText
+    from probehook.outputs.captures import SAEFeatureSets
+
+    class Tokenizer:
+        calls = 0
+
+        def decode(self, ids: list[int]) -> str:
+            Tokenizer.calls += 1
+            return f"<{ids[0]}>"
+
+    rows = LensRows.unpack(torch.tensor([[3.0, 1.0, -0.5, -1.5, -2.25]] * 2), 2)
+    fields = ChoiceFields([LensReadout(), SAEFeatureSets()], compact, TokenText(Tokenizer()))
+    completion = SimpleNamespace(index=0, lens={"j": {1: rows}}, sae_features={"s": rows})
+    fields.add(0, SimpleNamespace(), completion)
+    field = fields.take(0)
+    assert field["lens"]["j"]["1"]["tokens"] == [["<3>", "<1>"], ["<3>", "<1>"]]
+    assert "tokens" not in field["sae_features"]["s"]
+    assert Tokenizer.calls == 2  # each id decoded once
+    without = ChoiceFields([LensReadout()], compact)
+    without.add(0, SimpleNamespace(), completion)
+    assert "tokens" not in without.take(0)["lens"]["j"]["1"]

@@ -219,6 +219,7 @@ def test_lenses_in_choices_chunks_and_the_store(client, server, llama_dir, lens_
     from types import SimpleNamespace
 
     import openai
+    from transformers import AutoTokenizer
 
     from probehook import ActivationStore, LensRows
     from probehook.testing import assert_lens_matches_hf
@@ -251,6 +252,11 @@ def test_lenses_in_choices_chunks_and_the_store(client, server, llama_dir, lens_
     )
     assert len(output.outputs[0].token_ids) == MAX_TOKENS
     assert_lens_matches_hf(llama_dir, output, lens_files, [3])
+    # Each entry's text beside its id, as the tokenizer decodes the id alone.
+    tokenizer = AutoTokenizer.from_pretrained(llama_dir)
+    for reading in (got["lens"]["j"]["3"], got["prefill_lens"]["logit"]["3"]):
+        want = [[tokenizer.decode([i]) for i in ids] for ids in reading["token_ids"]]
+        assert reading["tokens"] == want and len(want[0]) == 3
 
     streamed = {**ignore_eos({"lenses": ["j"], "lens_layers": [3]}), "return_token_ids": True}
     stream = client.completions.create(prompt=prompt, stream=True, extra_body=streamed, **greedy())
@@ -260,7 +266,7 @@ def test_lenses_in_choices_chunks_and_the_store(client, server, llama_dir, lens_
             tokens = (part.model_extra or {}).get("token_ids") or []
             if tokens:
                 reading = field(part)["lens"]["j"]["3"]
-                assert len(reading["token_ids"]) == len(tokens)
+                assert len(reading["token_ids"]) == len(reading["tokens"]) == len(tokens)
                 joined += reading["token_ids"]
     assert joined == got["lens"]["j"]["3"]["token_ids"]
 

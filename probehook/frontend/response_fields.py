@@ -15,6 +15,8 @@ and costs nothing. Each choice then carries::
                                    "l0": [...]}},        # top-k per token of this choice/chunk
         "prefill_hidden_states": {...}, "prefill_probe_scores": {...},  # first choice only
         "prefill_sae_features": {...},
+        "lens": {"j": {"4": {"token_ids": [[...], ...], "logprobs": [[...], ...],
+                             "target_logprob": [...], "tokens": [["The", ...], ...]}}},
         "error": "..."                                    # only when the capture failed
     }
 
@@ -28,7 +30,7 @@ This module knows nothing about vLLM.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from probehook.core.request_options import RequestOptions
@@ -86,13 +88,21 @@ class ChoiceFields:
     registered processor's non-empty attributes go in. A stream's chunk may be skipped (a token
     with no text yet): its values wait for the next chunk of the same choice."""
 
-    def __init__(self, processors: Iterable[Any] | None = None, compact: bool = False) -> None:
+    def __init__(
+        self,
+        processors: Iterable[Any] | None = None,
+        compact: bool = False,
+        token_text: Callable[[int], str] | None = None,
+    ) -> None:
         if processors is None:
             from probehook.outputs import OUTPUT_PROCESSORS
 
             processors = OUTPUT_PROCESSORS
         self.compact = compact
         """Write values in a processor's compact form where it has one (``to_compact``)."""
+        self.token_text = token_text
+        """A token id's text (:class:`TokenText`): readouts whose entries are token ids (a
+        lens's) write the strings beside them. None: ids only."""
         # (processor, attribute, on the request output?) for every attribute owned
         self._owned = [
             (p, attribute, on_request)
@@ -145,7 +155,10 @@ class ChoiceFields:
 
     def _write(self, processor: Any, value: Any) -> Any:
         compact = getattr(processor, "to_compact", None) if self.compact else None
-        return compact(value) if compact is not None else processor.to_response(value)
+        written = compact(value) if compact is not None else processor.to_response(value)
+        if self.token_text is not None and getattr(processor, "entries_are_tokens", False):
+            processor.add_token_text(written, value, self.token_text)
+        return written
 
     def annotate_sse(self, line: str) -> str:
         """An SSE line of vLLM's stream with the waiting fields added to its choices that
@@ -161,6 +174,21 @@ class ChoiceFields:
                     choice[FIELD] = field
                     changed = True
         return f"data: {json.dumps(chunk, separators=(',', ':'))}\n\n" if changed else line
+
+
+class TokenText:
+    """A token id's text as the tokenizer decodes it alone (the strings OpenAI's logprobs
+    show), remembered: a lens names the same few tokens on most rows."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._decode = tokenizer.decode
+        self._known: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._known.get(token_id)
+        if text is None:
+            text = self._known[token_id] = self._decode([token_id])
+        return text
 
 
 class PooledFields:

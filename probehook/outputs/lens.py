@@ -84,6 +84,7 @@ class LensReadout(TopKReadout):
     max_k = MAX_LENS_TOP_K
     row_type = LensRows
     reads_next_token = True
+    entries_are_tokens = True
     follows_last_prefill_token = True  # the last prompt token's reading costs one row
     tensor_parallel = False  # each rank holds a vocabulary shard: not merged yet
 
@@ -184,6 +185,10 @@ class LensReadout(TopKReadout):
             lens: {str(layer): compact_top_k({"": rows})[""] for layer, rows in by_layer.items()}
             for lens, by_layer in value.items()
         }
+
+    def written(self, response: dict[str, Any], name: str) -> dict[str, Any]:
+        lens, layer = split_instance(name)
+        return response[lens][str(layer)]
 
     def flat(self, value: Any) -> dict[str, TopKRows]:
         return {

@@ -15,7 +15,7 @@ No vLLM. The worker calls :meth:`TopKReadout.read`; everything else runs in the 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 import torch
@@ -51,6 +51,9 @@ class TopKReadout(OutputProcessor):
     hidden rows), instead of every prompt token (as probe scores and SAE features)."""
     tensor_parallel: ClassVar[bool] = True
     """Whether it runs under tensor parallelism (rank 0 reads every row)."""
+    entries_are_tokens: ClassVar[bool] = False
+    """The entries' indices are token ids (a lens's): the server writes each one's text
+    beside them (:meth:`add_token_text`)."""
     reads_next_token: ClassVar[bool] = False
     """The worker reads a row together with the id of the token that came next (a lens's
     target log-prob): it records after the step's sampling, and :meth:`read` gets
@@ -138,6 +141,22 @@ class TopKReadout(OutputProcessor):
 
     def to_compact(self, value: Any) -> dict[str, Any]:
         return compact_top_k(self.flat(value))
+
+    def written(self, response: dict[str, Any], name: str) -> dict[str, Any]:
+        """Instance ``name``'s columns in :meth:`to_response`'s or :meth:`to_compact`'s
+        form (a subclass that nests them finds them)."""
+        return response[name]
+
+    def add_token_text(
+        self, response: dict[str, Any], value: Any, token_text: Callable[[int], str]
+    ) -> None:
+        """Write ``"tokens"``, each entry's text (``token_text`` of its id; padding: null),
+        beside the ids of every instance in ``response`` (of :attr:`entries_are_tokens`
+        readouts: the server does)."""
+        for name, rows in self.flat(value).items():
+            self.written(response, name)["tokens"] = [
+                [token_text(i) if i >= 0 else None for i in ids] for ids in rows.indices.tolist()
+            ]
 
 
 def pack(indices: torch.Tensor, values: torch.Tensor, l0: torch.Tensor) -> torch.Tensor:

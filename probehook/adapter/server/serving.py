@@ -30,6 +30,7 @@ from probehook.errors import CaptureConfigError
 from probehook.frontend.response_fields import (
     FIELD,
     ChoiceFields,
+    TokenText,
     features_bytes_bound,
     request_options,
     response_bytes_bound,
@@ -55,7 +56,17 @@ class CaptureServing:
     """``--sae-encoding base64``: processors with a compact form (SAE features) use it."""
 
     def _fields(self) -> ChoiceFields:
-        return ChoiceFields(compact=self.compact)
+        return ChoiceFields(compact=self.compact, token_text=self._token_text())
+
+    def _token_text(self) -> TokenText | None:
+        """The engine's token texts (one cache per server; None without a tokenizer)."""
+        text = getattr(self, "_token_text_cache", None)
+        if text is None:
+            tokenizer = getattr(self.engine_client, "tokenizer", None)  # type: ignore[attr-defined]
+            if tokenizer is None:
+                return None
+            text = self._token_text_cache = TokenText(tokenizer)
+        return text
 
     async def _run(self, request: Any, prompts: int, run: Callable[[], Awaitable[Any]]) -> Any:
         """Check the request (400 when bad), put its inline vectors in the bank, run it, and

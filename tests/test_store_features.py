@@ -161,24 +161,29 @@ LAYOUT_CASES = {
     "d_sae 70,000 then 512": [(70_000, 6, "float32"), (512, 6, "float32")],
     "k 8 then 4": [(512, 8, "float32"), (512, 4, "float32")],
     "values float32 then float16": [(512, 6, "float32"), (512, 6, "float16")],
+    # A readout whose per-token scalar is a real number (a lens's target log-prob) under a
+    # name an SAE's counts used: appending it to the counts' uint32 l0 would truncate it.
+    "l0 counts then real scalars": [(512, 6, "float32"), (512, 6, "float32", "real")],
 }
 
 
-def top_features(seed: int, n: int, k: int, d_sae: int) -> SAEFeatures:
+def top_features(seed: int, n: int, k: int, d_sae: int, real: bool = False) -> SAEFeatures:
     """``features``, with each token's first index at the top of the SAE's range (>= 65,536
-    for a 70,000-feature SAE)."""
+    for a 70,000-feature SAE); ``real``: the scalar a float32 with a fraction (``l0 + 0.25``,
+    as a lens's target log-prob is a real number)."""
     f = features(seed, n, k, d_sae)
     indices = f.indices.clone()
     indices[:, 0] = d_sae - 1 - torch.arange(n)
-    return SAEFeatures(indices, f.values, f.l0)
+    return SAEFeatures(indices, f.values, f.l0.float() + 0.25 if real else f.l0)
 
 
-def sae_request(seed: int, d_sae: int, k: int, name: str = "s"):
+def sae_request(seed: int, d_sae: int, k: int, name: str = "s", scalar: str = "count"):
     request = fake_request(seed, prompt_len=4, n_out=3)
     request.blocks = [b for b in request.blocks if b.layer == 3]
+    real = scalar == "real"
     request.features = [
-        FeatureBlock("prefill", None, name, 0, top_features(seed, 4, k, d_sae)),
-        FeatureBlock("decode", 0, name, 3, top_features(1000 + seed, 3, k, d_sae)),
+        FeatureBlock("prefill", None, name, 0, top_features(seed, 4, k, d_sae, real)),
+        FeatureBlock("decode", 0, name, 3, top_features(1000 + seed, 3, k, d_sae, real)),
     ]
     return request
 
@@ -187,14 +192,22 @@ def sae_info(d_sae: int, k: int, name: str = "s") -> dict:
     return {"saes": {name: {"d_sae": d_sae, "k": k, "layer": 3, "fingerprint": f"f{d_sae}"}}}
 
 
-def sae_run(root: Path, seeds, d_sae: int, k: int, values: str = "float32", **options) -> dict:
+def sae_run(
+    root: Path,
+    seeds,
+    d_sae: int,
+    k: int,
+    values: str = "float32",
+    scalar: str = "count",
+    **options,
+) -> dict:
     """One run of requests with features of SAE "s" (one shard a request); returns
     ``{store_id: (prefill features, decode features)}`` as they were added."""
     store = ActivationStore.for_writing(root, META, shard_bytes=1, sae_values=values, **options)
     store.begin_run(sae_info(d_sae, k))
     added = {}
     for seed in seeds:
-        request = sae_request(seed, d_sae, k)
+        request = sae_request(seed, d_sae, k, scalar=scalar)
         store_id = store.add(request)
         added[store_id] = tuple(stored_as(block.features, values) for block in request.features)
     store.flush()
@@ -276,8 +289,8 @@ def test_compaction_never_changes_a_stored_feature_set(
 ) -> None:
     root = tmp_path / "s"
     added: dict = {}
-    for run, (d_sae, k, values) in enumerate(LAYOUT_CASES[case]):
-        added |= sae_run(root, range(6 * run, 6 * run + 6), d_sae, k, values)
+    for run, settings in enumerate(LAYOUT_CASES[case]):
+        added |= sae_run(root, range(6 * run, 6 * run + 6), *settings)
     if legacy:
         as_legacy_store(root)
     before = stored_feature_sets(root)

@@ -10,7 +10,8 @@
                                                     float32)
 
 ``layout`` names what decides the datasets' shape and types: ``k{k}-{index type}-{value
-type}``, e.g. ``k32-uint16-float32`` (:func:`layout_of`). Runs that store one SAE name with
+type}``, e.g. ``k32-uint16-float32``, with ``-{scalar type}`` after it when the scalar is not
+uint32 (a lens: ``k5-uint32-float32-float32``; :func:`layout_of`). Runs that store one SAE name with
 another d_sae (index type), k (width) or value type therefore never share a dataset, in a
 writer's shard or in a compacted one; runs of the same layout do, whatever their SAE's
 fingerprint (a segment's SAE is its record's run's ``saes[name]``).
@@ -52,8 +53,9 @@ def check_values(value: str) -> str:
     return value
 
 
-LAYOUT = re.compile(r"k[0-9]+-[a-z]+[0-9]+-[a-z]+[0-9]+")
-"""What :func:`layout_of` names look like (``k32-uint16-float32``)."""
+LAYOUT = re.compile(r"k[0-9]+-[a-z]+[0-9]+-[a-z]+[0-9]+(-[a-z]+[0-9]+)?")
+"""What :func:`layout_of` names look like (``k32-uint16-float32``, ``k5-uint32-float32-float32``
+for a real-valued scalar)."""
 
 
 def feature_group(phase: str, sae: str, layout: str | None = None) -> str:
@@ -72,10 +74,14 @@ def segment_group(segment: dict[str, Any]) -> str:
     return feature_group(segment["phase"], segment["sae"], segment.get("layout"))
 
 
-def layout_of(indices: Any, values: Any) -> str:
-    """The layout of stored ``indices`` and ``values`` (arrays or HDF5 datasets): width, index
-    type and value type, everything that decides how their rows are laid out."""
-    return f"k{indices.shape[1]}-{np.dtype(indices.dtype).name}-{np.dtype(values.dtype).name}"
+def layout_of(indices: Any, values: Any, scalar: Any) -> str:
+    """The layout of stored ``indices``, ``values`` and per-token ``scalar`` (arrays or HDF5
+    datasets): width, index type, value type and, when it is not an SAE's uint32 ``l0`` (a
+    lens's float32 target log-prob), the scalar's type: everything that decides how their
+    rows are laid out, so that no append ever casts one into another's type."""
+    layout = f"k{indices.shape[1]}-{np.dtype(indices.dtype).name}-{np.dtype(values.dtype).name}"
+    kind = np.dtype(scalar.dtype)
+    return layout if kind == np.uint32 else f"{layout}-{kind.name}"
 
 
 @dataclass

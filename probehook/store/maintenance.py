@@ -552,7 +552,7 @@ def _sae_destinations(
                 f"of step ({rows} rows), so their rows cannot be moved together. Nothing was "
                 "changed; the shard may be damaged (`probehook store fsck`)."
             )
-        layout = layout_of(parts["indices"], parts["values"])
+        layout = layout_of(parts["indices"], parts["values"], parts["l0"])
         if recorded is not None and recorded != layout:
             raise StoreError(
                 f"Cannot compact shard {shard}: its records say SAE {sae!r}'s features in "

@@ -260,7 +260,8 @@ def assert_lens_matches_hf(
     tol: float = 1e-3,
 ) -> float:
     """Assert a RequestOutput's lens readings (``out.outputs[i].lens`` and, with ``prefill``,
-    ``out.prefill_lens``) equal Hugging Face's for its tokens: the top-k ids are HF's k most
+    ``out.prefill_lens``; a capture-only output's prompt rows, the last one's target NaN)
+    equal Hugging Face's for its tokens: the top-k ids are HF's k most
     likely (ties within 1e-4 may swap), their log-probs and the target log-prob within
     ``tol``. ``lenses``: name -> what the engine was given (``"logit"``, a lens or its path).
     Returns the largest absolute log-prob difference seen."""
@@ -283,23 +284,26 @@ def assert_lens_matches_hf(
                 rows = readings[name][layer]
                 n = len(rows)
                 expected = ref[first : first + n]
-                targets = torch.tensor(tokens[first + 1 : first + 1 + n])
-                assert len(targets) == n, (what, name, layer, n, len(targets))
+                targets = torch.tensor(tokens[first + 1 : first + 1 + n], dtype=torch.int64)
+                known = len(targets)  # a capture-only prompt's last row: no next token
+                assert known == n or (not completions and known == n - 1), (what, name, n)
+                assert bool(torch.isnan(rows.target_logprob[known:]).all()), (what, name)
                 got = expected.gather(1, rows.token_ids)
                 diff = (got - rows.logprobs).abs().max().item()
                 kth = expected.topk(rows.k, dim=1).values[:, -1]
                 assert bool((rows.logprobs[:, -1] >= kth - 1e-4).all()), (what, name, layer)
-                tdiff = expected.gather(1, targets[:, None])[:, 0] - rows.target_logprob
-                tdiff = tdiff.abs().max().item()
+                tdiff = expected[:known].gather(1, targets[:, None])[:, 0]
+                tdiff = (tdiff - rows.target_logprob[:known]).abs().max().item() if known else 0.0
                 label = f"{what} lens {name!r} layer {layer}"
                 assert diff <= tol, f"{label}: top-k log-probs differ by {diff}"
                 assert tdiff <= tol, f"{label}: target log-probs differ by {tdiff}"
                 worst = max(worst, diff, tdiff)
 
-    for completion in output.outputs:
+    completions = output.outputs or []  # None: a capture-only engine's output
+    for completion in completions:
         tokens = prompt + list(completion.token_ids)
         check(completion.lens, tokens, p - 1, f"completion {completion.index}")
     if prefill:
-        tokens = prompt + list(output.outputs[0].token_ids[:1])
+        tokens = prompt + (list(completions[0].token_ids[:1]) if completions else [])
         check(output.prefill_lens, tokens, 0, "prompt")
     return worst

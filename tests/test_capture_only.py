@@ -20,9 +20,12 @@ PROMPTS = [" ".join(f"{i * 7 + j}+{j}" for j in range(1 + i)) for i in range(24)
 
 
 @pytest.fixture(scope="module")
-def capture_engine(llama_dir: Path, engine_defaults: dict, tmp_path_factory) -> Iterator[Any]:
-    """Compiled, layer 1 of 4 captured and probes on layers 0 and 1: layers 2-3, the final
-    norm and the LM head are never run."""
+def capture_engine(
+    llama_dir: Path, llama_lenses: dict[str, str], engine_defaults: dict, tmp_path_factory
+) -> Iterator[Any]:
+    """Compiled, layer 1 of 4 captured, probes on layers 0 and 1, the logit, J and tuned
+    lenses on layers 0 and 1: layers 2-3 never run; the lenses apply the final norm and
+    the LM head, which the model's own stream skips."""
     from probehook import LLM
 
     probes = random_probes(128)
@@ -31,6 +34,8 @@ def capture_engine(llama_dir: Path, engine_defaults: dict, tmp_path_factory) -> 
         layers=[1],
         probes={"size": probes["size"], "truth": probes["truth"]},
         capture_only=True,
+        lenses=llama_lenses,
+        lens_layers=[0, 1],
         store=tmp_path_factory.mktemp("capture-only") / "store",
         max_num_batched_tokens=32,
         max_num_seqs=16,
@@ -55,11 +60,17 @@ def _assert_rows_equal_hf(llama_dir: Path, output: Any, probes: dict[str, Any]) 
         assert (scores[name] - want).abs().max().item() <= 1e-3, name
 
 
-def test_rows_equal_hf_under_chunked_prefill_and_concurrency(capture_engine, llama_dir) -> None:
+def test_rows_equal_hf_under_chunked_prefill_and_concurrency(
+    capture_engine, llama_dir, llama_lenses
+) -> None:
+    from probehook.testing import assert_lens_matches_hf
+
     outputs = capture_engine.capture(PROMPTS, ids=[f"p{i}" for i in range(len(PROMPTS))])
     assert [o.item_id for o in outputs] == [f"p{i}" for i in range(len(PROMPTS))]
     for output in outputs:
         _assert_rows_equal_hf(llama_dir, output, capture_engine.test_probes)
+        # Every prompt row's next token under each lens; the last row's is not known (NaN).
+        assert_lens_matches_hf(llama_dir, output, llama_lenses, [0, 1])
         assert output.outputs is None  # nothing pooled: the model stopped early
         assert output.store_id is not None
 
@@ -96,6 +107,12 @@ def test_store_keeps_item_ids_and_rows(capture_engine) -> None:
         assert torch.equal(
             record.prefill_probe_scores["truth"], output.prefill_probe_scores["truth"]
         )
+        kept = record.top_k("lens", phase="prefill")["j@1"]
+        assert torch.equal(kept.token_ids, output.prefill_lens["j"][1].token_ids)
+        torch.testing.assert_close(  # the last row's target is NaN: no next token
+            kept.target_logprob, output.prefill_lens["j"][1].target_logprob, rtol=0, atol=0,
+            equal_nan=True,
+        )  # fmt: skip
     assert {"x", "7"} <= store.item_ids()
 
 

@@ -96,7 +96,7 @@ PAIRS = [
     (("lenses", "include_prefill"), None),
     (("lenses", "steering"), None),
     (("lenses", "store"), None),
-    (("lenses", "capture_only"), "not available with capture_only=True"),
+    (("lenses", "capture_only"), None),
 ]
 
 
@@ -123,6 +123,10 @@ def test_option_starts_and_answers(specs: tuple[str, ...], refusal: str | None, 
                 assert out.prefill_hidden_states[1].shape == (n_prompt, HIDDEN)
             if "saes" in specs:
                 assert len(out.prefill_sae_features["s"]) == n_prompt
+            if "lenses" in specs:
+                from probehook.testing import assert_lens_matches_hf
+
+                assert_lens_matches_hf(tiny_model_path(), out, {"l": "logit"}, [LAST])
             return
         _check_generation(llm, specs, kwargs)
     finally:

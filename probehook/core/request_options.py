@@ -131,9 +131,7 @@ class RequestOptions:
                 f"{[*USER_KEYS, *extra]}."
             )
         parsed: dict[str, Any] = {}
-        picking: dict[str, str] = {}  # source -> the option that picks its instances
-        for option, source in extra.items():
-            picking.setdefault(source, option)
+        picking = picking_options(extra)
         readouts = [
             (source, _user_names(option, value[option], "readout"))
             for option, source in extra.items()
@@ -596,3 +594,12 @@ def extra_field(params: Any) -> str:
     """Where ``params`` carry per-request options: ``"extra_args"`` (SamplingParams) or
     ``"extra_kwargs"`` (PoolingParams)."""
     return SAMPLING_EXTRA if hasattr(params, SAMPLING_EXTRA) else POOLING_EXTRA
+
+
+def picking_options(readout_options: Mapping[str, str]) -> dict[str, str]:
+    """Each top-k readout's picking option (its first: ``lenses``, before its further ones such
+    as ``lens_layers``), by source, from the engine's ``{option: source}``."""
+    picking: dict[str, str] = {}
+    for option, source in readout_options.items():
+        picking.setdefault(source, option)
+    return picking

@@ -33,7 +33,7 @@ import json
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from probehook.core.request_options import RequestOptions
+from probehook.core.request_options import RequestOptions, picking_options
 from probehook.outputs.array_codec import decode_array as decode_array
 from probehook.outputs.array_codec import encode_array as encode_array
 
@@ -49,9 +49,7 @@ def request_options(value: Any, readout_options: Mapping[str, str] | None = None
     the body has none): opt-in, so every key defaults to off (``readout_options``: the
     engine's top-k readouts' request options, off too)."""
     readout_options = dict(readout_options or {})
-    picking: dict[str, str] = {}  # source -> its picking option (its first)
-    for option, source in readout_options.items():
-        picking.setdefault(source, option)
+    picking = picking_options(readout_options)
     # A readout is off unless the request names one of its options (lens_layers alone asks
     # for every lens on those layers).
     asked = value if isinstance(value, Mapping) else {}  # a non-dict is refused below

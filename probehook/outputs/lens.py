@@ -139,9 +139,6 @@ class LensReadout(TopKReadout):
                 }
         return out
 
-    def settings(self, name: str, spec: Any, *, num_layers: int, hidden_size: int) -> dict:
-        raise NotImplementedError("lens instances come from instances()")  # (lens, layer) pairs
-
     def index_bound(self, settings: Mapping[str, Any]) -> int:
         return 2**32 - 2  # a vocabulary's ids; the model's size is not known here
 

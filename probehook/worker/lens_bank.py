@@ -47,6 +47,8 @@ class LensBank:
         self.k = int(k)
         self.width = 2 * self.k + 1
         self.head = head
+        self._tile_rows: int | None = None
+        """Rows a tile of logits holds (LOGITS_TILE_BYTES), set at the first read."""
         self.layers = tuple(sorted({int(s["layer"]) for s in instances.values()}))
         loaded: dict[str, Any] = {}
         self._instances: list[tuple[int, torch.Tensor | None, torch.Tensor | None]] = []
@@ -115,17 +117,13 @@ class LensBank:
         """``rows`` ``[n, hidden]`` and their next tokens ``[n]`` -> packed ``[n, 2k + 1]``."""
         n = rows.shape[0]
         out = torch.empty((n, self.width), dtype=torch.float32, device=rows.device)
-        tile = None
         start = 0
+        if self._tile_rows is None:  # the vocabulary is known once one row went through
+            out[:1], vocab = self._one(rows[:1], targets[:1], matrix, bias)
+            self._tile_rows = max(1, LOGITS_TILE_BYTES // (4 * vocab))
+            start = 1
         while start < n:
-            if tile is None:  # sized by the first tile's vocabulary
-                first = self._one(rows[:1], targets[:1], matrix, bias)
-                vocab = first[1]
-                out[:1] = first[0]
-                tile = max(1, LOGITS_TILE_BYTES // (4 * vocab))
-                start = 1
-                continue
-            stop = min(n, start + tile)
+            stop = min(n, start + self._tile_rows)
             out[start:stop] = self._one(rows[start:stop], targets[start:stop], matrix, bias)[0]
             start = stop
         return out

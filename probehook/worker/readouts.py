@@ -92,7 +92,9 @@ def _lens_bank(readout: Any, instances: Any, k: int, model: Any) -> Any:
     if model.head is None:
         raise UnsupportedModelError(
             "lenses read the model's final norm and unembedding, and this model has none "
-            "probehook can call (a pooling model, or a final norm of a name it does not know)."
+            "probehook can call: a final norm of a name it does not know, or, run as a pooling "
+            "model (capture_only=True), an untied LM head that is not in a safetensors file of "
+            "the checkpoint."
         )
     return LensBank(instances, k, model.head).to(model.device)
 

@@ -279,7 +279,8 @@ def prepare(
     pooling = engine_config.is_pooling(resolved)
     if pooling:
         _check_pooling(request, resolved.model_config.architectures)
-    _check_readouts(readouts, request, pooling, resolved.parallel_config.tensor_parallel_size)
+    converted = getattr(resolved.model_config, "convert_type", "none") not in (None, "none")
+    _check_readouts(readouts, pooling, converted, resolved.parallel_config.tensor_parallel_size)
     steering = None
     if request.steers:
         steer_layers = {layer for v in request.steering.values() for layer in v.layers}
@@ -412,8 +413,8 @@ def _check_capture_only(request: CaptureRequest) -> None:
         and not request.readouts
     ):
         raise CaptureConfigError(
-            "capture_only=True needs something to capture: pass layers=[...], probes={...} "
-            "or saes={...}."
+            "capture_only=True needs something to capture: pass layers=[...], probes={...}, "
+            "saes={...} or lenses={...}."
         )
     refused = [
         (request.include_decode is True, "include_decode=True"),
@@ -538,24 +539,20 @@ def fingerprint_meta(fingerprint: dict[str, Any]) -> dict[str, Any]:
 
 
 def _check_readouts(
-    readouts: Mapping[str, ReadoutSet], request: CaptureRequest, pooling: bool, tp: int
+    readouts: Mapping[str, ReadoutSet], pooling: bool, converted: bool, tp: int
 ) -> None:
-    """Refuse a top-k readout where it cannot run: one that reads each row's next token
-    (lenses) needs the engine's sampling, which a capture-only engine (itself a pooling
-    engine) and a pooling model do not run; one not built for tensor parallelism under it."""
+    """Refuse a top-k readout where it cannot run: one that reads the model's next-token
+    prediction (lenses) on a pooling model that has no LM head (one vLLM did not convert
+    from a generative model, as it does for capture-only engines); one not built for tensor
+    parallelism under it."""
     for readout_set in readouts.values():
         readout = readout_set.readout
         option = readout.engine_option
-        if readout.reads_next_token and request.capture_only:
-            raise CaptureConfigError(
-                f"{option}= is not available with capture_only=True yet (a capture-only "
-                "engine cuts the final norm and samples nothing); build the engine without "
-                "capture_only."
-            )
-        if readout.reads_next_token and pooling:
+        if readout.reads_next_token and pooling and not converted:
             raise CaptureConfigError(
                 f"{option}= reads the model's next-token prediction, and this is a pooling "
-                "model (no LM head, no sampling); drop it, or serve a generative model."
+                "model with no LM head; drop it, or serve a generative model (capture-only "
+                "engines and runner='pooling' on a generative model read lenses)."
             )
         if tp > 1 and not readout.tensor_parallel:
             raise CaptureConfigError(

@@ -137,8 +137,9 @@ def _make_loader_class() -> type:
                         "in this worker's process: register it through the entry-point group "
                         "'probehook.output_processors' so every process knows it."
                     )
+                parts = model_parts(model, lambda: _unembedding(self.inner, model_config))
                 hook.top_k_banks[source] = top_k_bank(
-                    source, readout, entry["instances"], entry["k"], model_parts(model)
+                    source, readout, entry["instances"], entry["k"], parts
                 )
             # Probes and steering vectors too, from the banks the front end encoded.
             banks = WorkerBanks.decode(self.banks) if self.banks else WorkerBanks()
@@ -150,6 +151,27 @@ def _make_loader_class() -> type:
             return model
 
     return ProbehookModelLoader
+
+
+def _unembedding(loader: Any, model_config: Any) -> Any:
+    """The checkpoint's ``lm_head.weight`` (``[vocab, hidden]``), which vLLM does not load into
+    a generative model it runs as a pooling model; read alone from the safetensors file that
+    holds it. None when the loader or the checkpoint has no such file."""
+    from safetensors import safe_open
+
+    prepare = getattr(loader, "_prepare_weights", None)
+    if prepare is None:
+        return None
+    _, files, use_safetensors, _ = prepare(model_config.model, None, model_config.revision,
+                                           True, None)  # fmt: skip
+    if not use_safetensors:
+        return None
+    for file in files:
+        with safe_open(file, "pt") as f:
+            keys = [k for k in f.keys() if k == "lm_head.weight" or k.endswith(".lm_head.weight")]  # noqa: SIM118
+            if keys:
+                return f.get_tensor(keys[0])
+    return None
 
 
 _NOT_CAPTURE_CONFIG = (TAP_LAYERS_KEY, STEER_LAYERS_KEY, EXIT_AFTER_KEY, CLAMP_KEY)

@@ -64,10 +64,12 @@ def record_step(
     runner: Any,
     recorders: Sequence[tuple[StepRecorder, PlanFor]],
     sampled: torch.Tensor | None = None,
+    reads_next: bool = False,
 ) -> None:
     """Record this step's rows; ``sampled`` (after the step's sampling: the sampled token of
     each request, ``[num_reqs, >= 1]`` in batch order): the recorders read each row's next
-    token too."""
+    token too. ``reads_next`` without ``sampled`` (a pooling model): they read the next
+    tokens the batch knows, -1 at each request's last position."""
     batch = runner.input_batch
     num_reqs = batch.num_reqs
     if num_reqs == 0:
@@ -76,8 +78,10 @@ def record_step(
     query_start = runner.query_start_loc.np[: num_reqs + 1]
     computed = batch.num_computed_tokens_cpu[:num_reqs]
     next_tokens = None
-    if sampled is not None:
-        next_tokens = functools.partial(_next_tokens, batch, query_start, computed, sampled)
+    if sampled is not None or reads_next:
+        next_tokens = functools.partial(
+            _next_tokens, batch, query_start, computed, sampled, runner.device
+        )
     for recorder, plan_for in recorders:
         recorder.record(req_ids, query_start, computed, plan_for, next_tokens)
 
@@ -86,21 +90,21 @@ def _next_tokens(
     batch: Any,
     query_start: np.ndarray,
     computed: np.ndarray,
-    sampled: torch.Tensor,
+    sampled: torch.Tensor | None,
+    device: torch.device,
     index: np.ndarray,
 ) -> torch.Tensor:
     """The token after each of the step's rows ``index`` (flat, batch order), on the device:
     a position the request already knows (a prompt token, or a token generated before this
     step: the batch's token ids hold them) or, at a request's newest position, the token
-    sampled from it in this step."""
+    sampled from it in this step (-1 when nothing was sampled)."""
     req = np.searchsorted(query_start, index, side="right") - 1
     after = computed[req] + (index - query_start[req]) + 1
     known = after < batch.num_tokens_no_spec[req]
     ids = batch.token_ids_cpu[req, np.minimum(after, batch.token_ids_cpu.shape[1] - 1)]
     ids = np.where(known, ids, -1).astype(np.int64)
-    device = sampled.device
     out = torch.from_numpy(ids).to(device)
-    if known.all():
+    if known.all() or sampled is None:
         return out
     drawn = sampled[torch.from_numpy(req).to(device), 0].to(torch.int64)
     return torch.where(out >= 0, out, drawn)

@@ -97,7 +97,14 @@ class ModelParts:
     """None: the model has no final norm probehook knows, or no unembedding (pooling)."""
 
 
-def model_parts(model: nn.Module) -> ModelParts:
+def model_parts(
+    model: nn.Module, unembedding: Callable[[], torch.Tensor | None] | None = None
+) -> ModelParts:
+    """The model's device and head. A generative model run as a pooling model (a
+    capture-only engine, ``runner="pooling"``) has no LM head, which vLLM leaves out when it
+    converts the model: ``unembedding()`` then gives the checkpoint's ``[vocab, hidden]``
+    unembedding (None: it has none), and the head applies it with the model's own logits
+    processor's soft-cap and scale."""
     device = next(model.parameters()).device
     norm = None
     decoder = _decoder(model)
@@ -107,13 +114,52 @@ def model_parts(model: nn.Module) -> ModelParts:
             break
     # The class's own compute_logits: the instance's is wrapped to fire the step hook.
     compute_logits = getattr(type(model), "compute_logits", None)
-    if norm is None or compute_logits is None or getattr(model, "is_pooling_model", False):
+    if norm is None or compute_logits is None:
         return ModelParts(device, None)
+    if getattr(model, "is_pooling_model", False):
+        logits = _pooling_logits(model, decoder, unembedding)
+        if logits is None:
+            return ModelParts(device, None)
+        final_norm = norm  # exit_early may swap the decoder's norm for a pass-through later
+        return ModelParts(device, lambda rows: logits(final_norm(rows)))
 
     def head(rows: torch.Tensor) -> torch.Tensor:
         return compute_logits(model, norm(rows))
 
     return ModelParts(device, head)
+
+
+def _pooling_logits(
+    model: nn.Module, decoder: Any, unembedding: Callable[[], torch.Tensor | None] | None
+) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """A converted pooling model's logits, ``[n, hidden]`` normed rows -> ``[n, vocab]``:
+    vLLM keeps its logits processor (soft-cap, scale) as a placeholder's ``module`` and drops
+    the LM head's weights; those come from the embeddings when tied, else the checkpoint."""
+    processor = getattr(model, "logits_processor", None)
+    processor = getattr(processor, "__dict__", {}).get("module", processor)
+    if processor is None or getattr(processor, "logits_as_input", False):
+        return None
+    vocab = int(processor.org_vocab_size)
+    weight = None
+    config = getattr(model, "config", None)
+    if getattr(config, "tie_word_embeddings", False):
+        embed = getattr(decoder, "embed_tokens", None)
+        weight = getattr(embed, "weight", None)
+    elif unembedding is not None:
+        weight = unembedding()
+    if weight is None or weight.is_meta:
+        return None
+    first = next(model.parameters())
+    weight = weight[:vocab].detach().to(first.device, first.dtype)
+    soft_cap, scale = processor.soft_cap, float(processor.scale)
+
+    def logits(rows: torch.Tensor) -> torch.Tensor:
+        out = rows.to(weight.dtype) @ weight.T
+        if soft_cap is not None:
+            out = torch.tanh(out / soft_cap) * soft_cap
+        return out * scale if scale != 1.0 else out
+
+    return logits
 
 
 def is_transformers_backend(model: nn.Module) -> bool:

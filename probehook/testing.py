@@ -235,12 +235,16 @@ def hf_lens_logprobs(
     layer: int,
     matrix: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
+    stream: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Hugging Face reference of a lens at ``layer``: ``[T, vocab]`` float32 log-probs of
     ``log_softmax(W_U final_norm(M h + b))`` on the residual stream ``h`` after the layer
-    (``hf_residual_stream``); ``M`` None: the identity (the logit lens)."""
+    (``hf_residual_stream``, or ``stream``: its result for these tokens, already computed);
+    ``M`` None: the identity (the logit lens)."""
     model = _hf_model(str(model_dir), torch.float32)
-    rows = hf_residual_stream(model_dir, token_ids)[layer].float()
+    if stream is None:
+        stream = hf_residual_stream(model_dir, token_ids)
+    rows = stream[layer].float()
     with torch.no_grad():
         if matrix is not None:
             rows = rows @ matrix.float().T
@@ -272,15 +276,17 @@ def assert_lens_matches_hf(
     prompt = list(output.prompt_token_ids)
     p = len(prompt)
 
+    loaded = {name: load_lens(spec) for name, spec in lenses.items()}
+
     def check(readings: Any, tokens: list[int], first: int, what: str) -> None:
         nonlocal worst
         assert sorted(readings) == sorted(lenses), (what, sorted(readings))
-        for name, spec in lenses.items():
-            lens = load_lens(spec)
+        stream = hf_residual_stream(model_dir, tokens)  # one forward pass for every lens
+        for name, lens in loaded.items():
             assert sorted(readings[name]) == sorted(layers), (what, name, sorted(readings[name]))
             for layer in layers:
                 matrix, bias = lens_affine(lens, layer, num_layers)
-                ref = hf_lens_logprobs(model_dir, tokens, layer, matrix, bias)
+                ref = hf_lens_logprobs(model_dir, tokens, layer, matrix, bias, stream)
                 rows = readings[name][layer]
                 n = len(rows)
                 expected = ref[first : first + n]

@@ -291,7 +291,13 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):  #
 ENGINE_DEFAULTS = dict(dtype="float32", max_model_len=256, gpu_memory_utilization=0.1, seed=0)
 
 
-BACKGROUND_MODULES = ("test_benchmarks_smoke", "test_notebooks_and_examples", "test_architectures")
+BACKGROUND_MODULES = (
+    "test_benchmarks_smoke",
+    "test_notebooks_and_examples",
+    "test_architectures",
+    "test_engine_options",
+    "test_collect",
+)
 """Modules whose engines run in subprocesses started at the session's first test, in this
 order, beside the rest of the suite (:func:`background`). Each defines
 ``start_in_background(pool, items, tmp_path_factory)``; its tests run last, after the rest,
@@ -302,10 +308,17 @@ the two cores idle (spawns, handshakes, shutdowns, waits; 77% busy on average), 
 notebooks, examples and architecture engines, run apart after the rest, took about eight
 minutes of its 22. Beside the rest, on a fresh clone: pytest 1414 s -> 1145 s. The benchmarks'
 smoke run (about five minutes alone) joined them first, as the longest."""
-LATE_MODULES = ("test_collect",)
-"""Modules that run after the rest, when the background subprocesses are likely done: the
-collection test starts a Ray cluster with two replicas of its own, and beside two background
-subprocesses it took 287 s instead of 112 s."""
+LATE_MODULES: tuple[str, ...] = ()
+"""Modules that run after the rest (before the background modules' tests). The collection
+test was one (its Ray cluster beside two background subprocesses took 287 s instead of 112 s);
+it is a background module now, queued last: it starts when the others are done, beside the
+rest of the suite, which ran alone for its last ten minutes."""
+
+
+PLAIN_ENGINES = "plain_engines"
+"""The fixture whose subprocess (tests/plain_engines.py: two plain engines, one in its own
+processes, about 95 s beside the rest) starts in the background first; its tests run with the
+late modules, when it is done, instead of holding up the suite at its first test."""
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -313,7 +326,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         name = item.module.__name__  # type: ignore[attr-defined]
         if name in BACKGROUND_MODULES:
             return BACKGROUND_MODULES.index(name) + 2
-        return 1 if name in LATE_MODULES else 0
+        late = name in LATE_MODULES or PLAIN_ENGINES in item.fixturenames  # type: ignore[attr-defined]
+        return 1 if late else 0
 
     items.sort(key=position)  # stable: the order within each group is kept
     if torch.cuda.is_available():
@@ -339,7 +353,12 @@ def background(
 
         inspect_for_children()
     pool = ThreadPoolExecutor(BACKGROUND_PROCESSES, thread_name_prefix="background")
-    started = {
+    started: dict[str, Any] = {}
+    if any(PLAIN_ENGINES in item.fixturenames for item in items):  # type: ignore[attr-defined]
+        from plain_engines import run
+
+        started[PLAIN_ENGINES] = pool.submit(run)  # first: the tests that read it run late
+    started |= {
         name: modules[name].start_in_background(pool, items, tmp_path_factory)
         for name in BACKGROUND_MODULES
         if name in modules
@@ -434,12 +453,11 @@ def reference_llm(llama_dir: Path) -> Iterator[object]:
 
 
 @pytest.fixture(scope="session")
-def plain_engines() -> dict[str, Any]:
+def plain_engines(background: dict[str, Any]) -> dict[str, Any]:
     """The report of the suite's plain engines (vLLM's, and probehook's without capture), run
-    together in one subprocess (tests/plain_engines.py)."""
-    from plain_engines import run
-
-    return run()
+    together in one subprocess (tests/plain_engines.py), started in the background at the
+    session's first test."""
+    return background[PLAIN_ENGINES].result()
 
 
 # -- shared engines are shut down once no test still to run needs them ----------------------

@@ -83,7 +83,8 @@ def record_step(
             _next_tokens, batch, query_start, computed, sampled, runner.device
         )
     for recorder, plan_for in recorders:
-        recorder.record(req_ids, query_start, computed, plan_for, next_tokens)
+        reads = getattr(recorder.transform, "reads_next_token", False)
+        recorder.record(req_ids, query_start, computed, plan_for, next_tokens if reads else None)
 
 
 def _next_tokens(

@@ -55,9 +55,10 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 # Many short-lived engines in one process: keep their logs readable.
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
-VLLM_PROCESS_BUDGET = 57
+VLLM_PROCESS_BUDGET = 58
 """Processes that import vLLM in a full run (pytest and every child, engines' included);
-a full run over it fails (docs/benchmarks.md keeps the suite's figures). 57: issue 43's
+a full run over it fails (docs/benchmarks.md keeps the suite's figures). 58: issue 44's
+notebook 08 (lenses), a kernel of its own, 1 more (58 measured in a full run) than 57: issue 43's
 one-option AsyncLLMs (an engine core each) and servers (a server and an engine core each),
 6 more, the toy readout's AsyncLLM and server, 3 more (50 measured in a full run), and the
 benchmarks' smoke run, 7 more (its host, 4 AsyncLLM/server engine cores, a server, a plain
@@ -291,13 +292,7 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):  #
 ENGINE_DEFAULTS = dict(dtype="float32", max_model_len=256, gpu_memory_utilization=0.1, seed=0)
 
 
-BACKGROUND_MODULES = (
-    "test_benchmarks_smoke",
-    "test_notebooks_and_examples",
-    "test_architectures",
-    "test_engine_options",
-    "test_collect",
-)
+BACKGROUND_MODULES = ("test_benchmarks_smoke", "test_notebooks_and_examples", "test_architectures")
 """Modules whose engines run in subprocesses started at the session's first test, in this
 order, beside the rest of the suite (:func:`background`). Each defines
 ``start_in_background(pool, items, tmp_path_factory)``; its tests run last, after the rest,
@@ -308,17 +303,10 @@ the two cores idle (spawns, handshakes, shutdowns, waits; 77% busy on average), 
 notebooks, examples and architecture engines, run apart after the rest, took about eight
 minutes of its 22. Beside the rest, on a fresh clone: pytest 1414 s -> 1145 s. The benchmarks'
 smoke run (about five minutes alone) joined them first, as the longest."""
-LATE_MODULES: tuple[str, ...] = ()
-"""Modules that run after the rest (before the background modules' tests). The collection
-test was one (its Ray cluster beside two background subprocesses took 287 s instead of 112 s);
-it is a background module now, queued last: it starts when the others are done, beside the
-rest of the suite, which ran alone for its last ten minutes."""
-
-
-PLAIN_ENGINES = "plain_engines"
-"""The fixture whose subprocess (tests/plain_engines.py: two plain engines, one in its own
-processes, about 95 s beside the rest) starts in the background first; its tests run with the
-late modules, when it is done, instead of holding up the suite at its first test."""
+LATE_MODULES = ("test_collect",)
+"""Modules that run after the rest, when the background subprocesses are likely done: the
+collection test starts a Ray cluster with two replicas of its own, and beside two background
+subprocesses it took 287 s instead of 112 s."""
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -326,8 +314,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         name = item.module.__name__  # type: ignore[attr-defined]
         if name in BACKGROUND_MODULES:
             return BACKGROUND_MODULES.index(name) + 2
-        late = name in LATE_MODULES or PLAIN_ENGINES in item.fixturenames  # type: ignore[attr-defined]
-        return 1 if late else 0
+        return 1 if name in LATE_MODULES else 0
 
     items.sort(key=position)  # stable: the order within each group is kept
     if torch.cuda.is_available():
@@ -353,12 +340,7 @@ def background(
 
         inspect_for_children()
     pool = ThreadPoolExecutor(BACKGROUND_PROCESSES, thread_name_prefix="background")
-    started: dict[str, Any] = {}
-    if any(PLAIN_ENGINES in item.fixturenames for item in items):  # type: ignore[attr-defined]
-        from plain_engines import run
-
-        started[PLAIN_ENGINES] = pool.submit(run)  # first: the tests that read it run late
-    started |= {
+    started = {
         name: modules[name].start_in_background(pool, items, tmp_path_factory)
         for name in BACKGROUND_MODULES
         if name in modules
@@ -453,11 +435,12 @@ def reference_llm(llama_dir: Path) -> Iterator[object]:
 
 
 @pytest.fixture(scope="session")
-def plain_engines(background: dict[str, Any]) -> dict[str, Any]:
+def plain_engines() -> dict[str, Any]:
     """The report of the suite's plain engines (vLLM's, and probehook's without capture), run
-    together in one subprocess (tests/plain_engines.py), started in the background at the
-    session's first test."""
-    return background[PLAIN_ENGINES].result()
+    together in one subprocess (tests/plain_engines.py)."""
+    from plain_engines import run
+
+    return run()
 
 
 # -- shared engines are shut down once no test still to run needs them ----------------------

@@ -19,7 +19,6 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -106,38 +105,9 @@ def _engine_core_pid(driver: int) -> int:
     raise AssertionError(f"no engine-core child of {driver}")
 
 
-def start_in_background(
-    pool: ThreadPoolExecutor, items: list[pytest.Item], tmp_path_factory: pytest.TempPathFactory
-) -> Future[None] | None:
-    """Submit the collection scenario to ``pool`` (tests/conftest.py's background modules: it
-    drives subprocesses only, so it runs beside the rest of the suite, after the modules
-    queued before it); None when its test is not selected. Its checkpoint is built here, in
-    the main thread (seeding torch in a thread would change the random state of the test
-    running meanwhile): the suite's ``llama_dir``, built again from the same seed."""
-    from helpers import build_random_checkpoint
-
-    if not any(
-        item.module is sys.modules[__name__]
-        and getattr(item, "originalname", None) == SCENARIO_TEST
-        for item in items
-    ):
-        return None
-    model = build_random_checkpoint(tmp_path_factory.mktemp("llama"), arch="llama", seed=1)
-    return pool.submit(_collection_scenario, model, tmp_path_factory.mktemp("collect"))
-
-
-SCENARIO_TEST = "test_collection_resumes_after_sigkills_and_finishes_on_two_ray_replicas"
-
-
 def test_collection_resumes_after_sigkills_and_finishes_on_two_ray_replicas(
-    background: dict[str, Any],
+    llama_dir: Path, tmp_path: Path
 ) -> None:
-    """The scenario ran in the background (:func:`start_in_background`); its failures come
-    back here with their tracebacks."""
-    background[__name__].result()
-
-
-def _collection_scenario(llama_dir: Path, tmp_path: Path) -> None:
     prompts = _prompts(400)
     prompts_path = tmp_path / "items.jsonl"
     prompts_path.write_text(

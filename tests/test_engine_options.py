@@ -9,8 +9,6 @@ engine together with a capture, so an engine that only steered died at model loa
 
 from __future__ import annotations
 
-import sys
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -267,38 +265,14 @@ def test_async_llm_with_one_option(spec: str, tmp_path: Path) -> None:
         assert len(features) == TOKENS and features.k == 4
 
 
-def start_in_background(
-    pool: ThreadPoolExecutor, items: list[pytest.Item], tmp_path_factory: pytest.TempPathFactory
-) -> dict[str, Future[None]] | None:
-    """Submit the selected ``test_served_with_one_option`` cases to ``pool``
-    (tests/conftest.py's background modules): each drives a server process and little else,
-    so it runs beside the rest of the suite; None when none is selected."""
-    specs = [
-        item.callspec.params["spec"]
-        for item in items
-        if item.module is sys.modules[__name__]
-        and getattr(item, "originalname", None) == "test_served_with_one_option"
-    ]
-    if not specs:
-        return None
-    base = tmp_path_factory.mktemp("served")
-    return {spec: pool.submit(_serve_with_one_option, spec, base / spec) for spec in specs}
-
-
 @pytest.mark.parametrize("spec", ONE_OPTION)
-def test_served_with_one_option(spec: str, background: dict[str, Any]) -> None:
-    """``probehook serve`` with only ``--steer`` or only ``--sae`` starts and answers (run in
-    the background: :func:`start_in_background`; its failures come back here)."""
-    background[__name__][spec].result()
-
-
-def _serve_with_one_option(spec: str, tmp_path: Path) -> None:
+def test_served_with_one_option(spec: str, tmp_path: Path) -> None:
+    """``probehook serve`` with only ``--steer`` or only ``--sae`` starts and answers."""
     import openai
 
     from probehook import tiny_model_path, tiny_sae_path
     from probehook.testing import ServerProcess
 
-    tmp_path.mkdir(parents=True)
     argv = [str(tiny_model_path()), "--served-model-name", "tiny", "--enforce-eager"]
     argv += ["--dtype", "float32", "--max-model-len", "64", "--seed", "0"]
     if spec == "steering":

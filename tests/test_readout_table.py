@@ -106,18 +106,25 @@ def test_offline_outputs_picks_and_the_store(registered, tmp_path: Path) -> None
 
 def test_async_llm_streams_it(registered, entry_point_root: Path, monkeypatch) -> None:
     """Every cumulative yield holds every token's norm to date; the engine core (a process of
-    its own, spawned with this process's sys.path) knows the readout by its entry point."""
+    its own, spawned with this process's sys.path) knows the readout by its entry point. A
+    built-in top-k readout beside it (the logit lens at the last layer) streams the same way:
+    every yield holds every token's reading to date, each token's target log-prob vLLM's own
+    log-prob of the sampled token."""
     from probehook import AsyncLLM, SamplingParams, tiny_model_path
 
     monkeypatch.syspath_prepend(str(entry_point_root))
-    engine = AsyncLLM(str(tiny_model_path()), layers=[3], norms={"n3": 3}, **ENGINE)
-    params = SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True)
+    engine = AsyncLLM(
+        str(tiny_model_path()), layers=[3], norms={"n3": 3}, lenses={"l": "logit"},
+        lens_layers=[3], **ENGINE,
+    )  # fmt: skip
+    params = SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True, logprobs=0)
 
-    async def main() -> list[tuple[int, Any, Any]]:
+    async def main() -> list[tuple[int, Any, Any, Any, Any]]:
         seen = []
         async for out in engine.generate(PROMPT, params, "stream"):
             c = out.outputs[0]
-            seen.append((len(c.token_ids), c.row_norms["n3"], c.hidden_states[3]))
+            seen.append((len(c.token_ids), c.row_norms["n3"], c.hidden_states[3],
+                         c.lens["l"][3], c.logprobs))  # fmt: skip
         return seen
 
     try:
@@ -125,9 +132,12 @@ def test_async_llm_streams_it(registered, entry_point_root: Path, monkeypatch) -
     finally:
         engine.shutdown()
     assert seen and seen[-1][0] == TOKENS
-    for tokens, norms, rows in seen:
-        assert len(norms) == tokens
+    for tokens, norms, rows, lens, logprobs in seen:
+        assert len(norms) == tokens == len(lens)
         assert_norms(norms, rows)
+        vllm = torch.tensor([next(iter(p.values())).logprob for p in logprobs])
+        torch.testing.assert_close(lens.target_logprob, vllm, atol=1e-4, rtol=0)
+    assert torch.equal(seen[0][3].token_ids, seen[-1][3].token_ids[: seen[0][0]])
 
 
 def test_served_in_choices_and_chunks(registered, entry_point_path: str, tmp_path) -> None:

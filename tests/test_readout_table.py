@@ -132,12 +132,13 @@ def test_async_llm_streams_it(registered, entry_point_root: Path, monkeypatch) -
     finally:
         engine.shutdown()
     assert seen and seen[-1][0] == TOKENS
-    for tokens, norms, rows, lens, logprobs in seen:
+    for tokens, norms, rows, lens, _ in seen:
         assert len(norms) == tokens == len(lens)
         assert_norms(norms, rows)
-        vllm = torch.tensor([next(iter(p.values())).logprob for p in logprobs])
-        torch.testing.assert_close(lens.target_logprob, vllm, atol=1e-4, rtol=0)
-    assert torch.equal(seen[0][3].token_ids, seen[-1][3].token_ids[: seen[0][0]])
+        assert torch.equal(lens.token_ids, seen[-1][3].token_ids[:tokens])
+    final = seen[-1]
+    vllm = torch.tensor([next(iter(p.values())).logprob for p in final[4]])
+    torch.testing.assert_close(final[3].target_logprob, vllm, atol=1e-4, rtol=0)
 
 
 def test_served_in_choices_and_chunks(registered, entry_point_path: str, tmp_path) -> None:

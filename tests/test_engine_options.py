@@ -58,6 +58,7 @@ def _options(spec: str, tmp_path: Path) -> dict[str, Any]:
         "capture_only": {"capture_only": True},
         "lenses": {"lenses": {"l": "logit"}, "lens_layers": [LAST]},
         "lens_layers": {"lens_layers": [LAST]},
+        "lens_top_k": {"lens_top_k": 2},
     }[spec]
 
 
@@ -76,6 +77,7 @@ ALONE = [
     (("capture_only",), "capture_only=True needs something to capture"),
     (("lenses",), None),
     (("lens_layers",), "lens_layers= configures the 'lens' readout"),
+    (("lens_top_k",), "lens_top_k= configures the 'lens' readout"),
 ]
 PAIRS = [
     (("layers", "include_prefill"), None),

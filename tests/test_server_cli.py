@@ -43,6 +43,8 @@ def test_lens_flags_become_lens_arguments() -> None:
     assert "lenses" not in capture_kwargs(flags())
     with pytest.raises(SystemExit, match="--lens-layers needs --lens"):
         capture_kwargs(flags(lens_layers="1"))
+    with pytest.raises(SystemExit, match="--lens-top-k needs --lens"):
+        capture_kwargs(flags(lens_top_k=3))
     with pytest.raises(SystemExit, match="NAME=PATH"):
         capture_kwargs(flags(lens=["j"]))
 

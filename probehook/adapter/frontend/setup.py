@@ -169,7 +169,12 @@ def take_capture_arguments(kwargs: dict[str, Any]) -> CaptureRequest:
         for option in readout.extra_engine_options:
             if option in kwargs:
                 extras.setdefault(source, {})[option] = kwargs.pop(option)
-    for source, options in extras.items():
+    registered = top_k_readouts(OUTPUT_PROCESSORS)
+    unused = {source: list(options) for source, options in extras.items()}
+    for source in top_k:  # a k for a readout the engine does not read would go unused too
+        k_option = registered[source].k_option if source in registered else "readout_top_k"
+        unused.setdefault(source, []).append(k_option)
+    for source, options in unused.items():
         if source not in readouts:
             raise CaptureConfigError(
                 f"{', '.join(f'{o}=' for o in options)} configure{'s' if len(options) == 1 else ''}"

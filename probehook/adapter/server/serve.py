@@ -196,6 +196,8 @@ def capture_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     lenses = _named_paths("--lens", args.lens, "j=j_lens.pt")
     if args.lens_layers is not None and not lenses:
         raise SystemExit("error: --lens-layers needs --lens NAME=PATH")
+    if args.lens_top_k is not None and not lenses:
+        raise SystemExit("error: --lens-top-k needs --lens NAME=PATH")
     lens_options: dict[str, Any] = {}
     if lenses:
         lens_options["lenses"] = lenses  # "logit", a J-lens file or a tuned-lens folder

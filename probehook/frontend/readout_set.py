@@ -57,12 +57,16 @@ class ReadoutSet:
         )  # fmt: skip
         self.layers = tuple(sorted({int(s["layer"]) for s in self.instances.values()}))
 
+    @property
+    def request_options(self) -> tuple[str, ...]:
+        """The request options that ask it: its picking option first, then its further ones."""
+        return (self.readout.request_option, *self.readout.extra_request_options)
+
     def describe(self) -> dict[str, Any]:
         """What a request may ask of this readout (the server's ``GET /v1/probehook``)."""
-        readout = self.readout
         return {
-            "options": [readout.request_option, *readout.extra_request_options],
-            "names": readout.pickable(self.instances),
+            "options": list(self.request_options),
+            "names": self.readout.pickable(self.instances),
             "layers": list(self.layers),
             "k": self.k,
         }

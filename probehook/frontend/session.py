@@ -141,9 +141,7 @@ class CaptureSession:
         self.saes = saes
         self.readouts = dict(readouts or {})
         self.readout_options = {
-            option: source
-            for source, r in self.readouts.items()
-            for option in (r.readout.request_option, *r.readout.extra_request_options)
+            option: source for source, r in self.readouts.items() for option in r.request_options
         }
         """Each top-k readout's request options -> its source (accepted in a request): its
         picking option first, then its further ones."""

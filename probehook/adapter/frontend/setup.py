@@ -161,7 +161,8 @@ def take_capture_arguments(kwargs: dict[str, Any]) -> CaptureRequest:
     readouts = dict(given.pop("readouts", None) or {})
     top_k = dict(given.pop("readout_top_k", None) or {})
     extras = {s: dict(e) for s, e in (given.pop("readout_extras", None) or {}).items()}
-    for source, readout in top_k_readouts(OUTPUT_PROCESSORS).items():
+    registered = top_k_readouts(OUTPUT_PROCESSORS)
+    for source, readout in registered.items():
         if readout.engine_option in kwargs:  # a registered readout's own keyword
             readouts[source] = kwargs.pop(readout.engine_option)
         if readout.k_option in kwargs:
@@ -169,7 +170,6 @@ def take_capture_arguments(kwargs: dict[str, Any]) -> CaptureRequest:
         for option in readout.extra_engine_options:
             if option in kwargs:
                 extras.setdefault(source, {})[option] = kwargs.pop(option)
-    registered = top_k_readouts(OUTPUT_PROCESSORS)
     unused = {source: list(options) for source, options in extras.items()}
     for source in top_k:  # a k for a readout the engine does not read would go unused too
         k_option = registered[source].k_option if source in registered else "readout_top_k"

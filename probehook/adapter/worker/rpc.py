@@ -132,13 +132,13 @@ class ProbehookWorkerExtension:
         # Readouts that read each row's next token record after the step's sampling; a
         # pooling model samples nothing, so they record with the rest (the prompt knows each
         # row's next token but the last's).
-        reading = [r for r in recorders if getattr(r[0].transform, "reads_next_token", False)]
-        pooling = bool(getattr(runner, "is_pooling_model", False))
-        late = [] if pooling else reading
+        late = []
+        if not getattr(runner, "is_pooling_model", False):
+            late = [r for r in recorders if getattr(r[0].transform, "reads_next_token", False)]
         now = [r for r in recorders if r not in late]
 
         def on_step() -> None:
-            runner_v1.record_step(runner, now, reads_next=bool(reading) and pooling)
+            runner_v1.record_step(runner, now)
             if steer is not None and steer.failed:  # fail those requests alone, named
                 for req_id, reason in steer.take_failed().items():
                     for recorder, _ in recorders:

@@ -64,12 +64,11 @@ def record_step(
     runner: Any,
     recorders: Sequence[tuple[StepRecorder, PlanFor]],
     sampled: torch.Tensor | None = None,
-    reads_next: bool = False,
 ) -> None:
-    """Record this step's rows; ``sampled`` (after the step's sampling: the sampled token of
-    each request, ``[num_reqs, >= 1]`` in batch order): the recorders read each row's next
-    token too. ``reads_next`` without ``sampled`` (a pooling model): they read the next
-    tokens the batch knows, -1 at each request's last position."""
+    """Record this step's rows. Recorders whose transform ``reads_next_token`` get each row's
+    next token: the batch's known tokens, and at a request's newest position the token in
+    ``sampled`` (after the step's sampling: ``[num_reqs, >= 1]`` in batch order), or -1
+    without it (a pooling model samples nothing)."""
     batch = runner.input_batch
     num_reqs = batch.num_reqs
     if num_reqs == 0:
@@ -77,11 +76,9 @@ def record_step(
     req_ids = batch.req_ids[:num_reqs]
     query_start = runner.query_start_loc.np[: num_reqs + 1]
     computed = batch.num_computed_tokens_cpu[:num_reqs]
-    next_tokens = None
-    if sampled is not None or reads_next:
-        next_tokens = functools.partial(
-            _next_tokens, batch, query_start, computed, sampled, runner.device
-        )
+    next_tokens = functools.partial(
+        _next_tokens, batch, query_start, computed, sampled, runner.device
+    )  # called only for the recorders that read them
     for recorder, plan_for in recorders:
         reads = getattr(recorder.transform, "reads_next_token", False)
         recorder.record(req_ids, query_start, computed, plan_for, next_tokens if reads else None)

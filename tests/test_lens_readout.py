@@ -65,6 +65,35 @@ def test_bank_tiles_rows_and_reads_only_the_rows_asked(monkeypatch) -> None:
     assert (out[0, [1, 4, 5], :2] == -1).all() and (out[1, :, :2] == -1).all()
 
 
+@pytest.mark.parametrize("by_rows", [False, True])
+def test_targets_drawn_after_the_read_are_filled_by_complete(by_rows: bool) -> None:
+    """The bank reads before sampling: rows whose next token is not known yet (-1) keep
+    their log-sum-exp, and ``complete`` fills their targets (from ``token_logits`` where the
+    model gives one, else the head's column) equal to a read that knew the tokens."""
+    head = _head()
+
+    def token_logits(rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return head(rows).gather(1, ids[:, None])[:, 0] if by_rows else None  # type: ignore[return-value]
+
+    bank = LensBank(_logit_instances(1, 2), 3, head, token_logits if by_rows else None)
+    layer1, layer2 = torch.randn(6, HIDDEN), torch.randn(6, HIDDEN)
+    drawn = torch.tensor([3, 9, 0, 5, 11, 2])
+    before = torch.tensor([3, -1, 0, -1, 11, -1])  # rows 1, 3, 5: their requests' newest
+    asked = [np.array([0, 1, 3, 5]), np.array([1, 2])]
+    with torch.no_grad():
+        out = bank([layer1, layer2], asked, before)
+        assert torch.isnan(out[0, [1, 3, 5], 6]).all() and torch.isnan(out[1, 1, 6])
+        bank.complete(out, lambda rows: drawn[torch.from_numpy(rows)])
+        knew = LensBank(_logit_instances(1, 2), 3, head)([layer1, layer2], asked, drawn)
+    for slot, rows in enumerate(asked):
+        torch.testing.assert_close(out[slot, rows], knew[slot, rows])
+    bank.complete(out, None)  # nothing pending: a no-op
+    with torch.no_grad():
+        again = bank([layer1, layer2], asked, before)
+    bank.complete(again, None)  # never sampled: the targets stay NaN
+    assert torch.isnan(again[0, [1, 3, 5], 6]).all()
+
+
 def test_requests_pick_lenses_and_layers() -> None:
     readout = LensReadout()
     instances = {

@@ -2,10 +2,13 @@
 final norm and unembedding, and cut to its top-k next tokens and the target's log-prob.
 
 The bank is a selective recorder transform (each ``(lens, layer)`` instance on the rows of the
-requests that asked for it) that also reads each row's next token (``next_tokens``): its
-recorder records after the step's sampling, when the token each last row produced is known.
-Logits are ``[rows, vocab]`` float32, so rows go through in tiles that bound that memory; only
-``[rows, 2k + 1]`` per instance leaves the device.
+requests that asked for it) that also reads each row's next token (``next_tokens``). It reads
+the step's rows before sampling (so lens monitors can stop a request in that step's sampler);
+the target of a request's newest row, the token sampled from it, is not known then: the bank
+keeps that row's log-sum-exp, and :meth:`LensBank.complete` fills its target after sampling
+from one row of the unembedding (``token_logits``; the whole head where the model has none
+probehook can read). Logits are ``[rows, vocab]`` float32, so rows go through in tiles that
+bound that memory; only ``[rows, 2k + 1]`` per instance leaves the device.
 
 No vLLM imports: the model's head comes from the adapter as a callable.
 """
@@ -38,15 +41,22 @@ class LensBank:
         instances: Mapping[str, Mapping[str, Any]],
         k: int,
         head: Callable[[torch.Tensor], torch.Tensor],
+        token_logits: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
         """``head(rows)``: the model's final norm and unembedding, ``[n, hidden]`` (the model's
-        dtype) -> ``[n, vocab]`` logits as the model computes them."""
+        dtype) -> ``[n, vocab]`` logits as the model computes them; ``token_logits(rows,
+        ids)``: the same for one token per row, ``[n]`` (None: the head's column)."""
         if not instances:
             raise ValueError("a LensBank needs at least one instance")
         self.slots = tuple(instances)
         self.k = int(k)
         self.width = 2 * self.k + 1
         self.head = head
+        self.token_logits = token_logits
+        self._pending: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        """Rows read without their next token: ``(slot, rows of the step's block, the rows
+        as the head reads them, their log-sum-exp)``, until :meth:`complete`."""
+        self._vocab = 0  # set with the tile
         self._tile_rows: int | None = None
         """Rows a tile of logits holds (LOGITS_TILE_BYTES), set at the first read."""
         self.layers = tuple(sorted({int(s["layer"]) for s in instances.values()}))
@@ -88,24 +98,54 @@ class LensBank:
             next_tokens = torch.full((rows,), -1, dtype=torch.int64, device=device)
         out = torch.empty((len(self._instances), rows, self.width), dtype=self.dtype,
                           device=device)  # fmt: skip
+        self._pending = []
         for slot, (layer_slot, matrix, bias) in enumerate(self._instances):
             asked = None if slot_rows is None else slot_rows[slot]
             h = staged[layer_slot]
 
             def read(
                 picked: torch.Tensor,
+                slot: int = slot,
                 matrix: torch.Tensor | None = matrix,
                 bias: torch.Tensor | None = bias,
                 asked: np.ndarray | None = asked,
             ) -> torch.Tensor:
                 targets = next_tokens
+                where = None
                 if asked is not None and len(asked) != rows:
                     where = torch.from_numpy(asked).to(device)
                     targets = next_tokens.index_select(0, where)
-                return self.read(picked, targets, matrix, bias)
+                packed, lse = self.read(picked, targets, matrix, bias)
+                unknown = torch.nonzero(targets < 0).squeeze(1)
+                if len(unknown):  # their tokens are drawn after this
+                    mapped = self._map(picked.index_select(0, unknown), matrix, bias)
+                    block_rows = unknown if where is None else where.index_select(0, unknown)
+                    self._pending.append((slot, block_rows, mapped, lse.index_select(0, unknown)))
+                return packed
 
             read_selected(out[slot], self.k, h, asked, read)
         return out
+
+    def complete(
+        self, out: torch.Tensor, next_tokens: Callable[[np.ndarray], torch.Tensor] | None
+    ) -> None:
+        """Fill the target log-prob of the rows :meth:`__call__` read without their next token
+        (``out``: what it returned), from ``next_tokens`` (rows of the block -> their tokens,
+        -1 where none came; None: none known, the targets stay NaN)."""
+        pending, self._pending = self._pending, []
+        if next_tokens is None:
+            return
+        for slot, block_rows, mapped, lse in pending:
+            tokens = next_tokens(block_rows.cpu().numpy()).to(mapped.device)
+            vocab = self._vocab
+            known = (tokens >= 0) & (tokens < vocab)
+            ids = tokens.clamp(0, vocab - 1)
+            if self.token_logits is not None:
+                logits = self.token_logits(mapped, ids).float()
+            else:
+                logits = self.head(mapped).float().gather(1, ids.unsqueeze(1)).squeeze(1)
+            target = torch.where(known, logits - lse, float("nan"))
+            out[slot, :, 2 * self.k].index_copy_(0, block_rows, target)
 
     def read(
         self,
@@ -113,20 +153,34 @@ class LensBank:
         targets: torch.Tensor,
         matrix: torch.Tensor | None,
         bias: torch.Tensor | None,
-    ) -> torch.Tensor:
-        """``rows`` ``[n, hidden]`` and their next tokens ``[n]`` -> packed ``[n, 2k + 1]``."""
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``rows`` ``[n, hidden]`` and their next tokens ``[n]`` (-1: not known) -> packed
+        ``[n, 2k + 1]`` and each row's log-sum-exp ``[n]``."""
         n = rows.shape[0]
         out = torch.empty((n, self.width), dtype=torch.float32, device=rows.device)
+        lse = torch.empty((n,), dtype=torch.float32, device=rows.device)
         start = 0
         if self._tile_rows is None:  # the vocabulary is known once one row went through
-            out[:1], vocab = self._one(rows[:1], targets[:1], matrix, bias)
-            self._tile_rows = max(1, LOGITS_TILE_BYTES // (4 * vocab))
+            out[:1], lse[:1], self._vocab = self._one(rows[:1], targets[:1], matrix, bias)
+            self._tile_rows = max(1, LOGITS_TILE_BYTES // (4 * self._vocab))
             start = 1
         while start < n:
             stop = min(n, start + self._tile_rows)
-            out[start:stop] = self._one(rows[start:stop], targets[start:stop], matrix, bias)[0]
+            tile = self._one(rows[start:stop], targets[start:stop], matrix, bias)
+            out[start:stop], lse[start:stop] = tile[0], tile[1]
             start = stop
-        return out
+        return out, lse
+
+    @staticmethod
+    def _map(rows: torch.Tensor, matrix: torch.Tensor | None, bias: torch.Tensor | None
+             ) -> torch.Tensor:  # fmt: skip
+        """The lens's affine map of ``rows``, in float32 (its own dtype), back in theirs."""
+        if matrix is None:
+            return rows
+        x = rows.float() @ matrix.T
+        if bias is not None:
+            x = x + bias
+        return x.to(rows.dtype)
 
     def _one(
         self,
@@ -134,14 +188,8 @@ class LensBank:
         targets: torch.Tensor,
         matrix: torch.Tensor | None,
         bias: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, int]:
-        x = rows
-        if matrix is not None:
-            x = rows.float() @ matrix.T  # the lens's map, in float32 (its own dtype)
-            if bias is not None:
-                x = x + bias
-            x = x.to(rows.dtype)
-        logits = self.head(x).float()
+    ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        logits = self.head(self._map(rows, matrix, bias)).float()
         vocab = logits.shape[1]
         lse = torch.logsumexp(logits, dim=1, keepdim=True)
         k = min(self.k, vocab)
@@ -154,4 +202,4 @@ class LensBank:
         known = (targets >= 0) & (targets < vocab)
         picked = logits.gather(1, targets.clamp(0, vocab - 1).unsqueeze(1)) - lse
         packed[:, 2 * self.k] = torch.where(known, picked.squeeze(1), float("nan"))
-        return packed, vocab
+        return packed, lse.squeeze(1), vocab

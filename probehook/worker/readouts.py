@@ -96,7 +96,7 @@ def _lens_bank(readout: Any, instances: Any, k: int, model: Any) -> Any:
             "model (capture_only=True), an untied LM head that is not in a safetensors file of "
             "the checkpoint."
         )
-    return LensBank(instances, k, model.head).to(model.device)
+    return LensBank(instances, k, model.head, model.token_logits).to(model.device)
 
 
 def _generic_bank(readout: Any, instances: Any, k: int, model: Any) -> Any:

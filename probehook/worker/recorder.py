@@ -332,6 +332,9 @@ class StepRecorder:
         # GPU: host copies of earlier steps still in flight, settled at the next step.
         self._in_flight: list[tuple[torch.Tensor, object, list[tuple[RequestRows, int, int, int]]]]
         self._in_flight = []
+        self._deferred: tuple[torch.Tensor, np.ndarray, list[Any]] | None = None
+        """A step recorded with ``defer``: its device rows, their flat indices and writes,
+        until :meth:`complete` fills what sampling decides (or the next step drops it)."""
         self._slot_cache: dict[tuple[Any, ...], list[int] | slice] = {}
 
     def record(
@@ -341,6 +344,7 @@ class StepRecorder:
         num_computed: np.ndarray,
         plan_for: Callable[[str], RequestPlan | None],
         next_tokens: Callable[[np.ndarray], torch.Tensor] | None = None,
+        defer: bool = False,
     ) -> None:
         """Keep this step's wanted rows.
 
@@ -352,6 +356,10 @@ class StepRecorder:
             next_tokens: for a transform that reads each row's next token
                 (``reads_next_token``): the step's rows (flat indices) -> their next tokens
                 on the device.
+            defer: hold the step's rows on the device until :meth:`complete` (the
+                transform fills what the step's sampling decides: a lens's target log-prob
+                of the token sampled from a request's newest row); :attr:`step_rows` are
+                readable before that.
         """
         started = time.perf_counter_ns()
         self.steps_recorded += 1
@@ -386,7 +394,7 @@ class StepRecorder:
             selective = getattr(self.transform, "selective", False)
             slot_rows = self._slot_rows(owners, count, out_offset) if selective else None
             targets = next_tokens(index) if next_tokens is not None else None
-            device_rows, staged, ready = self._gather(index, slot_rows, targets)
+            device_rows = self._gather(index, slot_rows, targets)
             if self.keep_step_rows:
                 ends_step = (count > 0) & (last == n_sched)
                 self.step_rows = StepRows(
@@ -414,10 +422,38 @@ class StepRecorder:
                     strict=True,
                 )
             )
-            self._in_flight.append((staged, ready, writes))  # type: ignore[arg-type]
-            if ready is None:
-                self._settle()
+            if defer:
+                self._deferred = (device_rows, index, writes)
+            else:
+                self._ship(device_rows, writes)
         self.record_ns += time.perf_counter_ns() - started
+
+    def complete(self, next_tokens: Callable[[np.ndarray], torch.Tensor] | None) -> None:
+        """Finish the step recorded with ``defer``: the transform fills its rows from each
+        row's next token, now that sampling drew them (``transform.complete``: rows of the
+        step's block -> their next tokens; None: not known, as when a step was never
+        sampled), then the rows go to their requests."""
+        deferred, self._deferred = self._deferred, None
+        if deferred is None:
+            return
+        started = time.perf_counter_ns()
+        device_rows, index, writes = deferred
+        tokens = None if next_tokens is None else (lambda rows: next_tokens(index[rows]))
+        self.transform.complete(device_rows, tokens)  # type: ignore[union-attr]
+        self._ship(device_rows, writes)
+        self.record_ns += time.perf_counter_ns() - started
+
+    def _ship(self, device_rows: torch.Tensor, writes: list[Any]) -> None:
+        """Copy a step's rows to the host (on a GPU: started, settled later) for ``writes``."""
+        if device_rows.device.type == "cpu":
+            self._in_flight.append((device_rows, None, writes))
+            self._settle()
+            return
+        host = torch.empty(device_rows.shape, dtype=device_rows.dtype, pin_memory=True)
+        host.copy_(device_rows, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._in_flight.append((host, event, writes))
 
     def _start(self, req_id: str, plan: RequestPlan | None) -> RequestRows | OnePass | None:
         if (
@@ -495,11 +531,10 @@ class StepRecorder:
         index: np.ndarray,
         slot_rows: list[np.ndarray] | None = None,
         next_tokens: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, object]:
+    ) -> torch.Tensor:
         """Gather rows of every layer on the device (transformed, if so built; a selective
         transform computes each slot on ``slot_rows`` alone; ``next_tokens``: each gathered
-        row's next token, for a transform that reads them), then one copy to host. Returns
-        the device rows, the host rows and the copy's event (None: done)."""
+        row's next token, for a transform that reads them); the device rows."""
         transform: Any = self.transform
         if slot_rows is not None:
             transform = functools.partial(transform, slot_rows=slot_rows)
@@ -528,16 +563,13 @@ class StepRecorder:
                     torch.index_select(buf, 0, idx, out=staged[layer_slot])
             if transform is not None:
                 staged = transform(staged)
-        if staged.device.type == "cpu":
-            return staged, staged, None
-        host = torch.empty(staged.shape, dtype=staged.dtype, pin_memory=True)
-        host.copy_(staged, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        return staged, host, event
+        return staged
 
     def _settle(self) -> None:
-        """Copy finished host transfers into the requests' own buffers; drop the staging."""
+        """Copy finished host transfers into the requests' own buffers; drop the staging. A
+        deferred step never completed (no sampling followed) goes with what it has."""
+        if self._deferred is not None:
+            self.complete(None)
         for staged, ready, writes in self._in_flight:
             if ready is not None:
                 ready.synchronize()  # type: ignore[attr-defined]
@@ -605,7 +637,7 @@ class StepRecorder:
         request's failure reason, if it failed (its rows are gone).
         """
         started = time.perf_counter_ns()
-        if self._in_flight:
+        if self._in_flight or self._deferred is not None:
             self._settle()
         rows = self.rows_by_key.get(key)
         if rows is None and key in self.held:
@@ -654,7 +686,7 @@ class StepRecorder:
         positions, and the failure reason of each failed stream by key.
         """
         started = time.perf_counter_ns()
-        if self._in_flight:
+        if self._in_flight or self._deferred is not None:
             self._settle()
         slots = self._slots_of(layers)
         num_slots = len(slots) if isinstance(slots, list) else len(self.slots)

@@ -129,9 +129,10 @@ class ProbehookWorkerExtension:
                     runner_v1.prepare_clamps(runner, clamps, clamp_plan)
 
         scorer = hook.scorer
-        # Readouts that read each row's next token record after the step's sampling; a
-        # pooling model samples nothing, so they record with the rest (the prompt knows each
-        # row's next token but the last's).
+        # Readouts that read each row's next token record with the rest (monitors read them
+        # in the sampler) and complete after the step's sampling, which draws the token after
+        # each request's newest row; a pooling model samples nothing, so they complete at once
+        # (the prompt knows each row's next token but the last's).
         late = []
         if not getattr(runner, "is_pooling_model", False):
             late = [r for r in recorders if getattr(r[0].transform, "reads_next_token", False)]
@@ -139,6 +140,7 @@ class ProbehookWorkerExtension:
 
         def on_step() -> None:
             runner_v1.record_step(runner, now)
+            runner_v1.record_step(runner, late, defer=True)
             if steer is not None and steer.failed:  # fail those requests alone, named
                 for req_id, reason in steer.take_failed().items():
                     for recorder, _ in recorders:
@@ -155,7 +157,7 @@ class ProbehookWorkerExtension:
         if late:
 
             def after_sample(sampled: Any) -> None:
-                runner_v1.record_step(runner, late, sampled)
+                runner_v1.complete_step(runner, late, sampled)
                 for recorder, _ in late:
                     _publish(recorder, self._probehook_publisher, runner.requests)
                     recorder.bound(runner.requests)

@@ -63,12 +63,13 @@ def hand_hook_to_processors(runner: Any, hook: Any) -> None:
 def record_step(
     runner: Any,
     recorders: Sequence[tuple[StepRecorder, PlanFor]],
-    sampled: torch.Tensor | None = None,
+    defer: bool = False,
 ) -> None:
     """Record this step's rows. Recorders whose transform ``reads_next_token`` get each row's
-    next token: the batch's known tokens, and at a request's newest position the token in
-    ``sampled`` (after the step's sampling: ``[num_reqs, >= 1]`` in batch order), or -1
-    without it (a pooling model samples nothing)."""
+    next token: the batch's known tokens, -1 at a request's newest position (its token is
+    drawn after this); with ``defer`` they hold the step's rows for :func:`complete_step`,
+    which fills those once sampling drew them (a pooling model samples nothing: not
+    deferred)."""
     batch = runner.input_batch
     num_reqs = batch.num_reqs
     if num_reqs == 0:
@@ -77,11 +78,28 @@ def record_step(
     query_start = runner.query_start_loc.np[: num_reqs + 1]
     computed = batch.num_computed_tokens_cpu[:num_reqs]
     next_tokens = functools.partial(
-        _next_tokens, batch, query_start, computed, sampled, runner.device
+        _next_tokens, batch, query_start, computed, None, runner.device
     )  # called only for the recorders that read them
     for recorder, plan_for in recorders:
         reads = getattr(recorder.transform, "reads_next_token", False)
-        recorder.record(req_ids, query_start, computed, plan_for, next_tokens if reads else None)
+        recorder.record(req_ids, query_start, computed, plan_for,
+                        next_tokens if reads else None, defer=reads and defer)  # fmt: skip
+
+
+def complete_step(
+    runner: Any, recorders: Sequence[tuple[StepRecorder, PlanFor]], sampled: torch.Tensor
+) -> None:
+    """Complete the deferred step of each recorder (:func:`record_step`) with the step's
+    sampled tokens (``[num_reqs, >= 1]`` in batch order)."""
+    batch = runner.input_batch
+    num_reqs = batch.num_reqs
+    query_start = runner.query_start_loc.np[: num_reqs + 1]
+    computed = batch.num_computed_tokens_cpu[:num_reqs]
+    next_tokens = functools.partial(
+        _next_tokens, batch, query_start, computed, sampled, runner.device
+    )
+    for recorder, _ in recorders:
+        recorder.complete(next_tokens)
 
 
 def _next_tokens(

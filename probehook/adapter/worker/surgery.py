@@ -95,6 +95,10 @@ class ModelParts:
     device: torch.device
     head: Callable[[torch.Tensor], torch.Tensor] | None
     """None: the model has no final norm probehook knows, or no unembedding (pooling)."""
+    token_logits: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    """``token_logits(rows, ids)``: the head's logit of one token per row, ``[n]``, from that
+    token's row of the unembedding (None: the model's head is not one probehook can read
+    by rows; callers take the head's column)."""
 
 
 def model_parts(
@@ -126,7 +130,56 @@ def model_parts(
     def head(rows: torch.Tensor) -> torch.Tensor:
         return compute_logits(model, norm(rows))
 
-    return ModelParts(device, head)
+    return ModelParts(device, head, _token_logits(model, norm, head))
+
+
+def _token_logits(
+    model: nn.Module, norm: nn.Module, head: Callable[[torch.Tensor], torch.Tensor]
+) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
+    """One logit per row from the LM head's rows of the asked tokens and the logits
+    processor's soft-cap and scale; checked against the whole head at its first call (a
+    model whose ``compute_logits`` does more than that, or a head under tensor parallelism
+    or quantized, gets the head's column instead: None, or the check's fallback)."""
+    lm_head = getattr(model, "lm_head", None)
+    processor = getattr(model, "logits_processor", None)
+    weight = getattr(lm_head, "weight", None)
+    method = type(getattr(lm_head, "quant_method", None)).__name__
+    if (
+        weight is None
+        or processor is None
+        or getattr(processor, "logits_as_input", False)
+        or method not in ("UnquantizedEmbeddingMethod", "UnquantizedLinearMethod")
+        or weight.shape[0] < int(processor.org_vocab_size)  # a vocabulary shard (TP)
+    ):
+        return None
+    soft_cap, scale = processor.soft_cap, float(processor.scale)
+    checked: list[bool] = []
+
+    def by_rows(rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        normed = norm(rows)
+        w = weight.index_select(0, ids).to(normed.dtype)
+        out = torch.bmm(normed.unsqueeze(1), w.unsqueeze(2)).reshape(-1).float()
+        if soft_cap is not None:
+            out = torch.tanh(out / soft_cap) * soft_cap
+        return out * scale if scale != 1.0 else out
+
+    def token_logits(rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        if not checked:
+            full = head(rows).float().gather(1, ids.unsqueeze(1)).squeeze(1)
+            tolerance = 1e-2 * (1.0 + full.abs().max().item())
+            checked.append(bool((by_rows(rows, ids) - full).abs().max() <= tolerance))
+            if not checked[0]:
+                logger.warning(
+                    "probehook: %s's logits are not its LM head's rows with the logits "
+                    "processor's soft-cap and scale; lens targets take the whole head.",
+                    type(model).__name__,
+                )
+            return full
+        if checked[0]:
+            return by_rows(rows, ids)
+        return head(rows).float().gather(1, ids.unsqueeze(1)).squeeze(1)
+
+    return token_logits
 
 
 def _pooling_logits(

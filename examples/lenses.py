@@ -51,6 +51,14 @@ def main() -> None:
                 print(f"  {name:5} layer {layer}: top {top}  log p({answer!r}) = {target:.2f}")
         per_token = out.outputs[0].lens["logit"][3]
         print(f"generated tokens' log-probs at the last layer: {per_token.target_logprob}")
+        # A lens monitor: stop where the J-lens at layer 2 already gives "." log-prob > -1
+        # (thresholds above -log(lens_top_k + 1) are exact).
+        dot = tokenizer.convert_tokens_to_ids(".")
+        watch = {"lens": "j", "layer": 2, "token": dot, "threshold": -1.0, "action": "stop"}
+        params = SamplingParams(max_tokens=8, temperature=0,
+                                extra_args={"probehook": {"monitors": [watch]}})  # fmt: skip
+        stopped = llm.generate(["12+34="], params, use_tqdm=False)[0].outputs[0]
+        print(f"with a stop monitor on '.' at layer 2: {stopped.text!r}, {stopped.stop_reason}")
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from probehook.adapter.frontend.async_engine import AsyncLLM
     from probehook.adapter.frontend.offline import LLM
     from probehook.capture_config import CaptureConfig
-    from probehook.core.monitors import FeatureMonitor, ProbeMonitor
+    from probehook.core.monitors import FeatureMonitor, LensMonitor, ProbeMonitor
     from probehook.frontend.fill import FailedCapture
     from probehook.lenses.artifacts import JacobianLens, TunedLens
     from probehook.outputs.array_codec import decode_array
@@ -52,6 +52,7 @@ _LAZY = {
     "LinearProbe": ("probehook.probes", "LinearProbe"),
     "ProbeMonitor": ("probehook.core.monitors", "ProbeMonitor"),
     "FeatureMonitor": ("probehook.core.monitors", "FeatureMonitor"),
+    "LensMonitor": ("probehook.core.monitors", "LensMonitor"),
     "SteeringVector": ("probehook.steering", "SteeringVector"),
     "SAE": ("probehook.saes", "SAE"),
     "SAEFeatures": ("probehook.saes", "SAEFeatures"),
@@ -73,6 +74,7 @@ __all__ = [
     "LinearProbe",
     "ProbeMonitor",
     "FeatureMonitor",
+    "LensMonitor",
     "SteeringVector",
     "SAE",
     "SAEFeatures",

@@ -9,6 +9,7 @@ engine together with a capture, so an engine that only steered died at model loa
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +42,7 @@ def _vector() -> Any:
 
 def _options(spec: str, tmp_path: Path) -> dict[str, Any]:
     """The engine arguments one word of a case names."""
-    from probehook import SAE, FeatureMonitor, ProbeMonitor, tiny_sae_path
+    from probehook import SAE, FeatureMonitor, LensMonitor, ProbeMonitor, tiny_sae_path
 
     return {
         "layers": {"layers": [1]},
@@ -59,6 +60,10 @@ def _options(spec: str, tmp_path: Path) -> dict[str, Any]:
         "lenses": {"lenses": {"l": "logit"}, "lens_layers": [LAST]},
         "lens_layers": {"lens_layers": [LAST]},
         "lens_top_k": {"lens_top_k": 2},
+        # Token 0 (padding) is never likely: the engine's monitor flags nothing; requests
+        # bring their own (_check_lens_monitors).
+        "lens_monitors": {"monitors": [LensMonitor("l", LAST, 0, -1.0, action="flag")]},
+        "low_lens_monitor": {"monitors": [LensMonitor("l", LAST, 0, -2.0, action="flag")]},
     }[spec]
 
 
@@ -78,6 +83,7 @@ ALONE = [
     (("lenses",), None),
     (("lens_layers",), "lens_layers= configures the 'lens' readout"),
     (("lens_top_k",), "lens_top_k= configures the 'lens' readout"),
+    (("lens_monitors",), "LensMonitors, which watch lenses, but no lenses were given"),
 ]
 PAIRS = [
     (("layers", "include_prefill"), None),
@@ -99,6 +105,9 @@ PAIRS = [
     (("lenses", "steering"), None),
     (("lenses", "store"), None),
     (("lenses", "capture_only"), None),
+    (("lenses", "lens_monitors"), None),
+    # -2 is below -log(5 + 1): a token outside the top 5 may be that likely.
+    (("lenses", "low_lens_monitor"), "raise lens_top_k to 8 or more"),
 ]
 
 
@@ -184,6 +193,9 @@ def _check_generation(llm: Any, specs: tuple[str, ...], kwargs: dict[str, Any]) 
             torch.testing.assert_close(alone.target_logprob, prompt.target_logprob[-1:])
     if "feature_monitors" in specs:
         assert completion.feature_flags["s:0"] == list(range(TOKENS))
+    if "lens_monitors" in specs:
+        assert completion.lens_flags == {f"l@{LAST}:0": []}
+        _check_lens_monitors(llm)
     if "store" in specs:
         stored = ActivationStore.open(kwargs["store"])[out.store_id]
         if "layers" in specs:
@@ -301,3 +313,47 @@ def test_served_with_one_option(spec: str, tmp_path: Path) -> None:
             assert len(features["l0"]) == TOKENS and len(features["indices"][0]) == 4
     finally:
         server.stop()
+
+
+def _check_lens_monitors(llm: Any) -> None:
+    """A lens monitor per request on the logit lens at the last layer, which is the model's
+    own distribution: vLLM's log-probs of the whole vocabulary are the oracle. A flag monitor
+    flags exactly the rows where the token's log-prob is above the threshold (the tokens
+    outside the engine's top 5 included: the threshold is above -log 6); a stop monitor ends
+    the completion at the first, in the worker, named."""
+    from probehook import SamplingParams
+
+    key_of = "l@{}:{}".format
+    vocab = 19  # the tiny model's
+
+    def run(monitors: list | None = None) -> Any:
+        options: dict[str, Any] = {} if monitors is None else {"monitors": monitors}
+        params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=vocab,
+                                extra_args={"probehook": options})  # fmt: skip
+        return llm.generate(["7+8="], params, use_tqdm=False)[0].outputs[0]
+
+    plain = run()
+    logprobs = torch.tensor(
+        [[row[t].logprob for t in range(vocab)] for row in plain.logprobs]
+    )  # [rows, vocab]
+    floor = -math.log(5 + 1)
+    found = None  # a token whose log-prob first rises above a threshold at row j >= 1
+    for j in range(1, len(logprobs)):
+        for token in range(vocab):
+            threshold = max(float(logprobs[:j, token].max()), floor) + 1e-3
+            if float(logprobs[j, token]) > threshold + 1e-3:
+                found = (j, token, threshold)
+                break
+        if found:
+            break
+    assert found is not None, "no token's log-prob rises mid-generation"
+    j, token, threshold = found
+    watch = {"lens": "l", "layer": LAST, "token": token, "threshold": threshold}
+    flagged = run([{**watch, "action": "flag"}])
+    assert list(flagged.token_ids) == list(plain.token_ids)
+    expected = torch.nonzero(logprobs[:, token] > threshold).flatten().tolist()
+    assert flagged.lens_flags == {key_of(LAST, token): expected} and expected[0] == j
+    stopped = run([{**watch, "action": "stop"}])
+    assert len(stopped.token_ids) == j + 1 and stopped.finish_reason == "stop"
+    assert stopped.stop_reason == f"lens:{key_of(LAST, token)}"
+    assert list(stopped.token_ids[:j]) == list(plain.token_ids[:j])

@@ -124,6 +124,64 @@ def test_engine_options_are_checked() -> None:
     assert sorted(got) == ["l@0", "l@1", "l@2", "l@3"]
 
 
+def test_lens_monitors_are_checked_against_the_engine_and_travel_on_the_wire() -> None:
+    from probehook import LensMonitor
+    from probehook.capture_config import CaptureConfig
+    from probehook.core.monitors import top_k_value
+    from probehook.core.request_options import RequestOptions, RequestWire
+    from probehook.frontend.readout_set import ReadoutSet
+
+    for bad, words in [
+        (dict(layer="3"), "layer='3' is not valid"),
+        (dict(token="!"), "pass a token id"),
+        (dict(token=-1), "negative"),
+        (dict(action="steer"), "choose one of"),
+        (dict(threshold=float("nan")), "finite number"),
+    ]:
+        with pytest.raises(CaptureConfigError, match=words):
+            LensMonitor(**{"lens": "l", "layer": 3, "token": 4, "threshold": -1.0, **bad})
+
+    def engine(k: int, *monitors: LensMonitor) -> ReadoutSet:
+        extras = {"lens_layers": [1, 3]}
+        return ReadoutSet(LensReadout(), {"l": "logit"}, k, num_layers=4, hidden_size=HIDDEN,
+                          extras=extras, monitors=monitors, vocab_size=VOCAB)  # fmt: skip
+
+    with pytest.raises(CaptureConfigError, match=r"raise lens_top_k to 21 or more"):
+        engine(5, LensMonitor("l", 3, 4, -3.0))  # a token outside the top 5 may be 1/21 likely
+    with pytest.raises(CaptureConfigError, match=r"pass a threshold above -4\.17"):
+        engine(5, LensMonitor("l", 3, 4, -5.0))  # past the largest k
+    with pytest.raises(CaptureConfigError, match=r"watches 'l@2'.*\['l@1', 'l@3'\]"):
+        engine(5, LensMonitor("l", 2, 4, -1.0))
+    with pytest.raises(CaptureConfigError, match="not a token id of this model"):
+        engine(5, LensMonitor("l", 3, VOCAB, -1.0))
+    watched = LensMonitor("l", 3, 4, -1.0, action="stop")
+    lenses = engine(20, watched)  # -3.0 is above -log(21): allowed at k=20
+    assert engine(20, LensMonitor("l", 3, 4, -3.0)).monitors[0].threshold == -3.0
+    assert lenses.for_request(None).monitors == (watched,)  # the engine's
+    assert lenses.for_request(None, {"lens_layers": [1]}).monitors == ()  # not read
+    own = RequestOptions.from_user(
+        {"monitors": [{"lens": "l", "layer": 1, "token": 2, "threshold": -0.5}]}
+    ).monitors
+    assert lenses.for_request(None, {}, own).monitors == own  # a request's own replace them
+    with pytest.raises(CaptureConfigError, match=r"watch \['l@1'\].*ask for them too"):
+        lenses.for_request(None, {"lens_layers": [3]}, own)
+    with pytest.raises(CaptureConfigError, match="a lens monitor has fields"):
+        RequestOptions.from_user({"monitors": [{"lens": "l", "layer": 1, "threshold": -0.5}]})
+    wire = RequestWire("t", CaptureConfig(layers=()), readouts=(("lens", ("l@3",)),),
+                       readout_monitors=((watched, lenses.slot("l@3")),))  # fmt: skip
+    assert RequestWire.from_wire(wire.to_wire()) == wire
+    # The value a monitor reads: the token's log-prob among the k, -inf outside.
+    packed = np.array([4.0, 7.0, -0.2, -1.9, -2.5])  # ids 4, 7; log-probs; target
+    assert top_k_value(packed, 7, watched.outside) == pytest.approx(-1.9)
+    assert top_k_value(packed, 5, watched.outside) == float("-inf")
+    second = [7.0, 4.0, -0.3, -1.2, -2.5]
+    rows = LensRows.unpack(torch.tensor([packed.tolist(), second]), 2)
+    assert rows.value_of(4, -np.inf).tolist() == pytest.approx([-0.2, -1.2])
+    # A request that keeps 1: monitors read the engine's k, its rows show 1.
+    assert rows.top(1).watched.value_of(7, -np.inf).tolist() == pytest.approx([-1.9, -0.3])
+    assert rows.top(1).value_of(7, -np.inf).tolist() == pytest.approx([-np.inf, -0.3])
+
+
 def test_rows_are_presented_by_lens_and_layer_and_flattened_back() -> None:
     readout = LensReadout()
     rows = LensRows.empty(2)

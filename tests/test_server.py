@@ -281,6 +281,19 @@ def test_lenses_in_choices_chunks_and_the_store(client, server, llama_dir, lens_
             client.completions.create(prompt=prompt, extra_body=ignore_eos(bad), **greedy())
     plain = client.completions.create(prompt=prompt, extra_body=ignore_eos({}), **greedy())
     assert "lens" not in field(plain.choices[0])
+    # A lens monitor in the request body: flagged where the token's log-prob among the
+    # served top 3 is below -1, or where it is not among them (-inf).
+    token = choice.model_extra["token_ids"][0]
+    watch = {"lens": "logit", "layer": 3, "token": token, "threshold": -1.0, "direction": "below"}
+    flagged = client.completions.create(
+        prompt=prompt,
+        extra_body=ignore_eos({"lenses": ["logit"], "lens_layers": [3], "monitors": [watch]}),
+        **greedy(),
+    )
+    served = field(flagged.choices[0])
+    reading = rows(served["lens"]["logit"]["3"])
+    expected = torch.nonzero(reading.value_of(token, float("-inf")) < -1.0).flatten().tolist()
+    assert served["lens_flags"] == {f"logit@3:{token}": expected} and expected
 
     root = Path(server.log).parent / "store"
     deadline = time.monotonic() + 30

@@ -17,7 +17,7 @@ import math
 import reprlib
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -172,6 +172,100 @@ class FeatureMonitor:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+LENS_STOP_PREFIX = "lens:"
+
+
+@dataclass(frozen=True)
+class LensMonitor:
+    """Stop or flag generation when lens ``lens``'s log-prob of token ``token`` at layer
+    ``layer`` crosses ``threshold``.
+
+    The watched value is the token's log-prob under the lens where it is among the row's
+    most likely tokens at the engine's ``lens_top_k`` (whatever k the request keeps: the
+    worker and the front end read the same values), ``-inf`` where it is not. That is exact
+    for every threshold above ``-log(k + 1)``: a token outside the top ``k`` has ``k``
+    tokens at least as likely, so its probability is at most ``1 / (k + 1)``; the engine
+    refuses a lower threshold (raise ``lens_top_k``). The same rule as :class:`ProbeMonitor`
+    on the same rows (each decode row: the state that produces the next token): ``"stop"``
+    ends the completion at the first crossing (``stop_reason`` is ``"lens:" + key``),
+    ``"flag"`` lists every crossing row in ``CompletionOutput.lens_flags[key]``; ``key`` is
+    ``"<lens>@<layer>:<token>"``.
+    """
+
+    lens: str
+    layer: int
+    token: int
+    threshold: float
+    action: str = "flag"
+    direction: str = "above"
+
+    source: ClassVar[str] = "lens"
+    """The top-k readout it watches."""
+    outside: ClassVar[float] = -math.inf
+    """Its value where the token is not among the engine's top k."""
+
+    def __post_init__(self) -> None:
+        what = f"LensMonitor({self.lens!r})"
+        if not isinstance(self.lens, str) or not self.lens or "@" in self.lens:
+            raise CaptureConfigError(
+                f"LensMonitor lens={self.lens!r} must be the name of an engine lens."
+            )
+        for field_name in ("layer", "token"):
+            value = getattr(self, field_name)
+            if isinstance(value, bool) or not isinstance(value, int | np.integer):
+                hint = (
+                    "a token id, such as tokenizer.convert_tokens_to_ids(...)"
+                    if field_name == "token"
+                    else "a layer index of the engine's lens_layers"
+                )
+                raise CaptureConfigError(
+                    f"{what} {field_name}={value!r} is not valid: pass {hint}."
+                )
+            object.__setattr__(self, field_name, int(value))
+        if self.token < 0:
+            raise CaptureConfigError(f"{what} token={self.token} is negative.")
+        if self.action not in FEATURE_ACTIONS:
+            raise CaptureConfigError(
+                f"LensMonitor action={self.action!r} is not valid; choose one of {FEATURE_ACTIONS}."
+            )
+        if self.direction not in DIRECTIONS:
+            raise CaptureConfigError(
+                f"LensMonitor direction={self.direction!r} is not valid; choose one of "
+                f"{DIRECTIONS}."
+            )
+        object.__setattr__(self, "threshold", monitor_threshold(self.threshold, what))
+
+    @property
+    def instance(self) -> str:
+        """The readout instance it watches (``"<lens>@<layer>"``)."""
+        return f"{self.lens}@{self.layer}"
+
+    @property
+    def entry(self) -> int:
+        """The entry of the instance's top-k rows it watches."""
+        return self.token
+
+    @property
+    def key(self) -> str:
+        """Its name in ``lens_flags``: ``"<lens>@<layer>:<token>"``."""
+        return f"{self.instance}:{self.token}"
+
+    @property
+    def stop_reason(self) -> str:
+        return LENS_STOP_PREFIX + self.key
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def top_k_value(packed: np.ndarray, entry: int, outside: float) -> float:
+    """The value of ``entry`` in one packed top-k row (``[2k + 1]``: ids, values, scalar),
+    ``outside`` where it is not among the ``k``: what the worker's stop processor reads."""
+    k = (len(packed) - 1) // 2
+    hit = np.flatnonzero(packed[:k] == entry)
+    return float(packed[k + hit[0]]) if len(hit) else outside
 
 
 def crosses(values: np.ndarray, threshold: float, direction: str) -> np.ndarray:

@@ -22,7 +22,13 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from probehook.capture_config import CaptureConfig, as_int
-from probehook.core.monitors import FeatureMonitor, ProbeMonitor, finite_number, steer_terms
+from probehook.core.monitors import (
+    FeatureMonitor,
+    LensMonitor,
+    ProbeMonitor,
+    finite_number,
+    steer_terms,
+)
 from probehook.errors import CaptureConfigError
 
 EXTRA_ARGS_KEY = "probehook"
@@ -51,6 +57,10 @@ STEER_PHASES = ("both", "prefill", "decode")
 USER_KEYS = CAPTURE_KEYS + PROBE_KEYS + STEER_KEYS + SAE_KEYS
 """Every key a user may set; anything else is refused."""
 FLAG_KEYS = CAPTURE_KEYS[1:]
+Monitor = ProbeMonitor | FeatureMonitor | LensMonitor
+"""A monitor of any kind."""
+READOUT_MONITORS: dict[str, type[LensMonitor]] = {"lens": LensMonitor}
+"""The monitor class of each top-k readout that has one, by source."""
 MONITOR_FIELDS = ("probe", "threshold", "action", "direction", "label")
 EXAMPLE = '{"layers": [3], "probes": ["truth"]}'
 
@@ -83,7 +93,7 @@ class RequestOptions:
     last_decode_token: bool | None = None
     probes: tuple[str, ...] | bool | None = None
     """None or True: all engine probes; False: none; names: those."""
-    monitors: tuple[ProbeMonitor | FeatureMonitor, ...] | None = None
+    monitors: tuple[Monitor, ...] | None = None
     """None: the engine's monitors of the probes and SAEs the request gets; a tuple replaces
     them."""
     steer: tuple[tuple[str, float], ...] | None = None
@@ -241,18 +251,22 @@ def _user_names(key: str, value: Any, what: str) -> tuple[str, ...] | bool:
     return tuple(value)
 
 
-def _user_monitors(value: Any) -> tuple[ProbeMonitor | FeatureMonitor, ...]:
-    if isinstance(value, Mapping | ProbeMonitor | FeatureMonitor):
+def _user_monitors(value: Any) -> tuple[Monitor, ...]:
+    if isinstance(value, Mapping | ProbeMonitor | FeatureMonitor | LensMonitor):
         value = [value]
     if not _is_list(value):
         raise _bad(
             "monitors",
             value,
-            "pass a list of probehook.ProbeMonitor / FeatureMonitor or dicts with 'probe' (or "
-            "'sae' and 'feature') and 'threshold'",
+            "pass a list of probehook.ProbeMonitor / FeatureMonitor / LensMonitor or dicts "
+            "with 'probe' (or 'sae' and 'feature', or 'lens', 'layer' and 'token') and "
+            "'threshold'",
         )
-    monitors: list[ProbeMonitor | FeatureMonitor] = []
+    monitors: list[Monitor] = []
     for i, item in enumerate(value):
+        if isinstance(item, LensMonitor) or isinstance(item, Mapping) and "lens" in item:
+            monitors.append(lens_monitor(i, item))
+            continue
         if isinstance(item, FeatureMonitor) or isinstance(item, Mapping) and "sae" in item:
             monitors.append(_feature_monitor(i, item))
             continue
@@ -269,6 +283,26 @@ def _user_monitors(value: Any) -> tuple[ProbeMonitor | FeatureMonitor, ...]:
         except CaptureConfigError as e:
             raise CaptureConfigError(f"probehook option monitors[{i}]: {e}") from None
     return tuple(monitors)
+
+
+LENS_MONITOR_FIELDS = ("lens", "layer", "token", "threshold", "action", "direction")
+
+
+def lens_monitor(i: int, item: Any) -> LensMonitor:
+    """``monitors[i]``, a LensMonitor or its dict form, checked."""
+    if isinstance(item, LensMonitor):
+        return item
+    unknown = sorted(map(str, set(item) - set(LENS_MONITOR_FIELDS)))
+    missing = [f for f in LENS_MONITOR_FIELDS[:4] if f not in item]
+    if unknown or missing:
+        raise CaptureConfigError(
+            f"probehook option monitors[{i}]={_show(dict(item))}: a lens monitor has fields "
+            f"{list(LENS_MONITOR_FIELDS)} ('lens', 'layer', 'token' and 'threshold' required)."
+        )
+    try:
+        return LensMonitor(**item)
+    except CaptureConfigError as e:
+        raise CaptureConfigError(f"probehook option monitors[{i}]: {e}") from None
 
 
 def _feature_monitor(i: int, item: Any) -> FeatureMonitor:
@@ -363,6 +397,9 @@ class RequestWire:
     """SAE features held at values on every token of the request (:func:`clamp_terms`)."""
     readouts: tuple[tuple[str, tuple[str, ...]], ...] = ()
     """The top-k readouts the request gets: ``(source, instance names)``."""
+    readout_monitors: tuple[tuple[LensMonitor, int], ...] = ()
+    """Monitors of the top-k readouts the request reads (lens monitors), each with its
+    instance's slot in the worker's bank of that readout."""
 
     def to_wire(self) -> WireDict:
         wire = WireDict(
@@ -393,6 +430,11 @@ class RequestWire:
             ]
         if self.readouts:
             wire["readouts"] = {source: list(names) for source, names in self.readouts}
+        if self.readout_monitors:
+            wire["readout_monitors"] = [
+                {"source": m.source, **m.to_dict(), "slot": slot}
+                for m, slot in self.readout_monitors
+            ]
         return wire
 
     def readout(self, source: str) -> tuple[str, ...]:
@@ -410,6 +452,7 @@ class RequestWire:
         known.update(SAE_KEYS)
         known.add("feature_monitors")
         known.add("readouts")
+        known.add("readout_monitors")
         known.update(STEER_KEYS)
         unknown = [k for k in value if k not in known and k not in CAPTURE_KEYS]
         if unknown:
@@ -482,6 +525,19 @@ class RequestWire:
             for source, names in readouts.items()
         ):
             raise CaptureConfigError(f"readouts={_show(readouts)} is not a dict of name lists")
+        readout_monitors = []
+        for m in value.get("readout_monitors", []):
+            if not isinstance(m, Mapping):
+                raise CaptureConfigError(f"readout monitor {_show(m)} is not a dict")
+            slot = as_int(m.get("slot"))
+            kind = READOUT_MONITORS.get(m.get("source"))  # type: ignore[arg-type]
+            if slot is None or slot < 0 or kind is None:
+                raise CaptureConfigError(f"readout monitor {_show(m)}: no slot or source")
+            fields_ = {k: v for k, v in m.items() if k not in ("slot", "source")}
+            try:
+                readout_monitors.append((kind(**fields_), slot))
+            except TypeError as e:
+                raise CaptureConfigError(f"readout monitor {_show(m)}: {e}") from None
         steer = steer_terms(value["steer"], "steer") if "steer" in value else ()
         phase = value.get("steer_phase", "both")
         if phase not in STEER_PHASES:
@@ -502,6 +558,7 @@ class RequestWire:
             tuple(feature_monitors),
             clamp_terms(value["clamp"], "clamp") if "clamp" in value else (),
             tuple((source, tuple(names)) for source, names in readouts.items() if names),
+            tuple(readout_monitors),
         )
 
 

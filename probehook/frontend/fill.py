@@ -225,6 +225,9 @@ def apply(planned: OutputPlan, got: Mapping[Need, Any], sources: Sources) -> Non
         _gate_start(planned, scored, probes)
     if request.saes is not None and request.saes.monitors:
         _act_on_features(planned)
+    for source, chosen in (request.readouts or {}).items():
+        if chosen.monitors:
+            _act_on_readout(planned, sources[source].readouts.readout, chosen.monitors)  # type: ignore[attr-defined]
     mirror_first_completion(output)
 
 
@@ -409,14 +412,54 @@ def _act_on_features(planned: OutputPlan) -> None:
         completion.feature_flags = flags
 
 
+def _act_on_readout(planned: OutputPlan, readout: Any, monitors: Sequence[Any]) -> None:
+    """A top-k readout's monitors (lens monitors), as :func:`_act_on_features`: flags (on
+    the readout's ``flags_attribute``) and the stop reason, from each instance's rows at the
+    engine's k (``outside`` where the entry is not among them)."""
+    finished = getattr(planned.output, "finished", True)
+    attribute = readout.completion_attributes[0]
+    for completion in planned.output.outputs:
+        value = getattr(completion, attribute, None)
+        if isinstance(value, FailedCapture) or not value:
+            continue
+        rows = readout.flat(value)
+        before = planned.before.get(completion.index, 0)
+        stopped = finished and ended_on_stop_token(planned.request, completion)
+        flags: dict[str, list[int]] = {}
+        for monitor in monitors:
+            got = rows.get(monitor.instance)
+            if got is None or len(got) == 0:
+                continue
+            watched = got.watched
+            if monitor.action == "flag":
+                found = _feature_flags(planned, completion.index, monitor, watched)
+                flags[monitor.key] = [before + i for i in found]
+            elif (
+                stopped
+                and not isinstance(completion.stop_reason, str)  # another monitor named it
+                and crossings(
+                    watched.rows(len(watched) - 1).value_of(monitor.entry, monitor.outside).numpy(),
+                    monitor.threshold,
+                    monitor.direction,
+                )
+            ):
+                completion.stop_reason = monitor.stop_reason
+        setattr(completion, readout.flags_attribute, flags)
+
+
 def _feature_flags(planned: OutputPlan, index: int, monitor: Any, watched: Any) -> list[int]:
-    """The rows of ``watched`` where a flag monitor's feature crosses; a cumulative stream's
-    earlier rows come from what it found before (:attr:`Progress.watched`)."""
+    """The rows of ``watched`` where a flag monitor's entry (an SAE feature, a lens's token)
+    crosses; a cumulative stream's earlier rows come from what it found before
+    (:attr:`Progress.watched`)."""
     state = planned.watched
     checked, found = (0, []) if state is None else state.get((index, monitor.key), (0, []))
     if checked > len(watched):  # not the stream it checked before: start over
         checked, found = 0, []
-    values = watched.rows(checked).activation(monitor.feature).numpy()
+    entry = getattr(monitor, "entry", None)
+    if entry is None:  # a FeatureMonitor: 0 outside the top k
+        values = watched.rows(checked).activation(monitor.feature).numpy()
+    else:
+        values = watched.rows(checked).value_of(entry, monitor.outside).numpy()
     found = found + [checked + i for i in crossings(values, monitor.threshold, monitor.direction)]
     if state is not None:
         state[(index, monitor.key)] = (len(watched), found)

@@ -7,7 +7,7 @@ before it reaches the engine, and the worker's packed rows turned into
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +21,12 @@ class RequestReadout:
 
     names: tuple[str, ...]
     k: int
+    monitors: tuple[Any, ...] = ()
+    """The monitors of its instances that watch the request (lens monitors)."""
+
+    @property
+    def stops(self) -> bool:
+        return any(m.action == "stop" for m in self.monitors)
 
 
 class ReadoutSet:
@@ -36,6 +42,8 @@ class ReadoutSet:
         hidden_size: int,
         extras: Mapping[str, Any] | None = None,
         model_name: str | None = None,
+        monitors: Sequence[Any] = (),
+        vocab_size: int | None = None,
     ) -> None:
         self.readout = readout
         self.source: str = readout.source
@@ -56,6 +64,24 @@ class ReadoutSet:
             model_name=model_name,
         )  # fmt: skip
         self.layers = tuple(sorted({int(s["layer"]) for s in self.instances.values()}))
+        self.vocab_size = vocab_size
+        self.monitors = tuple(self.check_monitor(m) for m in monitors)
+        """The engine's monitors of this readout (each request of its instances gets them,
+        unless it passes monitors of its own)."""
+
+    def check_monitor(self, monitor: Any) -> Any:
+        """A monitor of this readout checked against the engine's instances and k."""
+        if monitor.instance not in self.instances:
+            raise CaptureConfigError(
+                f"{type(monitor).__name__} watches {monitor.instance!r}, which this engine "
+                f"does not read; its {self.readout.name} instances are {list(self.instances)}."
+            )
+        self.readout.check_monitor(monitor, self.k, self.vocab_size)
+        return monitor
+
+    def slot(self, instance: str) -> int:
+        """An instance's slot in the workers' bank (their order of :attr:`instances`)."""
+        return list(self.instances).index(instance)
 
     @property
     def request_options(self) -> tuple[str, ...]:
@@ -76,15 +102,32 @@ class ReadoutSet:
         return {"k": self.k, "instances": self.instances}
 
     def for_request(
-        self, picked: Any, extras: Mapping[str, Any] | None = None
+        self,
+        picked: Any,
+        extras: Mapping[str, Any] | None = None,
+        monitors: Sequence[Any] | None = None,
     ) -> RequestReadout | None:
-        """A request's pick (None or True: every instance; False or []: none; names) and its
-        values of the readout's further request options (``extras``)."""
+        """A request's pick (None or True: every instance; False or []: none; names), its
+        values of the readout's further request options (``extras``) and its own monitors
+        (None: the engine's of the instances it reads; a list, of any kind: they replace the
+        engine's, and those of this readout must watch instances it reads)."""
         readout = self.readout
         names = select_names(picked, readout.pickable(self.instances), readout.request_option,
                              readout.name, CaptureConfigError)  # fmt: skip
         names = readout.narrow(names, dict(extras or {}), self.instances)  # checks extras
-        return RequestReadout(tuple(names), self.k) if names else None
+        if monitors is None:
+            mine = tuple(m for m in self.monitors if m.instance in names)
+        else:
+            mine = tuple(
+                self.check_monitor(m) for m in monitors if getattr(m, "source", None) == self.source
+            )
+            off = sorted({m.instance for m in mine} - set(names))
+            if off:
+                raise CaptureConfigError(
+                    f"This request's monitors watch {off}, which the request does not read "
+                    f"({readout.request_option}: {list(names)}); ask for them too."
+                )
+        return RequestReadout(tuple(names), self.k, mine) if names else None
 
     def values(self, packed: Any, request: RequestReadout) -> Any:
         """``[len(request.names), n, 2k + 1]`` packed rows -> the readout's value (rows per

@@ -39,7 +39,7 @@ import torch
 
 from probehook.capture_config import CaptureConfig
 from probehook.core.export_wire import ExportReply, SpanReport, StreamAsk, stream_id
-from probehook.core.monitors import ProbeMonitor
+from probehook.core.monitors import FeatureMonitor, LensMonitor, ProbeMonitor
 from probehook.core.request_options import (
     EXTRA_ARGS_KEY,
     PLAN_KEY,
@@ -206,7 +206,7 @@ class CaptureSession:
         probes = self.probes.for_request(options) if self.probes is not None else None
         saes = self.saes.for_request(options) if self.saes is not None else None
         probe_monitors = [m for m in options.monitors or () if isinstance(m, ProbeMonitor)]
-        feature_monitors = len(options.monitors or ()) - len(probe_monitors)
+        feature_monitors = [m for m in options.monitors or () if isinstance(m, FeatureMonitor)]
         if saes is None and (options.saes not in (None, False, ()) or feature_monitors):
             raise CaptureConfigError(
                 "This request sets saes (or feature monitors), but the engine has no SAEs; "
@@ -219,6 +219,12 @@ class CaptureSession:
                 "with probes={...}."
             )
         readouts = self._readouts(options)
+        lens_monitors = [m for m in options.monitors or () if isinstance(m, LensMonitor)]
+        if lens_monitors and "lens" not in self.readouts:
+            raise CaptureConfigError(
+                "This request sets lens monitors, but the engine has no lenses; build the LLM "
+                "with lenses={...} and lens_layers=[...]."
+            )
         if (
             config is not None
             and not config.layers
@@ -249,7 +255,7 @@ class CaptureSession:
                 monitors=self._wire(probes, tagged)
                 if probes is not None and config is not None
                 else (),
-                stop_token=self.stop_token if _stops(probes, saes) else None,
+                stop_token=self.stop_token if _stops(probes, saes, readouts) else None,
                 record=record,
                 steer=steer.terms if steer is not None else (),
                 steer_phase=steer.phase if steer is not None else "both",
@@ -262,6 +268,7 @@ class CaptureSession:
                 readouts=tuple((s, r.names) for s, r in readouts.items())
                 if config is not None
                 else (),
+                readout_monitors=self._readout_wire(readouts, tagged) if config is not None else (),
             )
             extra = with_wire(extra, wire.to_wire())
             setattr(tagged, field, extra)
@@ -276,7 +283,7 @@ class CaptureSession:
                 config,
                 wired,
                 self.describe(tagged) if wired is not None else None,
-                stops=config is not None and _stops(probes, saes),
+                stops=config is not None and _stops(probes, saes, readouts),
             )
         return tagged
 
@@ -286,7 +293,7 @@ class CaptureSession:
         got = {}
         for source, readout_set in self.readouts.items():
             extras = {o: v for s, o, v in options.readout_extras if s == source}
-            chosen = readout_set.for_request(picked.get(source), extras)
+            chosen = readout_set.for_request(picked.get(source), extras, options.monitors)
             if chosen is not None:
                 got[source] = chosen
         return got
@@ -368,6 +375,20 @@ class CaptureSession:
             self._add_stop_token(params)
         return tuple((m, self.saes.slot(m.sae)) for m in saes.monitors)
 
+    def _readout_wire(
+        self, readouts: Mapping[str, RequestReadout], params: Any
+    ) -> tuple[tuple[Any, int], ...]:
+        """The request's monitors of top-k readouts (lens monitors) for the worker, each
+        with its instance's slot in the worker's bank; a stop monitor makes the model's EOS a
+        stop token of the request, as for probes."""
+        if any(r.stops for r in readouts.values()):
+            self._add_stop_token(params)
+        return tuple(
+            (m, self.readouts[source].slot(m.instance))
+            for source, chosen in readouts.items()
+            for m in chosen.monitors
+        )
+
     def _add_stop_token(self, params: Any) -> None:
         if self.stop_token is None:
             raise CaptureConfigError(
@@ -415,7 +436,11 @@ class CaptureSession:
             monitors = tuple(m for m, _ in wire.feature_monitors)
             saes = RequestSAEs(wire.saes, wire.sae_top_k or self.saes.k, monitors)
         readouts = {
-            source: RequestReadout(names, self.readouts[source].k)
+            source: RequestReadout(
+                names,
+                self.readouts[source].k,
+                tuple(m for m, _ in wire.readout_monitors if m.source == source),
+            )
             for source, names in wire.readouts
             if source in self.readouts
         }
@@ -428,7 +453,7 @@ class CaptureSession:
             wire.config if captures else None,
             sampling,
             probes,
-            self.stop_token if _stops(probes, saes) else None,
+            self.stop_token if _stops(probes, saes, readouts) else None,
             dict(wire.record) if wire.record is not None else None,
             self._steering_of(wire),
             saes,
@@ -552,9 +577,17 @@ class CaptureSession:
         self.spool.remove()
 
 
-def _stops(probes: RequestProbes | None, saes: RequestSAEs | None) -> bool:
-    """Whether a stop monitor (of a probe or of an SAE feature) watches the request."""
-    return (probes is not None and probes.stops) or (saes is not None and saes.stops)
+def _stops(
+    probes: RequestProbes | None,
+    saes: RequestSAEs | None,
+    readouts: Mapping[str, RequestReadout],
+) -> bool:
+    """Whether a stop monitor (of a probe, an SAE feature or a lens) watches the request."""
+    return (
+        (probes is not None and probes.stops)
+        or (saes is not None and saes.stops)
+        or any(r.stops for r in readouts.values())
+    )
 
 
 def options_of(params: Any, readout_options: Mapping[str, str] | None = None) -> RequestOptions:

@@ -101,6 +101,16 @@ class FeatureFlags(OutputProcessor):
         return ProbeFlags().merge(pieces)
 
 
+class LensFlags(OutputProcessor):
+    """The rows where a lens monitor's threshold was crossed, by ``"<lens>@<layer>:<token>"``."""
+
+    name: ClassVar[str] = "lens_flags"
+    completion_attributes = ("lens_flags",)
+
+    def merge(self, pieces: list[dict[str, list[int]]]) -> dict[str, list[int]]:
+        return ProbeFlags().merge(pieces)
+
+
 class Steering(OutputProcessor):
     """Which steering applied to a completion: ``{"vectors": {name: scale}, "phase", "start"}``
     (plus ``"gate"`` for probe-gated steering); None when it was not steered. Online the same
@@ -116,4 +126,12 @@ class Steering(OutputProcessor):
         return pieces[-1]  # every piece describes the whole completion; the last is newest
 
 
-BUILTIN = (HiddenStates, ProbeScores, SAEFeatureSets, ProbeFlags, FeatureFlags, Steering)
+BUILTIN = (
+    HiddenStates,
+    ProbeScores,
+    SAEFeatureSets,
+    ProbeFlags,
+    FeatureFlags,
+    LensFlags,
+    Steering,
+)

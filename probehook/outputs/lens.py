@@ -15,6 +15,7 @@ readout table names it), the model's head comes from the adapter; the lens files
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -87,6 +88,7 @@ class LensReadout(TopKReadout):
     entries_are_tokens = True
     follows_last_prefill_token = True  # the last prompt token's reading costs one row
     tensor_parallel = False  # each rank holds a vocabulary shard: not merged yet
+    flags_attribute = "lens_flags"
 
     @property
     def k_option(self) -> str:
@@ -138,6 +140,30 @@ class LensReadout(TopKReadout):
                     "num_layers": num_layers,
                 }
         return out
+
+    def check_monitor(self, monitor: Any, k: int, vocab_size: int | None) -> None:
+        """A :class:`~probehook.core.monitors.LensMonitor` reads the token's log-prob among
+        the top ``k``, ``-inf`` outside: exact above ``-log(k + 1)`` (a token outside the top
+        ``k`` has probability at most ``1 / (k + 1)``), so a lower threshold is refused."""
+        if vocab_size is not None and monitor.token >= vocab_size:
+            raise CaptureConfigError(
+                f"LensMonitor token={monitor.token} is not a token id of this model "
+                f"(vocabulary 0..{vocab_size - 1})."
+            )
+        floor = -math.log(k + 1)
+        if monitor.threshold <= floor:
+            needed = math.ceil(math.exp(-monitor.threshold))  # k + 1 > 1 / p
+            fix = (
+                f"raise lens_top_k to {needed} or more"
+                if needed <= MAX_LENS_TOP_K
+                else f"pass a threshold above {-math.log(MAX_LENS_TOP_K + 1):.4f}"
+            )
+            raise CaptureConfigError(
+                f"LensMonitor({monitor.key!r}) threshold={monitor.threshold} is not above "
+                f"-log(lens_top_k + 1) = {floor:.4f}: with lens_top_k={k} the engine knows a "
+                f"token's log-prob only down to that (a token outside the top {k} may still "
+                f"be as likely as 1/{k + 1}); {fix}, or pass a threshold above {floor:.4f}."
+            )
 
     def index_bound(self, settings: Mapping[str, Any]) -> int:
         return 2**32 - 2  # a vocabulary's ids; the model's size is not known here

@@ -75,6 +75,13 @@ class TopKRows:
         the kept ``k``)."""
         return torch.where(self.indices == index, self.values, 0.0).sum(dim=1)
 
+    def value_of(self, index: int, outside: float = 0.0) -> torch.Tensor:
+        """``[n]`` float32: entry ``index``'s value on each token, ``outside`` where it is not
+        among the kept ``k`` (what a monitor of the readout watches)."""
+        hit = self.indices == index
+        inside = torch.where(hit, self.values, 0.0).sum(dim=1)
+        return torch.where(hit.any(dim=1), inside, torch.tensor(outside, dtype=inside.dtype))
+
     def top(self, k: int) -> TopKRows:
         """The first ``k`` entries of each token (rows are sorted, so this is the top ``k``);
         ``l0`` is unchanged; ``watched`` stays the engine's."""

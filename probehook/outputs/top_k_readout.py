@@ -56,8 +56,18 @@ class TopKReadout(OutputProcessor):
     beside them (:meth:`add_token_text`)."""
     reads_next_token: ClassVar[bool] = False
     """The worker reads a row together with the id of the token that came next (a lens's
-    target log-prob): it records after the step's sampling, and :meth:`read` gets
+    target log-prob): its rows complete after the step's sampling, and :meth:`read` gets
     ``next_tokens``."""
+    flags_attribute: ClassVar[str | None] = None
+    """The completion attribute its monitors' flags go to (``"lens_flags"``); None: the
+    readout has no monitors. Its monitors (``source`` = this readout's, ``instance``,
+    ``entry``, ``outside``, ``key``, ``stop_reason``) are checked by :meth:`check_monitor`."""
+
+    def check_monitor(self, monitor: Any, k: int, vocab_size: int | None) -> None:
+        """Refuse a monitor of this readout the engine cannot watch exactly (a clear
+        :class:`~probehook.errors.CaptureConfigError`)."""
+        if self.flags_attribute is None:
+            raise CaptureConfigError(f"the {self.name} readout has no monitors.")
 
     @property
     def k_option(self) -> str:

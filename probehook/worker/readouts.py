@@ -121,7 +121,9 @@ def readout_row(source: str) -> WorkerReadout:
     row = READOUTS.get(source)
     if row is not None:
         return row
-    return WorkerReadout(source, source, RANK_0, functools.partial(_top_k, source))
+    # Its step's rows stay readable in the sampler (a lens monitor's stop reads them).
+    build = functools.partial(_top_k, source)
+    return WorkerReadout(source, source, RANK_0, build, read_in_sampler=True)
 
 
 def _top_k(source: str, hook: Any, banks: Any) -> StepRecorder | None:

@@ -21,7 +21,8 @@ from probehook._version import __version__ as probehook_version
 from probehook.adapter.frontend import engine_config, outputs
 from probehook.capture_config import CaptureConfig, LayerSpec, resolve_layers
 from probehook.core.bank_file import WorkerBanks
-from probehook.core.monitors import FeatureMonitor
+from probehook.core.monitors import FeatureMonitor, LensMonitor
+from probehook.core.request_options import lens_monitor
 from probehook.core.steering_wire import DEFAULT_CAPACITY
 from probehook.errors import CaptureConfigError, CaptureError
 from probehook.frontend.named import load_named
@@ -95,12 +96,22 @@ class CaptureRequest:
                 f"steering= has {len(self.steering)} vectors, more than steering_capacity="
                 f"{self.steering_capacity}; raise steering_capacity."
             )
-        watched = [isinstance(m, FeatureMonitor) for m in self.monitors or ()]
-        if not all(watched) and self.probes is None:
+        if self.monitors is not None:  # a lens monitor's dict form, as in a request
+            self.monitors = [
+                lens_monitor(i, m) if isinstance(m, Mapping) and "lens" in m else m
+                for i, m in enumerate(self.monitors)
+            ]
+        kinds = {type(m) for m in self.monitors or ()}
+        if kinds - {FeatureMonitor, LensMonitor} and self.probes is None:
             raise CaptureConfigError(
                 "monitors= watch probes, but no probes were given; pass probes={...}."
             )
-        if any(watched) and self.saes is None:
+        if LensMonitor in kinds and not (self.readouts or {}).get("lens"):
+            raise CaptureConfigError(
+                "monitors= has LensMonitors, which watch lenses, but no lenses were given; "
+                "pass lenses={...} and lens_layers=[...]."
+            )
+        if FeatureMonitor in kinds and self.saes is None:
             raise CaptureConfigError(
                 "monitors= has FeatureMonitors, which watch SAE features, but no SAEs were "
                 "given; pass saes={...}."
@@ -260,7 +271,7 @@ def prepare(
     if probes is not None:
         probe_set = ProbeSet(
             probes,
-            [m for m in request.monitors or () if not isinstance(m, FeatureMonitor)],
+            [m for m in request.monitors or () if not isinstance(m, FeatureMonitor | LensMonitor)],
             num_layers=num_layers,
             hidden_size=resolved.model_config.get_hidden_size(),
             model_fingerprint=fingerprint["fingerprint"],
@@ -280,6 +291,7 @@ def prepare(
     readouts = _readout_sets(
         request, num_layers, resolved.model_config.get_hidden_size(),
         model_name=resolved.model_config.model,
+        vocab_size=resolved.model_config.get_vocab_size(),
     )  # fmt: skip
     pooling = engine_config.is_pooling(resolved)
     if pooling:
@@ -342,7 +354,9 @@ def prepare(
         readouts={source: r.loader_settings() for source, r in readouts.items()} or None,
         clamps=sae_set.clamp_settings() if sae_set is not None else (),
         # Requests may bring their own monitors: whenever probes or SAEs can be watched.
-        monitored=probe_set is not None or sae_set is not None,
+        monitored=probe_set is not None
+        or sae_set is not None
+        or any(r.readout.flags_attribute for r in readouts.values()),
     )
     legacy = legacy_fingerprint(hf_config)  # only compared with pre-v2 stores
     store = os.fspath(request.store) if request.store is not None else None
@@ -369,7 +383,11 @@ def prepare(
 
 
 def _readout_sets(
-    request: CaptureRequest, num_layers: int, hidden_size: int, model_name: str | None = None
+    request: CaptureRequest,
+    num_layers: int,
+    hidden_size: int,
+    model_name: str | None = None,
+    vocab_size: int | None = None,
 ) -> dict[str, ReadoutSet]:
     """The engine's top-k readouts (registered output processors), checked against the
     model; a source nobody registered is refused, naming those that are."""
@@ -385,9 +403,10 @@ def _readout_sets(
             )
         k = (request.readout_top_k or {}).get(source)
         extras = (request.readout_extras or {}).get(source)
+        monitors = [m for m in request.monitors or () if getattr(m, "source", None) == source]
         sets[source] = ReadoutSet(readout, specs, k, num_layers=num_layers,
-                                  hidden_size=hidden_size, extras=extras,
-                                  model_name=model_name)  # fmt: skip
+                                  hidden_size=hidden_size, extras=extras, model_name=model_name,
+                                  monitors=monitors, vocab_size=vocab_size)  # fmt: skip
     unknown = sorted(set(request.readout_top_k or {}) - set(sets))
     if unknown:
         raise CaptureConfigError(f"readout_top_k names {unknown}, which the engine does not read.")
@@ -460,6 +479,16 @@ def load_steering(steering: Any) -> dict[str, Any]:
     return load_named(steering, "steering", SteeringVector, SteeringVector.load, "steering vector")
 
 
+def _monitorable(setup: CaptureSetup) -> bool:
+    """Whether requests may bring stop monitors: of probes, SAE features or a top-k readout
+    that has monitors (lenses)."""
+    return (
+        setup.probes is not None
+        or setup.saes is not None
+        or any(r.readout.flags_attribute for r in setup.readouts.values())
+    )
+
+
 def start(
     setup: CaptureSetup,
     model: str,
@@ -479,7 +508,7 @@ def start(
         abort=abort,
         decorate=outputs.decorate,
         probes=setup.probes,
-        stop_token=stop_token if setup.probes is not None or setup.saes is not None else None,
+        stop_token=stop_token if _monitorable(setup) else None,
         steering=setup.steering,
         saes=setup.saes,
         readouts=setup.readouts,

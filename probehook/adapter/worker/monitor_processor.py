@@ -1,12 +1,13 @@
-"""The ``stop`` action of probe and feature monitors, as a vLLM V1 custom logits processor.
+"""The ``stop`` action of probe, feature and lens monitors, as a vLLM V1 custom logits
+processor.
 
 It runs in the worker after ``compute_logits``, in the same step and process as the step hook
-that scored the batch, so it reads this step's scores: for a request whose monitor crosses its
-threshold it forces the request's stop token (an id the front end added to the request's
-``stop_token_ids``, so vLLM's own ``check_stop`` ends it, also under ``ignore_eos``). The
-front end then names the probe in ``stop_reason``. Batch tracking is vLLM's
-(``process_dict_updates``); the processor is passed per engine (``LLM(logits_processors=...)``),
-never through the global entry-point group.
+that scored the batch, so it reads this step's scores, features and lens readings: for a
+request whose monitor crosses its threshold it forces the request's stop token (an id the
+front end added to the request's ``stop_token_ids``, so vLLM's own ``check_stop`` ends it,
+also under ``ignore_eos``). The front end then names the monitor in ``stop_reason``. Batch
+tracking is vLLM's (``process_dict_updates``); the processor is passed per engine
+(``LLM(logits_processors=...)``), never through the global entry-point group.
 """
 
 from __future__ import annotations
@@ -15,12 +16,11 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 from vllm.v1.sample.logits_processor.builtin import process_dict_updates
 
-from probehook.core.monitors import FeatureMonitor, crosses
+from probehook.core.monitors import FeatureMonitor, crosses, top_k_value
 from probehook.core.request_options import EXTRA_ARGS_KEY, RequestWire, WireMonitor
 
 logger = logging.getLogger(__name__)
@@ -30,6 +30,7 @@ logger = logging.getLogger(__name__)
 class _Watch:
     stops: list[WireMonitor]  # the request's monitors with action "stop"
     feature_stops: list[tuple[FeatureMonitor, int]]  # with their SAE's bank slot
+    readout_stops: list[tuple[Any, int]]  # lens monitors, with their instance's bank slot
     stop_token: int
     min_tokens: int
     output_ids: list[int]  # vLLM's live list of the request's generated tokens
@@ -59,10 +60,13 @@ class ProbeStopProcessor(LogitsProcessor):
             return logits  # before recording starts (warm-up): nothing is watched yet
         scores = _StepValues(hook.scorer)
         features = _StepValues(hook.sae_recorder)
+        readouts: dict[str, _StepValues] = {}
         for index, watch in self.watches.items():
             if len(watch.output_ids) < watch.min_tokens or watch.stop_token >= logits.shape[1]:
                 continue  # vLLM would not stop it yet; the forced token would be kept
-            if _crossed(watch, index, scores, features):
+            if _crossed(watch, index, scores, features) or _readout_crossed(
+                watch, index, hook, readouts
+            ):
                 logits[index] = float("-inf")
                 logits[index, watch.stop_token] = 0.0
         return logits
@@ -102,9 +106,25 @@ def _crossed(watch: _Watch, index: int, scores: _StepValues, features: _StepValu
         packed = features.row(index, slot)
         if packed is None:
             continue
-        k = (len(packed) - 1) // 2
-        hit = np.flatnonzero(packed[:k] == monitor.feature)
-        value = float(packed[k + hit[0]]) if len(hit) else 0.0  # not among the top k: 0
+        value = top_k_value(packed, monitor.feature, 0.0)  # not among the top k: 0
+        if crosses(value, monitor.threshold, monitor.direction):
+            return True
+    return False
+
+
+def _readout_crossed(
+    watch: _Watch, index: int, hook: Any, readouts: dict[str, _StepValues]
+) -> bool:
+    """Whether a stop monitor of a top-k readout (a lens monitor) crossed on this step's
+    last row of the request (its readout's rows, read before sampling)."""
+    for monitor, slot in watch.readout_stops:
+        values = readouts.get(monitor.source)
+        if values is None:
+            values = readouts[monitor.source] = _StepValues(hook.recording.get(monitor.source))
+        packed = values.row(index, slot)
+        if packed is None:
+            continue
+        value = top_k_value(packed, monitor.entry, monitor.outside)
         if crosses(value, monitor.threshold, monitor.direction):
             return True
     return False
@@ -121,10 +141,11 @@ def _watch(params: Any, prompt_ids: list[int] | None, output_ids: list[int]) -> 
             return None
         stops = [m for m in wire.monitors if m.monitor.action == "stop"]
         feature_stops = [(m, slot) for m, slot in wire.feature_monitors if m.action == "stop"]
-        if not stops and not feature_stops:
+        readout_stops = [(m, slot) for m, slot in wire.readout_monitors if m.action == "stop"]
+        if not stops and not feature_stops and not readout_stops:
             return None
         min_tokens = int(params.min_tokens or 0)
-        return _Watch(stops, feature_stops, wire.stop_token, min_tokens, output_ids)
+        return _Watch(stops, feature_stops, readout_stops, wire.stop_token, min_tokens, output_ids)
     except Exception as e:  # noqa: BLE001
         logger.warning("probehook: not watching a request with unreadable options: %s", e)
         return None

@@ -7,6 +7,7 @@ of the rows the same engine captures."""
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -117,7 +118,13 @@ def test_async_llm_streams_it(registered, entry_point_root: Path, monkeypatch) -
         str(tiny_model_path()), layers=[3], norms={"n3": 3}, lenses={"l": "logit"},
         lens_layers=[3], **ENGINE,
     )  # fmt: skip
-    params = SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True, logprobs=0)
+    # A lens flag monitor on the stream: every yield flags the rows to date where token 10's
+    # log-prob under the lens is above -1 (the tiny model's "6": "12+34=46").
+    watch = {"lens": "l", "layer": 3, "token": 10, "threshold": -1.0}
+    params = SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True, logprobs=0,
+                            extra_args={"probehook": {"monitors": [watch]}})  # fmt: skip
+
+    flags: list[list[int]] = []
 
     async def main() -> list[tuple[int, Any, Any, Any, Any]]:
         seen = []
@@ -125,6 +132,9 @@ def test_async_llm_streams_it(registered, entry_point_root: Path, monkeypatch) -
             c = out.outputs[0]
             seen.append((len(c.token_ids), c.row_norms["n3"], c.hidden_states[3],
                          c.lens["l"][3], c.logprobs))  # fmt: skip
+            flagged = torch.nonzero(c.lens["l"][3].value_of(10, -math.inf) > -1.0).flatten()
+            assert c.lens_flags == {"l@3:10": flagged.tolist()}
+            flags.append(c.lens_flags["l@3:10"])
         return seen
 
     try:
@@ -132,6 +142,7 @@ def test_async_llm_streams_it(registered, entry_point_root: Path, monkeypatch) -
     finally:
         engine.shutdown()
     assert seen and seen[-1][0] == TOKENS
+    assert flags[-1] == [1]  # "6", the second token
     for tokens, norms, rows, lens, _ in seen:
         assert len(norms) == tokens == len(lens)
         assert_norms(norms, rows)

@@ -94,6 +94,65 @@ def test_targets_drawn_after_the_read_are_filled_by_complete(by_rows: bool) -> N
     assert torch.isnan(again[0, [1, 3, 5], 6]).all()
 
 
+def test_ranks_holding_vocabulary_shards_merge_to_the_whole_reading() -> None:
+    """Tensor parallelism: two ranks (threads here, in step as vLLM's workers are) each hold
+    half of a padded vocabulary; one all-gather per read merges their top-k lists,
+    log-sum-exps and targets, and ``complete`` their sampled tokens' logits: both ranks end
+    with the reading of one rank that holds it all."""
+    import threading
+    from types import SimpleNamespace
+
+    head = _head()  # VOCAB = 11 tokens, padded to 12: rank 1 holds 6..10 and one padding
+    width, ranks = 6, 2
+    barrier = threading.Barrier(ranks)
+    posted: dict[int, torch.Tensor] = {}
+
+    def shard_of(rank: int) -> SimpleNamespace:
+        start = rank * width
+
+        def logits(rows: torch.Tensor) -> torch.Tensor:
+            out = torch.full((rows.shape[0], width), float("-inf"))
+            held = min(width, VOCAB - start)
+            out[:, :held] = head(rows)[:, start : start + held]
+            return out
+
+        def token_logits(rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+            mine = (ids >= start) & (ids < min(start + width, VOCAB))
+            return torch.where(mine, head(rows).gather(1, ids[:, None])[:, 0], float("-inf"))
+
+        def all_gather(part: torch.Tensor) -> torch.Tensor:
+            posted[rank] = part
+            barrier.wait()
+            whole = torch.cat([posted[r] for r in range(ranks)], dim=-1)
+            barrier.wait()
+            return whole
+
+        parts = dict(logits=logits, token_logits=token_logits, all_gather=all_gather)
+        return SimpleNamespace(**parts, start=start, vocab=VOCAB, ranks=ranks)
+
+    rows = torch.randn(5, HIDDEN)
+    before = torch.tensor([4, -1, 10, 0, -1])
+    drawn = torch.tensor([4, 9, 10, 0, 2])
+    got: dict[int, torch.Tensor] = {}
+
+    def run(rank: int) -> None:
+        bank = LensBank(_logit_instances(1), 3, head, shard=shard_of(rank))
+        with torch.no_grad():
+            out = bank([rows], None, before)
+            bank.complete(out, lambda picked: drawn[torch.from_numpy(picked)])
+        got[rank] = out
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(ranks)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    with torch.no_grad():
+        whole = LensBank(_logit_instances(1), 3, head)([rows], None, drawn)
+    for rank in range(ranks):
+        torch.testing.assert_close(got[rank], whole)
+
+
 def test_requests_pick_lenses_and_layers() -> None:
     readout = LensReadout()
     instances = {

@@ -56,7 +56,11 @@ def test_two_llms_in_one_process_capture_their_own_rows(
 
 @pytest.mark.topology  # tests/README.md: RPC to two workers, each in its own process
 def test_tensor_parallel_2_matches_tp_1(
-    eager_llm, llama_dir: Path, engine_defaults: dict, monkeypatch: pytest.MonkeyPatch
+    eager_llm,
+    llama_dir: Path,
+    llama_lenses: dict[str, str],
+    engine_defaults: dict,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Also: the workers find probehook's loader without inheriting ``PROBEHOOK_ENGINE``
     (withheld here), as under vLLM's Ray executor, which passes its workers only ``VLLM_``
@@ -67,6 +71,7 @@ def test_tensor_parallel_2_matches_tp_1(
 
     from probehook import LLM, SamplingParams, SteeringVector
     from probehook.adapter import plugin
+    from probehook.testing import assert_lens_matches_hf
 
     # vLLM's CPU backend needs one core per TP worker named explicitly.
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
@@ -82,6 +87,10 @@ def test_tensor_parallel_2_matches_tp_1(
             tensor_parallel_size=2,
             probes=random_probes(128),
             steering={"up": up},
+            # Each rank holds half the vocabulary: its partial readings merge.
+            lenses=llama_lenses,
+            lens_layers=[2, 3],
+            lens_top_k=4,
             **engine_defaults,
         )
     try:
@@ -100,6 +109,7 @@ def test_tensor_parallel_2_matches_tp_1(
                     atol=1e-4,
                     rtol=0,
                 )
+            assert_lens_matches_hf(llama_dir, g, llama_lenses, [2, 3], prefill=True)
             # Scores come back once (rank 0), equal to the probes on the returned rows.
             assert assert_scores_match_rows(g, tp2.probes.probes) > 0
             assert len(g.probe_scores["truth"]) == len(g.outputs[0].token_ids)
@@ -119,6 +129,20 @@ def test_tensor_parallel_2_matches_tp_1(
         eos = tp2.get_tokenizer().eos_token_id
         assert list(stopped.token_ids) == list(got[1].outputs[0].token_ids[:k]) + [eos]
         assert stopped.stop_reason == "probe:size"
+        # A lens stop monitor too, forced on every rank alike: the J-lens at layer 2 gives
+        # the token the model produced second a log-prob below 0 everywhere, so it stops at
+        # the first row.
+        token = got[1].outputs[0].token_ids[1]
+        watch = {"lens": "j", "layer": 2, "token": token, "threshold": -1e-6,
+                 "direction": "below", "action": "stop"}  # fmt: skip
+        lens_stopped = tp2.generate(
+            PROMPTS[1],
+            SamplingParams(max_tokens=4, temperature=0, ignore_eos=True,
+                           extra_args={"probehook": {"monitors": [watch]}}),
+            use_tqdm=False,
+        )[0].outputs[0]  # fmt: skip
+        assert list(lens_stopped.token_ids) == [eos]
+        assert lens_stopped.stop_reason == f"lens:j@2:{token}"
         _check_tp2_steering(tp2, want, up, llama_dir)
     finally:
         tp2.shutdown()

@@ -87,7 +87,6 @@ class LensReadout(TopKReadout):
     reads_next_token = True
     entries_are_tokens = True
     follows_last_prefill_token = True  # the last prompt token's reading costs one row
-    tensor_parallel = False  # each rank holds a vocabulary shard: not merged yet
     flags_attribute = "lens_flags"
 
     @property

@@ -42,10 +42,14 @@ class LensBank:
         k: int,
         head: Callable[[torch.Tensor], torch.Tensor],
         token_logits: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+        shard: Any = None,
     ) -> None:
         """``head(rows)``: the model's final norm and unembedding, ``[n, hidden]`` (the model's
         dtype) -> ``[n, vocab]`` logits as the model computes them; ``token_logits(rows,
-        ids)``: the same for one token per row, ``[n]`` (None: the head's column)."""
+        ids)``: the same for one token per row, ``[n]`` (None: the head's column);
+        ``shard``: under tensor parallelism, the rank's vocabulary shard (the adapter's
+        ``VocabShard``): every rank reads its shard in step, and one all-gather per tile
+        merges the partial top-k lists, log-sum-exps and targets."""
         if not instances:
             raise ValueError("a LensBank needs at least one instance")
         self.slots = tuple(instances)
@@ -53,6 +57,7 @@ class LensBank:
         self.width = 2 * self.k + 1
         self.head = head
         self.token_logits = token_logits
+        self.shard = shard
         self._pending: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = []
         """Rows read without their next token: ``(slot, rows of the step's block, the rows
         as the head reads them, their log-sum-exp)``, until :meth:`complete`."""
@@ -140,7 +145,10 @@ class LensBank:
             vocab = self._vocab
             known = (tokens >= 0) & (tokens < vocab)
             ids = tokens.clamp(0, vocab - 1)
-            if self.token_logits is not None:
+            if self.shard is not None:  # the rank that holds the token has its logit
+                mine = self.shard.token_logits(mapped, ids).float().unsqueeze(1)
+                logits = self.shard.all_gather(mine).max(dim=1).values
+            elif self.token_logits is not None:
                 logits = self.token_logits(mapped, ids).float()
             else:
                 logits = self.head(mapped).float().gather(1, ids.unsqueeze(1)).squeeze(1)
@@ -189,6 +197,8 @@ class LensBank:
         matrix: torch.Tensor | None,
         bias: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        if self.shard is not None:
+            return self._one_shard(self._map(rows, matrix, bias), targets)
         logits = self.head(self._map(rows, matrix, bias)).float()
         vocab = logits.shape[1]
         lse = torch.logsumexp(logits, dim=1, keepdim=True)
@@ -203,3 +213,44 @@ class LensBank:
         picked = logits.gather(1, targets.clamp(0, vocab - 1).unsqueeze(1)) - lse
         packed[:, 2 * self.k] = torch.where(known, picked.squeeze(1), float("nan"))
         return packed, lse.squeeze(1), vocab
+
+    def _one_shard(
+        self, x: torch.Tensor, targets: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """:meth:`_one` on this rank's vocabulary shard: the shard's top-k (global ids), its
+        log-sum-exp and the target's logit where it holds it (``-inf`` elsewhere) go through
+        one all-gather, then the merge every rank does alike."""
+        shard = self.shard
+        local = shard.logits(x)
+        n, width = local.shape
+        k = min(self.k, width)
+        top = torch.topk(local, k, dim=1)
+        at = targets - shard.start
+        mine = (at >= 0) & (at < width)
+        picked = local.gather(1, at.clamp(0, width - 1).unsqueeze(1)).squeeze(1)
+        part = torch.cat(
+            [
+                top.values,
+                (top.indices + shard.start).float(),
+                torch.logsumexp(local, dim=1, keepdim=True),
+                torch.where(mine, picked, float("-inf")).unsqueeze(1),
+            ],
+            dim=1,
+        )  # [n, 2k + 2]
+        every = shard.all_gather(part).view(n, shard.ranks, 2 * k + 2)
+        lse = torch.logsumexp(every[:, :, 2 * k], dim=1)
+        values = every[:, :, :k].reshape(n, -1)
+        ids = every[:, :, k : 2 * k].reshape(n, -1)
+        kept = min(self.k, values.shape[1])
+        best = torch.topk(values, kept, dim=1)
+        best_ids = ids.gather(1, best.indices)
+        real = torch.isfinite(best.values)  # a shard of padding offers -inf
+        packed = torch.empty((n, self.width), dtype=torch.float32, device=x.device)
+        packed[:, : self.k] = -1
+        packed[:, self.k : 2 * self.k] = 0
+        packed[:, :kept] = torch.where(real, best_ids, -1.0)
+        packed[:, self.k : self.k + kept] = torch.where(real, best.values - lse[:, None], 0.0)
+        target = every[:, :, 2 * k + 1].max(dim=1).values - lse
+        known = (targets >= 0) & (targets < shard.vocab)
+        packed[:, 2 * self.k] = torch.where(known, target, float("nan"))
+        return packed, lse, shard.vocab

@@ -96,7 +96,7 @@ def _lens_bank(readout: Any, instances: Any, k: int, model: Any) -> Any:
             "model (capture_only=True), an untied LM head that is not in a safetensors file of "
             "the checkpoint."
         )
-    return LensBank(instances, k, model.head, model.token_logits).to(model.device)
+    return LensBank(instances, k, model.head, model.token_logits, model.shard).to(model.device)
 
 
 def _generic_bank(readout: Any, instances: Any, k: int, model: Any) -> Any:
@@ -107,6 +107,12 @@ TOP_K_BANKS: dict[str, Callable[[Any, Any, int, Any], Any]] = {"lens": _lens_ban
 """The bank of each top-k readout that needs more than its ``read`` (lenses: the model's
 head), by source; every other top-k readout gets the generic
 :class:`~probehook.worker.top_k_bank.TopKBank`."""
+
+
+SHARDED_READOUTS = frozenset({"lens"})
+"""Top-k readouts every rank reads in step under tensor parallelism (a lens: each rank holds a
+shard of the vocabulary, and the partial readings are merged by a collective); every rank
+samples, so each also forces a lens monitor's stop alike."""
 
 
 def top_k_bank(source: str, readout: Any, instances: Any, k: int, model: Any) -> Any:
@@ -123,7 +129,8 @@ def readout_row(source: str) -> WorkerReadout:
         return row
     # Its step's rows stay readable in the sampler (a lens monitor's stop reads them).
     build = functools.partial(_top_k, source)
-    return WorkerReadout(source, source, RANK_0, build, read_in_sampler=True)
+    ranks = EVERY_RANK if source in SHARDED_READOUTS else RANK_0
+    return WorkerReadout(source, source, ranks, build, read_in_sampler=True)
 
 
 def _top_k(source: str, hook: Any, banks: Any) -> StepRecorder | None:

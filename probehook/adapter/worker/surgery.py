@@ -99,6 +99,28 @@ class ModelParts:
     """``token_logits(rows, ids)``: the head's logit of one token per row, ``[n]``, from that
     token's row of the unembedding (None: the model's head is not one probehook can read
     by rows; callers take the head's column)."""
+    shard: VocabShard | None = None
+    """Under tensor parallelism, this rank's shard of the vocabulary (``head`` would gather
+    every rank's logits)."""
+
+
+@dataclass(frozen=True)
+class VocabShard:
+    """This rank's shard of a vocabulary-parallel unembedding: what a lens reads on each rank,
+    in step with the others, without gathering logits (the partial top-k lists and
+    log-sum-exps are merged instead)."""
+
+    logits: Callable[[torch.Tensor], torch.Tensor]
+    """``[n, hidden]`` rows -> ``[n, width]`` logits of this shard (final norm, head, soft-cap
+    and scale; padding columns ``-inf``); column ``j`` is token ``start + j``."""
+    start: int
+    vocab: int
+    """The whole vocabulary (without padding)."""
+    token_logits: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    """``(rows, ids)`` -> ``[n]``: each id's logit where this shard holds it, else ``-inf``."""
+    all_gather: Callable[[torch.Tensor], torch.Tensor]
+    """``[n, m]`` -> ``[n, ranks * m]`` across the tensor-parallel group, in rank order."""
+    ranks: int
 
 
 def model_parts(
@@ -130,7 +152,65 @@ def model_parts(
     def head(rows: torch.Tensor) -> torch.Tensor:
         return compute_logits(model, norm(rows))
 
+    shard = _vocab_shard(model, norm)
+    if shard is not None:
+        return ModelParts(device, head, None, shard)
     return ModelParts(device, head, _token_logits(model, norm, head))
+
+
+def _vocab_shard(model: nn.Module, norm: nn.Module) -> VocabShard | None:
+    """The rank's shard of a vocabulary-parallel LM head (None: one rank holds it all, or the
+    head is not vLLM's ``ParallelLMHead`` with its logits processor). The logits are the
+    processor's own head call (``_apply_head``: the head's quantization and ``head_dtype``),
+    then its soft-cap and scale, as vLLM's vocabulary-parallel top-k does."""
+    lm_head = getattr(model, "lm_head", None)
+    processor = getattr(model, "logits_processor", None)
+    ranks = int(getattr(lm_head, "tp_size", 1) or 1)
+    indices = getattr(lm_head, "shard_indices", None)
+    apply = getattr(processor, "_apply_head", None)
+    if ranks == 1 or indices is None or apply is None:
+        return None
+    from vllm.distributed import tensor_model_parallel_all_gather
+
+    soft_cap, scale = processor.soft_cap, float(processor.scale)
+    start, held = int(indices.org_vocab_start_index), int(indices.num_org_elements)
+    padding = int(indices.num_org_vocab_padding)
+    weight = lm_head.weight
+
+    def finish(logits: torch.Tensor) -> torch.Tensor:
+        logits = logits.float()
+        if soft_cap is not None:
+            logits = torch.tanh(logits / soft_cap) * soft_cap
+        return logits * scale if scale != 1.0 else logits
+
+    def logits(rows: torch.Tensor) -> torch.Tensor:
+        out = finish(apply(lm_head, norm(rows), None))
+        if padding:
+            out[:, -padding:] = float("-inf")
+        return out
+
+    by_rows = type(lm_head.quant_method).__name__ in (
+        "UnquantizedEmbeddingMethod",
+        "UnquantizedLinearMethod",
+    )  # else the shard's column: a quantized weight's rows are not its logits' rows
+
+    def token_logits(rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - start
+        mine = (local >= 0) & (local < held)
+        at = local.clamp(0, max(held - 1, 0))  # a rank may hold only padding
+        if by_rows:
+            normed = norm(rows)
+            w = weight.index_select(0, at).to(normed.dtype)
+            out = finish(torch.bmm(normed.unsqueeze(1), w.unsqueeze(2)).reshape(-1))
+        else:
+            out = logits(rows).gather(1, at.unsqueeze(1)).squeeze(1)
+        return torch.where(mine, out, float("-inf"))
+
+    def all_gather(t: torch.Tensor) -> torch.Tensor:
+        return tensor_model_parallel_all_gather(t.contiguous(), dim=-1)
+
+    vocab = int(processor.org_vocab_size)
+    return VocabShard(logits, start, vocab, token_logits, all_gather, ranks)
 
 
 def _token_logits(

@@ -98,6 +98,7 @@ def build_random_checkpoint(
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
     spread_norms: bool = False,
+    tie_embeddings: bool = False,
 ) -> Path:
     """Write a random-weight checkpoint of architecture ``arch`` (one of ``ARCHITECTURES``;
     GQA allowed where the architecture has it) to ``out_dir``.
@@ -105,7 +106,8 @@ def build_random_checkpoint(
     head_dim is ``hidden_size // num_heads``; keep it at 64, which vLLM's CPU attention accepts.
     The bundled tiny model's tokenizer is copied in so vLLM and HF tokenise identically.
     ``spread_norms`` moves norm weights away from their init (1, or 0 for Gemma's offset
-    form), so that a norm skipped or applied twice shows in the rows.
+    form), so that a norm skipped or applied twice shows in the rows. ``tie_embeddings``:
+    the LM head is the embedding matrix (no ``lm_head.weight`` in the checkpoint).
     """
     from transformers import CONFIG_MAPPING, AutoModelForCausalLM, AutoTokenizer
 
@@ -125,7 +127,7 @@ def build_random_checkpoint(
         num_key_value_heads=num_kv_heads or num_heads,
         max_position_embeddings=256,
         rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tie_embeddings,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,

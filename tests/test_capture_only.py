@@ -134,3 +134,26 @@ def test_capture_needs_a_capture_only_engine(eager_llm) -> None:
 
     with pytest.raises(CaptureConfigError, match="capture_only=True"):
         eager_llm.capture(["1+1="])
+
+
+def test_lenses_with_tied_embeddings(tmp_path: Path, engine_defaults: dict) -> None:
+    """A capture-only engine of a model whose LM head is its embedding matrix (the checkpoint
+    has no ``lm_head.weight``): the rebuilt head reads the embeddings, and the logit lens
+    equals Hugging Face's on every prompt row."""
+    from helpers import build_random_checkpoint
+
+    from probehook import LLM
+    from probehook.testing import assert_lens_matches_hf
+
+    tied = build_random_checkpoint(tmp_path / "tied", num_layers=2, seed=5, tie_embeddings=True)
+    from safetensors import safe_open
+
+    with safe_open(str(tied / "model.safetensors"), "pt") as f:
+        assert not [k for k in f.keys() if k.startswith("lm_head")]  # noqa: SIM118
+    options = {**engine_defaults, "enforce_eager": True}
+    llm = LLM(str(tied), lenses={"l": "logit"}, lens_layers=[0], capture_only=True, **options)
+    try:
+        for out in llm.capture(PROMPTS[:4], use_tqdm=False):
+            assert_lens_matches_hf(tied, out, {"l": "logit"}, [0])
+    finally:
+        llm.shutdown()

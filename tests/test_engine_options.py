@@ -142,6 +142,8 @@ def test_option_starts_and_answers(specs: tuple[str, ...], refusal: str | None, 
         _check_generation(llm, specs, kwargs)
     finally:
         llm.shutdown()
+    if {"lenses", "store"} <= set(specs):
+        _check_lens_store_maintenance(kwargs["store"])
 
 
 def _check_generation(llm: Any, specs: tuple[str, ...], kwargs: dict[str, Any]) -> None:
@@ -208,6 +210,8 @@ def _check_generation(llm: Any, specs: tuple[str, ...], kwargs: dict[str, Any]) 
             kept = stored.top_k("lens")[f"l@{LAST}"]
             assert torch.equal(kept.token_ids, completion.lens["l"][LAST].token_ids)
             assert torch.equal(kept.target_logprob, completion.lens["l"][LAST].target_logprob)
+            for prompt in ("5+6=", "70+8="):  # more shards, for compaction to merge
+                llm.generate([prompt], params, use_tqdm=False)
     if steers:
         steered = llm.generate(
             [PROMPT],
@@ -357,3 +361,27 @@ def _check_lens_monitors(llm: Any) -> None:
     assert len(stopped.token_ids) == j + 1 and stopped.finish_reason == "stop"
     assert stopped.stop_reason == f"lens:{key_of(LAST, token)}"
     assert list(stopped.token_ids[:j]) == list(plain.token_ids[:j])
+
+
+def _check_lens_store_maintenance(root: Path) -> None:
+    """An engine-written store of lens readings: fsck finds it whole, compaction merges its
+    shards and changes no stored reading (bit-equal before and after)."""
+    from probehook.store import ActivationStore
+    from probehook.store.maintenance import compact, fsck
+
+    def readings() -> dict[str, Any]:
+        store = ActivationStore.open(root)
+        return {r.request_id: r.top_k("lens") for r in store.requests}
+
+    before = readings()
+    assert len(before) == 3 and fsck(root).ok
+    report = compact(root, progress=False)
+    assert fsck(root).ok and report.shards_after < report.shards_before
+    after = readings()
+    assert after.keys() == before.keys()
+    for request, rows in before.items():
+        for name, got in rows.items():
+            kept = after[request][name]
+            for column in ("token_ids", "logprobs", "target_logprob"):
+                torch.testing.assert_close(getattr(kept, column), getattr(got, column),
+                                           rtol=0, atol=0, equal_nan=True)  # fmt: skip

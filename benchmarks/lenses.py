@@ -105,6 +105,9 @@ def main() -> None:
     one = LLM(str(model_dir), lenses={"logit": "logit"}, lens_layers=[middle], **lens)
     many = LLM(str(model_dir), lenses={"logit": "logit"}, lens_layers=four, **lens)
     jacobian = LLM(str(model_dir), lenses={"j": str(j_path)}, lens_layers=[middle], **lens)
+    # The same J-lens with its map in the model's bfloat16 (lens_dtype) instead of float32.
+    j_bf16 = LLM(str(model_dir), lenses={"j": str(j_path)}, lens_layers=[middle],
+                 lens_dtype="bfloat16", **lens)  # fmt: skip
     seeds = itertools.count(1)
 
     def prompts(length: int) -> list[dict]:
@@ -120,6 +123,7 @@ def main() -> None:
             "logit lens, 1 layer": (one, decode_only, 1, 0),
             "logit lens, 4 layers": (many, decode_only, 4, 0),
             "J-lens, 1 layer": (jacobian, decode_only, 1, 1),
+            "J-lens, 1 layer, lens_dtype=bfloat16": (j_bf16, decode_only, 1, 1),
         },
         "prefill": {
             "logit lens, 1 layer, no request asking": (one, {"lenses": False}, 0, 0),
@@ -127,6 +131,7 @@ def main() -> None:
             "logit lens, 1 layer, last prompt row": (one, {"last_prefill_token": True}, 0, 0),
             "logit lens, 4 layers, every prompt row": (many, {}, 4, 0),
             "J-lens, 1 layer, every prompt row": (jacobian, {}, 1, 1),
+            "J-lens, 1 layer, every prompt row, lens_dtype=bfloat16": (j_bf16, {}, 1, 1),
         },
     }
     report: dict = {"workload": vars(args), "phases": {}}
@@ -176,7 +181,7 @@ def main() -> None:
                 }
             )
         report["phases"][phase] = rows
-    smoke.shutdown([base, one, many, jacobian])
+    smoke.shutdown([base, one, many, jacobian, j_bf16])
     lines = [
         f"Workload: Llama hidden {hidden}, {layers} layers, vocabulary {vocab}, bf16 dummy "
         f"weights; lenses at top-{args.top_k}; {args.prompts} prompts; {args.rounds} "

@@ -60,6 +60,7 @@ def _options(spec: str, tmp_path: Path) -> dict[str, Any]:
         "lenses": {"lenses": {"l": "logit"}, "lens_layers": [LAST]},
         "lens_layers": {"lens_layers": [LAST]},
         "lens_top_k": {"lens_top_k": 2},
+        "lens_dtype": {"lens_dtype": "bfloat16"},
         # Token 0 (padding) is never likely: the engine's monitor flags nothing; requests
         # bring their own (_check_lens_monitors).
         "lens_monitors": {"monitors": [LensMonitor("l", LAST, 0, -1.0, action="flag")]},
@@ -83,6 +84,7 @@ ALONE = [
     (("lenses",), None),
     (("lens_layers",), "lens_layers= configures the 'lens' readout"),
     (("lens_top_k",), "lens_top_k= configures the 'lens' readout"),
+    (("lens_dtype",), "lens_dtype= configures the 'lens' readout"),
     (("lens_monitors",), "LensMonitors, which watch lenses, but no lenses were given"),
 ]
 PAIRS = [

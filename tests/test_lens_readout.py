@@ -153,6 +153,29 @@ def test_ranks_holding_vocabulary_shards_merge_to_the_whole_reading() -> None:
         torch.testing.assert_close(got[rank], whole)
 
 
+def test_lens_dtype_sets_the_maps_dtype(tmp_path) -> None:
+    """``lens_dtype="bfloat16"``: a J-lens's map runs in bfloat16 (the reading moves by
+    bfloat16's rounding, no more); the engine option is checked."""
+    from helpers import write_random_lenses
+
+    files = write_random_lenses(tmp_path, HIDDEN, 4)
+    head = _head()
+
+    def j(dtype: str | None) -> dict:
+        return {"j@1": {"layer": 1, "lens": "j", "kind": "jacobian", "path": files["j"],
+                        "num_layers": 4, "dtype": dtype}}  # fmt: skip
+
+    rows, nxt = torch.randn(6, HIDDEN), torch.arange(6)
+    with torch.no_grad():
+        full = LensBank(j(None), 3, head)([rows], None, nxt)
+        half = LensBank(j("bfloat16"), 3, head)([rows], None, nxt)
+    assert not torch.equal(full, half)
+    torch.testing.assert_close(half[0, :, 3:], full[0, :, 3:], atol=0.05, rtol=0)
+    with pytest.raises(CaptureConfigError, match="lens_dtype='int8' is not valid"):
+        LensReadout().instances({"l": "logit"}, {"lens_layers": [1], "lens_dtype": "int8"},
+                                num_layers=4, hidden_size=HIDDEN)  # fmt: skip
+
+
 def test_requests_pick_lenses_and_layers() -> None:
     readout = LensReadout()
     instances = {

@@ -32,14 +32,19 @@ def flags(**overrides: object) -> argparse.Namespace:
         lens=[],
         lens_layers=None,
         lens_top_k=None,
+        lens_dtype=None,
     )
     return argparse.Namespace(**{**values, **overrides})
 
 
 def test_lens_flags_become_lens_arguments() -> None:
-    kwargs = capture_kwargs(flags(lens=["logit=logit", "j=j.pt"], lens_layers="2,4", lens_top_k=3))
+    lens = dict(lens=["logit=logit", "j=j.pt"], lens_layers="2,4", lens_top_k=3)
+    kwargs = capture_kwargs(flags(**lens, lens_dtype="bfloat16"))
     assert kwargs["lenses"] == {"logit": "logit", "j": "j.pt"}
     assert kwargs["lens_layers"] == [2, 4] and kwargs["lens_top_k"] == 3
+    assert kwargs["lens_dtype"] == "bfloat16"
+    with pytest.raises(SystemExit, match="--lens-dtype needs --lens"):
+        capture_kwargs(flags(lens_dtype="float16"))
     assert "lenses" not in capture_kwargs(flags())
     with pytest.raises(SystemExit, match="--lens-layers needs --lens"):
         capture_kwargs(flags(lens_layers="1"))

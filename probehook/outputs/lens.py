@@ -27,6 +27,9 @@ from probehook.outputs.top_k import TopKRows, compact_top_k, json_top_k
 from probehook.outputs.top_k_readout import TopKReadout
 
 LOGIT = "logit"
+MAP_DTYPES = (None, "float32", "bfloat16", "float16")
+"""What ``lens_dtype`` takes: the dtype the worker applies a J-lens's or tuned lens's map in
+(None: float32, the lens file's precision or more). The head always runs in the model's."""
 MAX_LENS_TOP_K = 64
 """Tokens kept per row and lens at most: the wire and the responses stay small."""
 
@@ -79,7 +82,7 @@ class LensReadout(TopKReadout):
     completion_attributes = ("lens",)
     engine_option = "lenses"
     request_option = "lenses"
-    extra_engine_options = ("lens_layers",)
+    extra_engine_options = ("lens_layers", "lens_dtype")
     extra_request_options = ("lens_layers",)
     default_k = 5
     max_k = MAX_LENS_TOP_K
@@ -104,9 +107,17 @@ class LensReadout(TopKReadout):
     ) -> dict[str, dict]:
         from probehook.lenses.artifacts import check_lens, load_lens
 
-        unknown = sorted(set(extras) - {"lens_layers"})
+        unknown = sorted(set(extras) - set(self.extra_engine_options))
         if unknown:
-            raise CaptureConfigError(f"unknown lens option(s) {unknown}; valid: ['lens_layers'].")
+            raise CaptureConfigError(
+                f"unknown lens option(s) {unknown}; valid: {list(self.extra_engine_options)}."
+            )
+        dtype = extras.get("lens_dtype")
+        if dtype not in MAP_DTYPES:
+            raise CaptureConfigError(
+                f"lens_dtype={dtype!r} is not valid; choose one of {list(MAP_DTYPES)} (the dtype "
+                "of a J-lens or tuned lens's map in the worker; None: float32)."
+            )
         layers = _layers(extras.get("lens_layers"), num_layers, "lens_layers")
         if not layers:
             raise CaptureConfigError(
@@ -137,6 +148,7 @@ class LensReadout(TopKReadout):
                     "kind": kind,
                     "path": None if kind == LOGIT else str(lens.path),
                     "num_layers": num_layers,
+                    "dtype": dtype,
                 }
         return out
 

@@ -77,6 +77,9 @@ class LensBank:
                 if path not in loaded:  # one read per file, whatever its layers
                     loaded[path] = load_lens(path)
                 matrix, bias = lens_affine(loaded[path], layer, int(settings["num_layers"]))
+                dtype = getattr(torch, settings.get("dtype") or "float32")  # lens_dtype
+                matrix = matrix.to(dtype) if matrix is not None else None
+                bias = bias.to(dtype) if bias is not None else None
             self._instances.append((self.layers.index(layer), matrix, bias))
         self.device: torch.device | None = None
 
@@ -182,10 +185,11 @@ class LensBank:
     @staticmethod
     def _map(rows: torch.Tensor, matrix: torch.Tensor | None, bias: torch.Tensor | None
              ) -> torch.Tensor:  # fmt: skip
-        """The lens's affine map of ``rows``, in float32 (its own dtype), back in theirs."""
+        """The lens's affine map of ``rows``, in the map's dtype (``lens_dtype``; float32
+        unless asked), back in theirs."""
         if matrix is None:
             return rows
-        x = rows.float() @ matrix.T
+        x = rows.to(matrix.dtype) @ matrix.T
         if bias is not None:
             x = x + bias
         return x.to(rows.dtype)

@@ -148,6 +148,13 @@ def add_capture_args(parser: Any) -> None:
         help="next tokens a lens reading keeps per token (default 5)",
     )
     group.add_argument(
+        "--lens-dtype",
+        choices=("float32", "bfloat16", "float16"),
+        default=None,
+        help="the dtype of a J-lens or tuned lens's map (default float32; the head runs in "
+        "the model's)",
+    )
+    group.add_argument(
         "--readout",
         action="append",
         default=[],
@@ -198,6 +205,8 @@ def capture_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit("error: --lens-layers needs --lens NAME=PATH")
     if args.lens_top_k is not None and not lenses:
         raise SystemExit("error: --lens-top-k needs --lens NAME=PATH")
+    if args.lens_dtype is not None and not lenses:
+        raise SystemExit("error: --lens-dtype needs --lens NAME=PATH")
     lens_options: dict[str, Any] = {}
     if lenses:
         lens_options["lenses"] = lenses  # "logit", a J-lens file or a tuned-lens folder
@@ -205,6 +214,8 @@ def capture_kwargs(args: argparse.Namespace) -> dict[str, Any]:
             lens_options["lens_layers"] = parse_layers(args.lens_layers)
         if args.lens_top_k is not None:
             lens_options["lens_top_k"] = args.lens_top_k
+        if args.lens_dtype is not None:
+            lens_options["lens_dtype"] = args.lens_dtype
     return dict(
         **lens_options,
         layers=layers,

@@ -285,40 +285,46 @@ def test_async_llm_with_one_option(spec: str, tmp_path: Path) -> None:
         assert len(features) == TOKENS and features.k == 4
 
 
-@pytest.mark.parametrize("spec", ONE_OPTION)
-def test_served_with_one_option(spec: str, tmp_path: Path) -> None:
-    """``probehook serve`` with only ``--steer`` or only ``--sae`` starts and answers."""
+def test_served_with_one_option(tmp_path: Path) -> None:
+    """``probehook serve`` with only ``--steer``, and one with only ``--sae``, start and
+    answer (started together: their start-ups overlap)."""
     import openai
 
     from probehook import tiny_model_path, tiny_sae_path
     from probehook.testing import ServerProcess
 
-    argv = [str(tiny_model_path()), "--served-model-name", "tiny", "--enforce-eager"]
-    argv += ["--dtype", "float32", "--max-model-len", "64", "--seed", "0"]
-    if spec == "steering":
-        argv += ["--steer", f"v={_vector().save(tmp_path / 'v.safetensors')}"]
-    else:
-        argv += ["--sae", f"s={tiny_sae_path()}", "--sae-top-k", "4"]
-    server = ServerProcess(argv, log=tmp_path / "server.log")
-    try:
-        client = openai.OpenAI(base_url=server.wait().base_url, api_key="unused", max_retries=0)
-
-        def complete(options: dict[str, Any]) -> Any:
-            body = {"ignore_eos": True, "probehook": options}
-            return client.completions.create(
-                model="tiny", prompt=PROMPT, max_tokens=TOKENS, temperature=0, logprobs=1,
-                extra_body=body,
-            ).choices[0]  # fmt: skip
-
+    servers = {}
+    for spec in ONE_OPTION:
+        argv = [str(tiny_model_path()), "--served-model-name", "tiny", "--enforce-eager"]
+        argv += ["--dtype", "float32", "--max-model-len", "64", "--seed", "0"]
         if spec == "steering":
-            plain, steered = complete({}), complete({"steer": {"v": 1.0}})
-            assert steered.model_extra["probehook"]["steering"]["vectors"] == {"v": 1.0}
-            assert steered.logprobs.token_logprobs != plain.logprobs.token_logprobs
+            argv += ["--steer", f"v={_vector().save(tmp_path / 'v.safetensors')}"]
         else:
-            features = complete({"saes": ["s"]}).model_extra["probehook"]["sae_features"]["s"]
-            assert len(features["l0"]) == TOKENS and len(features["indices"][0]) == 4
+            argv += ["--sae", f"s={tiny_sae_path()}", "--sae-top-k", "4"]
+        servers[spec] = ServerProcess(argv, log=tmp_path / f"server-{spec}.log")
+    try:
+        for spec, server in servers.items():
+            client = openai.OpenAI(base_url=server.wait().base_url, api_key="unused",
+                                   max_retries=0)  # fmt: skip
+
+            def complete(options: dict[str, Any], client: Any = client) -> Any:
+                body = {"ignore_eos": True, "probehook": options}
+                return client.completions.create(
+                    model="tiny", prompt=PROMPT, max_tokens=TOKENS, temperature=0, logprobs=1,
+                    extra_body=body,
+                ).choices[0]  # fmt: skip
+
+            if spec == "steering":
+                plain, steered = complete({}), complete({"steer": {"v": 1.0}})
+                assert steered.model_extra["probehook"]["steering"]["vectors"] == {"v": 1.0}
+                assert steered.logprobs.token_logprobs != plain.logprobs.token_logprobs
+            else:
+                answer = complete({"saes": ["s"]}).model_extra["probehook"]
+                features = answer["sae_features"]["s"]
+                assert len(features["l0"]) == TOKENS and len(features["indices"][0]) == 4
     finally:
-        server.stop()
+        for server in servers.values():
+            server.stop()
 
 
 def _check_lens_monitors(llm: Any) -> None:

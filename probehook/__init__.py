@@ -61,6 +61,8 @@ _LAZY = {
     "TunedLens": ("probehook.lenses.artifacts", "TunedLens"),
     "LensRows": ("probehook.outputs.lens", "LensRows"),
     "decode_array": ("probehook.outputs.array_codec", "decode_array"),
+    "view": ("probehook.viewer", "view"),
+    "View": ("probehook.viewer", "View"),
 }
 
 __all__ = [
@@ -83,6 +85,8 @@ __all__ = [
     "TunedLens",
     "LensRows",
     "decode_array",
+    "view",
+    "View",
     "FailedCapture",
     "CaptureConfigError",
     "CaptureError",

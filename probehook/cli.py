@@ -244,6 +244,32 @@ def cmd_store_compact(args: argparse.Namespace) -> None:
         raise SystemExit(1)
 
 
+def cmd_view(args: argparse.Namespace) -> None:
+    """``probehook view STORE --id ID -o run.html``: the viewer's page of stored requests."""
+    from probehook.errors import StoreError, StoreFormatError
+    from probehook.store import ActivationStore
+    from probehook.viewer import view
+
+    try:
+        store = ActivationStore.open(args.path)
+        requests = [store[store_id] for store_id in args.id]
+    except (StoreError, StoreFormatError, KeyError) as e:
+        raise SystemExit(f"error: {e}") from e
+    source = args.tokenizer or store.meta.get("model")
+    tokenizer = None
+    if source:
+        from transformers import AutoTokenizer
+
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(source)
+        except (OSError, ValueError) as e:
+            raise SystemExit(
+                f"error: cannot load the tokenizer from {source!r} ({e}); pass --tokenizer PATH"
+            ) from e
+    path = view(requests, tokenizer).save(args.output)
+    print(f"wrote {path} ({len(requests)} request(s))")
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["serve"]:  # vLLM's own parser takes every `vllm serve` flag
@@ -343,6 +369,14 @@ def main(argv: list[str] | None = None) -> None:
         "--shard-bytes", type=int, default=1 << 30, help="target shard size (default 1 GiB)"
     )
     merge.set_defaults(func=cmd_store_compact)
+    look = sub.add_parser("view", help="write a page of stored requests' tokens and readings")
+    look.add_argument("path", help="the store")
+    look.add_argument("--id", action="append", required=True, help="a store id (repeatable)")
+    look.add_argument("-o", "--output", required=True, help="the page to write (.html)")
+    look.add_argument(
+        "--tokenizer", help="where the tokenizer is (default: the model the store recorded)"
+    )
+    look.set_defaults(func=cmd_view)
     args = parser.parse_args(argv)
     args.func(args)
 

@@ -1,0 +1,258 @@
+"""What the viewer shows of one request, as JSON-able data: its tokens (prompt, then the first
+completion's), each token's scores (probe scores, a lens's target log-prob, ...), each token's
+top-k entries of every top-k readout (SAE features, a lens's next tokens), layer x token grids,
+and the marks (flags, the stop, steering, clamping).
+
+Rows are placed by position (docs/capture.md): prefill row ``p`` and decode row ``i`` (at
+position ``n_prompt - 1 + i``) paint the token at that position, the input the row was
+computed on; the last generated token was never fed back, so it has no row. Any top-k readout
+the output registry knows shows up (lenses, SAE features, the next ones): nothing here names
+one but to label it. No vLLM.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+Labels = Mapping[str, Mapping[int, str]]
+"""Labels of top-k entries by readout name (an SAE's: ``{"res3": {320: "false statement"}}``)."""
+
+
+def request_data(
+    output: Any,
+    token_text: Callable[[int], str],
+    labels: Labels | None = None,
+    title: str | None = None,
+) -> dict[str, Any]:
+    """One request's view data: a ``RequestOutput`` (its first completion) or a stored
+    request (``probehook.store.StoredRequest``)."""
+    stored = hasattr(output, "output_token_ids") and not hasattr(output, "outputs")
+    completion = None if stored else output.outputs[0]
+    prompt_ids = [int(t) for t in (output.prompt_token_ids or [])]
+    out_ids = [int(t) for t in (output.output_token_ids if stored else completion.token_ids)]
+    n_prompt = len(prompt_ids)
+    ids = prompt_ids + out_ids
+    place = _Placer(n_prompt, len(ids))
+    series: list[dict[str, Any]] = []
+    top_k: list[dict[str, Any]] = []
+    grids: list[dict[str, Any]] = []
+    # probe scores: one series per probe (per class of a multi-class probe)
+    prefill = _get(output, "prefill_probe_scores")
+    decode = output.probe_scores if stored else _get(completion, "probe_scores")
+    for name in sorted({*prefill, *decode}):
+        for label, values in _columns(place.series(prefill.get(name), decode.get(name))):
+            series.append(_series(f"probe {name}{label}", "probe", values, "probability"))
+    # every top-k readout: its rows per token, and a series of its scalar where it means one
+    for readout, prefill_rows, decode_rows in _top_k_readouts(output, completion, stored):
+        for instance in sorted({*prefill_rows, *decode_rows}):
+            rows = place.top_k(prefill_rows.get(instance), decode_rows.get(instance))
+            entry = {"name": f"{readout.name} {instance}", "tokens": readout.entries_are_tokens,
+                     "rows": rows, "labels": {}}  # fmt: skip
+            if readout.entries_are_tokens:
+                entry["texts"] = _entry_texts(rows, token_text)
+            top_k.append(entry)
+            if readout.name == "lens":  # the target's log-prob: the lens's headline number
+                values = place.series(
+                    _scalar(prefill_rows.get(instance)), _scalar(decode_rows.get(instance))
+                )
+                series.append(_series(f"lens {instance} target", "lens", values, "logprob"))
+        grid = _lens_grid(readout, series)
+        if grid:
+            grids.extend(grid)
+    saes_prefill = _get(output, "prefill_sae_features")
+    saes_decode = output.sae_features if stored else _get(completion, "sae_features")
+    for name in sorted({*saes_prefill, *saes_decode}):
+        rows = place.top_k(saes_prefill.get(name), saes_decode.get(name))
+        known = dict((labels or {}).get(name, {}))
+        entry = {"name": f"sae {name}", "tokens": False, "rows": rows,
+                 "labels": {str(int(k)): str(v) for k, v in known.items()}}  # fmt: skip
+        top_k.append(entry)
+        for feature in sorted(int(k) for k in known):  # labelled features: a series each
+            values = [_value_of(row, feature) for row in rows]
+            series.append(_series(f"sae {name} #{feature} {known[feature]}", "sae", values,
+                                  "activation"))  # fmt: skip
+    return {
+        "title": title if title is not None else _title(output, stored),
+        "tokens": [token_text(t) for t in ids],
+        "ids": ids,
+        "n_prompt": n_prompt,
+        "series": series,
+        "top_k": top_k,
+        "grids": grids,
+        "marks": _marks(output, completion, stored, place),
+    }
+
+
+class _Placer:
+    """Puts prefill and decode rows at their positions among ``n_tokens`` tokens."""
+
+    def __init__(self, n_prompt: int, n_tokens: int) -> None:
+        self.n_prompt = n_prompt
+        self.n_tokens = n_tokens
+
+    def positions(self, n_prefill: int, n_decode: int) -> tuple[int, int]:
+        """Where the prefill rows and the decode rows start (prefill rows are the last
+        ``n_prefill`` prompt positions: a request may keep only the last one)."""
+        return self.n_prompt - n_prefill, self.n_prompt - 1
+
+    def series(self, prefill: Any, decode: Any) -> list[Any]:
+        out: list[Any] = [None] * self.n_tokens
+        for rows, start in self._placed(prefill, decode):
+            for i, value in enumerate(rows.tolist()):
+                if 0 <= start + i < self.n_tokens:
+                    out[start + i] = value
+        return out
+
+    def top_k(self, prefill: Any, decode: Any) -> list[Any]:
+        out: list[Any] = [None] * self.n_tokens
+        for rows, start in self._placed(prefill, decode):
+            for i in range(len(rows)):
+                if 0 <= start + i < self.n_tokens:
+                    on = rows.indices[i] >= 0
+                    pairs = zip(rows.indices[i][on].tolist(), rows.values[i][on].tolist(),
+                                strict=True)  # fmt: skip
+                    out[start + i] = [[int(a), _finite(b)] for a, b in pairs]
+        return out
+
+    def _placed(self, prefill: Any, decode: Any) -> list[tuple[Any, int]]:
+        n_prefill = len(prefill) if prefill is not None else 0
+        p0, d0 = self.positions(n_prefill, 0)
+        placed = []
+        if prefill is not None and n_prefill:
+            placed.append((prefill, p0))
+        if decode is not None and len(decode):
+            placed.append((decode, d0))  # decode row 0 is the last prompt position
+        return placed
+
+
+def _get(obj: Any, name: str) -> dict:
+    value = getattr(obj, name, None) if obj is not None else None
+    return value if isinstance(value, Mapping) else {}
+
+
+def _columns(values: list[Any]) -> list[tuple[str, list[Any]]]:
+    """A probe's series: one, or one per class of a multi-class probe (``[n, classes]``)."""
+    first = next((v for v in values if v is not None), None)
+    if not isinstance(first, list):
+        return [("", [_finite(v) for v in values])]
+    return [
+        (f"[{c}]", [None if v is None else _finite(v[c]) for v in values])
+        for c in range(len(first))
+    ]
+
+
+def _series(name: str, kind: str, values: list[Any], scale: str) -> dict[str, Any]:
+    return {"name": name, "kind": kind, "scale": scale, "values": values}
+
+
+def _finite(value: Any) -> float | None:
+    """A JSON number (None for NaN and infinities, which JSON has not)."""
+    if value is None:
+        return None
+    value = float(value)
+    return value if math.isfinite(value) else None
+
+
+def _scalar(rows: Any) -> Any:
+    return None if rows is None else rows.l0.float()
+
+
+def _value_of(row: Any, index: int) -> float | None:
+    if row is None:
+        return None
+    return next((v for i, v in row if i == index), 0.0)
+
+
+def _entry_texts(rows: list[Any], token_text: Callable[[int], str]) -> dict[str, str]:
+    """The text of every token id the rows name (once each)."""
+    ids = {i for row in rows if row for i, _ in row}
+    return {str(i): token_text(i) for i in sorted(ids)}
+
+
+def _top_k_readouts(output: Any, completion: Any, stored: bool) -> list[tuple[Any, dict, dict]]:
+    """Every registered top-k readout the output has: ``(readout, prefill rows by instance,
+    decode rows by instance)``."""
+    from probehook.outputs import OUTPUT_PROCESSORS
+    from probehook.outputs.top_k_readout import top_k_readouts
+
+    found = []
+    for source, readout in top_k_readouts(OUTPUT_PROCESSORS).items():
+        if stored:
+            prefill = output.top_k(source, phase="prefill")
+            decode = output.top_k(source)
+        else:
+            before = getattr(output, readout.request_attributes[0], None)
+            after = getattr(completion, readout.completion_attributes[0], None)
+            prefill = readout.flat(before) if isinstance(before, Mapping) else {}
+            decode = readout.flat(after) if isinstance(after, Mapping) else {}
+        if prefill or decode:
+            found.append((readout, prefill, decode))
+    return found
+
+
+def _lens_grid(readout: Any, series: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A layer x token grid of each lens's target log-prob (its layers' series)."""
+    if readout.name != "lens":
+        return []
+    by_lens: dict[str, dict[int, list[Any]]] = {}
+    for s in series:
+        if s["kind"] != "lens":
+            continue
+        instance = s["name"].split(" ")[1]
+        lens, _, layer = instance.rpartition("@")
+        by_lens.setdefault(lens, {})[int(layer)] = s["values"]
+    return [
+        {
+            "name": f"lens {lens}: target log-prob by layer",
+            "scale": "logprob",
+            "layers": sorted(layers),
+            "values": [layers[k] for k in sorted(layers)],
+        }  # fmt: skip
+        for lens, layers in by_lens.items()
+        if len(layers) > 1
+    ]
+
+
+def _marks(output: Any, completion: Any, stored: bool, place: _Placer) -> dict[str, Any]:
+    """Flags (positions of the rows that crossed), the stop, steering and clamping."""
+    d0 = place.n_prompt - 1
+    flags: dict[str, list[int]] = {}
+    if completion is not None:
+        for attribute in ("probe_flags", "feature_flags", "lens_flags"):
+            for key, rows in _get(completion, attribute).items():
+                flags[f"{attribute.split('_')[0]} {key}"] = [d0 + int(r) for r in rows]
+    stop_reason = None if stored else getattr(completion, "stop_reason", None)
+    finish = output.finish_reason if stored else getattr(completion, "finish_reason", None)
+    steering = output.steering if stored else getattr(completion, "steering", None)
+    n_out = place.n_tokens - place.n_prompt
+    stop = None
+    if isinstance(stop_reason, str) and n_out:
+        # The monitor crossed on the last decode row; the forced token came out of it.
+        stop = {"position": d0 + n_out - 1, "reason": stop_reason}
+    return {
+        "flags": flags,
+        "stop": stop,
+        "finish_reason": finish,
+        "steering": _jsonable(steering),
+    }
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, torch.Tensor):
+        return value.tolist()
+    if isinstance(value, float):
+        return _finite(value)
+    return value if isinstance(value, int | str | bool) or value is None else str(value)
+
+
+def _title(output: Any, stored: bool) -> str:
+    name = getattr(output, "store_id", None) if stored else getattr(output, "request_id", None)
+    return f"request {name}" if name is not None else "request"

@@ -288,6 +288,9 @@ def test_async_llm_with_one_option(spec: str, tmp_path: Path) -> None:
 def test_served_with_one_option(tmp_path: Path) -> None:
     """``probehook serve`` with only ``--steer``, and one with only ``--sae``, start and
     answer (started together: their start-ups overlap)."""
+    import urllib.error
+    import urllib.request
+
     import openai
 
     from probehook import tiny_model_path, tiny_sae_path
@@ -315,6 +318,11 @@ def test_served_with_one_option(tmp_path: Path) -> None:
                 ).choices[0]  # fmt: skip
 
             if spec == "steering":
+                no_ui = urllib.request.Request(
+                    server.base_url.removesuffix("/v1") + "/probehook/ui"
+                )
+                with pytest.raises(urllib.error.HTTPError, match="404"):
+                    urllib.request.urlopen(no_ui)  # no --ui: no route
                 plain, steered = complete({}), complete({"steer": {"v": 1.0}})
                 assert steered.model_extra["probehook"]["steering"]["vectors"] == {"v": 1.0}
                 assert steered.logprobs.token_logprobs != plain.logprobs.token_logprobs

@@ -134,6 +134,7 @@ def server(
     argv += ["--store", str(work / "store"), "--store-flush-interval", "0.5"]
     argv += ["--capture-default", json.dumps(DEFAULT)]
     argv += ["--chat-template", str(work / "chat.jinja"), "--served-model-name", "tiny"]
+    argv += ["--ui"]  # the live viewer (test_the_live_page_paints_a_streamed_reply_per_token)
     argv += ["--dtype", "float32", "--max-model-len", "256", "--seed", "0", "--enforce-eager"]
     process = ServerProcess(argv, log=work / "server.log", env=USERS_LAYOUT_ENV)
     servers.append(process)
@@ -664,6 +665,7 @@ def test_reserved_xargs_key_and_info_route(client, server) -> None:
     assert info["steering"]["capacity"] == 64
     lenses = {"options": ["lenses", "lens_layers"], "names": ["logit", "j"], "layers": [0, 3]}
     assert info["readouts"] == {"lenses": {**lenses, "k": 3}}
+    assert info["saes"] == ["res3"]
     # The server is still serving after every refusal above.
     assert client.completions.create(prompt="1+1=", **greedy()).choices[0].text is not None
 
@@ -889,3 +891,59 @@ def test_served_captures_are_committed_while_serving_and_survive_kill_9(
     reference = offline[("steered", prompt)].outputs[0]
     assert steered.output_token_ids == list(reference.token_ids)
     assert close(steered.hidden_states[3].numpy(), reference.hidden_states[3])
+
+
+def test_the_live_page_paints_a_streamed_reply_per_token(client, server) -> None:
+    """``--ui``: in Chromium, the page lists the server's probes, SAEs and lenses, sends a
+    streamed chat completion through the server's own route, and paints the reply token by
+    token while it streams (the painted count grows); at the end its tokens are the reply's,
+    each painted with its lens reading's colour, and the panel shows the token's readings.
+    Nothing but the server is asked for, no script errs."""
+    import urllib.request
+
+    from browser import chromium, open_page
+
+    from probehook.viewer.page import level, shade
+
+    root = server.base_url.removesuffix("/v1")
+    message = prompts(8)[3]
+    body = {"lenses": ["j"], "probes": ["truth"], "saes": ["res3"]}
+    want = client.chat.completions.create(
+        messages=[{"role": "user", "content": message}], logprobs=True,
+        extra_body={"probehook": body}, **greedy(max_tokens=12),
+    ).choices[0]  # fmt: skip
+    tokens = [c.token for c in want.logprobs.content]
+    target = field(want)["lens"]["j"]["3"]["target_logprob"]
+    with chromium() as browser:
+        page, errors, off_machine = open_page(browser, f"{root}/probehook/ui", root)
+        page.wait_for_selector(".ph-live[data-ph-ready='1']")
+        boxes = page.locator("#ph-choices input")
+        assert {b.get_attribute("value") for b in boxes.all()} >= {"truth", "res3", "j", "up"}
+        for box in boxes.all():  # ask what the request above asked
+            group, name = box.get_attribute("data-group"), box.get_attribute("value")
+            wanted = {"probe": ["truth"], "sae": ["res3"], "lens": ["j"]}.get(group, [])
+            box.set_checked(name in wanted)
+        page.fill("#ph-message", message)
+        page.fill("#ph-max", "12")
+        page.evaluate(
+            """() => { window.counts = []; new MutationObserver(() => window.counts.push(
+                document.querySelectorAll('#ph-reply .ph-token').length))
+                .observe(document.getElementById('ph-reply'), {childList: true}); }"""
+        )
+        page.click("#ph-send")
+        page.wait_for_selector(".ph-live[data-ph-done='1']", timeout=60_000)
+        counts = page.evaluate("window.counts")
+        assert len(set(counts)) >= 3 and counts == sorted(counts), counts  # grew as it came
+        spans = page.locator("#ph-reply .ph-token")
+        assert spans.all_inner_texts()[1:] == tokens  # position 0: the prompt's last token
+        page.select_option("select.ph-series", label="lens j@3 target")
+        for p, value in enumerate(target):  # decode row p at position p
+            colour = shade(level(value, "logprob", 0.0))
+            got = spans.nth(p).evaluate("e => getComputedStyle(e).backgroundColor")
+            assert got == colour, p
+        spans.nth(2).hover()
+        panel = page.inner_text(".ph-panel")
+        assert "position 2" in panel and "lens j@3" in panel and "sae res3" in panel
+        assert errors == [] and off_machine == []
+    with urllib.request.urlopen(f"{root}/probehook/ui") as response:
+        assert response.status == 200 and b"probehook live" in response.read()

@@ -7,7 +7,6 @@ the pointer, the score selector, no request off the machine, no script error).""
 from __future__ import annotations
 
 import math
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -16,8 +15,6 @@ import torch
 
 pytestmark = pytest.mark.engine
 
-CHROMIUM = "/usr/bin/chromium"
-INSTALL = "apt-get install -y --no-install-recommends chromium fonts-dejavu-core"
 PROMPT = "12+34="
 LABELS = {"s": {174: "a feature with a name"}}
 
@@ -133,39 +130,16 @@ def test_the_page_is_self_contained_small_and_exports_to_circuitsvis(viewed, tmp
 
 @pytest.fixture(scope="module")
 def browser() -> Any:
-    if shutil.which("chromium") is None and not Path(CHROMIUM).exists():
-        pytest.fail(f"the viewer's browser tests need Debian's Chromium: {INSTALL}")
-    from playwright.sync_api import sync_playwright
+    from browser import chromium
 
-    with sync_playwright() as playwright:
-        chromium = playwright.chromium.launch(
-            executable_path=CHROMIUM,
-            args=["--disable-background-networking", "--disable-component-update",
-                  "--no-first-run", "--no-sandbox"],
-        )  # fmt: skip
-        yield chromium
-        chromium.close()
+    with chromium() as launched:
+        yield launched
 
 
 def _open(browser: Any, path: Path) -> tuple[Any, list[str], list[str]]:
-    """A page of ``path``, failing every request but the file's own (recorded), and its
-    script errors."""
-    page = browser.new_page(viewport={"width": 900, "height": 600})
-    errors: list[str] = []
-    off_machine: list[str] = []
-    page.on("pageerror", lambda e: errors.append(str(e)))
+    from browser import open_page
 
-    def route(request_route: Any) -> None:
-        url = request_route.request.url
-        if url == path.as_uri():
-            request_route.continue_()
-        else:
-            off_machine.append(url)
-            request_route.abort()
-
-    page.route("**/*", route)
-    page.goto(path.as_uri())
-    return page, errors, off_machine
+    return open_page(browser, path.as_uri(), path.as_uri())
 
 
 def _expected_colour(series: dict[str, Any], p: int) -> str | None:

@@ -155,6 +155,12 @@ def add_capture_args(parser: Any) -> None:
         "the model's)",
     )
     group.add_argument(
+        "--ui",
+        action="store_true",
+        help="serve the live viewer at /probehook/ui: a chat box whose reply is painted token "
+        "by token with its readings (off unless asked)",
+    )
+    group.add_argument(
         "--readout",
         action="append",
         default=[],
@@ -428,6 +434,8 @@ async def serve(args: argparse.Namespace, capture: dict[str, Any]) -> None:
             compact=args.sae_encoding == "base64",
         )
         app.add_api_route("/v1/probehook", _describe(engine, limit, default), methods=["GET"])
+        if args.ui:
+            _add_ui(app)
         uvicorn_kwargs: dict[str, Any] = {}
         log_config = get_uvicorn_log_config(args)
         if log_config is not None:
@@ -473,6 +481,20 @@ async def _flush_store(engine: Any, interval: float) -> None:
             await loop.run_in_executor(engine.store_thread, store.flush)
 
 
+def _add_ui(app: Any) -> None:
+    """``GET /probehook/ui``: the live viewer (``--ui``; no route without it)."""
+    from fastapi.responses import HTMLResponse
+
+    from probehook.viewer.live import ROUTE, live_page
+
+    page = live_page()
+
+    async def ui() -> HTMLResponse:
+        return HTMLResponse(page)
+
+    app.add_api_route(ROUTE, ui, methods=["GET"])
+
+
 def _describe(engine: Any, limit: int, default: dict[str, Any] | None = None) -> Any:
     """``GET /v1/probehook``: what requests may ask this server for."""
     config, probes = engine.capture_config, engine.probes
@@ -494,6 +516,7 @@ def _describe(engine: Any, limit: int, default: dict[str, Any] | None = None) ->
         # Each top-k readout by its engine option (a lens: "lenses"), with the request
         # options that ask it.
         "readouts": {r.readout.engine_option: r.describe() for r in readouts.values()},
+        "saes": sorted(session.saes.saes) if session is not None and session.saes else [],
         "hidden_size": info.get("hidden_size"),
         "dtype": str(info.get("dtype", "")).removeprefix("torch.") or None,
         "max_capture_response_bytes": limit,

@@ -80,7 +80,9 @@
     if (root.getAttribute("data-ph-ready")) { return; }
     root.setAttribute("data-ph-ready", "1");
     root.querySelectorAll(".ph-request").forEach(function (request) {
-      var data = JSON.parse(request.querySelector("script.ph-data").textContent);
+      var script = request.querySelector("script.ph-data");
+      if (!script) { return; }  // the live page keeps its own data
+      var data = JSON.parse(script.textContent);
       var spans = request.querySelectorAll(".ph-token");
       var panel = request.querySelector(".ph-panel");
       var select = request.querySelector("select.ph-series");
@@ -101,6 +103,6 @@
     });
   }
 
-  window.probehookView = { start: start, shade: shade, level: level };
+  window.probehookView = { start: start, shade: shade, level: level, describe: describe };
   document.querySelectorAll(".ph-view").forEach(start);
 })();

@@ -1,0 +1,213 @@
+// probehook serve --ui: a chat box whose reply is painted token by token as its chunks arrive.
+// It reads GET /v1/probehook (what the server has: probes, SAEs, lenses, steering vectors),
+// sends a streamed chat completion with the choices in its "probehook" object, and keeps the
+// reply as the viewer's data: tokens by position (the first stands for the prompt's last
+// token, where decode row 0 is computed), one series per score, the top-k rows.
+(function () {
+  "use strict";
+  var view = window.probehookView;
+  var root = document.querySelector(".ph-live");
+  var reply = document.getElementById("ph-reply");
+  var status = document.getElementById("ph-status");
+  var panel = root.querySelector(".ph-panel");
+  var select = root.querySelector("select.ph-series");
+  var info = null, model = null, data = null;
+
+  function checkbox(group, name) {
+    var label = document.createElement("label");
+    var box = document.createElement("input");
+    box.type = "checkbox";
+    box.checked = true;
+    box.setAttribute("data-group", group);
+    box.value = name;
+    label.appendChild(box);
+    label.appendChild(document.createTextNode(" " + group + " " + name + " "));
+    document.getElementById("ph-choices").appendChild(label);
+  }
+
+  function chosen(group) {
+    return Array.prototype.slice.call(
+      root.querySelectorAll("input[data-group='" + group + "']:checked"))
+      .map(function (box) { return box.value; });
+  }
+
+  function fresh() {
+    return { tokens: ["\u23ce"], ids: [null], n_prompt: 1, series: [], top_k: [],
+             marks: { flags: {}, stop: null }, named: {} };
+  }
+
+  function seriesOf(name, scale) {
+    if (!(name in data.named)) {
+      var s = { name: name, scale: scale, values: data.tokens.map(function () { return null; }) };
+      data.named[name] = s;
+      data.series.push(s);
+      var option = document.createElement("option");
+      option.value = String(data.series.length - 1);
+      option.textContent = name;
+      select.appendChild(option);
+    }
+    return data.named[name];
+  }
+
+  function topKOf(name, tokens) {
+    var found = data.top_k.filter(function (t) { return t.name === name; })[0];
+    if (!found) {
+      found = { name: name, tokens: tokens, rows: data.tokens.map(function () { return null; }),
+                labels: {}, texts: {} };
+      data.top_k.push(found);
+    }
+    return found;
+  }
+
+  function grow(count) {
+    data.series.forEach(function (s) { while (s.values.length < count) { s.values.push(null); } });
+    data.top_k.forEach(function (t) { while (t.rows.length < count) { t.rows.push(null); } });
+  }
+
+  // The chunk's readings: decode rows first..first + n - 1, at those positions.
+  function place(readings, first) {
+    Object.keys(readings.probe_scores || {}).forEach(function (name) {
+      var s = seriesOf("probe " + name, "probability");
+      readings.probe_scores[name].forEach(function (v, i) {
+        s.values[first + i] = Array.isArray(v) ? v[0] : v;
+      });
+    });
+    var lenses = readings.lens || {};
+    Object.keys(lenses).forEach(function (lens) {
+      Object.keys(lenses[lens]).forEach(function (layer) {
+        var r = lenses[lens][layer], instance = lens + "@" + layer;
+        var s = seriesOf("lens " + instance + " target", "logprob");
+        var t = topKOf("lens " + instance, true);
+        r.target_logprob.forEach(function (v, i) { s.values[first + i] = v; });
+        r.token_ids.forEach(function (ids, i) {
+          t.rows[first + i] = ids.map(function (id, j) {
+            t.texts[String(id)] = r.tokens ? r.tokens[i][j] : "<" + id + ">";
+            return [id, r.logprobs[i][j]];
+          });
+        });
+      });
+    });
+    var saes = readings.sae_features || {};
+    Object.keys(saes).forEach(function (name) {
+      var t = topKOf("sae " + name, false);
+      saes[name].indices.forEach(function (ids, i) {
+        t.rows[first + i] = ids.map(function (id, j) { return [id, saes[name].values[i][j]]; })
+          .filter(function (pair) { return pair[0] >= 0; });
+      });
+    });
+  }
+
+  function paint() {
+    var s = data.series[Number(select.value)] || data.series[0];
+    reply.querySelectorAll(".ph-token").forEach(function (span) {
+      var p = Number(span.getAttribute("data-i"));
+      var t = s ? view.level(s.values[p], s.scale, 0) : null;
+      span.style.backgroundColor = t === null ? "" : view.shade(t);
+      span.style.color = t !== null && t > 0.6 ? "#ffffff" : "";
+    });
+  }
+
+  function span(p, text) {
+    var s = document.createElement("span");
+    s.className = "ph-token " + (p === 0 ? "ph-prompt" : "ph-output");
+    s.setAttribute("data-i", String(p));
+    s.textContent = text;
+    s.addEventListener("mouseenter", function () { view.describe(panel, data, p); });
+    reply.appendChild(s);
+  }
+
+  function addToken(text) {
+    data.tokens.push(text);
+    data.ids.push(null);
+    grow(data.tokens.length);
+    span(data.tokens.length - 1, text);
+  }
+
+  function chunk(message, state) {
+    var choice = (message.choices || [])[0];
+    if (!choice) { return; }
+    var texts = ((choice.logprobs || {}).content || []).map(function (c) { return c.token; });
+    if (!texts.length && choice.delta && choice.delta.content) { texts = [choice.delta.content]; }
+    var readings = choice.probehook || {};
+    var rows = Math.max(0, texts.length);
+    texts.forEach(addToken);
+    // decode row i is at position i (position 0 stands for the prompt's last token)
+    place(readings, state.rows);
+    state.rows += rows;
+    if (choice.finish_reason) {
+      status.textContent = "finish: " + choice.finish_reason +
+        (readings.stop_reason ? "; " + readings.stop_reason : "");
+    }
+    paint();
+  }
+
+  function send() {
+    data = fresh();
+    reply.textContent = "";
+    select.textContent = "";
+    span(0, data.tokens[0]);  // the prompt's last token, where decode row 0 is computed
+    var options = { probes: chosen("probe"), saes: chosen("sae"), lenses: chosen("lens") };
+    var steer = chosen("steer");
+    if (steer.length) {
+      options.steer = {};
+      steer.forEach(function (name) { options.steer[name] = 1.0; });
+    }
+    ["probes", "saes", "lenses"].forEach(function (key) {
+      if (!options[key].length) { delete options[key]; }
+    });
+    var body = {
+      model: model, stream: true, temperature: 0, logprobs: true,
+      max_tokens: Number(document.getElementById("ph-max").value),
+      messages: [{ role: "user", content: document.getElementById("ph-message").value }],
+      probehook: options
+    };
+    status.textContent = "streaming";
+    var state = { rows: 0 };
+    fetch("/v1/chat/completions", {
+      method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body)
+    }).then(function (response) {
+      if (!response.ok) {
+        return response.text().then(function (text) { status.textContent = "error: " + text; });
+      }
+      var reader = response.body.getReader(), decoder = new TextDecoder(), buffer = "";
+      function pump() {
+        return reader.read().then(function (got) {
+          buffer += decoder.decode(got.value || new Uint8Array(), { stream: !got.done });
+          var lines = buffer.split("\n");
+          buffer = got.done ? "" : lines.pop();
+          lines.forEach(function (line) {
+            if (line.indexOf("data: ") !== 0) { return; }
+            var payload = line.slice(6).trim();
+            if (payload === "[DONE]") { root.setAttribute("data-ph-done", "1"); return; }
+            chunk(JSON.parse(payload), state);
+          });
+          if (!got.done) { return pump(); }
+          root.setAttribute("data-ph-done", "1");
+        });
+      }
+      return pump();
+    }).catch(function (error) { status.textContent = "error: " + error; });
+  }
+
+  select.addEventListener("change", paint);
+  document.getElementById("ph-send").addEventListener("click", send);
+  Promise.all([
+    fetch("/v1/probehook").then(function (r) { return r.json(); }),
+    fetch("/v1/models").then(function (r) { return r.json(); })
+  ]).then(function (got) {
+    info = got[0];
+    model = got[1].data[0].id;
+    Object.keys(info.probes || {}).forEach(function (name) { checkbox("probe", name); });
+    (info.saes || []).forEach(function (name) { checkbox("sae", name); });
+    (((info.readouts || {}).lenses || {}).names || []).forEach(function (name) {
+      checkbox("lens", name);
+    });
+    Object.keys((info.steering || {}).vectors || {}).forEach(function (name) {
+      checkbox("steer", name);
+    });
+    root.querySelectorAll("input[data-group='steer']").forEach(function (box) {
+      box.checked = false;
+    });
+    root.setAttribute("data-ph-ready", "1");
+  });
+})();

@@ -910,7 +910,7 @@ def test_the_live_page_paints_a_streamed_reply_per_token(client, server) -> None
     body = {"lenses": ["j"], "probes": ["truth"], "saes": ["res3"]}
     want = client.chat.completions.create(
         messages=[{"role": "user", "content": message}], logprobs=True,
-        extra_body={"probehook": body}, **greedy(max_tokens=12),
+        extra_body={"probehook": body}, **{**greedy(), "max_tokens": 12},
     ).choices[0]  # fmt: skip
     tokens = [c.token for c in want.logprobs.content]
     target = field(want)["lens"]["j"]["3"]["target_logprob"]

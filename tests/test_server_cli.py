@@ -24,7 +24,7 @@ def flags(**overrides: object) -> argparse.Namespace:
         steering_layers=None,
         steering_capacity=64,
         sae=[],
-        sae_top_k=32,
+        sae_top_k=None,
         sae_dtype=None,
         sae_clamping=False,
         readout=[],
@@ -102,6 +102,7 @@ def test_monitor_specs() -> None:
         ({"steering_layers": "x"}, "comma-separated ints"),
         ({"sae": ["res3"]}, r"--sae 'res3' must be NAME=PATH"),
         ({"sae_top_k": 0}, "--sae-top-k must be a positive"),
+        ({"sae_top_k": 8}, "--sae-top-k needs --sae"),
     ],
 )
 def test_bad_flags_exit_with_a_message(overrides: dict, message: str) -> None:

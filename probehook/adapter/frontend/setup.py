@@ -62,7 +62,8 @@ class CaptureRequest:
     capture_only: bool = False
     """One forward pass per prompt, prompt rows only, stopping after the deepest tapped layer."""
     saes: Any = None
-    sae_top_k: int = DEFAULT_TOP_K
+    sae_top_k: int | None = None
+    """None: :data:`DEFAULT_TOP_K` when SAEs are given (set without SAEs: refused)."""
     sae_clamping: bool = False
     """Requests may clamp SAE features (a clamp op on each SAE's layer)."""
     sae_dtype: str | None = None
@@ -122,6 +123,11 @@ class CaptureRequest:
             if self.sae_clamping:
                 raise CaptureConfigError(
                     "sae_clamping=True clamps SAE features: pass saes={...} too."
+                )
+            if self.sae_top_k is not None:
+                raise CaptureConfigError(
+                    f"sae_top_k={self.sae_top_k!r} sets the SAE features kept per token, but no "
+                    "SAEs were given; pass saes={...} too, or drop sae_top_k."
                 )
             if self.sae_dtype is not None:
                 raise CaptureConfigError(
@@ -281,7 +287,7 @@ def prepare(
     if request.saes is not None:
         sae_set = SAESet(
             request.saes,
-            request.sae_top_k,
+            DEFAULT_TOP_K if request.sae_top_k is None else request.sae_top_k,
             feature_monitors,
             num_layers=num_layers,
             hidden_size=resolved.model_config.get_hidden_size(),

@@ -68,7 +68,7 @@ def add_capture_args(parser: Any) -> None:
     group.add_argument(
         "--sae-top-k",
         type=int,
-        default=32,
+        default=None,
         help="the most SAE features a token returns (default 32; a request may ask fewer)",
     )
     group.add_argument(
@@ -190,8 +190,10 @@ def capture_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     probes = _named_paths("--probe", args.probe, "truth=probe.st")
     steering = _named_paths("--steer", args.steer, "calm=calm.st")
     saes = _named_paths("--sae", args.sae, "res12=saes/layer12")
-    if args.sae_top_k < 1:
+    if args.sae_top_k is not None and args.sae_top_k < 1:
         raise SystemExit("error: --sae-top-k must be a positive number of features")
+    if args.sae_top_k is not None and not saes:
+        raise SystemExit("error: --sae-top-k needs --sae NAME=FOLDER")
     if args.steering_capacity < 1:
         raise SystemExit("error: --steering-capacity must be a positive number of vectors")
     try:

@@ -24,7 +24,7 @@ import torch
 from test_store_unit import META, fake_request
 
 import probehook
-from probehook.errors import StoreLockedError
+from probehook.errors import StoreFormatError, StoreLockedError
 from probehook.store import ActivationStore
 from probehook.store.format import (
     LANES_DIR,
@@ -565,3 +565,31 @@ def test_store_info_cli_names_lanes(tmp_path: Path) -> None:
     write_lane(root, "a", (1, 2))
     code, out = run_cli("info", str(root))
     assert code == 0 and "lanes: (root): 1, a: 2" in out
+
+
+def test_a_store_another_writer_creates_meanwhile_is_not_foreign(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The interleaving the lanes benchmark met: writer B sees no meta.json, then writer A
+    writes meta.json and its shards folder, then B lists the folder. What B lists is a store
+    being created, not a foreign folder: B appends (before, it refused with "is not an
+    activation store" and its lane's process died)."""
+    from probehook.store import appendable
+
+    ActivationStore.for_writing(tmp_path / "s", {"hidden_size": 4}, lane="w0").close()
+    real_exists = Path.exists
+    first = [True]
+
+    def exists(path: Path) -> bool:  # meta.json is absent at B's first look, only
+        if path.name == "meta.json" and first[0]:
+            first[0] = False
+            return False
+        return real_exists(path)
+
+    monkeypatch.setattr(Path, "exists", exists)
+    appendable.check_appendable(tmp_path / "s", {"hidden_size": 4})
+    foreign = tmp_path / "f"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    with pytest.raises(StoreFormatError, match="is not an activation store"):
+        appendable.check_appendable(foreign, {"hidden_size": 4})

@@ -53,6 +53,23 @@ def check_appendable(
     is allowed and logged (INFO), since features of other layouts are stored apart.
     """
     root = Path(path)
+    # A writer creating the store right now writes meta.json before anything else it adds:
+    # entries seen beside no meta.json are foreign only if meta.json is still absent after.
+    foreign = (
+        not (root / META_FILE).exists()
+        and root.exists()
+        and (
+            not root.is_dir()
+            # Lock files, and meta.json being written by a writer creating the store now.
+            or any(
+                p.name not in (WRITER_LOCK, CREATE_LOCK, META_FILE + ".tmp") for p in root.iterdir()
+            )
+        )
+    )
+    if foreign and not (root / META_FILE).exists():
+        raise StoreFormatError(
+            f"{root} exists, is not empty and is not an activation store; pick a new path."
+        )
     if (root / META_FILE).exists():
         existing = read_meta(root)
         if "model_fingerprint" in meta:
@@ -67,14 +84,6 @@ def check_appendable(
             check_saes(root, saes)
             for note in compare_saes(_runs(root), saes):
                 logger.info("probehook store %s: %s", root, note)
-    elif root.exists() and (
-        not root.is_dir()
-        # Lock files, and meta.json being written by a writer creating the store now.
-        or any(p.name not in (WRITER_LOCK, CREATE_LOCK, META_FILE + ".tmp") for p in root.iterdir())
-    ):
-        raise StoreFormatError(
-            f"{root} exists, is not empty and is not an activation store; pick a new path."
-        )
     elif saes is not None:
         check_saes(root, saes)
 

@@ -844,55 +844,6 @@ def test_openai_client_example_against_this_server(server) -> None:
     assert "ordinary request: extension field present: True" in out, out
 
 
-def test_served_captures_are_committed_while_serving_and_survive_kill_9(
-    client, server, offline
-) -> None:
-    """Kills the server and everything it started with SIGKILL, a crash: the requests this
-    test made, once the periodic flush committed them, are all in the store (the next test
-    gets a fresh server)."""
-    from probehook import ActivationStore
-
-    prompt = prompts(8)[0]
-    want = offline[prompt]
-    options = {
-        "prefill": {"layers": [3], "include_prefill": True},
-        "both": {"layers": [0, 3]},
-        "steered": {"layers": [3], "steer": STEER},
-    }
-    ids = {
-        f"{client.completions.create(prompt=prompt, extra_body=ignore_eos(o), **greedy()).id}-0": k
-        for k, o in options.items()
-    }
-    root = Path(server.log).parent / "store"
-
-    def mine() -> dict:
-        records = ActivationStore.open(root).requests
-        return {ids[r.request_id]: r for r in records if r.request_id in ids}
-
-    deadline = time.monotonic() + 60
-    while len(mine()) < len(ids) and time.monotonic() < deadline:  # the flush, server up
-        time.sleep(0.5)
-    server.kill()
-    stored = mine()
-    assert sorted(stored) == sorted(options)
-    assert {k: sorted(r.hidden_states) for k, r in stored.items()} == {
-        k: o["layers"] for k, o in options.items()
-    }
-    for key in ("prefill", "both"):
-        record = stored[key]
-        assert record.steering is None
-        assert record.output_token_ids == list(want.outputs[0].token_ids)
-        for layer, rows in record.hidden_states.items():
-            assert close(rows.numpy(), want.outputs[0].hidden_states[layer])
-    prefill = stored["prefill"].prefill_hidden_states[3].numpy()
-    assert close(prefill, want.prefill_hidden_states[3])
-    steered = stored["steered"]
-    assert steered.steering["vectors"] == STEER
-    reference = offline[("steered", prompt)].outputs[0]
-    assert steered.output_token_ids == list(reference.token_ids)
-    assert close(steered.hidden_states[3].numpy(), reference.hidden_states[3])
-
-
 def test_the_live_page_paints_a_streamed_reply_per_token(client, server) -> None:
     """``--ui``: in Chromium, the page lists the server's probes, SAEs and lenses, sends a
     streamed chat completion through the server's own route, and paints the reply token by
@@ -947,3 +898,52 @@ def test_the_live_page_paints_a_streamed_reply_per_token(client, server) -> None
         assert errors == [] and off_machine == []
     with urllib.request.urlopen(f"{root}/probehook/ui") as response:
         assert response.status == 200 and b"probehook live" in response.read()
+
+
+def test_served_captures_are_committed_while_serving_and_survive_kill_9(
+    client, server, offline
+) -> None:
+    """Kills the server and everything it started with SIGKILL, a crash: the requests this
+    test made, once the periodic flush committed them, are all in the store (the next test
+    gets a fresh server)."""
+    from probehook import ActivationStore
+
+    prompt = prompts(8)[0]
+    want = offline[prompt]
+    options = {
+        "prefill": {"layers": [3], "include_prefill": True},
+        "both": {"layers": [0, 3]},
+        "steered": {"layers": [3], "steer": STEER},
+    }
+    ids = {
+        f"{client.completions.create(prompt=prompt, extra_body=ignore_eos(o), **greedy()).id}-0": k
+        for k, o in options.items()
+    }
+    root = Path(server.log).parent / "store"
+
+    def mine() -> dict:
+        records = ActivationStore.open(root).requests
+        return {ids[r.request_id]: r for r in records if r.request_id in ids}
+
+    deadline = time.monotonic() + 60
+    while len(mine()) < len(ids) and time.monotonic() < deadline:  # the flush, server up
+        time.sleep(0.5)
+    server.kill()
+    stored = mine()
+    assert sorted(stored) == sorted(options)
+    assert {k: sorted(r.hidden_states) for k, r in stored.items()} == {
+        k: o["layers"] for k, o in options.items()
+    }
+    for key in ("prefill", "both"):
+        record = stored[key]
+        assert record.steering is None
+        assert record.output_token_ids == list(want.outputs[0].token_ids)
+        for layer, rows in record.hidden_states.items():
+            assert close(rows.numpy(), want.outputs[0].hidden_states[layer])
+    prefill = stored["prefill"].prefill_hidden_states[3].numpy()
+    assert close(prefill, want.prefill_hidden_states[3])
+    steered = stored["steered"]
+    assert steered.steering["vectors"] == STEER
+    reference = offline[("steered", prompt)].outputs[0]
+    assert steered.output_token_ids == list(reference.token_ids)
+    assert close(steered.hidden_states[3].numpy(), reference.hidden_states[3])

@@ -161,6 +161,14 @@ class FeatureMonitor:
             monitor_threshold(self.threshold, f"FeatureMonitor({self.sae!r}, {self.feature})"),
         )
 
+    outside: ClassVar[float] = 0.0
+    """Its value where the feature is not among the engine's top k."""
+
+    @property
+    def entry(self) -> int:
+        """The entry of the SAE's top-k rows it watches (as a lens monitor's token)."""
+        return self.feature
+
     @property
     def key(self) -> str:
         """Its name in ``feature_flags``: ``"<sae>:<feature>"``."""

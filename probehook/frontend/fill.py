@@ -455,11 +455,7 @@ def _feature_flags(planned: OutputPlan, index: int, monitor: Any, watched: Any) 
     checked, found = (0, []) if state is None else state.get((index, monitor.key), (0, []))
     if checked > len(watched):  # not the stream it checked before: start over
         checked, found = 0, []
-    entry = getattr(monitor, "entry", None)
-    if entry is None:  # a FeatureMonitor: 0 outside the top k
-        values = watched.rows(checked).activation(monitor.feature).numpy()
-    else:
-        values = watched.rows(checked).value_of(entry, monitor.outside).numpy()
+    values = watched.rows(checked).value_of(monitor.entry, monitor.outside).numpy()
     found = found + [checked + i for i in crossings(values, monitor.threshold, monitor.direction)]
     if state is not None:
         state[(index, monitor.key)] = (len(watched), found)

@@ -13,7 +13,7 @@ one but to label it. No vLLM.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -39,7 +39,7 @@ def request_data(
     place = _Placer(n_prompt, len(ids))
     series: list[dict[str, Any]] = []
     top_k: list[dict[str, Any]] = []
-    grids: list[dict[str, Any]] = []
+    by_lens: dict[str, dict[int, list[Any]]] = {}  # each lens's target series by layer
     # probe scores: one series per probe (per class of a multi-class probe)
     prefill = _get(output, "prefill_probe_scores")
     decode = output.probe_scores if stored else _get(completion, "probe_scores")
@@ -60,9 +60,18 @@ def request_data(
                     _scalar(prefill_rows.get(instance)), _scalar(decode_rows.get(instance))
                 )
                 series.append(_series(f"lens {instance} target", "lens", values, "logprob"))
-        grid = _lens_grid(readout, series)
-        if grid:
-            grids.extend(grid)
+                lens, _, layer = instance.rpartition("@")
+                by_lens.setdefault(lens, {})[int(layer)] = values
+    grids = [
+        {
+            "name": f"lens {lens}: target log-prob by layer",
+            "scale": "logprob",
+            "layers": sorted(layers),
+            "values": [layers[k] for k in sorted(layers)],
+        }  # fmt: skip
+        for lens, layers in by_lens.items()
+        if len(layers) > 1
+    ]
     saes_prefill = _get(output, "prefill_sae_features")
     saes_decode = output.sae_features if stored else _get(completion, "sae_features")
     for name in sorted({*saes_prefill, *saes_decode}):
@@ -192,29 +201,6 @@ def _top_k_readouts(output: Any, completion: Any, stored: bool) -> list[tuple[An
         if prefill or decode:
             found.append((readout, prefill, decode))
     return found
-
-
-def _lens_grid(readout: Any, series: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """A layer x token grid of each lens's target log-prob (its layers' series)."""
-    if readout.name != "lens":
-        return []
-    by_lens: dict[str, dict[int, list[Any]]] = {}
-    for s in series:
-        if s["kind"] != "lens":
-            continue
-        instance = s["name"].split(" ")[1]
-        lens, _, layer = instance.rpartition("@")
-        by_lens.setdefault(lens, {})[int(layer)] = s["values"]
-    return [
-        {
-            "name": f"lens {lens}: target log-prob by layer",
-            "scale": "logprob",
-            "layers": sorted(layers),
-            "values": [layers[k] for k in sorted(layers)],
-        }  # fmt: skip
-        for lens, layers in by_lens.items()
-        if len(layers) > 1
-    ]
 
 
 def _marks(output: Any, completion: Any, stored: bool, place: _Placer) -> dict[str, Any]:

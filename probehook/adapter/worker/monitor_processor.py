@@ -106,7 +106,7 @@ def _crossed(watch: _Watch, index: int, scores: _StepValues, features: _StepValu
         packed = features.row(index, slot)
         if packed is None:
             continue
-        value = top_k_value(packed, monitor.feature, 0.0)  # not among the top k: 0
+        value = top_k_value(packed, monitor.entry, monitor.outside)  # outside the top k: 0
         if crosses(value, monitor.threshold, monitor.direction):
             return True
     return False

@@ -361,9 +361,11 @@ def test_a_cumulative_sae_stream_decodes_each_row_once_and_hands_out_views(monke
     from probehook.outputs.top_k import TopKRows
 
     read = []
-    activation = TopKRows.activation
+    value_of = TopKRows.value_of
     monkeypatch.setattr(
-        TopKRows, "activation", lambda self, i: read.append(len(self)) or activation(self, i)
+        TopKRows,
+        "value_of",
+        lambda self, i, outside=0.0: read.append(len(self)) or value_of(self, i, outside),
     )
     flag = FeatureMonitor("s", 9, 1.5, action="flag")
     streaming = sae_stream("cumulative", (flag,))

@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -377,57 +377,54 @@ def _act_on_scores(
 
 
 def _act_on_features(planned: OutputPlan) -> None:
-    """Feature monitors' flags (rows of the whole decode, only this output's in a delta
-    stream) and the stop reason of a completion a feature stop monitor ended, from the
-    features at the engine's k (``watched``: the values the worker watched, whatever k the
-    request keeps). A cumulative stream checks only the rows each output adds."""
-    request = planned.request
-    assert request.saes is not None
-    finished = getattr(planned.output, "finished", True)
-    for completion in planned.output.outputs:
-        features = completion.sae_features
-        if isinstance(features, FailedCapture) or not features:
-            continue
-        before = planned.before.get(completion.index, 0)
-        stopped = finished and ended_on_stop_token(request, completion)
-        flags: dict[str, list[int]] = {}
-        for monitor in request.saes.monitors:
-            got = features.get(monitor.sae)
-            if got is None or len(got) == 0:
-                continue
-            watched = got.watched
-            if monitor.action == "flag":
-                flags[monitor.key] = _feature_flags(planned, completion.index, monitor, watched)
-                flags[monitor.key] = [before + i for i in flags[monitor.key]]
-            elif (
-                stopped
-                and not isinstance(completion.stop_reason, str)  # a probe named it already
-                and crossings(
-                    watched.rows(len(watched) - 1).activation(monitor.feature).numpy(),
-                    monitor.threshold,
-                    monitor.direction,
-                )
-            ):
-                completion.stop_reason = monitor.stop_reason
-        completion.feature_flags = flags
+    """Feature monitors: flags on ``feature_flags`` and the stop reason, from each SAE's
+    features (:func:`_act_on_monitors`)."""
+    assert planned.request.saes is not None
+    _act_on_monitors(
+        planned,
+        planned.request.saes.monitors,
+        lambda completion: completion.sae_features,
+        lambda monitor: monitor.sae,
+        "feature_flags",
+    )
 
 
 def _act_on_readout(planned: OutputPlan, readout: Any, monitors: Sequence[Any]) -> None:
-    """A top-k readout's monitors (lens monitors), as :func:`_act_on_features`: flags (on
-    the readout's ``flags_attribute``) and the stop reason, from each instance's rows at the
-    engine's k (``outside`` where the entry is not among them)."""
-    finished = getattr(planned.output, "finished", True)
+    """A top-k readout's monitors (lens monitors): flags on the readout's
+    ``flags_attribute`` and the stop reason (:func:`_act_on_monitors`)."""
     attribute = readout.completion_attributes[0]
-    for completion in planned.output.outputs:
+
+    def rows_of(completion: Any) -> Any:
         value = getattr(completion, attribute, None)
-        if isinstance(value, FailedCapture) or not value:
+        return value if isinstance(value, FailedCapture) or not value else readout.flat(value)
+
+    _act_on_monitors(
+        planned, monitors, rows_of, lambda monitor: monitor.instance, readout.flags_attribute
+    )
+
+
+def _act_on_monitors(
+    planned: OutputPlan,
+    monitors: Sequence[Any],
+    rows_of: Callable[[Any], Any],
+    watched_by: Callable[[Any], str],
+    flags_attribute: str,
+) -> None:
+    """The one rule of every top-k monitor (SAE features, lenses): flags (rows of the whole
+    decode, only this output's in a delta stream) and the stop reason of a completion a stop
+    monitor ended, from the rows at the engine's k (``watched``: the values the worker
+    watched, whatever k the request keeps; ``outside`` where the entry is not among them).
+    A cumulative stream checks only the rows each output adds."""
+    finished = getattr(planned.output, "finished", True)
+    for completion in planned.output.outputs:
+        rows = rows_of(completion)
+        if isinstance(rows, FailedCapture) or not rows:
             continue
-        rows = readout.flat(value)
         before = planned.before.get(completion.index, 0)
         stopped = finished and ended_on_stop_token(planned.request, completion)
         flags: dict[str, list[int]] = {}
         for monitor in monitors:
-            got = rows.get(monitor.instance)
+            got = rows.get(watched_by(monitor))
             if got is None or len(got) == 0:
                 continue
             watched = got.watched
@@ -444,7 +441,7 @@ def _act_on_readout(planned: OutputPlan, readout: Any, monitors: Sequence[Any]) 
                 )
             ):
                 completion.stop_reason = monitor.stop_reason
-        setattr(completion, readout.flags_attribute, flags)
+        setattr(completion, flags_attribute, flags)
 
 
 def _feature_flags(planned: OutputPlan, index: int, monitor: Any, watched: Any) -> list[int]:

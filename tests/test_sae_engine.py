@@ -234,6 +234,12 @@ def test_clamping_equals_hf_with_the_same_hook(sae_llm, llama_dir: Path, sae_dir
             assert_features_match(f.indices, f.values, f.l0, lenses[name], rows, TOP_K)
         # The held feature reads back near its value where the clamp wrote it.
         assert not bool((clamped.outputs[0].sae_features["res1"].indices == strong).all())
+        # The output says what was held, on every token (the viewer marks it).
+        want = {"res1": {str(f): v for f, v in held.items()}}
+        assert clamped.outputs[0].steering == {
+            "vectors": {}, "phase": "both", "start": 0, "clamp": want
+        }  # fmt: skip
+    assert plain.outputs[0].steering is None
     stats = next(s for s in sae_llm.collective_rpc("probehook_stats") if s is not None)
     assert stats["steps_clamped"] > 0
 

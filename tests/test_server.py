@@ -343,6 +343,7 @@ def test_a_served_request_clamps_a_feature(client, sae_dir: Path) -> None:
         want = before - activation * lens.W_dec[strong].float()
     assert activation > 0.1
     torch.testing.assert_close(after, want, atol=2e-2 * activation, rtol=0)
+    assert clamped["steering"]["clamp"] == clamp and plain.get("steering") is None
     for bad, match in [({"res3": {"100000": 0.0}}, "out of range"), ({"nope": {"1": 0.0}}, "")]:
         with pytest.raises(openai.BadRequestError, match=match):
             client.completions.create(

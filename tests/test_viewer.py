@@ -20,36 +20,49 @@ LABELS = {"s": {174: "a feature with a name"}}
 
 
 @pytest.fixture(scope="module")
-def viewed(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    """The tiny model with a probe, an SAE and the logit lens on two layers, prompt rows
-    kept, a lens flag monitor: one request's output, its view and the tokenizer."""
+def engine_outputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The tiny model with a probe, an SAE (clamping on), a steering vector and the logit lens
+    on two layers, prompt rows kept: one request with a lens flag monitor, one steered from
+    its first generated token and clamped; and the tokenizer."""
     from probehook import (
         LLM,
         SAE,
         LinearProbe,
         SamplingParams,
+        SteeringVector,
         tiny_model_path,
         tiny_sae_path,
-        view,
     )
 
     weight = torch.randn(1, 128, generator=torch.Generator().manual_seed(0)) / 128**0.5
     probe = LinearProbe(weight, torch.zeros(1), layer=1, kind="binary", name="p")
+    push = SteeringVector({2: torch.randn(128, generator=torch.Generator().manual_seed(1))})
     llm = LLM(
         str(tiny_model_path()), probes={"p": probe}, saes={"s": SAE.load(tiny_sae_path())},
-        sae_top_k=4, lenses={"l": "logit"}, lens_layers=[1, 3], include_prefill=True,
-        enforce_eager=True, max_model_len=64, dtype="float32", seed=0,
-        store=tmp_path_factory.mktemp("viewer") / "store",
+        sae_top_k=4, sae_clamping=True, steering={"push": push}, lenses={"l": "logit"},
+        lens_layers=[1, 3], include_prefill=True, enforce_eager=True, max_model_len=64,
+        dtype="float32", seed=0, store=tmp_path_factory.mktemp("viewer") / "store",
     )  # fmt: skip
     try:
         watch = {"lens": "l", "layer": 3, "token": 10, "threshold": -1.0}  # "6"
-        params = SamplingParams(max_tokens=5, temperature=0,
-                                extra_args={"probehook": {"monitors": [watch]}})  # fmt: skip
-        out = llm.generate([PROMPT], params, use_tqdm=False)[0]
+        steer = {"steer": {"push": 2.0}, "steer_phase": "decode", "clamp": {"s": {"7": 0.0}}}
+        params = [
+            SamplingParams(max_tokens=5, temperature=0, extra_args={"probehook": options})
+            for options in ({"monitors": [watch]}, steer)
+        ]
+        out, steered = llm.generate([PROMPT, PROMPT], params, use_tqdm=False)
         tokenizer = llm.get_tokenizer()
     finally:
         llm.shutdown()
     out.store_root = llm.store.root
+    return {"out": out, "steered": steered, "tokenizer": tokenizer}
+
+
+@pytest.fixture(scope="module")
+def viewed(engine_outputs: dict[str, Any]) -> Any:
+    from probehook import view
+
+    out, tokenizer = engine_outputs["out"], engine_outputs["tokenizer"]
     return out, view(out, tokenizer, labels=LABELS), tokenizer
 
 
@@ -83,6 +96,32 @@ def test_data_puts_every_reading_at_its_position(viewed) -> None:
     assert data["marks"]["flags"] == {"lens l@3:10": [n - 1 + r for r in flagged]} and flagged
     grid = data["grids"][0]
     assert grid["layers"] == [1, 3] and grid["values"][1] == target
+
+
+def test_steering_and_clamping_are_marked(engine_outputs, browser, tmp_path) -> None:
+    """A steered and clamped request's view: the steered rows' tokens underlined (from the
+    first steered position), the vectors and the held features in the marks line and in the
+    panel of a steered token, none of it on an unsteered token."""
+    from probehook import view
+
+    steered = engine_outputs["steered"]
+    shown = view(steered, engine_outputs["tokenizer"])
+    marks = shown.requests[0]["marks"]
+    n = len(steered.prompt_token_ids)
+    assert marks["steered"] == {"from": n, "vectors": {"push": 2.0}}
+    assert marks["clamp"] == {"s": {"7": 0.0}}
+    page, errors, _ = _open(browser, shown.save(tmp_path / "steered.html"))
+    classes = page.locator(".ph-token").evaluate_all("es => es.map(e => e.className)")
+    assert ["ph-steered" in c for c in classes] == [p >= n for p in range(len(classes))]
+    line = page.inner_text(".ph-marks")
+    assert "steered by push x2 from position " + str(n) in line
+    assert "clamped s #7=0 on every token" in line
+    page.hover(f".ph-token[data-i='{n}']")
+    panel = page.inner_text(".ph-panel")
+    assert "steered\tpush x2" in panel and "clamped\ts #7=0" in panel
+    page.hover(f".ph-token[data-i='{n - 1}']")
+    assert "steered" not in page.inner_text(".ph-panel")
+    assert errors == []
 
 
 def test_a_stored_request_views_alike_and_the_cli_writes_its_page(viewed, tmp_path) -> None:

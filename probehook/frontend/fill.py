@@ -129,8 +129,8 @@ def reset(
     """Start filling ``output``: every probehook attribute empty (:func:`clear_outputs`), and
     the steering of a steered request noted on each completion."""
     clear_outputs(output, processors)
-    if request is not None and request.steering is not None:
-        note_steering(output, request.steering)
+    if request is not None and (request.steering is not None or request.clamp):
+        note_steering(output, request.steering, request.clamp)
 
 
 def plan(
@@ -511,13 +511,20 @@ def ended_on_stop_token(request: TrackedRequest, completion: Any) -> bool:
     )
 
 
-def note_steering(output: Any, steer: RequestSteer) -> None:
+def note_steering(output: Any, steer: RequestSteer | None, clamp: Sequence[Any] = ()) -> None:
     """Each completion's ``steering``: the vectors, scales and phase, and ``start``, the first
-    steered position (None while a gate has not crossed; :func:`apply` fills it in)."""
+    steered position (None while a gate has not crossed; :func:`apply` fills it in); and
+    ``clamp``, the SAE features held (``{sae: {"feature": value}}``, every token)."""
     prompt_len = len(output.prompt_token_ids or [])
-    start = None if steer.gates else (prompt_len if steer.phase == "decode" else 0)
+    if steer is not None:
+        start = None if steer.gates else (prompt_len if steer.phase == "decode" else 0)
+        described = {**steer.describe(), "start": start}
+    else:  # clamped only: every token, prompt and generated
+        described = {"vectors": {}, "phase": "both", "start": 0}
+    if clamp:
+        described["clamp"] = {name: {str(f): v for f, v in terms} for name, terms in clamp}
     for completion in output.outputs:
-        completion.steering = {**steer.describe(), "start": start}
+        completion.steering = dict(described)
 
 
 def clear_outputs(output: Any, processors: Sequence[Any] | None = None) -> None:

@@ -458,6 +458,7 @@ class CaptureSession:
             self._steering_of(wire),
             saes,
             readouts or None,
+            wire.clamp,
         )
 
     def _sampling(self, params: Any, names: Sequence[str]) -> dict[str, Any]:

@@ -31,3 +31,5 @@ class TrackedRequest:
     """The SAEs whose features it gets, and how many per token (None: none)."""
     readouts: dict[str, RequestReadout] | None = None
     """The top-k readouts it gets, by source (None: none)."""
+    clamp: tuple[tuple[str, tuple[tuple[int, float], ...]], ...] = ()
+    """The SAE features it holds at values (``RequestWire.clamp``; empty: none)."""

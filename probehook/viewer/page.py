@@ -79,6 +79,10 @@ class View:
     def _repr_html_(self) -> str:
         return self.html()
 
+    def __repr__(self) -> str:  # what a notebook shows where HTML is not rendered
+        sizes = ", ".join(str(len(data["tokens"])) for data in self.requests)
+        return f"<probehook View of {len(self.requests)} request(s), tokens: {sizes}>"
+
     def save(self, path: str | Path) -> Path:
         """A standalone page (opens in any browser, offline)."""
         path = Path(path)
@@ -114,6 +118,7 @@ def _request_html(index: int, data: dict[str, Any]) -> str:
     top = series_top(first) if first is not None else 0.0
     flagged = {p for rows in data["marks"]["flags"].values() for p in rows}
     stop = data["marks"]["stop"]
+    steered = data["marks"].get("steered")
     spans = []
     for p, text in enumerate(data["tokens"]):
         classes = ["ph-token", "ph-prompt" if p < data["n_prompt"] else "ph-output"]
@@ -121,6 +126,8 @@ def _request_html(index: int, data: dict[str, Any]) -> str:
             classes.append("ph-flag")
         if stop is not None and stop["position"] == p:
             classes.append("ph-stop")
+        if steered is not None and p >= steered["from"]:
+            classes.append("ph-steered")
         t = level(first["values"][p], first["scale"], top) if first is not None else None
         style = f' style="{paint(t)}"' if t is not None else ""
         spans.append(
@@ -151,8 +158,12 @@ def _marks_text(marks: dict[str, Any]) -> str:
         parts.append(f"stopped by {marks['stop']['reason']}")
     for key, rows in marks["flags"].items():
         parts.append(f"{key}: {len(rows)} flagged")
-    if marks["steering"]:
-        parts.append(f"steering: {json.dumps(marks['steering'])}")
+    if marks.get("steered"):
+        vectors = ", ".join(f"{k} x{v:g}" for k, v in marks["steered"]["vectors"].items())
+        parts.append(f"steered by {vectors} from position {marks['steered']['from']}")
+    for sae, held in (marks.get("clamp") or {}).items():
+        features = ", ".join(f"#{k}={v:g}" for k, v in held.items())
+        parts.append(f"clamped {sae} {features} on every token")
     return "; ".join(parts)
 
 

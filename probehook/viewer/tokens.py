@@ -219,11 +219,17 @@ def _marks(output: Any, completion: Any, stored: bool, place: _Placer) -> dict[s
     if isinstance(stop_reason, str) and n_out:
         # The monitor crossed on the last decode row; the forced token came out of it.
         stop = {"position": d0 + n_out - 1, "reason": stop_reason}
+    steering = _jsonable(steering) or None
+    vectors = (steering or {}).get("vectors") or {}
+    start = (steering or {}).get("start")
     return {
         "flags": flags,
         "stop": stop,
         "finish_reason": finish,
-        "steering": _jsonable(steering),
+        "steering": steering,
+        # the rows computed at positions from ``start`` on were steered (None: none were)
+        "steered": {"from": start, "vectors": vectors} if vectors and start is not None else None,
+        "clamp": (steering or {}).get("clamp") or None,  # held on every token
     }
 
 

@@ -59,6 +59,18 @@
     if (data.marks.stop && data.marks.stop.position === p) {
       row(table, ["stopped", data.marks.stop.reason]);
     }
+    var steered = data.marks.steered;
+    if (steered && p >= steered.from) {
+      row(table, ["steered", Object.keys(steered.vectors).map(function (name) {
+        return name + " x" + steered.vectors[name];
+      }).join(", ")]);
+    }
+    Object.keys(data.marks.clamp || {}).forEach(function (sae) {
+      var held = data.marks.clamp[sae];
+      row(table, ["clamped", sae + " " + Object.keys(held).map(function (f) {
+        return "#" + f + "=" + held[f];
+      }).join(", ")]);
+    });
     panel.appendChild(table);
     data.top_k.forEach(function (entry) {
       var rows = entry.rows[p];

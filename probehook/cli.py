@@ -244,18 +244,20 @@ def cmd_store_compact(args: argparse.Namespace) -> None:
         raise SystemExit(1)
 
 
+MAX_VIEWED_RESPONSES = 200
+"""Choices a page of a responses file shows without --id (a page per few hundred is usable)."""
+
+
 def cmd_view(args: argparse.Namespace) -> None:
-    """``probehook view STORE --id ID -o run.html``: the viewer's page of stored requests."""
-    from probehook.errors import StoreError, StoreFormatError
-    from probehook.store import ActivationStore
+    """``probehook view STORE --id ID -o run.html`` (or a JSONL file of responses): the
+    viewer's page."""
     from probehook.viewer import view
 
-    try:
-        store = ActivationStore.open(args.path)
-        requests = [store[store_id] for store_id in args.id]
-    except (StoreError, StoreFormatError, KeyError) as e:
-        raise SystemExit(f"error: {e}") from e
-    source = args.tokenizer or store.meta.get("model")
+    if Path(args.path).is_file():
+        requests, model = _viewed_responses(args)
+    else:
+        requests, model = _viewed_store(args)
+    source = args.tokenizer or model
     tokenizer = None
     if source:
         from transformers import AutoTokenizer
@@ -268,6 +270,39 @@ def cmd_view(args: argparse.Namespace) -> None:
             ) from e
     path = view(requests, tokenizer).save(args.output)
     print(f"wrote {path} ({len(requests)} request(s))")
+
+
+def _viewed_store(args: argparse.Namespace) -> tuple[list[Any], str | None]:
+    from probehook.errors import StoreError, StoreFormatError
+    from probehook.store import ActivationStore
+
+    if not args.id:
+        raise SystemExit(f"error: {args.path} is a store: name the requests with --id STORE_ID")
+    try:
+        store = ActivationStore.open(args.path)
+        return [store[store_id] for store_id in args.id], store.meta.get("model")
+    except (StoreError, StoreFormatError, KeyError) as e:
+        raise SystemExit(f"error: {e}") from e
+
+
+def _viewed_responses(args: argparse.Namespace) -> tuple[list[Any], str | None]:
+    from probehook.viewer.served import ResponseFileError, read_responses
+
+    try:
+        requests = list(read_responses(args.path, args.id))
+    except ResponseFileError as e:
+        raise SystemExit(f"error: {e}") from e
+    if not requests:
+        wanted = f" with the ids {args.id}" if args.id else ""
+        raise SystemExit(f"error: {args.path} has no responses{wanted}")
+    if len(requests) > MAX_VIEWED_RESPONSES:
+        raise SystemExit(
+            f"error: {args.path} has {len(requests)} choices; a page shows at most "
+            f"{MAX_VIEWED_RESPONSES}: pick some with --id RESPONSE_ID"
+        )
+    with open(args.path, encoding="utf-8") as lines:
+        first = next(line for line in lines if line.strip())
+    return requests, json.loads(first).get("model")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -369,12 +404,24 @@ def main(argv: list[str] | None = None) -> None:
         "--shard-bytes", type=int, default=1 << 30, help="target shard size (default 1 GiB)"
     )
     merge.set_defaults(func=cmd_store_compact)
-    look = sub.add_parser("view", help="write a page of stored requests' tokens and readings")
-    look.add_argument("path", help="the store")
-    look.add_argument("--id", action="append", required=True, help="a store id (repeatable)")
+    look = sub.add_parser(
+        "view", help="write a page of stored requests' or saved responses' tokens and readings"
+    )
+    look.add_argument(
+        "path",
+        help="a store, or a JSONL file of server responses (one JSON body per line, sent "
+        'with "return_token_ids": true)',
+    )
+    look.add_argument(
+        "--id",
+        action="append",
+        help="a store id (repeatable; needed for a store), or a response id (default: all)",
+    )
     look.add_argument("-o", "--output", required=True, help="the page to write (.html)")
     look.add_argument(
-        "--tokenizer", help="where the tokenizer is (default: the model the store recorded)"
+        "--tokenizer",
+        help="where the tokenizer is (default: the model the store recorded, or the "
+        "responses' model)",
     )
     look.set_defaults(func=cmd_view)
     args = parser.parse_args(argv)

@@ -896,9 +896,97 @@ def test_the_live_page_paints_a_streamed_reply_per_token(client, server) -> None
         spans.nth(2).hover()
         panel = page.inner_text(".ph-panel")
         assert "position 2" in panel and "lens j@3" in panel and "sae res3" in panel
+        # Flags and a labelled feature: a truth flag monitor typed in as JSON (its threshold
+        # between the reply's scores), a label for row 2's strongest feature.
+        scores = field(want)["probe_scores"]["truth"]
+        ordered = sorted(set(scores))
+        middle = (ordered[len(ordered) // 2 - 1] + ordered[len(ordered) // 2]) / 2
+        feature = field(want)["sae_features"]["res3"]["indices"][2][0]
+        flag = {"probe": "truth", "threshold": middle, "action": "flag"}
+        send(page, {"monitors": [flag]}, {"res3": {str(feature): "a name"}})
+        classes = spans.evaluate_all("es => es.map(e => e.className)")
+        assert spans.all_inner_texts()[1:] == tokens
+        assert [p for p, c in enumerate(classes) if "ph-flag" in c] == [
+            i for i, s in enumerate(scores) if s > middle
+        ]  # decode row i at position i
+        page.select_option("select.ph-series", label=f"sae res3 #{feature} a name")
+        spans.nth(2).hover()
+        assert f"#{feature} (a name)" in page.inner_text(".ph-top-k[data-name='sae res3']")
+        # A stop monitor at the first row that tops every row before it, with steering at
+        # scale 0 (the same reply, marked as steered from its first position).
+        row = next(i for i in range(1, len(scores)) if scores[i] > max(scores[:i]))
+        stop = {"probe": "truth", "action": "stop",
+                "threshold": (scores[row] + max(scores[:row])) / 2}  # fmt: skip
+        page.locator("#ph-choices input[data-group='steer'][value='up']").set_checked(True)
+        page.fill("#ph-scale", "0")
+        send(page, {"monitors": [stop]}, {})
+        classes = spans.evaluate_all("es => es.map(e => e.className)")
+        assert [p for p, c in enumerate(classes) if "ph-stop" in c] == [row], classes
+        assert all("ph-steered" in c for c in classes)
+        assert "stopped by probe:truth" in page.inner_text("#ph-status")
+        spans.nth(row).hover()
+        panel = page.inner_text(".ph-panel")
+        assert "stopped\tprobe:truth" in panel and "steered\tup x0" in panel
         assert errors == [] and off_machine == []
     with urllib.request.urlopen(f"{root}/probehook/ui") as response:
         assert response.status == 200 and b"probehook live" in response.read()
+
+
+def test_probehook_view_draws_a_file_of_saved_responses(
+    client, server, llama_dir: Path, tmp_path: Path
+) -> None:
+    """``probehook view responses.jsonl -o page.html``: responses a client saved (the JSON
+    bodies, sent with vLLM's return_token_ids) give the page the same data as the same
+    requests read back from the server's store: tokens, probe scores, SAE features and lens
+    readings at their positions. A file without token ids is refused with the fix."""
+    from probehook import ActivationStore, view
+    from probehook.cli import main
+    from probehook.viewer.served import read_responses
+
+    body = {"lenses": ["j"], "probes": ["truth"], "saes": ["res3"], "layers": [3],
+            "include_prefill": True}  # fmt: skip
+    saved = tmp_path / "responses.jsonl"
+    with saved.open("w") as lines:
+        for prompt in prompts(3)[1:]:
+            response = client.completions.create(
+                prompt=prompt, extra_body={"probehook": body, "return_token_ids": True},
+                **greedy(),
+            )  # fmt: skip
+            lines.write(response.model_dump_json() + "\n\n")  # blank lines are skipped
+    page = tmp_path / "page.html"
+    main(["view", str(saved), "-o", str(page), "--tokenizer", str(llama_dir)])
+    assert page.read_text().count('class="ph-request"') == 2
+    served = list(read_responses(saved))
+    root = Path(server.log).parent / "store"
+    wanted = {o.request_id for o in served}
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:  # the periodic flush
+        stored = {r.request_id: r for r in ActivationStore.open(root).requests}
+        if wanted <= set(stored):
+            break
+        time.sleep(0.5)
+    for output in served:
+        from_file = view(output).requests[0]
+        from_store = view(stored[output.request_id]).requests[0]
+        names = {s["name"] for s in from_file["series"]}
+        assert {"probe truth", "lens j@3 target"} <= names, names
+        assert {t["name"] for t in from_file["top_k"]} >= {"sae res3", "lens j@3", "lens j@0"}
+        for key in ("ids", "n_prompt", "series", "top_k", "grids"):
+            assert from_file[key] == from_store[key], key
+    bare = tmp_path / "bare.jsonl"
+    bare.write_text(client.completions.create(prompt="1+1=", **greedy()).model_dump_json())
+    with pytest.raises(SystemExit, match="line 1, choice 0 has no token ids: send the request"):
+        main(["view", str(bare), "-o", str(page)])
+
+
+def send(page: Any, extra: dict[str, Any], labels: dict[str, Any]) -> None:
+    """Send the live page's message again with more options and labels, typed in as JSON;
+    wait for the reply's end."""
+    page.fill("#ph-extra", json.dumps(extra))
+    page.fill("#ph-labels", json.dumps(labels))
+    page.evaluate("() => document.querySelector('.ph-live').removeAttribute('data-ph-done')")
+    page.click("#ph-send")
+    page.wait_for_selector(".ph-live[data-ph-done='1']", timeout=60_000)
 
 
 def test_served_captures_are_committed_while_serving_and_survive_kill_9(

@@ -101,8 +101,8 @@ def test_data_puts_every_reading_at_its_position(viewed) -> None:
 def test_steering_and_clamping_are_marked(engine_outputs, browser, tmp_path) -> None:
     """A steered and clamped request's view: the steered rows' tokens underlined (from the
     first steered position), the vectors and the held features in the marks line and in the
-    panel of a steered token, none of it on an unsteered token."""
-    from probehook import view
+    panel of a steered token, none of it on an unsteered token; its stored record alike."""
+    from probehook import ActivationStore, view
 
     steered = engine_outputs["steered"]
     shown = view(steered, engine_outputs["tokenizer"])
@@ -110,6 +110,9 @@ def test_steering_and_clamping_are_marked(engine_outputs, browser, tmp_path) -> 
     n = len(steered.prompt_token_ids)
     assert marks["steered"] == {"from": n, "vectors": {"push": 2.0}}
     assert marks["clamp"] == {"s": {"7": 0.0}}
+    stored = ActivationStore.open(engine_outputs["out"].store_root)[steered.store_id]
+    assert stored.steering["clamp"] == {"s": {"7": 0.0}}  # the store keeps what was held
+    assert view(stored, engine_outputs["tokenizer"]).requests[0]["marks"] == marks
     page, errors, _ = _open(browser, shown.save(tmp_path / "steered.html"))
     classes = page.locator(".ph-token").evaluate_all("es => es.map(e => e.className)")
     assert ["ph-steered" in c for c in classes] == [p >= n for p in range(len(classes))]

@@ -10,9 +10,9 @@ from typing import Any, ClassVar
 
 import torch
 
-from probehook.outputs.array_codec import encode_array
+from probehook.outputs.array_codec import decode_array, encode_array
 from probehook.outputs.registry import OutputProcessor
-from probehook.outputs.top_k import TopKRows, compact_top_k, json_floats, json_top_k
+from probehook.outputs.top_k import TopKRows, compact_top_k, json_floats, json_nans, json_top_k
 
 
 def _concat_by_key(pieces: list[dict[Any, torch.Tensor]]) -> dict[Any, torch.Tensor]:
@@ -38,6 +38,9 @@ class HiddenStates(OutputProcessor):
     def to_response(self, value: dict[int, torch.Tensor]) -> dict[str, Any]:
         return {str(layer): encode_array(rows) for layer, rows in value.items()}
 
+    def from_response(self, response: dict[str, Any]) -> dict[int, torch.Tensor]:
+        return {int(k): torch.from_numpy(decode_array(v).copy()) for k, v in response.items()}
+
 
 class ProbeScores(OutputProcessor):
     """Probe scores by probe name, one per token (a row of class probabilities for a
@@ -53,6 +56,12 @@ class ProbeScores(OutputProcessor):
 
     def to_response(self, value: dict[str, torch.Tensor]) -> dict[str, Any]:
         return {name: json_floats(scores) for name, scores in value.items()}
+
+    def from_response(self, response: dict[str, Any]) -> dict[str, torch.Tensor]:
+        return {
+            name: torch.tensor(json_nans(scores), dtype=torch.float32)
+            for name, scores in response.items()
+        }
 
 
 class SAEFeatureSets(OutputProcessor):
@@ -75,6 +84,9 @@ class SAEFeatureSets(OutputProcessor):
 
     def to_compact(self, value: dict[str, Any]) -> dict[str, Any]:
         return compact_top_k(value)
+
+    def from_response(self, response: dict[str, Any]) -> dict[str, Any]:
+        return {name: TopKRows.from_columns(columns) for name, columns in response.items()}
 
 
 class ProbeFlags(OutputProcessor):

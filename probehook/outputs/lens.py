@@ -224,6 +224,13 @@ class LensReadout(TopKReadout):
         lens, layer = split_instance(name)
         return response[lens][str(layer)]
 
+    def served(self, response: dict[str, Any]) -> dict[str, Any]:
+        return {
+            instance_name(lens, int(layer)): columns
+            for lens, by_layer in response.items()
+            for layer, columns in by_layer.items()
+        }
+
     def flat(self, value: Any) -> dict[str, TopKRows]:
         return {
             instance_name(lens, layer): rows

@@ -42,7 +42,8 @@ class OutputProcessor:
       offline, streamed and served, after capture attached the rows. Default: nothing (the
       values are set elsewhere, as the built-in processors' are by capture).
     - ``merge(pieces)``: one value from the pieces of consecutive stream outputs, in order.
-    - ``to_response(value)``: the JSON-ready form for an HTTP response.
+    - ``to_response(value)``: the JSON-ready form for an HTTP response; ``from_response``
+      its inverse (a client's view of a saved response).
     """
 
     name: ClassVar[str] = ""
@@ -66,6 +67,11 @@ class OutputProcessor:
 
     def to_response(self, value: Any) -> Any:
         return value
+
+    def from_response(self, response: Any) -> Any:
+        """The inverse of :meth:`to_response` (and of a compact form): the value from a
+        served response's field (JSON, as a client receives it). Default: as it is."""
+        return response
 
     def __repr__(self) -> str:
         return f"<output processor {self.name!r}>"

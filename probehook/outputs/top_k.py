@@ -82,6 +82,21 @@ class TopKRows:
         inside = torch.where(hit, self.values, 0.0).sum(dim=1)
         return torch.where(hit.any(dim=1), inside, torch.tensor(outside, dtype=inside.dtype))
 
+    @classmethod
+    def from_columns(cls, columns: Any) -> TopKRows:
+        """Rows from a served response's columns (:func:`json_top_k`'s lists, nulls where a
+        value was not finite, or :func:`compact_top_k`'s base64 arrays)."""
+        names = cls.column_names
+        missing = [name for name in names if name not in columns]
+        if missing:
+            raise ValueError(f"top-k columns {sorted(columns)} lack {missing}")
+        indices, values, scalar = (_column(columns[name]) for name in names)
+        return cls(
+            indices.to(torch.int64).reshape(len(scalar), -1),
+            values.to(torch.float32).reshape(len(scalar), -1),
+            scalar.to(cls.scalar_dtype),
+        )
+
     def top(self, k: int) -> TopKRows:
         """The first ``k`` entries of each token (rows are sorted, so this is the top ``k``);
         ``l0`` is unchanged; ``watched`` stays the engine's."""
@@ -256,3 +271,18 @@ def _nulls(values: Any) -> Any:
     if isinstance(values, list):
         return [_nulls(v) for v in values]
     return values if math.isfinite(values) else None
+
+
+def _column(value: Any) -> torch.Tensor:
+    """One served column: a base64 array or lists (null: NaN)."""
+    from probehook.outputs.array_codec import decode_array
+
+    if isinstance(value, dict):
+        return torch.from_numpy(decode_array(value).copy())
+    return torch.tensor(json_nans(value), dtype=torch.float64)
+
+
+def json_nans(values: Any) -> Any:
+    if isinstance(values, list):
+        return [json_nans(v) for v in values]
+    return math.nan if values is None else values

@@ -152,6 +152,16 @@ class TopKReadout(OutputProcessor):
     def to_compact(self, value: Any) -> dict[str, Any]:
         return compact_top_k(self.flat(value))
 
+    def from_response(self, response: Any) -> Any:
+        return self.present(
+            {name: self.row_type.from_columns(c) for name, c in self.served(response).items()}
+        )
+
+    def served(self, response: dict[str, Any]) -> dict[str, Any]:
+        """Each instance's columns in a served response, by instance name (the inverse of
+        :meth:`written`'s nesting)."""
+        return dict(response)
+
     def written(self, response: dict[str, Any], name: str) -> dict[str, Any]:
         """Instance ``name``'s columns in :meth:`to_response`'s or :meth:`to_compact`'s
         form (a subclass that nests them finds them)."""

@@ -2,7 +2,9 @@
 // It reads GET /v1/probehook (what the server has: probes, SAEs, lenses, steering vectors),
 // sends a streamed chat completion with the choices in its "probehook" object, and keeps the
 // reply as the viewer's data: tokens by position (the first stands for the prompt's last
-// token, where decode row 0 is computed), one series per score, the top-k rows.
+// token, where decode row 0 is computed), one series per score, the top-k rows, the marks
+// (flags, the stop, steering). More "probehook" options (monitors, clamp, ...) and labels of
+// SAE features are typed in as JSON.
 (function () {
   "use strict";
   var view = window.probehookView;
@@ -33,7 +35,18 @@
 
   function fresh() {
     return { tokens: ["\u23ce"], ids: [null], n_prompt: 1, series: [], top_k: [],
-             marks: { flags: {}, stop: null }, named: {} };
+             marks: { flags: {}, stop: null, steered: null, clamp: null }, named: {} };
+  }
+
+  // A text box's JSON object ({} when empty); throws with the box named when it is not one.
+  function jsonOf(id) {
+    var text = document.getElementById(id).value.trim();
+    if (!text) { return {}; }
+    var value = JSON.parse(text);
+    if (value === null || typeof value !== "object" || Array.isArray(value)) {
+      throw new Error(id + " must be a JSON object");
+    }
+    return value;
   }
 
   function seriesOf(name, scale) {
@@ -49,11 +62,11 @@
     return data.named[name];
   }
 
-  function topKOf(name, tokens) {
+  function topKOf(name, tokens, labels) {
     var found = data.top_k.filter(function (t) { return t.name === name; })[0];
     if (!found) {
       found = { name: name, tokens: tokens, rows: data.tokens.map(function () { return null; }),
-                labels: {}, texts: {} };
+                labels: labels || {}, texts: {} };
       data.top_k.push(found);
     }
     return found;
@@ -64,8 +77,26 @@
     data.top_k.forEach(function (t) { while (t.rows.length < count) { t.rows.push(null); } });
   }
 
-  // The chunk's readings: decode rows first..first + n - 1, at those positions.
-  function place(readings, first) {
+  // The chunk's readings: decode rows first..first + n - 1, at those positions; flags name
+  // decode rows of the whole reply, so they are positions as they are.
+  function place(readings, first, state) {
+    ["probe_flags", "feature_flags", "lens_flags"].forEach(function (attribute) {
+      Object.keys(readings[attribute] || {}).forEach(function (key) {
+        var name = attribute.split("_")[0] + " " + key;
+        var rows = data.marks.flags[name] || (data.marks.flags[name] = []);
+        readings[attribute][key].forEach(function (r) { if (rows.indexOf(r) < 0) { rows.push(r); } });
+      });
+    });
+    var steering = readings.steering;
+    if (steering) {
+      var vectors = steering.vectors || {};
+      if (Object.keys(vectors).length && steering.start !== null && steering.start !== undefined) {
+        // start is a position among prompt and reply; position 0 here is the prompt's last
+        var from = state.nPrompt ? Math.max(0, steering.start - (state.nPrompt - 1)) : 0;
+        data.marks.steered = { from: from, vectors: vectors };
+      }
+      if (steering.clamp) { data.marks.clamp = steering.clamp; }
+    }
     Object.keys(readings.probe_scores || {}).forEach(function (name) {
       var s = seriesOf("probe " + name, "probability");
       readings.probe_scores[name].forEach(function (v, i) {
@@ -89,10 +120,16 @@
     });
     var saes = readings.sae_features || {};
     Object.keys(saes).forEach(function (name) {
-      var t = topKOf("sae " + name, false);
+      var labels = state.labels[name] || {};
+      var t = topKOf("sae " + name, false, labels);
       saes[name].indices.forEach(function (ids, i) {
         t.rows[first + i] = ids.map(function (id, j) { return [id, saes[name].values[i][j]]; })
           .filter(function (pair) { return pair[0] >= 0; });
+        Object.keys(labels).forEach(function (feature) {  // a labelled feature: a series
+          var s = seriesOf("sae " + name + " #" + feature + " " + labels[feature], "activation");
+          var hit = t.rows[first + i].filter(function (pair) { return String(pair[0]) === feature; });
+          s.values[first + i] = hit.length ? hit[0][1] : 0;
+        });
       });
     });
   }
@@ -101,9 +138,8 @@
     var s = data.series[Number(select.value)] || data.series[0];
     reply.querySelectorAll(".ph-token").forEach(function (span) {
       var p = Number(span.getAttribute("data-i"));
-      var t = s ? view.level(s.values[p], s.scale, 0) : null;
-      span.style.backgroundColor = t === null ? "" : view.shade(t);
-      span.style.color = t !== null && t > 0.6 ? "#ffffff" : "";
+      view.colour(span, s, p);
+      view.mark(span, data, p);
     });
   }
 
@@ -124,6 +160,7 @@
   }
 
   function chunk(message, state) {
+    if (message.usage && message.usage.prompt_tokens) { state.nPrompt = message.usage.prompt_tokens; }
     var choice = (message.choices || [])[0];
     if (!choice) { return; }
     var texts = ((choice.logprobs || {}).content || []).map(function (c) { return c.token; });
@@ -132,11 +169,16 @@
     var rows = Math.max(0, texts.length);
     texts.forEach(addToken);
     // decode row i is at position i (position 0 stands for the prompt's last token)
-    place(readings, state.rows);
+    place(readings, state.rows, state);
     state.rows += rows;
     if (choice.finish_reason) {
+      var reason = choice.stop_reason;
+      if (typeof reason === "string" && /^(probe|feature|lens):/.test(reason)) {
+        // a stop monitor crossed on the last decode row; the forced token came out of it
+        data.marks.stop = { position: state.rows - 1, reason: reason };
+      }
       status.textContent = "finish: " + choice.finish_reason +
-        (readings.stop_reason ? "; " + readings.stop_reason : "");
+        (data.marks.stop ? "; stopped by " + data.marks.stop.reason : "");
     }
     paint();
   }
@@ -149,20 +191,31 @@
     var options = { probes: chosen("probe"), saes: chosen("sae"), lenses: chosen("lens") };
     var steer = chosen("steer");
     if (steer.length) {
+      var scale = Number(document.getElementById("ph-scale").value);
       options.steer = {};
-      steer.forEach(function (name) { options.steer[name] = 1.0; });
+      steer.forEach(function (name) { options.steer[name] = scale; });
+    }
+    var extra, labels;
+    try {
+      extra = jsonOf("ph-extra");
+      labels = jsonOf("ph-labels");
+    } catch (error) {
+      status.textContent = "error: " + error.message;
+      return;
     }
     ["probes", "saes", "lenses"].forEach(function (key) {
       if (!options[key].length) { delete options[key]; }
     });
+    Object.keys(extra).forEach(function (key) { options[key] = extra[key]; });
     var body = {
       model: model, stream: true, temperature: 0, logprobs: true,
       max_tokens: Number(document.getElementById("ph-max").value),
       messages: [{ role: "user", content: document.getElementById("ph-message").value }],
+      stream_options: { include_usage: true, continuous_usage_stats: true },  // prompt length
       probehook: options
     };
     status.textContent = "streaming";
-    var state = { rows: 0 };
+    var state = { rows: 0, nPrompt: null, labels: labels };
     fetch("/v1/chat/completions", {
       method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body)
     }).then(function (response) {

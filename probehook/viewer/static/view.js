@@ -115,6 +115,20 @@
     });
   }
 
-  window.probehookView = { start: start, shade: shade, level: level, describe: describe };
+  // A token's marks: the flags and the stop on its row, steering from the first steered row.
+  function mark(span, data, p) {
+    var flagged = Object.keys(data.marks.flags).some(function (key) {
+      return data.marks.flags[key].indexOf(p) >= 0;
+    });
+    span.classList.toggle("ph-flag", flagged);
+    span.classList.toggle("ph-stop", !!data.marks.stop && data.marks.stop.position === p);
+    var steered = data.marks.steered;
+    span.classList.toggle("ph-steered", !!steered && p >= steered.from);
+  }
+
+  window.probehookView = {
+    start: start, shade: shade, level: level, seriesTop: seriesTop, colour: colour,
+    describe: describe, mark: mark
+  };
   document.querySelectorAll(".ph-view").forEach(start);
 })();

@@ -200,7 +200,7 @@ class ServerProcess:
                 with urllib.request.urlopen(f"{self.base_url}/models", timeout=5):
                     return self
             except OSError:
-                time.sleep(1.0)
+                time.sleep(0.1)
         self.stop()
         raise TimeoutError(f"probehook serve did not answer in {timeout} s:\n{self.tail()}")
 

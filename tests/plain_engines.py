@@ -56,7 +56,7 @@ def _plain_vllm(model: str) -> dict[str, Any]:
         "load_formats": sorted(_LOAD_FORMAT_TO_MODEL_LOADER),
         "archs": sorted(a for a in ModelRegistry.get_supported_archs() if "Probehook" in a),
     }
-    llm.llm_engine.engine_core.shutdown()
+    llm.llm_engine.engine_core.shutdown(timeout=1.0)  # not vLLM's 5 s grace: it is idle
     # What probehook's engine setup does around a capture engine's start
     # (engine_config.capture_engine_start)
     from probehook.adapter import plugin

@@ -513,7 +513,9 @@ def test_uncaptured_requests_leave_the_workers_tables_bounded(engine, loop) -> N
     engine's requests, whatever the number run."""
     from probehook.worker.recorder import DEPARTED_SLACK
 
-    requests, max_num_seqs = 10_000, engine.vllm_config.scheduler_config.max_num_seqs
+    max_num_seqs = engine.vllm_config.scheduler_config.max_num_seqs
+    # four times the bound below per recorder: an unbounded table would hold every request
+    requests = 4 * (2 * max_num_seqs + DEPARTED_SLACK)
 
     async def main() -> tuple[dict, dict]:
         before = await engine.stats()

@@ -862,9 +862,10 @@ def test_the_live_page_paints_a_streamed_reply_per_token(client, server) -> None
     body = {"lenses": ["j"], "probes": ["truth"], "saes": ["res3"]}
     want = client.chat.completions.create(
         messages=[{"role": "user", "content": message}], logprobs=True,
-        extra_body={"probehook": body}, **{**greedy(), "max_tokens": 12},
+        extra_body={"probehook": body, "return_token_ids": True}, **{**greedy(), "max_tokens": 12},
     ).choices[0]  # fmt: skip
     tokens = [c.token for c in want.logprobs.content]
+    ids = want.model_extra["token_ids"]
     target = field(want)["lens"]["j"]["3"]["target_logprob"]
     with chromium() as browser:
         page, errors, off_machine = open_page(browser, f"{root}/probehook/ui", root)
@@ -896,6 +897,7 @@ def test_the_live_page_paints_a_streamed_reply_per_token(client, server) -> None
         spans.nth(2).hover()
         panel = page.inner_text(".ph-panel")
         assert "position 2" in panel and "lens j@3" in panel and "sae res3" in panel
+        assert f"(id {ids[1]}, position 2" in panel  # the ids came with the chunks
         # Flags and a labelled feature: a truth flag monitor typed in as JSON (its threshold
         # between the reply's scores), a label for row 2's strongest feature.
         scores = field(want)["probe_scores"]["truth"]

@@ -152,9 +152,9 @@
     reply.appendChild(s);
   }
 
-  function addToken(text) {
+  function addToken(text, id) {
     data.tokens.push(text);
-    data.ids.push(null);
+    data.ids.push(id === undefined ? null : id);
     grow(data.tokens.length);
     span(data.tokens.length - 1, text);
   }
@@ -167,7 +167,8 @@
     if (!texts.length && choice.delta && choice.delta.content) { texts = [choice.delta.content]; }
     var readings = choice.probehook || {};
     var rows = Math.max(0, texts.length);
-    texts.forEach(addToken);
+    var ids = choice.token_ids || [];  // vLLM's return_token_ids: the chunk's token ids
+    texts.forEach(function (text, i) { addToken(text, ids[i]); });
     // decode row i is at position i (position 0 stands for the prompt's last token)
     place(readings, state.rows, state);
     state.rows += rows;
@@ -208,7 +209,7 @@
     });
     Object.keys(extra).forEach(function (key) { options[key] = extra[key]; });
     var body = {
-      model: model, stream: true, temperature: 0, logprobs: true,
+      model: model, stream: true, temperature: 0, logprobs: true, return_token_ids: true,
       max_tokens: Number(document.getElementById("ph-max").value),
       messages: [{ role: "user", content: document.getElementById("ph-message").value }],
       stream_options: { include_usage: true, continuous_usage_stats: true },  // prompt length

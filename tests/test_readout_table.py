@@ -1,14 +1,14 @@
 """A readout is one entry of the readout table: the test-only toy readout of
 tests/toy_readout.py (each row's norm as a one-entry top-k), registered by one line and named
 nowhere in probehook, reaches offline outputs (prompt and generated rows, per-request picks),
-``AsyncLLM`` streams, ``probehook serve`` choices and chunks, and the store, equal to the norm
-of the rows the same engine captures."""
+``AsyncLLM`` streams, ``probehook serve`` choices and chunks (on tests/test_server.py's server:
+``test_a_registered_readout_is_served_in_choices_and_chunks``), and the store, equal to the
+norm of the rows the same engine captures."""
 
 from __future__ import annotations
 
 import asyncio
 import math
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,7 +21,6 @@ pytestmark = pytest.mark.engine
 PROMPT = "12+34="
 TOKENS = 4
 ENGINE = dict(enforce_eager=True, max_model_len=64, seed=0, dtype="float32")
-TESTS = Path(__file__).parent
 
 
 @pytest.fixture(scope="module")
@@ -36,26 +35,6 @@ def registered() -> Iterator[Any]:
     OUTPUT_PROCESSORS.register(RowNorm)
     yield RowNorm
     OUTPUT_PROCESSORS.unregister(RowNorm.name)
-
-
-@pytest.fixture(scope="module")
-def entry_point_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A distribution that declares the entry point, as a package of the readout would in its
-    pyproject."""
-    root = tmp_path_factory.mktemp("entry_point")
-    info = root / "toy_readout-0.0.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: toy-readout\nVersion: 0.0\n")
-    (info / "entry_points.txt").write_text(
-        "[probehook.output_processors]\nrow_norms = toy_readout:RowNorm\n"
-    )
-    return root
-
-
-@pytest.fixture(scope="module")
-def entry_point_path(entry_point_root: Path) -> str:
-    """PYTHONPATH for a server's processes: tests/ (the module) and the distribution."""
-    return os.pathsep.join([str(TESTS), str(entry_point_root), os.environ.get("PYTHONPATH", "")])
 
 
 def norm_of(rows: torch.Tensor) -> torch.Tensor:
@@ -150,45 +129,3 @@ def test_async_llm_streams_it(registered, entry_point_root: Path, monkeypatch) -
     final = seen[-1]
     vllm = torch.tensor([next(iter(p.values())).logprob for p in final[4]])
     torch.testing.assert_close(final[3].target_logprob, vllm, atol=1e-4, rtol=0)
-
-
-def test_served_in_choices_and_chunks(registered, entry_point_path: str, tmp_path) -> None:
-    import openai
-
-    from probehook import tiny_model_path
-    from probehook.frontend.response_fields import decode_array
-    from probehook.testing import ServerProcess
-
-    argv = [str(tiny_model_path()), "--served-model-name", "tiny", "--enforce-eager"]
-    argv += ["--dtype", "float32", "--max-model-len", "64", "--seed", "0"]
-    argv += ["--layers", "3", "--readout", "norm:n3=3"]
-    server = ServerProcess(argv, log=tmp_path / "server.log", env={"PYTHONPATH": entry_point_path})
-    try:
-        client = openai.OpenAI(base_url=server.wait().base_url, api_key="unused", max_retries=0)
-        body = {"ignore_eos": True, "probehook": {"norms": ["n3"], "layers": [3]}}
-        choice = client.completions.create(
-            model="tiny", prompt=PROMPT, max_tokens=TOKENS, temperature=0, extra_body=body
-        ).choices[0]
-        field = choice.model_extra["probehook"]
-        rows = torch.from_numpy(decode_array(field["hidden_states"]["3"]))
-        got = field["row_norms"]["n3"]
-        assert got["indices"] == [[0]] * TOKENS and got["l0"] == [1] * TOKENS
-        torch.testing.assert_close(torch.tensor(got["values"])[:, 0], norm_of(rows))
-        chunks = client.completions.create(
-            model="tiny", prompt=PROMPT, max_tokens=TOKENS, temperature=0, extra_body=body,
-            stream=True,
-        )  # fmt: skip
-        joined = []
-        for chunk in chunks:
-            extra = chunk.choices[0].model_extra or {}
-            joined += (
-                extra.get("probehook", {}).get("row_norms", {}).get("n3", {}).get("values", [])
-            )
-        assert joined == got["values"]
-        plain = client.completions.create(
-            model="tiny", prompt=PROMPT, max_tokens=TOKENS, temperature=0,
-            extra_body={"ignore_eos": True},
-        ).choices[0]  # fmt: skip
-        assert "row_norms" not in (plain.model_extra or {}).get("probehook", {})  # opt-in
-    finally:
-        server.stop()

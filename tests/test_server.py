@@ -114,6 +114,7 @@ def server(
     steer_file: Path,
     sae_dir: Path,
     lens_files: dict[str, str],
+    entry_point_path: str,
     tmp_path_factory: Any,
 ) -> ServerProcess:
     """The module's server; a test that kills it (the kill -9 test) leaves the next test a
@@ -131,12 +132,16 @@ def server(
     argv += ["--sae-clamping"]
     argv += [arg for name, path in lens_files.items() for arg in ("--lens", f"{name}={path}")]
     argv += ["--lens-layers", "0,3", "--lens-top-k", "3"]
+    # the toy readout (tests/toy_readout.py), known to the server's processes by its entry
+    # point (test_a_registered_readout_is_served_in_choices_and_chunks)
+    argv += ["--readout", "norm:n3=3"]
     argv += ["--store", str(work / "store"), "--store-flush-interval", "0.5"]
     argv += ["--capture-default", json.dumps(DEFAULT)]
     argv += ["--chat-template", str(work / "chat.jinja"), "--served-model-name", "tiny"]
     argv += ["--ui"]  # the live viewer (test_the_live_page_paints_a_streamed_reply_per_token)
     argv += ["--dtype", "float32", "--max-model-len", "256", "--seed", "0", "--enforce-eager"]
-    process = ServerProcess(argv, log=work / "server.log", env=USERS_LAYOUT_ENV)
+    env = {**USERS_LAYOUT_ENV, "PYTHONPATH": entry_point_path}
+    process = ServerProcess(argv, log=work / "server.log", env=env)
     servers.append(process)
     return process.wait()
 
@@ -597,7 +602,7 @@ def test_malformed_options_storm(client, server, offline) -> None:
         readouts = json.load(reply)["readouts"]
     # The server's lenses add their options to the valid ones the refusals list.
     options = {o: name for name, r in readouts.items() for o in r["options"]}
-    assert options == {"lenses": "lenses", "lens_layers": "lenses"}
+    assert options == {"lenses": "lenses", "lens_layers": "lenses", "norms": "norm"}
     messages = []
     for value in objects:
         with pytest.raises(CaptureConfigError) as err:
@@ -665,7 +670,8 @@ def test_reserved_xargs_key_and_info_route(client, server) -> None:
     assert info["steering"]["layers"] == [2] and list(info["steering"]["vectors"]) == ["up"]
     assert info["steering"]["capacity"] == 64
     lenses = {"options": ["lenses", "lens_layers"], "names": ["logit", "j"], "layers": [0, 3]}
-    assert info["readouts"] == {"lenses": {**lenses, "k": 3}}
+    norms = {"options": ["norms"], "names": ["n3"], "layers": [3], "k": 1}
+    assert info["readouts"] == {"lenses": {**lenses, "k": 3}, "norm": norms}
     assert info["saes"] == ["res3"]
     # The server is still serving after every refusal above.
     assert client.completions.create(prompt="1+1=", **greedy()).choices[0].text is not None
@@ -932,6 +938,32 @@ def test_the_live_page_paints_a_streamed_reply_per_token(client, server) -> None
         assert errors == [] and off_machine == []
     with urllib.request.urlopen(f"{root}/probehook/ui") as response:
         assert response.status == 200 and b"probehook live" in response.read()
+
+
+def test_a_registered_readout_is_served_in_choices_and_chunks(client) -> None:
+    """The toy readout of tests/toy_readout.py (``--readout norm:n3=3``; the server's
+    processes know it by its entry point, probehook names it nowhere): each token's norm of
+    the rows the same response carries, in its choice and, streamed, joined from its chunks;
+    opt-in (a request that does not ask gets none)."""
+    prompt, tokens = prompts(8)[5], 4
+    body = {"ignore_eos": True, "probehook": {"norms": ["n3"], "layers": [3]}}
+    choice = client.completions.create(
+        prompt=prompt, extra_body=body, **{**greedy(), "max_tokens": tokens}
+    ).choices[0]
+    rows = torch.from_numpy(decode_array(field(choice)["hidden_states"]["3"]).copy())
+    got = field(choice)["row_norms"]["n3"]
+    assert got["indices"] == [[0]] * tokens and got["l0"] == [1] * tokens
+    torch.testing.assert_close(torch.tensor(got["values"])[:, 0], rows.float().norm(dim=1))
+    chunks = client.completions.create(
+        prompt=prompt, extra_body=body, stream=True, **{**greedy(), "max_tokens": tokens}
+    )
+    joined = []
+    for chunk in chunks:
+        extra = chunk.choices[0].model_extra or {}
+        joined += extra.get("probehook", {}).get("row_norms", {}).get("n3", {}).get("values", [])
+    assert joined == got["values"]
+    plain = client.completions.create(prompt=prompt, extra_body=ignore_eos(), **greedy())
+    assert "row_norms" not in field(plain.choices[0])  # opt-in
 
 
 def test_probehook_view_draws_a_file_of_saved_responses(

@@ -11,6 +11,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -78,8 +79,9 @@ def test_generate_streams_into_store(
 
 
 CHILD = textwrap.dedent("""
-    import hashlib, json, sys, torch
-    from probehook import LLM, SamplingParams
+    import gc, hashlib, json, os, resource, sys, torch
+    from probehook import LLM, SamplingParams, tiny_model_path
+    from probehook.store import ActivationStore
 
     def digest(tensors):
         h = hashlib.sha256()
@@ -87,8 +89,40 @@ CHILD = textwrap.dedent("""
             h.update(tensors[layer].contiguous().view(torch.uint8).numpy().tobytes())
         return h.hexdigest()
 
-    if __name__ == "__main__":
-        model, store = sys.argv[1], sys.argv[2]
+    def low_limit(path):
+        \"\"\"A store of 91 one-request shards read with the open-file limit lowered to 64
+        beside a live engine.\"\"\"
+        llm = LLM(str(tiny_model_path()), layers=[1], enforce_eager=True, store=path,
+                  dtype="float32", max_model_len=64, gpu_memory_utilization=0.1)
+        params = SamplingParams(max_tokens=1, temperature=0)
+        expected = {}
+        for i in range(91):  # one generate() per prompt: 91 small shards
+            out = llm.generate([f"{i}+1="], params, use_tqdm=False)[0]
+            expected[out.store_id] = out.hidden_states[1].clone()
+            del out  # a live output's rows hold a descriptor (the transport's mmap)
+        gc.collect()
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (64, hard))  # the engine is up
+        result = {"in_use": len(os.listdir("/proc/self/fd")) - 1}
+        reader = ActivationStore.open(path)
+        try:
+            result["max_open_files"] = reader.max_open_files
+            result["shards"] = reader.info()["shards"]
+            result["each"] = all(
+                torch.equal(reader[i].hidden_states[1], rows) for i, rows in expected.items()
+            )
+            result["matrix"] = torch.equal(reader.layer(1)[:], torch.cat(list(expected.values())))
+            result["open"] = len(reader._files)
+        except OSError as e:
+            result["error"] = repr(e)
+        reader.close()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        llm.shutdown()
+        print("RESULT " + json.dumps(result), flush=True)
+
+    def acknowledged_until_killed(model, store):
+        \"\"\"Batch after batch into a store, each batch's ids and digests printed once
+        generate() returned, until the parent kills the process.\"\"\"
         llm = LLM(model, layers=[0, 2], include_prefill=True, enforce_eager=True, store=store,
                   dtype="float32", max_model_len=256, gpu_memory_utilization=0.1)
         params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
@@ -96,42 +130,75 @@ CHILD = textwrap.dedent("""
             outs = llm.generate([f"{batch}+{i}=" for i in range(8)], params, use_tqdm=False)
             acked = {o.store_id: digest(o.hidden_states) for o in outs}
             print("ACK " + json.dumps(acked), flush=True)
+
+    if __name__ == "__main__":
+        low_limit(sys.argv[3])  # one process, one vLLM import, for both tests
+        acknowledged_until_killed(sys.argv[1], sys.argv[2])
 """)
 
 
-def test_kill_9_keeps_every_returned_request(llama_dir: Path, tmp_path: Path) -> None:
-    script = tmp_path / "child.py"
+@pytest.fixture(scope="module")
+def child(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The child's low-limit result, then the requests it acknowledged before it was killed
+    with SIGKILL in the middle of a batch, and its stores."""
+    work = tmp_path_factory.mktemp("child")
+    script = work / "child.py"
     script.write_text(CHILD)
-    store = tmp_path / "killed"
+    killed, low = work / "killed", work / "low_limit"
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
-    child = subprocess.Popen(
-        [sys.executable, str(script), str(llama_dir), str(store)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        env=env,
-        start_new_session=True,
-    )
-    acked: dict[str, str] = {}
+    errors = work / "stderr.log"  # a file: an unread pipe would fill and stall the child
+    with errors.open("w") as stderr:
+        process = subprocess.Popen(
+            [sys.executable, str(script), str(llama_dir), str(killed), str(low)],
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+            env=env,
+            start_new_session=True,
+        )
+    result, acked, log = None, {}, []
     try:
-        deadline = time.time() + 300
+        deadline = time.time() + 600
         while len(acked) < 24 and time.time() < deadline:
-            line = child.stdout.readline()
+            line = process.stdout.readline()
             if not line:
                 break
-            if line.startswith("ACK "):  # vLLM logs to stdout too
+            log.append(line)
+            if line.startswith("RESULT "):
+                result = json.loads(line[7:])
+            elif line.startswith("ACK "):  # vLLM logs to stdout too
                 acked.update(json.loads(line[4:]))
         time.sleep(0.3)  # land the kill in the middle of the next batch
     finally:
-        os.killpg(child.pid, signal.SIGKILL)
-        child.wait()
-    assert len(acked) >= 24, "the child did not get far enough to test anything"
-    reopened = ActivationStore.open(store)  # must not raise
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+    tail = "".join(log[-40:]) + errors.read_text(errors="replace")[-3000:]
+    return {"result": result, "acked": acked, "killed": killed, "tail": tail}
+
+
+def test_kill_9_keeps_every_returned_request(child: dict[str, Any]) -> None:
+    acked = child["acked"]
+    assert len(acked) >= 24, "the child did not get far enough to test anything:\n" + child["tail"]
+    reopened = ActivationStore.open(child["killed"])  # must not raise
     for store_id, expected in acked.items():
         assert digest(reopened[store_id].hidden_states) == expected
     # Whatever else is in the store is complete, never garbage.
     for record in reopened.requests:
         assert len(record.hidden_states[0]) == len(record.output_token_ids)
+
+
+def test_reading_many_shards_under_a_low_open_file_limit_beside_an_engine(
+    child: dict[str, Any],
+) -> None:
+    """A process holding a real engine, its open-file limit lowered to 64 after start-up,
+    reads a store of 91 one-request shards: the reader's handle cache must fit what is
+    left (a fixed cache of 128 failed with EMFILE). In the child process (the limit stays
+    there), before it runs the kill -9 test's engine."""
+    result = child["result"]
+    assert result is not None, child["tail"]
+    assert "error" not in result, result
+    assert result["shards"] == 91 and result["each"] and result["matrix"], result
+    assert result["in_use"] < 64 and result["open"] <= result["max_open_files"] < 64, result
 
 
 def test_cli_capture_and_info(llama_dir: Path, tmp_path: Path) -> None:
@@ -164,64 +231,3 @@ def test_cli_capture_and_info(llama_dir: Path, tmp_path: Path) -> None:
         timeout=60,
     )
     assert missing.returncode != 0 and "not a probehook activation store" in missing.stderr
-
-
-LOW_LIMIT_CHILD = textwrap.dedent("""
-    import gc, json, os, resource, sys, torch
-    from probehook import LLM, SamplingParams, tiny_model_path
-    from probehook.store import ActivationStore
-
-    if __name__ == "__main__":
-        path = sys.argv[1]
-        llm = LLM(str(tiny_model_path()), layers=[1], enforce_eager=True, store=path,
-                  dtype="float32", max_model_len=64, gpu_memory_utilization=0.1)
-        params = SamplingParams(max_tokens=1, temperature=0)
-        expected = {}
-        for i in range(91):  # one generate() per prompt: 91 small shards
-            out = llm.generate([f"{i}+1="], params, use_tqdm=False)[0]
-            expected[out.store_id] = out.hidden_states[1].clone()
-            del out  # a live output's rows hold a descriptor (the transport's mmap)
-        gc.collect()
-        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        resource.setrlimit(resource.RLIMIT_NOFILE, (64, hard))  # the engine is up
-        result = {"in_use": len(os.listdir("/proc/self/fd")) - 1}
-        reader = ActivationStore.open(path)
-        try:
-            result["max_open_files"] = reader.max_open_files
-            result["shards"] = reader.info()["shards"]
-            result["each"] = all(
-                torch.equal(reader[i].hidden_states[1], rows) for i, rows in expected.items()
-            )
-            result["matrix"] = torch.equal(reader.layer(1)[:], torch.cat(list(expected.values())))
-            result["open"] = len(reader._files)
-        except OSError as e:
-            result["error"] = repr(e)
-        reader.close()
-        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
-        llm.shutdown()
-        print("RESULT " + json.dumps(result), flush=True)
-""")
-
-
-def test_reading_many_shards_under_a_low_open_file_limit_beside_an_engine(
-    tmp_path: Path,
-) -> None:
-    """A process holding a real engine, its open-file limit lowered to 64 after start-up,
-    reads a store of 91 one-request shards: the reader's handle cache must fit what is
-    left (a fixed cache of 128 failed with EMFILE). In a subprocess: the limit stays there."""
-    script = tmp_path / "low_limit.py"
-    script.write_text(LOW_LIMIT_CHILD)
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
-    done = subprocess.run(
-        [sys.executable, str(script), str(tmp_path / "store")],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
-    )
-    results = [line[7:] for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    assert done.returncode == 0 and results, done.stdout[-2000:] + done.stderr[-3000:]
-    result = json.loads(results[0])
-    assert "error" not in result, result
-    assert result["shards"] == 91 and result["each"] and result["matrix"], result
-    assert result["in_use"] < 64 and result["open"] <= result["max_open_files"] < 64, result

@@ -141,10 +141,14 @@ class LensBank:
         (``out``: what it returned), from ``next_tokens`` (rows of the block -> their tokens,
         -1 where none came; None: none known, the targets stay NaN)."""
         pending, self._pending = self._pending, []
-        if next_tokens is None:
+        if next_tokens is None or not pending:
             return
-        for slot, block_rows, mapped, lse in pending:
-            tokens = next_tokens(block_rows.cpu().numpy()).to(mapped.device)
+        # every slot's rows in one copy to the host (one sync a step, not one a slot)
+        on_host = torch.cat([block_rows for _, block_rows, _, _ in pending]).cpu().numpy()
+        sizes = [len(block_rows) for _, block_rows, _, _ in pending]
+        drawn = next_tokens(on_host).split(sizes)
+        for (slot, block_rows, mapped, lse), tokens in zip(pending, drawn, strict=True):
+            tokens = tokens.to(mapped.device)
             vocab = self._vocab
             known = (tokens >= 0) & (tokens < vocab)
             ids = tokens.clamp(0, vocab - 1)
@@ -206,17 +210,25 @@ class LensBank:
         logits = self.head(self._map(rows, matrix, bias)).float()
         vocab = logits.shape[1]
         lse = torch.logsumexp(logits, dim=1, keepdim=True)
-        k = min(self.k, vocab)
-        top = torch.topk(logits, k, dim=1)
-        packed = torch.empty((rows.shape[0], self.width), dtype=torch.float32, device=rows.device)
-        packed[:, : self.k] = -1
-        packed[:, self.k : 2 * self.k] = 0
-        packed[:, :k] = top.indices.float()
-        packed[:, self.k : self.k + k] = top.values - lse
-        known = (targets >= 0) & (targets < vocab)
+        top = torch.topk(logits, min(self.k, vocab), dim=1)
         picked = logits.gather(1, targets.clamp(0, vocab - 1).unsqueeze(1)) - lse
-        packed[:, 2 * self.k] = torch.where(known, picked.squeeze(1), float("nan"))
+        known = (targets >= 0) & (targets < vocab)
+        packed = self._pack(top.indices.float(), top.values - lse, picked.squeeze(1), known)
         return packed, lse.squeeze(1), vocab
+
+    def _pack(
+        self, ids: torch.Tensor, logprobs: torch.Tensor, target: torch.Tensor, known: torch.Tensor
+    ) -> torch.Tensor:
+        """``[n, 2k + 1]`` float32: the kept ids (-1 padding past them), their log-probs (0
+        padding) and the target's log-prob (NaN where the next token is not known)."""
+        n, kept = ids.shape
+        packed = torch.empty((n, self.width), dtype=torch.float32, device=ids.device)
+        packed[:, kept : self.k] = -1
+        packed[:, self.k + kept : 2 * self.k] = 0
+        packed[:, :kept] = ids
+        packed[:, self.k : self.k + kept] = logprobs
+        packed[:, 2 * self.k] = torch.where(known, target, float("nan"))
+        return packed
 
     def _one_shard(
         self, x: torch.Tensor, targets: torch.Tensor
@@ -249,12 +261,12 @@ class LensBank:
         best = torch.topk(values, kept, dim=1)
         best_ids = ids.gather(1, best.indices)
         real = torch.isfinite(best.values)  # a shard of padding offers -inf
-        packed = torch.empty((n, self.width), dtype=torch.float32, device=x.device)
-        packed[:, : self.k] = -1
-        packed[:, self.k : 2 * self.k] = 0
-        packed[:, :kept] = torch.where(real, best_ids, -1.0)
-        packed[:, self.k : self.k + kept] = torch.where(real, best.values - lse[:, None], 0.0)
         target = every[:, :, 2 * k + 1].max(dim=1).values - lse
         known = (targets >= 0) & (targets < shard.vocab)
-        packed[:, 2 * self.k] = torch.where(known, target, float("nan"))
+        packed = self._pack(
+            torch.where(real, best_ids, -1.0),
+            torch.where(real, best.values - lse[:, None], 0.0),
+            target,
+            known,
+        )
         return packed, lse, shard.vocab

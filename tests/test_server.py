@@ -602,7 +602,7 @@ def test_malformed_options_storm(client, server, offline) -> None:
         readouts = json.load(reply)["readouts"]
     # The server's lenses add their options to the valid ones the refusals list.
     options = {o: name for name, r in readouts.items() for o in r["options"]}
-    assert options == {"lenses": "lenses", "lens_layers": "lenses", "norms": "norm"}
+    assert options == {"lenses": "lenses", "lens_layers": "lenses", "norms": "norms"}
     messages = []
     for value in objects:
         with pytest.raises(CaptureConfigError) as err:
@@ -671,7 +671,7 @@ def test_reserved_xargs_key_and_info_route(client, server) -> None:
     assert info["steering"]["capacity"] == 64
     lenses = {"options": ["lenses", "lens_layers"], "names": ["logit", "j"], "layers": [0, 3]}
     norms = {"options": ["norms"], "names": ["n3"], "layers": [3], "k": 1}
-    assert info["readouts"] == {"lenses": {**lenses, "k": 3}, "norm": norms}
+    assert info["readouts"] == {"lenses": {**lenses, "k": 3}, "norms": norms}
     assert info["saes"] == ["res3"]
     # The server is still serving after every refusal above.
     assert client.completions.create(prompt="1+1=", **greedy()).choices[0].text is not None

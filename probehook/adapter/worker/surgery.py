@@ -172,19 +172,13 @@ def _vocab_shard(model: nn.Module, norm: nn.Module) -> VocabShard | None:
         return None
     from vllm.distributed import tensor_model_parallel_all_gather
 
-    soft_cap, scale = processor.soft_cap, float(processor.scale)
+    finish = _finisher(processor)
     start, held = int(indices.org_vocab_start_index), int(indices.num_org_elements)
     padding = int(indices.num_org_vocab_padding)
     weight = lm_head.weight
 
-    def finish(logits: torch.Tensor) -> torch.Tensor:
-        logits = logits.float()
-        if soft_cap is not None:
-            logits = torch.tanh(logits / soft_cap) * soft_cap
-        return logits * scale if scale != 1.0 else logits
-
     def logits(rows: torch.Tensor) -> torch.Tensor:
-        out = finish(apply(lm_head, norm(rows), None))
+        out = finish(apply(lm_head, norm(rows), None).float())
         if padding:
             out[:, -padding:] = float("-inf")
         return out
@@ -199,9 +193,7 @@ def _vocab_shard(model: nn.Module, norm: nn.Module) -> VocabShard | None:
         mine = (local >= 0) & (local < held)
         at = local.clamp(0, max(held - 1, 0))  # a rank may hold only padding
         if by_rows:
-            normed = norm(rows)
-            w = weight.index_select(0, at).to(normed.dtype)
-            out = finish(torch.bmm(normed.unsqueeze(1), w.unsqueeze(2)).reshape(-1))
+            out = finish(_row_dot(norm(rows), weight, at))
         else:
             out = logits(rows).gather(1, at.unsqueeze(1)).squeeze(1)
         return torch.where(mine, out, float("-inf"))
@@ -232,16 +224,11 @@ def _token_logits(
         or weight.shape[0] < int(processor.org_vocab_size)  # a vocabulary shard (TP)
     ):
         return None
-    soft_cap, scale = processor.soft_cap, float(processor.scale)
+    finish = _finisher(processor)
     checked: list[bool] = []
 
     def by_rows(rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        normed = norm(rows)
-        w = weight.index_select(0, ids).to(normed.dtype)
-        out = torch.bmm(normed.unsqueeze(1), w.unsqueeze(2)).reshape(-1).float()
-        if soft_cap is not None:
-            out = torch.tanh(out / soft_cap) * soft_cap
-        return out * scale if scale != 1.0 else out
+        return finish(_row_dot(norm(rows), weight, ids))
 
     def token_logits(rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         if not checked:
@@ -284,15 +271,32 @@ def _pooling_logits(
         return None
     first = next(model.parameters())
     weight = weight[:vocab].detach().to(first.device, first.dtype)
-    soft_cap, scale = processor.soft_cap, float(processor.scale)
+    finish = _finisher(processor)
 
     def logits(rows: torch.Tensor) -> torch.Tensor:
-        out = rows.to(weight.dtype) @ weight.T
-        if soft_cap is not None:
-            out = torch.tanh(out / soft_cap) * soft_cap
-        return out * scale if scale != 1.0 else out
+        return finish(rows.to(weight.dtype) @ weight.T)
 
     return logits
+
+
+def _finisher(processor: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+    """What vLLM's logits processor does to the head's logits: its soft-cap, then its scale
+    (in the logits' dtype)."""
+    soft_cap, scale = processor.soft_cap, float(processor.scale)
+
+    def finish(logits: torch.Tensor) -> torch.Tensor:
+        if soft_cap is not None:
+            logits = torch.tanh(logits / soft_cap) * soft_cap
+        return logits * scale if scale != 1.0 else logits
+
+    return finish
+
+
+def _row_dot(normed: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """One float32 logit per row: its normed row dotted with the head's row of its token (an
+    unquantized head's rows are its logits' rows)."""
+    w = weight.index_select(0, ids).to(normed.dtype)
+    return torch.bmm(normed.unsqueeze(1), w.unsqueeze(2)).reshape(-1).float()
 
 
 def is_transformers_backend(model: nn.Module) -> bool:

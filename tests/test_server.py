@@ -669,9 +669,15 @@ def test_reserved_xargs_key_and_info_route(client, server) -> None:
     assert info["capture_default"] == DEFAULT
     assert info["steering"]["layers"] == [2] and list(info["steering"]["vectors"]) == ["up"]
     assert info["steering"]["capacity"] == 64
-    lenses = {"options": ["lenses", "lens_layers"], "names": ["logit", "j"], "layers": [0, 3]}
-    norms = {"options": ["norms"], "names": ["n3"], "layers": [3], "k": 1}
-    assert info["readouts"] == {"lenses": {**lenses, "k": 3}, "norms": norms}
+    served = {f"{lens}@{layer}": [lens, str(layer)] for lens in ("logit", "j") for layer in (0, 3)}
+    lenses = {"options": ["lenses", "lens_layers"], "names": ["logit", "j"], "layers": [0, 3],
+              "k": 3, "name": "lens", "attribute": "lens", "served": served,
+              "columns": ["token_ids", "logprobs", "target_logprob"], "tokens": True,
+              "series": ["target", "logprob"], "flags": "lens_flags"}  # fmt: skip
+    norms = {"options": ["norms"], "names": ["n3"], "layers": [3], "k": 1, "name": "row_norms",
+             "attribute": "row_norms", "columns": ["indices", "values", "l0"],
+             "served": {"n3": ["n3"]}, "tokens": False, "series": None, "flags": None}  # fmt: skip
+    assert info["readouts"] == {"lenses": lenses, "norms": norms}
     assert info["saes"] == ["res3"]
     # The server is still serving after every refusal above.
     assert client.completions.create(prompt="1+1=", **greedy()).choices[0].text is not None
@@ -852,7 +858,8 @@ def test_openai_client_example_against_this_server(server) -> None:
 
 
 def test_the_live_page_paints_a_streamed_reply_per_token(client, server) -> None:
-    """``--ui``: in Chromium, the page lists the server's probes, SAEs and lenses, sends a
+    """``--ui``: in Chromium, the page lists the server's probes, SAEs and top-k readouts
+    (lenses, the toy readout: known from the server's description alone), sends a
     streamed chat completion through the server's own route, and paints the reply token by
     token while it streams (the painted count grows); at the end its tokens are the reply's,
     each painted with its lens reading's colour, and the panel shows the token's readings.
@@ -865,7 +872,7 @@ def test_the_live_page_paints_a_streamed_reply_per_token(client, server) -> None
 
     root = server.base_url.removesuffix("/v1")
     message = prompts(8)[3]
-    body = {"lenses": ["j"], "probes": ["truth"], "saes": ["res3"]}
+    body = {"lenses": ["j"], "probes": ["truth"], "saes": ["res3"], "norms": ["n3"]}
     want = client.chat.completions.create(
         messages=[{"role": "user", "content": message}], logprobs=True,
         extra_body={"probehook": body, "return_token_ids": True}, **{**greedy(), "max_tokens": 12},
@@ -877,10 +884,11 @@ def test_the_live_page_paints_a_streamed_reply_per_token(client, server) -> None
         page, errors, off_machine = open_page(browser, f"{root}/probehook/ui", root)
         page.wait_for_selector(".ph-live[data-ph-ready='1']")
         boxes = page.locator("#ph-choices input")
-        assert {b.get_attribute("value") for b in boxes.all()} >= {"truth", "res3", "j", "up"}
+        assert {b.get_attribute("value") for b in boxes.all()} >= {"truth", "res3", "j", "up", "n3"}
         for box in boxes.all():  # ask what the request above asked
             group, name = box.get_attribute("data-group"), box.get_attribute("value")
-            wanted = {"probe": ["truth"], "sae": ["res3"], "lens": ["j"]}.get(group, [])
+            wanted = {"probe": ["truth"], "sae": ["res3"], "lens": ["j"],
+                      "row_norms": ["n3"]}.get(group, [])  # fmt: skip
             box.set_checked(name in wanted)
         page.fill("#ph-message", message)
         page.fill("#ph-max", "12")
@@ -904,6 +912,10 @@ def test_the_live_page_paints_a_streamed_reply_per_token(client, server) -> None
         panel = page.inner_text(".ph-panel")
         assert "position 2" in panel and "lens j@3" in panel and "sae res3" in panel
         assert f"(id {ids[1]}, position 2" in panel  # the ids came with the chunks
+        # the toy readout, which the page knows only from the server's description
+        norm = field(want)["row_norms"]["n3"]["values"][2][0]
+        line = page.inner_text(".ph-top-k[data-name='row_norms n3']")
+        assert line == f"row_norms n3: #0 {norm:.4f}", line
         # Flags and a labelled feature: a truth flag monitor typed in as JSON (its threshold
         # between the reply's scores), a label for row 2's strongest feature.
         scores = field(want)["probe_scores"]["truth"]

@@ -34,11 +34,12 @@ def engine_outputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         tiny_sae_path,
     )
 
-    weight = torch.randn(1, 128, generator=torch.Generator().manual_seed(0)) / 128**0.5
-    probe = LinearProbe(weight, torch.zeros(1), layer=1, kind="binary", name="p")
+    weights = torch.randn(2, 1, 128, generator=torch.Generator().manual_seed(0)) / 128**0.5
+    probes = {name: LinearProbe(weights[i], torch.zeros(1), layer=layer, kind="binary", name=name)
+              for i, (name, layer) in enumerate((("p", 1), ("q", 3)))}  # fmt: skip
     push = SteeringVector({2: torch.randn(128, generator=torch.Generator().manual_seed(1))})
     llm = LLM(
-        str(tiny_model_path()), probes={"p": probe}, saes={"s": SAE.load(tiny_sae_path())},
+        str(tiny_model_path()), probes=probes, saes={"s": SAE.load(tiny_sae_path())},
         sae_top_k=4, sae_clamping=True, steering={"push": push}, lenses={"l": "logit"},
         lens_layers=[1, 3], include_prefill=True, enforce_eager=True, max_model_len=64,
         dtype="float32", seed=0, store=tmp_path_factory.mktemp("viewer") / "store",
@@ -96,6 +97,8 @@ def test_data_puts_every_reading_at_its_position(viewed) -> None:
     assert data["marks"]["flags"] == {"lens l@3:10": [n - 1 + r for r in flagged]} and flagged
     grid = data["grids"][0]
     assert grid["layers"] == [1, 3] and grid["values"][1] == target
+    probes = data["grids"][1]  # a probe grid: one row per probe
+    assert probes["layers"] == ["p", "q"] and probes["values"][0] == probe
 
 
 def test_steering_and_clamping_are_marked(engine_outputs, browser, tmp_path) -> None:

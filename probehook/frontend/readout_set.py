@@ -89,12 +89,23 @@ class ReadoutSet:
         return (self.readout.request_option, *self.readout.extra_request_options)
 
     def describe(self) -> dict[str, Any]:
-        """What a request may ask of this readout (the server's ``GET /v1/probehook``)."""
+        """What a request may ask of this readout (the server's ``GET /v1/probehook``), and
+        how its served field reads (for clients such as the live viewer): the choice's
+        attribute, the columns' names, where each instance sits, whether entries are tokens
+        and the scalar's series."""
+        readout = self.readout
         return {
             "options": list(self.request_options),
-            "names": self.readout.pickable(self.instances),
+            "names": readout.pickable(self.instances),
             "layers": list(self.layers),
             "k": self.k,
+            "name": readout.name,
+            "attribute": readout.completion_attributes[0],
+            "columns": list(readout.row_type.column_names),
+            "served": {i: readout.served_path(i) for i in self.instances},
+            "tokens": readout.entries_are_tokens,
+            "series": list(readout.scalar_series) if readout.scalar_series else None,
+            "flags": readout.flags_attribute,
         }
 
     def loader_settings(self) -> dict[str, Any]:

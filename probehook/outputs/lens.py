@@ -91,6 +91,7 @@ class LensReadout(TopKReadout):
     entries_are_tokens = True
     follows_last_prefill_token = True  # the last prompt token's reading costs one row
     flags_attribute = "lens_flags"
+    scalar_series = ("target", "logprob")
 
     @property
     def k_option(self) -> str:
@@ -223,6 +224,10 @@ class LensReadout(TopKReadout):
     def written(self, response: dict[str, Any], name: str) -> dict[str, Any]:
         lens, layer = split_instance(name)
         return response[lens][str(layer)]
+
+    def served_path(self, instance: str) -> list[str]:
+        lens, layer = split_instance(instance)
+        return [lens, str(layer)]
 
     def served(self, response: dict[str, Any]) -> dict[str, Any]:
         return {

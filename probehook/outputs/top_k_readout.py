@@ -58,6 +58,10 @@ class TopKReadout(OutputProcessor):
     """The worker reads a row together with the id of the token that came next (a lens's
     target log-prob): its rows complete after the step's sampling, and :meth:`read` gets
     ``next_tokens``."""
+    scalar_series: ClassVar[tuple[str, str] | None] = None
+    """How viewers show the per-token scalar column as a colour series: ``(label, scale)``,
+    the scale one of the viewer's (``"probability"``, ``"logprob"``, ``"activation"``); a
+    lens's target log-prob is ``("target", "logprob")``. None: not shown as a series."""
     flags_attribute: ClassVar[str | None] = None
     """The completion attribute its monitors' flags go to (``"lens_flags"``); None: the
     readout has no monitors. Its monitors (``source`` = this readout's, ``instance``,
@@ -156,6 +160,10 @@ class TopKReadout(OutputProcessor):
         return self.present(
             {name: self.row_type.from_columns(c) for name, c in self.served(response).items()}
         )
+
+    def served_path(self, instance: str) -> list[str]:
+        """Where an instance's columns sit in the served field (:meth:`written`'s keys)."""
+        return [instance]
 
     def served(self, response: dict[str, Any]) -> dict[str, Any]:
         """Each instance's columns in a served response, by instance name (the inverse of

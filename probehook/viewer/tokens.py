@@ -39,7 +39,7 @@ def request_data(
     place = _Placer(n_prompt, len(ids))
     series: list[dict[str, Any]] = []
     top_k: list[dict[str, Any]] = []
-    by_lens: dict[str, dict[int, list[Any]]] = {}  # each lens's target series by layer
+    by_layer: dict[tuple[str, str], dict[int, list[Any]]] = {}  # instances' series by layer
     # probe scores: one series per probe (per class of a multi-class probe)
     prefill = _get(output, "prefill_probe_scores")
     decode = output.probe_scores if stored else _get(completion, "probe_scores")
@@ -55,23 +55,35 @@ def request_data(
             if readout.entries_are_tokens:
                 entry["texts"] = _entry_texts(rows, token_text)
             top_k.append(entry)
-            if readout.name == "lens":  # the target's log-prob: the lens's headline number
+            if readout.scalar_series is not None:  # a lens's target log-prob
+                label, scale = readout.scalar_series
                 values = place.series(
                     _scalar(prefill_rows.get(instance)), _scalar(decode_rows.get(instance))
                 )
-                series.append(_series(f"lens {instance} target", "lens", values, "logprob"))
-                lens, _, layer = instance.rpartition("@")
-                by_lens.setdefault(lens, {})[int(layer)] = values
+                name = f"{readout.name} {instance} {label}"
+                series.append(_series(name, readout.name, values, scale))
+                group, at, layer = instance.rpartition("@")  # "<name>@<layer>": one grid
+                if at and layer.isdigit():
+                    key = (f"{readout.name} {group}: {label} by layer", scale)
+                    by_layer.setdefault(key, {})[int(layer)] = values
     grids = [
         {
-            "name": f"lens {lens}: target log-prob by layer",
-            "scale": "logprob",
+            "name": name,
+            "scale": scale,
             "layers": sorted(layers),
             "values": [layers[k] for k in sorted(layers)],
         }  # fmt: skip
-        for lens, layers in by_lens.items()
+        for (name, scale), layers in by_layer.items()
         if len(layers) > 1
     ]
+    probes = [s for s in series if s["kind"] == "probe"]
+    if len(probes) > 1:  # e.g. a probe per layer: one row each
+        grids.append({
+            "name": "probes: score by token",
+            "scale": "probability",
+            "layers": [s["name"].removeprefix("probe ") for s in probes],
+            "values": [s["values"] for s in probes],
+        })  # fmt: skip
     saes_prefill = _get(output, "prefill_sae_features")
     saes_decode = output.sae_features if stored else _get(completion, "sae_features")
     for name in sorted({*saes_prefill, *saes_decode}):
@@ -208,7 +220,7 @@ def _marks(output: Any, completion: Any, stored: bool, place: _Placer) -> dict[s
     d0 = place.n_prompt - 1
     flags: dict[str, list[int]] = {}
     if completion is not None:
-        for attribute in ("probe_flags", "feature_flags", "lens_flags"):
+        for attribute in _flag_attributes():
             for key, rows in _get(completion, attribute).items():
                 flags[f"{attribute.split('_')[0]} {key}"] = [d0 + int(r) for r in rows]
     stop_reason = None if stored else getattr(completion, "stop_reason", None)
@@ -231,6 +243,19 @@ def _marks(output: Any, completion: Any, stored: bool, place: _Placer) -> dict[s
         "steered": {"from": start, "vectors": vectors} if vectors and start is not None else None,
         "clamp": (steering or {}).get("clamp") or None,  # held on every token
     }
+
+
+def _flag_attributes() -> list[str]:
+    """Where flags are: the probe and feature monitors', and each top-k readout's."""
+    from probehook.outputs import OUTPUT_PROCESSORS
+    from probehook.outputs.top_k_readout import top_k_readouts
+
+    readouts = top_k_readouts(OUTPUT_PROCESSORS).values()
+    return [
+        "probe_flags",
+        "feature_flags",
+        *(r.flags_attribute for r in readouts if r.flags_attribute),
+    ]
 
 
 def _jsonable(value: Any) -> Any:

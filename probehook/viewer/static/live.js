@@ -15,6 +15,8 @@
   var select = root.querySelector("select.ph-series");
   var info = null, model = null, data = null;
 
+  function readouts() { return (info && info.readouts) || {}; }
+
   function checkbox(group, name) {
     var label = document.createElement("label");
     var box = document.createElement("input");
@@ -80,7 +82,11 @@
   // The chunk's readings: decode rows first..first + n - 1, at those positions; flags name
   // decode rows of the whole reply, so they are positions as they are.
   function place(readings, first, state) {
-    ["probe_flags", "feature_flags", "lens_flags"].forEach(function (attribute) {
+    var flagged = ["probe_flags", "feature_flags"];  // and each readout's monitors'
+    Object.keys(readouts()).forEach(function (key) {
+      if (readouts()[key].flags) { flagged.push(readouts()[key].flags); }
+    });
+    flagged.forEach(function (attribute) {
       Object.keys(readings[attribute] || {}).forEach(function (key) {
         var name = attribute.split("_")[0] + " " + key;
         var rows = data.marks.flags[name] || (data.marks.flags[name] = []);
@@ -103,19 +109,32 @@
         s.values[first + i] = Array.isArray(v) ? v[0] : v;
       });
     });
-    var lenses = readings.lens || {};
-    Object.keys(lenses).forEach(function (lens) {
-      Object.keys(lenses[lens]).forEach(function (layer) {
-        var r = lenses[lens][layer], instance = lens + "@" + layer;
-        var s = seriesOf("lens " + instance + " target", "logprob");
-        var t = topKOf("lens " + instance, true);
-        r.target_logprob.forEach(function (v, i) { s.values[first + i] = v; });
-        r.token_ids.forEach(function (ids, i) {
-          t.rows[first + i] = ids.map(function (id, j) {
-            t.texts[String(id)] = r.tokens ? r.tokens[i][j] : "<" + id + ">";
-            return [id, r.logprobs[i][j]];
+    // every top-k readout the server describes (lenses, the next ones): its columns where
+    // its description says they sit, its scalar as a series where it names one
+    Object.keys(readouts()).forEach(function (key) {
+      var r = readouts()[key], value = readings[r.attribute];
+      if (!value) { return; }
+      Object.keys(r.served).forEach(function (instance) {
+        var columns = r.served[instance].reduce(function (at, step) {
+          return at === undefined ? undefined : at[step];
+        }, value);
+        if (!columns) { return; }
+        var ids = columns[r.columns[0]], values = columns[r.columns[1]];
+        var t = topKOf(r.name + " " + instance, r.tokens);
+        ids.forEach(function (row, i) {
+          t.rows[first + i] = [];
+          row.forEach(function (id, j) {
+            if (id < 0) { return; }  // padding
+            if (r.tokens) {
+              t.texts[String(id)] = columns.tokens ? columns.tokens[i][j] : "<" + id + ">";
+            }
+            t.rows[first + i].push([id, values[i][j]]);
           });
         });
+        if (r.series) {
+          var s = seriesOf(r.name + " " + instance + " " + r.series[0], r.series[1]);
+          columns[r.columns[2]].forEach(function (v, i) { s.values[first + i] = v; });
+        }
       });
     });
     var saes = readings.sae_features || {};
@@ -189,7 +208,11 @@
     reply.textContent = "";
     select.textContent = "";
     span(0, data.tokens[0]);  // the prompt's last token, where decode row 0 is computed
-    var options = { probes: chosen("probe"), saes: chosen("sae"), lenses: chosen("lens") };
+    var options = { probes: chosen("probe"), saes: chosen("sae") };
+    Object.keys(readouts()).forEach(function (key) {  // each readout's picking option
+      var r = readouts()[key], names = chosen(r.name);
+      if (names.length) { options[r.options[0]] = names; }
+    });
     var steer = chosen("steer");
     if (steer.length) {
       var scale = Number(document.getElementById("ph-scale").value);
@@ -204,7 +227,7 @@
       status.textContent = "error: " + error.message;
       return;
     }
-    ["probes", "saes", "lenses"].forEach(function (key) {
+    ["probes", "saes"].forEach(function (key) {
       if (!options[key].length) { delete options[key]; }
     });
     Object.keys(extra).forEach(function (key) { options[key] = extra[key]; });
@@ -253,8 +276,9 @@
     model = got[1].data[0].id;
     Object.keys(info.probes || {}).forEach(function (name) { checkbox("probe", name); });
     (info.saes || []).forEach(function (name) { checkbox("sae", name); });
-    (((info.readouts || {}).lenses || {}).names || []).forEach(function (name) {
-      checkbox("lens", name);
+    Object.keys(readouts()).forEach(function (key) {
+      var r = readouts()[key];
+      r.names.forEach(function (name) { checkbox(r.name, name); });
     });
     Object.keys((info.steering || {}).vectors || {}).forEach(function (name) {
       checkbox("steer", name);

@@ -345,8 +345,9 @@ def test_a_wire_threshold_is_checked_not_raised(threshold: Any) -> None:
     feature = {
         **good,
         "saes": ["res3"],
-        "feature_monitors": [
+        "readout_monitors": [
             {
+                "source": "sae",
                 "sae": "res3",
                 "feature": 4,
                 "threshold": threshold,

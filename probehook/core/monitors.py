@@ -161,8 +161,15 @@ class FeatureMonitor:
             monitor_threshold(self.threshold, f"FeatureMonitor({self.sae!r}, {self.feature})"),
         )
 
+    source: ClassVar[str] = "sae"
+    """The top-k rows it watches (the worker's SAE features)."""
     outside: ClassVar[float] = 0.0
     """Its value where the feature is not among the engine's top k."""
+
+    @property
+    def instance(self) -> str:
+        """The SAE it watches (its slot in the worker's bank goes with it on the wire)."""
+        return self.sae
 
     @property
     def entry(self) -> int:

@@ -59,7 +59,10 @@ USER_KEYS = CAPTURE_KEYS + PROBE_KEYS + STEER_KEYS + SAE_KEYS
 FLAG_KEYS = CAPTURE_KEYS[1:]
 Monitor = ProbeMonitor | FeatureMonitor | LensMonitor
 """A monitor of any kind."""
-READOUT_MONITORS: dict[str, type[LensMonitor]] = {"lens": LensMonitor}
+READOUT_MONITORS: dict[str, type[LensMonitor] | type[FeatureMonitor]] = {
+    "lens": LensMonitor,
+    "sae": FeatureMonitor,
+}
 """The monitor class of each top-k readout that has one, by source."""
 MONITOR_FIELDS = ("probe", "threshold", "action", "direction", "label")
 EXAMPLE = '{"layers": [3], "probes": ["truth"]}'
@@ -390,16 +393,14 @@ class RequestWire:
     sae_top_k: int | None = None
     """Features the request keeps per token (the worker computes the engine's k; the front
     end cuts them to this)."""
-    feature_monitors: tuple[tuple[FeatureMonitor, int], ...] = ()
-    """The engine's feature monitors of the SAEs the request reads, each with its SAE's slot
-    in the worker's bank (where the stop processor finds the feature's value)."""
     clamp: tuple[tuple[str, tuple[tuple[int, float], ...]], ...] = ()
     """SAE features held at values on every token of the request (:func:`clamp_terms`)."""
     readouts: tuple[tuple[str, tuple[str, ...]], ...] = ()
     """The top-k readouts the request gets: ``(source, instance names)``."""
-    readout_monitors: tuple[tuple[LensMonitor, int], ...] = ()
-    """Monitors of the top-k readouts the request reads (lens monitors), each with its
-    instance's slot in the worker's bank of that readout."""
+    readout_monitors: tuple[tuple[LensMonitor | FeatureMonitor, int], ...] = ()
+    """Monitors of the top-k rows the request reads (feature monitors of its SAEs, lens
+    monitors), each with its instance's slot in the worker's bank of that source (where the
+    stop processor finds the watched value)."""
 
     def to_wire(self) -> WireDict:
         wire = WireDict(
@@ -424,10 +425,6 @@ class RequestWire:
             wire["sae_top_k"] = self.sae_top_k
         if self.clamp:
             wire["clamp"] = {name: [[f, v] for f, v in terms] for name, terms in self.clamp}
-        if self.feature_monitors:
-            wire["feature_monitors"] = [
-                {**m.to_dict(), "slot": slot} for m, slot in self.feature_monitors
-            ]
         if self.readouts:
             wire["readouts"] = {source: list(names) for source, names in self.readouts}
         if self.readout_monitors:
@@ -450,7 +447,6 @@ class RequestWire:
             return None
         known = {"tag", "n", "stream", "probes", "monitors", "stop_token", "record", PLAN_KEY}
         known.update(SAE_KEYS)
-        known.add("feature_monitors")
         known.add("readouts")
         known.add("readout_monitors")
         known.update(STEER_KEYS)
@@ -483,18 +479,6 @@ class RequestWire:
         saes = value.get("saes", [])
         if not _is_list(saes) or not all(isinstance(p, str) and p for p in saes):
             raise CaptureConfigError(f"saes={_show(saes)} is not a list of names")
-        feature_monitors = []
-        for m in value.get("feature_monitors", []):
-            if not isinstance(m, Mapping):
-                raise CaptureConfigError(f"feature monitor {_show(m)} is not a dict")
-            slot = as_int(m.get("slot"))
-            if slot is None or slot < 0:
-                raise CaptureConfigError(f"feature monitor slot={_show(m.get('slot'))}")
-            fields_ = {k: v for k, v in m.items() if k != "slot"}
-            try:
-                feature_monitors.append((FeatureMonitor(**fields_), slot))
-            except TypeError as e:
-                raise CaptureConfigError(f"feature monitor {_show(m)}: {e}") from None
         top_k = value.get("sae_top_k")
         if top_k is not None and (isinstance(top_k, bool) or as_int(top_k) is None or top_k < 1):
             raise CaptureConfigError(f"sae_top_k={_show(top_k)} is not a positive int")
@@ -555,7 +539,6 @@ class RequestWire:
             phase,
             tuple(saes),
             None if top_k is None else int(top_k),
-            tuple(feature_monitors),
             clamp_terms(value["clamp"], "clamp") if "clamp" in value else (),
             tuple((source, tuple(names)) for source, names in readouts.items() if names),
             tuple(readout_monitors),

@@ -261,14 +261,15 @@ class CaptureSession:
                 steer_phase=steer.phase if steer is not None else "both",
                 saes=saes.names if saes is not None and config is not None else (),
                 sae_top_k=saes.k if saes is not None and config is not None else None,
-                feature_monitors=self._feature_wire(saes, tagged)
-                if saes is not None and config is not None
-                else (),
                 clamp=clamp,
                 readouts=tuple((s, r.names) for s, r in readouts.items())
                 if config is not None
                 else (),
-                readout_monitors=self._readout_wire(readouts, tagged) if config is not None else (),
+                # every monitor of top-k rows, SAE features' and readouts', on one list
+                readout_monitors=(self._feature_wire(saes, tagged) if saes is not None else ())
+                + self._readout_wire(readouts, tagged)
+                if config is not None
+                else (),
             )
             extra = with_wire(extra, wire.to_wire())
             setattr(tagged, field, extra)
@@ -433,7 +434,7 @@ class CaptureSession:
             probes = RequestProbes(wire.probes, monitors)
         saes = None
         if self.saes is not None and wire.saes:
-            monitors = tuple(m for m, _ in wire.feature_monitors)
+            monitors = tuple(m for m, _ in wire.readout_monitors if m.source == "sae")
             saes = RequestSAEs(wire.saes, wire.sae_top_k or self.saes.k, monitors)
         readouts = {
             source: RequestReadout(

@@ -20,7 +20,7 @@ import torch
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 from vllm.v1.sample.logits_processor.builtin import process_dict_updates
 
-from probehook.core.monitors import FeatureMonitor, crosses, top_k_value
+from probehook.core.monitors import crosses, top_k_value
 from probehook.core.request_options import EXTRA_ARGS_KEY, RequestWire, WireMonitor
 
 logger = logging.getLogger(__name__)
@@ -29,8 +29,7 @@ logger = logging.getLogger(__name__)
 @dataclass
 class _Watch:
     stops: list[WireMonitor]  # the request's monitors with action "stop"
-    feature_stops: list[tuple[FeatureMonitor, int]]  # with their SAE's bank slot
-    readout_stops: list[tuple[Any, int]]  # lens monitors, with their instance's bank slot
+    readout_stops: list[tuple[Any, int]]  # feature and lens monitors, with their bank slot
     stop_token: int
     min_tokens: int
     output_ids: list[int]  # vLLM's live list of the request's generated tokens
@@ -59,14 +58,11 @@ class ProbeStopProcessor(LogitsProcessor):
         if hook is None:
             return logits  # before recording starts (warm-up): nothing is watched yet
         scores = _StepValues(hook.scorer)
-        features = _StepValues(hook.sae_recorder)
         readouts: dict[str, _StepValues] = {}
         for index, watch in self.watches.items():
             if len(watch.output_ids) < watch.min_tokens or watch.stop_token >= logits.shape[1]:
                 continue  # vLLM would not stop it yet; the forced token would be kept
-            if _crossed(watch, index, scores, features) or _readout_crossed(
-                watch, index, hook, readouts
-            ):
+            if _crossed(watch, index, scores) or _readout_crossed(watch, index, hook, readouts):
                 logits[index] = float("-inf")
                 logits[index, watch.stop_token] = 0.0
         return logits
@@ -92,8 +88,8 @@ class _StepValues:
         return self._host[slot, int(step.last_row[index])]
 
 
-def _crossed(watch: _Watch, index: int, scores: _StepValues, features: _StepValues) -> bool:
-    """Whether a stop monitor of the request crossed on this step's last row."""
+def _crossed(watch: _Watch, index: int, scores: _StepValues) -> bool:
+    """Whether a probe stop monitor of the request crossed on this step's last row."""
     if watch.stops:
         row = scores.row(index, 0)
         for wired in watch.stops if row is not None else ():
@@ -102,21 +98,15 @@ def _crossed(watch: _Watch, index: int, scores: _StepValues, features: _StepValu
             monitor = wired.monitor
             if crosses(float(row[wired.column]), monitor.threshold, monitor.direction):
                 return True
-    for monitor, slot in watch.feature_stops:
-        packed = features.row(index, slot)
-        if packed is None:
-            continue
-        value = top_k_value(packed, monitor.entry, monitor.outside)  # outside the top k: 0
-        if crosses(value, monitor.threshold, monitor.direction):
-            return True
     return False
 
 
 def _readout_crossed(
     watch: _Watch, index: int, hook: Any, readouts: dict[str, _StepValues]
 ) -> bool:
-    """Whether a stop monitor of a top-k readout (a lens monitor) crossed on this step's
-    last row of the request (its readout's rows, read before sampling)."""
+    """Whether a stop monitor of top-k rows (SAE features, a lens) crossed on this step's
+    last row of the request (its source's rows, read before sampling; outside the top k the
+    monitor's ``outside`` value)."""
     for monitor, slot in watch.readout_stops:
         values = readouts.get(monitor.source)
         if values is None:
@@ -140,12 +130,11 @@ def _watch(params: Any, prompt_ids: list[int] | None, output_ids: list[int]) -> 
         if wire is None or wire.stop_token is None:
             return None
         stops = [m for m in wire.monitors if m.monitor.action == "stop"]
-        feature_stops = [(m, slot) for m, slot in wire.feature_monitors if m.action == "stop"]
         readout_stops = [(m, slot) for m, slot in wire.readout_monitors if m.action == "stop"]
-        if not stops and not feature_stops and not readout_stops:
+        if not stops and not readout_stops:
             return None
         min_tokens = int(params.min_tokens or 0)
-        return _Watch(stops, feature_stops, readout_stops, wire.stop_token, min_tokens, output_ids)
+        return _Watch(stops, readout_stops, wire.stop_token, min_tokens, output_ids)
     except Exception as e:  # noqa: BLE001
         logger.warning("probehook: not watching a request with unreadable options: %s", e)
         return None

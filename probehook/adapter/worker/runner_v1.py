@@ -262,9 +262,9 @@ def _stops_on(raw: Any, source: str) -> bool:
     """Whether a request's wire has a stop monitor that reads ``source`` (SAE features) in
     the sampler."""
     wire = RequestWire.from_wire(raw)
-    if wire is None or source != "sae":
+    if wire is None:
         return False
-    return any(m.action == "stop" for m, _ in wire.feature_monitors)
+    return any(m.action == "stop" and m.source == source for m, _ in wire.readout_monitors)
 
 
 BUILT_IN_SOURCES = tuple(READOUTS)

@@ -300,9 +300,7 @@ def _viewed_responses(args: argparse.Namespace) -> tuple[list[Any], str | None]:
             f"error: {args.path} has {len(requests)} choices; a page shows at most "
             f"{MAX_VIEWED_RESPONSES}: pick some with --id RESPONSE_ID"
         )
-    with open(args.path, encoding="utf-8") as lines:
-        first = next(line for line in lines if line.strip())
-    return requests, json.loads(first).get("model")
+    return requests, requests[0].model
 
 
 def main(argv: list[str] | None = None) -> None:

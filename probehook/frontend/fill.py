@@ -381,11 +381,7 @@ def _act_on_features(planned: OutputPlan) -> None:
     features (:func:`_act_on_monitors`)."""
     assert planned.request.saes is not None
     _act_on_monitors(
-        planned,
-        planned.request.saes.monitors,
-        lambda completion: completion.sae_features,
-        lambda monitor: monitor.sae,
-        "feature_flags",
+        planned, planned.request.saes.monitors, lambda c: c.sae_features, "feature_flags"
     )
 
 
@@ -398,16 +394,13 @@ def _act_on_readout(planned: OutputPlan, readout: Any, monitors: Sequence[Any]) 
         value = getattr(completion, attribute, None)
         return value if isinstance(value, FailedCapture) or not value else readout.flat(value)
 
-    _act_on_monitors(
-        planned, monitors, rows_of, lambda monitor: monitor.instance, readout.flags_attribute
-    )
+    _act_on_monitors(planned, monitors, rows_of, readout.flags_attribute)
 
 
 def _act_on_monitors(
     planned: OutputPlan,
     monitors: Sequence[Any],
     rows_of: Callable[[Any], Any],
-    watched_by: Callable[[Any], str],
     flags_attribute: str,
 ) -> None:
     """The one rule of every top-k monitor (SAE features, lenses): flags (rows of the whole
@@ -424,12 +417,12 @@ def _act_on_monitors(
         stopped = finished and ended_on_stop_token(planned.request, completion)
         flags: dict[str, list[int]] = {}
         for monitor in monitors:
-            got = rows.get(watched_by(monitor))
+            got = rows.get(monitor.instance)  # an SAE's name, a lens's "<lens>@<layer>"
             if got is None or len(got) == 0:
                 continue
             watched = got.watched
             if monitor.action == "flag":
-                found = _feature_flags(planned, completion.index, monitor, watched)
+                found = _monitor_flags(planned, completion.index, monitor, watched)
                 flags[monitor.key] = [before + i for i in found]
             elif (
                 stopped
@@ -444,7 +437,7 @@ def _act_on_monitors(
         setattr(completion, flags_attribute, flags)
 
 
-def _feature_flags(planned: OutputPlan, index: int, monitor: Any, watched: Any) -> list[int]:
+def _monitor_flags(planned: OutputPlan, index: int, monitor: Any, watched: Any) -> list[int]:
     """The rows of ``watched`` where a flag monitor's entry (an SAE feature, a lens's token)
     crosses; a cumulative stream's earlier rows come from what it found before
     (:attr:`Progress.watched`)."""

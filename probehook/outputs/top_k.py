@@ -283,6 +283,7 @@ def _column(value: Any) -> torch.Tensor:
 
 
 def json_nans(values: Any) -> Any:
+    """Lists read back from JSON with every null as NaN (the inverse of :func:`_nulls`)."""
     if isinstance(values, list):
         return [json_nans(v) for v in values]
     return math.nan if values is None else values

@@ -22,8 +22,19 @@ class ResponseFileError(ProbehookError, ValueError):
     """A line of a responses file the viewer cannot read, named with the fix."""
 
 
+class _Readings:
+    """Its ``readings`` (what the output processors read back) as attributes, by the names
+    vLLM's outputs carry them under."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self.__dict__["readings"][name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
 @dataclass
-class ServedCompletion:
+class ServedCompletion(_Readings):
     """One choice's tokens and what probehook read of them (``CompletionOutput``'s names)."""
 
     index: int
@@ -32,27 +43,17 @@ class ServedCompletion:
     stop_reason: Any = None
     readings: dict[str, Any] = field(default_factory=dict)
 
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return self.__dict__["readings"][name]
-        except KeyError:
-            raise AttributeError(name) from None
-
 
 @dataclass
-class ServedOutput:
+class ServedOutput(_Readings):
     """One choice as a ``RequestOutput`` of one completion: the view's input."""
 
     request_id: str
     prompt_token_ids: list[int]
     outputs: list[ServedCompletion]
     readings: dict[str, Any] = field(default_factory=dict)
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return self.__dict__["readings"][name]
-        except KeyError:
-            raise AttributeError(name) from None
+    model: str | None = None
+    """The response's ``model`` (the served model name)."""
 
 
 def outputs_from_response(body: Mapping[str, Any], where: str = "response") -> list[ServedOutput]:
@@ -103,6 +104,7 @@ def outputs_from_response(body: Mapping[str, Any], where: str = "response") -> l
                     )
                 ],  # fmt: skip
                 prefill,
+                body.get("model"),
             )
         )
     return out

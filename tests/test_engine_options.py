@@ -58,6 +58,12 @@ def _options(spec: str, tmp_path: Path) -> dict[str, Any]:
         "sae_top_k": {"sae_top_k": 4},
         "store": {"store": tmp_path / "store"},
         "capture_only": {"capture_only": True},
+        "include_decode": {"include_decode": True},
+        "last_decode_token": {"last_decode_token": True},
+        "max_request_capture_bytes": {"max_request_capture_bytes": 1 << 20},
+        "steering_capacity": {"steering_capacity": 8},
+        "store_options": {"store_options": {"keep_index": False}},
+        "readout_top_k": {"readout_top_k": {"lens": 2}},
         "lenses": {"lenses": {"l": "logit"}, "lens_layers": [LAST]},
         "lens_layers": {"lens_layers": [LAST]},
         "lens_top_k": {"lens_top_k": 2},
@@ -88,6 +94,13 @@ ALONE = [
     (("lens_top_k",), "lens_top_k= configures the 'lens' readout"),
     (("lens_dtype",), "lens_dtype= configures the 'lens' readout"),
     (("lens_monitors",), "LensMonitors, which watch lenses, but no lenses were given"),
+    # Options that only configure others: each refused alone, not dropped (review D6).
+    (("include_decode",), r"include_decode=True configures capture or steering, but this"),
+    (("last_decode_token",), "layers=None captures nothing"),
+    (("max_request_capture_bytes",), r"max_request_capture_bytes=1048576 configures capture"),
+    (("steering_capacity",), r"steering_capacity=8 configures capture or steering"),
+    (("store_options",), r"store_options=\{'keep_index': False\} configures capture"),
+    (("readout_top_k",), "lens_top_k= configures the 'lens' readout"),
 ]
 PAIRS = [
     (("layers", "include_prefill"), None),

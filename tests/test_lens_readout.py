@@ -190,6 +190,23 @@ def test_requests_pick_lenses_and_layers() -> None:
         readout.narrow(["j"], {"lens_layers": (2,)}, instances)
     with pytest.raises(CaptureConfigError, match="not a layer index"):
         readout.narrow(["j"], {"lens_layers": ("two",)}, instances)
+    # As the engine option reads them (review D7): negative from the end, "all" (every layer
+    # the engine reads), and a bare int is that layer.
+    assert readout.narrow(["j"], {"lens_layers": [-1]}, instances) == ["j@3"]
+    assert readout.narrow(["j"], {"lens_layers": "all"}, instances) == ["j@1", "j@3"]
+    assert readout.narrow(["j"], {"lens_layers": 1}, instances) == ["j@1"]
+    with pytest.raises(CaptureConfigError, match="pass a list of layer indices"):
+        readout.narrow(["j"], {"lens_layers": False}, instances)
+
+
+def test_a_requests_lens_layers_0_is_layer_0_not_every_layer() -> None:
+    """``{"lens_layers": 0}`` reaches the readout as layer 0 (review D7: ``0 == False`` dropped
+    it, so the request got every layer)."""
+    from probehook.core.request_options import RequestOptions
+
+    options = {"lenses": "lens", "lens_layers": "lens"}  # the picking option first
+    parsed = RequestOptions.from_user({"lens_layers": 0}, options)
+    assert parsed.readout_extras == (("lens", "lens_layers", 0),)
 
 
 def test_engine_options_are_checked() -> None:

@@ -390,6 +390,28 @@ def test_a_cumulative_sae_stream_decodes_each_row_once_and_hands_out_views(monke
     assert features.activation(9)[4] == 0 and features.watched.activation(9)[4] == 2.0
 
 
+def test_two_flag_monitors_on_one_feature_flag_their_union_offline_and_streamed() -> None:
+    """Two flag monitors on one feature share its key in ``feature_flags``: it holds the union
+    of their rows, offline and in a cumulative stream alike (review D3: the last monitor's rows
+    overwrote the first's, and the stream's second monitor started from the first's state)."""
+    from probehook.core.monitors import FeatureMonitor
+
+    # Feature 9 is 1.0, 2.0, 3.0, 4.0 on decode rows 3..6 and 0 (outside the top 4) elsewhere.
+    high = FeatureMonitor("s", 9, 2.5, action="flag")  # rows 5, 6
+    low = FeatureMonitor("s", 9, 1.5, action="flag", direction="below")  # 0..3 and 7..
+    want = [0, 1, 2, 3, 5, 6, 7, 8]
+    offline = sae_stream("final", (high, low))
+    output = Output([Completion(0, list(range(9)))], finished=True)
+    asyncio.run(offline.fill(output))
+    assert output.outputs[0].feature_flags == {"s:9": want}
+    streaming = sae_stream("cumulative", (high, low))
+    output = Output([Completion(0, [])])
+    for token in range(9):
+        output.outputs[0].token_ids.append(token)
+        asyncio.run(streaming.fill(output))
+    assert output.outputs[0].feature_flags == {"s:9": want}
+
+
 def test_a_feature_stop_below_the_requests_k_names_its_reason() -> None:
     """The worker stops on the engine's k; the front end names the stop from the same values
     (issue 43: a request's smaller sae_top_k hid the feature, so no stop reason and no

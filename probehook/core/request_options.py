@@ -155,7 +155,8 @@ class RequestOptions:
         further = [
             (source, option, _hashable(value[option]))
             for option, source in extra.items()
-            if picking[source] != option and value.get(option) not in (None, False)
+            # None only: 0 is a value (layer 0), though 0 == False
+            if picking[source] != option and value.get(option) is not None
         ]
         if further:
             parsed["readout_extras"] = tuple(further)

@@ -93,8 +93,10 @@ class Progress:
     prefill_sent: bool = False
     gate_started: dict[int, int] = dataclasses.field(default_factory=dict)
     """Completion index -> first steered position, once a gate crossed."""
-    watched: dict[tuple[int, str], tuple[int, list[int]]] = dataclasses.field(default_factory=dict)
-    """(completion index, feature monitor key) -> decode rows checked so far and the rows that
+    monitor_state: dict[tuple[int, Any], tuple[int, list[int]]] = dataclasses.field(
+        default_factory=dict
+    )
+    """(completion index, top-k monitor) -> decode rows checked so far and the rows that
     crossed: a cumulative stream checks only the rows each output adds."""
 
 
@@ -108,8 +110,8 @@ class OutputPlan:
     slots: list[Slot]
     scored: list[Scored]
     gate_started: dict[int, int]
-    watched: dict[tuple[int, str], tuple[int, list[int]]] | None = None
-    """The stream's :attr:`Progress.watched` (None: the output is the whole request)."""
+    monitor_state: dict[tuple[int, Any], tuple[int, list[int]]] | None = None
+    """The stream's :attr:`Progress.monitor_state` (None: the output is the whole request)."""
     before: dict[int, int] = dataclasses.field(default_factory=dict)
     """Completion index -> tokens earlier outputs of a delta stream already held."""
 
@@ -150,7 +152,7 @@ def plan(
     started = progress.gate_started if progress is not None else {}
     planned = OutputPlan(output, request, prompt_len, [], [], started)
     if progress is not None and not progress.delta:
-        planned.watched = progress.watched
+        planned.monitor_state = progress.monitor_state
     if attributes is None:
         attributes = source_attributes()
     captured = _sources(request, sources)
@@ -423,7 +425,9 @@ def _act_on_monitors(
             watched = got.watched
             if monitor.action == "flag":
                 found = _monitor_flags(planned, completion.index, monitor, watched)
-                flags[monitor.key] = [before + i for i in found]
+                # monitors on one entry share its key: their rows' union (as probe monitors')
+                rows_found = {before + i for i in found} | set(flags.get(monitor.key, ()))
+                flags[monitor.key] = sorted(rows_found)
             elif (
                 stopped
                 and not isinstance(completion.stop_reason, str)  # another monitor named it
@@ -440,15 +444,16 @@ def _act_on_monitors(
 def _monitor_flags(planned: OutputPlan, index: int, monitor: Any, watched: Any) -> list[int]:
     """The rows of ``watched`` where a flag monitor's entry (an SAE feature, a lens's token)
     crosses; a cumulative stream's earlier rows come from what it found before
-    (:attr:`Progress.watched`)."""
-    state = planned.watched
-    checked, found = (0, []) if state is None else state.get((index, monitor.key), (0, []))
+    (:attr:`Progress.monitor_state`)."""
+    state = planned.monitor_state
+    # keyed by the monitor itself: two monitors on one entry (other thresholds) keep apart
+    checked, found = (0, []) if state is None else state.get((index, monitor), (0, []))
     if checked > len(watched):  # not the stream it checked before: start over
         checked, found = 0, []
     values = watched.rows(checked).value_of(monitor.entry, monitor.outside).numpy()
     found = found + [checked + i for i in crossings(values, monitor.threshold, monitor.direction)]
     if state is not None:
-        state[(index, monitor.key)] = (len(watched), found)
+        state[(index, monitor)] = (len(watched), found)
     return found
 
 

@@ -188,10 +188,11 @@ class LensReadout(TopKReadout):
     ) -> list[str]:
         engine_layers = sorted({int(s["layer"]) for s in instances.values()})
         asked = extras.get("lens_layers")
-        if asked is None or asked is True:
+        if asked is None or asked is True or asked == "all":  # every layer the engine reads
             layers = engine_layers
-        else:
-            layers = _layers(asked, None, "probehook option lens_layers")
+        else:  # as the engine option: negative from the end
+            num_layers = int(next(iter(instances.values()))["num_layers"])
+            layers = _layers(asked, num_layers, "probehook option lens_layers")
             missing = [layer for layer in layers if layer not in engine_layers]
             if missing:
                 raise CaptureConfigError(

@@ -91,9 +91,17 @@ class TopKRows:
         if missing:
             raise ValueError(f"top-k columns {sorted(columns)} lack {missing}")
         indices, values, scalar = (_column(columns[name]) for name in names)
+        n = len(scalar)
+        # a completion with no tokens is served as empty columns: zero rows of width 0
+        width = indices.numel() // n if n else 0
+        if indices.numel() != n * width or values.numel() != n * width:
+            raise ValueError(
+                f"top-k columns of {n} tokens hold {indices.numel()} indices and "
+                f"{values.numel()} values: not {n} rows of one width"
+            )
         return cls(
-            indices.to(torch.int64).reshape(len(scalar), -1),
-            values.to(torch.float32).reshape(len(scalar), -1),
+            indices.to(torch.int64).reshape(n, width),
+            values.to(torch.float32).reshape(n, width),
             scalar.to(cls.scalar_dtype),
         )
 

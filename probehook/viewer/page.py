@@ -140,7 +140,7 @@ def _request_html(index: int, data: dict[str, Any]) -> str:
     select = f'<select class="ph-series">{options}</select>' if options else ""
     marks = _marks_text(data["marks"])
     grids = "".join(_grid_html(grid, data) for grid in data["grids"])
-    payload = json.dumps(data, separators=(",", ":")).replace("</", "<\\/")
+    payload = inline_json(data)
     return (
         f'<div class="ph-request" data-request="{index}">'
         f'<div class="ph-title">{html.escape(data["title"])}</div>'
@@ -150,6 +150,14 @@ def _request_html(index: int, data: dict[str, Any]) -> str:
         f'<div class="ph-panel">point at a token</div>{grids}'
         f'<script type="application/json" class="ph-data">{payload}</script></div>'
     )
+
+
+def inline_json(data: Any) -> str:
+    """``data`` as JSON safe inside a ``<script>`` element: ``<``, ``>`` and ``&`` as ``\\u``
+    escapes (as Django's ``json_script``), so no text in it (a label, a token, a probe's name
+    from someone else's store) can close the element or open an HTML comment in it."""
+    text = json.dumps(data, separators=(",", ":"))
+    return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
 
 
 def _marks_text(marks: dict[str, Any]) -> str:
@@ -176,7 +184,7 @@ def _grid_html(grid: dict[str, Any], data: dict[str, Any]) -> str:
             colour = shade(t) if t is not None else "#ffffff"
             tip = html.escape(f"layer {layer}, {data['tokens'][p]!r}: {value}")
             cells.append(f'<td title="{tip}" style="background-color: {colour}"></td>')
-        rows.append(f"<tr><th>{layer}</th>{''.join(cells)}</tr>")
+        rows.append(f"<tr><th>{html.escape(str(layer))}</th>{''.join(cells)}</tr>")
     return (
         f'<div class="ph-grid-name">{html.escape(grid["name"])}</div>'
         f'<table class="ph-grid">{"".join(rows)}</table>'

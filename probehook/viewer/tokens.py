@@ -31,9 +31,12 @@ def request_data(
     """One request's view data: a ``RequestOutput`` (its first completion) or a stored
     request (``probehook.store.StoredRequest``)."""
     stored = hasattr(output, "output_token_ids") and not hasattr(output, "outputs")
-    completion = None if stored else output.outputs[0]
+    completion = None if stored else _first_completion(output)
     prompt_ids = [int(t) for t in (output.prompt_token_ids or [])]
-    out_ids = [int(t) for t in (output.output_token_ids if stored else completion.token_ids)]
+    if stored:
+        out_ids = [int(t) for t in output.output_token_ids]
+    else:  # a capture-only output (LLM.capture) has prompt rows and no completion
+        out_ids = [int(t) for t in completion.token_ids] if completion is not None else []
     n_prompt = len(prompt_ids)
     ids = prompt_ids + out_ids
     place = _Placer(n_prompt, len(ids))
@@ -148,6 +151,20 @@ class _Placer:
         if decode is not None and len(decode):
             placed.append((decode, d0))  # decode row 0 is the last prompt position
         return placed
+
+
+def _first_completion(output: Any) -> Any:
+    """A ``RequestOutput``'s first completion; None for a capture-only output (its
+    ``outputs`` is None: nothing was generated)."""
+    completions = getattr(output, "outputs", None)
+    if isinstance(completions, list | tuple) and completions:
+        return completions[0]
+    if completions is None:
+        return None
+    raise TypeError(
+        f"view() shows RequestOutputs, capture() outputs and stored requests; got a "
+        f"{type(output).__name__} whose outputs is a {type(completions).__name__}."
+    )
 
 
 def _get(obj: Any, name: str) -> dict:

@@ -58,7 +58,8 @@ class CaptureRequest:
     monitors: Sequence[Any] | None = None
     steering: Any = None
     steering_layers: LayerSpec | None = None
-    steering_capacity: int = DEFAULT_CAPACITY
+    steering_capacity: int | None = None
+    """None: :data:`DEFAULT_CAPACITY` where the engine steers (set without steering: refused)."""
     capture_only: bool = False
     """One forward pass per prompt, prompt rows only, stopping after the deepest tapped layer."""
     saes: Any = None
@@ -80,6 +81,13 @@ class CaptureRequest:
         # Checked at once, so that a plain engine is built without probehook's runner choice.
         if self.capture_only:
             _check_capture_only(self)
+        # What only configures capture or steering: refused below where nothing is captured
+        # or steered (the front end would be plain vLLM and drop it without a word).
+        configuring = {
+            name: getattr(self, name)
+            for name in CONFIGURING_ARGUMENTS
+            if getattr(self, name) is not None
+        }
         if self.include_prefill is None:
             self.include_prefill = self.capture_only
         if self.include_decode is None:
@@ -91,7 +99,9 @@ class CaptureRequest:
         if "sae_values" in (self.store_options or {}):
             check_values(self.store_options["sae_values"])  # type: ignore[index]
         self.steering = load_steering(self.steering)
-        self.steering_capacity = check_capacity(self.steering_capacity)
+        self.steering_capacity = check_capacity(
+            DEFAULT_CAPACITY if self.steering_capacity is None else self.steering_capacity
+        )
         if len(self.steering) > self.steering_capacity:
             raise CaptureConfigError(
                 f"steering= has {len(self.steering)} vectors, more than steering_capacity="
@@ -145,6 +155,14 @@ class CaptureRequest:
                     "Capture options were given but layers=None captures nothing; pass "
                     "layers=[...] or layers='all'."
                 )
+        if configuring and not self.captures:
+            given = ", ".join(f"{name}={value!r}" for name, value in configuring.items())
+            raise CaptureConfigError(
+                f"{given} configure{'s' if len(configuring) == 1 else ''} capture or steering, "
+                "but this engine captures and steers nothing; pass layers=[...], probes={...}, "
+                "saes={...} or steering={...} too, or drop "
+                f"{'it' if len(configuring) == 1 else 'them'}."
+            )
 
     def worker_bytes(self) -> int:
         """What the engine's SAEs will hold in each worker (their encoders)."""
@@ -165,6 +183,14 @@ class CaptureRequest:
             or self.steers
         )
 
+
+CONFIGURING_ARGUMENTS = (
+    "include_decode",
+    "store_options",
+    "max_request_capture_bytes",
+    "steering_capacity",
+)
+"""Capture arguments that only configure what others ask for (None: not given)."""
 
 CAPTURE_ARGUMENTS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(CaptureRequest))
 """The capture keyword arguments every front end takes (``LLM``, ``AsyncLLM``): the fields

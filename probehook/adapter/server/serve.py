@@ -95,7 +95,7 @@ def add_capture_args(parser: Any) -> None:
     group.add_argument(
         "--steering-capacity",
         type=int,
-        default=64,
+        default=None,
         help="the most steering vectors the engine's bank holds (default 64)",
     )
     group.add_argument(
@@ -194,7 +194,7 @@ def capture_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit("error: --sae-top-k must be a positive number of features")
     if args.sae_top_k is not None and not saes:
         raise SystemExit("error: --sae-top-k needs --sae NAME=FOLDER")
-    if args.steering_capacity < 1:
+    if args.steering_capacity is not None and args.steering_capacity < 1:
         raise SystemExit("error: --steering-capacity must be a positive number of vectors")
     try:
         monitors = [parse_monitor(spec) for spec in args.monitor]

@@ -60,6 +60,7 @@ def test_unsupported_architecture_lists_supported(llm_cls, tmp_path: Path) -> No
         ({"enable_prompt_embeds": True}, "enable_prompt_embeds"),
         ({"worker_extension_cls": "my.Ext"}, "worker_extension_cls"),
         ({"load_format": "probehook"}, "load_format"),
+        ({"async_scheduling": True}, r"async_scheduling=True cannot be combined .* one more"),
     ],
 )
 def test_incompatible_engine_arguments(llm_cls, llama_dir: Path, kwargs, match) -> None:
@@ -122,6 +123,25 @@ def test_compile_cache_key_depends_on_taps(llama_dir: Path) -> None:
     one = config_hash(capture_engine_kwargs({}, CaptureConfig(layers=(1,))))
     two = config_hash(capture_engine_kwargs({}, CaptureConfig(layers=(1, 2))))
     assert len({plain, one, two}) == 3
+
+
+def test_capture_and_steering_engines_run_without_async_scheduling(llama_dir: Path) -> None:
+    """vLLM's async scheduling (the CUDA default; CPU has it off, so no engine test can run
+    it) is turned off for any engine probehook captures from or steers (review D1): the
+    engine arguments carry ``async_scheduling=False``, and vLLM's resolved config agrees."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from probehook.adapter.frontend.engine_config import capture_engine_kwargs
+    from probehook.capture_config import CaptureConfig
+
+    for kwargs in (
+        capture_engine_kwargs({}, CaptureConfig(layers=(1,))),
+        capture_engine_kwargs({"async_scheduling": False}, CaptureConfig(layers=()),
+                              steer_layers=(1,)),
+    ):  # fmt: skip
+        assert kwargs["async_scheduling"] is False
+        args = EngineArgs(model=str(llama_dir), dtype="float32", max_model_len=128, **kwargs)
+        assert args.create_engine_config().scheduler_config.async_scheduling is False
 
 
 def test_bad_store_path_fails_before_engine_start(llm_cls, llama_dir: Path, tmp_path: Path):

@@ -283,6 +283,32 @@ def is_pooling(vllm_config: Any) -> bool:
     return vllm_config.model_config.runner_type == "pooling"
 
 
+ASYNC_SCHEDULING_REASON = (
+    "under it the scheduler plans step N+1 before step N's tokens are known, so a request "
+    "that ends on EOS gets one more forward pass (a row past its last token, which can replace "
+    "the last_decode_token row) and sampling may not follow its forward pass (post-sample "
+    "readouts such as lenses)"
+)
+
+
+def _no_async_scheduling(asked: Any) -> bool:
+    """vLLM's async scheduling (its default on CUDA; CPU turns it off) is off for an engine
+    probehook captures from or steers: asked for explicitly, it is refused with the reason."""
+    if asked:
+        raise CaptureConfigError(
+            f"async_scheduling={asked!r} cannot be combined with probehook's capture or "
+            f"steering: {ASYNC_SCHEDULING_REASON}. Drop async_scheduling (probehook turns it "
+            "off), or build the engine without capture."
+        )
+    if asked is None:
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu():  # vLLM's CPU platform has it off already
+            logger.info("probehook: vLLM's async scheduling is off for this engine: %s "
+                        "(docs/capture.md).", ASYNC_SCHEDULING_REASON)  # fmt: skip
+    return False
+
+
 def capture_engine_kwargs(
     kwargs: dict[str, Any],
     capture: CaptureConfig,
@@ -316,6 +342,7 @@ def capture_engine_kwargs(
             f"VLLM_PLUGINS={plugins!r} does not include 'probehook', so vLLM's workers would "
             "load the model without taps. Add 'probehook' to VLLM_PLUGINS or unset it."
         )
+    kwargs["async_scheduling"] = _no_async_scheduling(kwargs.get("async_scheduling"))
     inner_format = kwargs.get("load_format", "auto")
     if inner_format == loader_keys.LOAD_FORMAT:
         raise CaptureConfigError(

@@ -53,4 +53,13 @@ def test_each_sae_runs_on_the_rows_that_asked_for_it(tmp_path, monkeypatch) -> N
         rows = buffer[starts[request] : starts[request] + lengths[request]]
         for slot, name in enumerate(names):
             want = read(saes[name].weights, rows, K)
-            assert torch.equal(got[slot], want), (request, name)
+            assert_packed_close(got[slot], want, (request, name))
+
+
+def assert_packed_close(got: torch.Tensor, want: torch.Tensor, where: object) -> None:
+    """Packed top-k rows ``[n, 2K + 1]`` read in another batch than the reference: the same
+    features and l0, values equal to float32 rounding (a GEMM over 7 rows and over 3 of them
+    differs in the last bit on some CPUs, e.g. MKL with AVX-512: 2.4e-7 seen)."""
+    assert torch.equal(got[:, :K], want[:, :K]), where  # indices (exact below 2^24)
+    assert torch.equal(got[:, 2 * K], want[:, 2 * K]), where  # l0
+    torch.testing.assert_close(got[:, K : 2 * K], want[:, K : 2 * K], rtol=1e-5, atol=1e-6)

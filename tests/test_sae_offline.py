@@ -513,3 +513,16 @@ def test_a_fingerprint_recorded_before_v2_still_matches_its_sae(tmp_path):
     assert light.fingerprint == SAE.load(sparsify).fingerprint
     assert matches_fingerprint(sparsify, light.fingerprint)
     assert matches_fingerprint(sparsify, legacy_fingerprint_of(sparsify, "sae.safetensors"))
+
+
+def test_an_sae_named_like_a_stored_readout_instance_is_refused():
+    """A store keeps readout instances as ``"<source>:<name>"`` beside the SAEs: an SAE named
+    ``"lens:j@4"`` would take that instance's place and break the writer (review D14)."""
+    from probehook import SAE, tiny_sae_path
+    from probehook.errors import CaptureConfigError
+    from probehook.frontend.sae_set import load_saes
+
+    sae = SAE.load(tiny_sae_path(), weights=False)
+    assert list(load_saes({"res1": sae})) == ["res1"]
+    with pytest.raises(CaptureConfigError, match=r"'lens:j@4' holds ':'.* e.g. 'lens_j@4'"):
+        load_saes({"lens:j@4": sae})

@@ -87,3 +87,22 @@ def test_a_response_becomes_outputs_and_bad_ones_name_the_fix() -> None:
         outputs_from_response(body)
     with pytest.raises(ResponseFileError, match="has no choices"):
         outputs_from_response({"object": "error"})
+
+
+def test_every_non_finite_number_a_served_form_writes_as_null_is_named() -> None:
+    """A non-finite scalar (a lens's target log-prob: NaN on a capture-only last row, -inf
+    where the target is impossible) is named in ``non_finite`` as non-finite values are
+    (review D12: only the values were checked), in the JSON and the base64 form alike."""
+    from probehook.outputs.top_k import compact_top_k, json_top_k
+
+    rows = LensRows(
+        torch.tensor([[5, 9], [1, 2], [3, 4]]),
+        torch.tensor([[-0.1, -2.5], [-0.2, float("nan")], [-0.3, -1.0]]),
+        torch.tensor([-1.0, -2.0, float("nan")]),
+    )
+    served = json_top_k(rows)
+    assert served["non_finite"] == [1, 2]
+    assert served["target_logprob"][2] is None
+    assert compact_top_k({"l": rows})["l"]["non_finite"] == [1, 2]
+    assert "non_finite" not in json_top_k(rows.rows(0, 1))
+    assert json_top_k(ROWS)["non_finite"] == [1]  # an integer scalar: values alone

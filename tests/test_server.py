@@ -648,6 +648,20 @@ def test_size_cap_refuses_before_generation(client) -> None:
     assert client.completions.create(prompt=["1+1="] * 3, extra_body=small, **greedy()).choices
 
 
+def test_size_cap_counts_the_token_texts_of_lens_entries(client) -> None:
+    """A lens entry is served with its token's text beside its id: the cap counts it (review
+    D11: only ids and values were counted, so this request passed the cap at 0.2 MiB and
+    could return ~0.6 MiB)."""
+    import openai
+
+    lenses = {"probehook": {"lenses": True, "include_prefill": True, "layers": []}}
+    message = r"top-k readings \(0 layer\(s\), 4 lens instance\(s\) x top-3 x 256 rows x 2 "
+    with pytest.raises(openai.BadRequestError, match=message):
+        client.completions.create(
+            prompt="1+1=", extra_body=lenses, **{**greedy(), "n": 2, "temperature": 1.0}
+        )
+
+
 def test_reserved_xargs_key_and_info_route(client, server) -> None:
     import openai
 

@@ -179,8 +179,21 @@ class TokenText:
     show), remembered: a lens names the same few tokens on most rows."""
 
     def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
         self._decode = tokenizer.decode
         self._known: dict[int, str] = {}
+        self._json_bytes: int | None = None
+
+    @property
+    def json_bytes(self) -> int:
+        """The most JSON bytes one entry's text can take: the vocabulary's longest token
+        (a token decodes to at most as many characters as its vocabulary string has) at 12
+        bytes a character (``\\ud83d\\ude00``: ensure_ascii's worst), its quotes and comma."""
+        if self._json_bytes is None:
+            vocab = self._tokenizer.get_vocab() if hasattr(self._tokenizer, "get_vocab") else {}
+            longest = max(map(len, vocab), default=64)
+            self._json_bytes = 12 * longest + 3
+        return self._json_bytes
 
     def __call__(self, token_id: int) -> str:
         text = self._known.get(token_id)

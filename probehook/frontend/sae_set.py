@@ -16,6 +16,7 @@ import torch
 
 from probehook.core.monitors import FeatureMonitor
 from probehook.core.request_options import RequestOptions
+from probehook.errors import CaptureConfigError
 from probehook.frontend.named import load_named, select_names
 from probehook.saes import SAE, SAEError, SAEFeatures
 from probehook.saes.sae import check_top_k
@@ -195,4 +196,12 @@ def load_saes(saes: Any) -> dict[str, SAE]:
     """``saes=`` as given to an engine: a dict name -> SAE (or its folder), or a list of SAEs
     with names."""
     # A folder is read for its config and shapes only: the workers read the weights.
-    return load_named(saes, "saes", SAE, partial(SAE.load, weights=False), "SAE")
+    loaded = load_named(saes, "saes", SAE, partial(SAE.load, weights=False), "SAE")
+    for name in loaded:
+        if ":" in name:  # a store keeps other readouts' instances as "<source>:<name>"
+            raise CaptureConfigError(
+                f"saes: the name {name!r} holds ':', which a store keeps for other readouts' "
+                f"instances (\"lens:j@4\"); pass a name without ':', e.g. "
+                f"{name.replace(':', '_')!r}."
+            )
+    return loaded

@@ -259,7 +259,7 @@ def compact_top_k(value: dict[str, Any]) -> dict[str, Any]:
                 rows.l0.to(torch.float32 if rows.l0.is_floating_point() else torch.int32)
             ),
         }
-        bad = non_finite_rows(rows.values)
+        bad = non_finite_tokens(rows)
         if bad:
             out[name]["non_finite"] = bad
     return out
@@ -269,10 +269,19 @@ def json_top_k(features: Any) -> dict[str, Any]:
     """A top-k readout's JSON lists; ``non_finite``: the tokens whose values held an inf or
     NaN (written as null), present only when there are any."""
     out = features.to_dict()  # inf and NaN written as null
-    rows = non_finite_rows(features.values)
+    rows = non_finite_tokens(features)
     if rows:
         out["non_finite"] = rows
     return out
+
+
+def non_finite_tokens(rows: Any) -> list[int]:
+    """The tokens whose values or scalar (a lens's target log-prob) hold an inf or a NaN:
+    every non-finite number a served form writes as null is named."""
+    bad = set(non_finite_rows(rows.values))
+    if rows.l0.is_floating_point():
+        bad.update(non_finite_rows(rows.l0))
+    return sorted(bad)
 
 
 def _nulls(values: Any) -> Any:

@@ -184,16 +184,25 @@ class CaptureServing:
         saes = tracked.saes
         if saes is not None:
             bound += features_bytes_bound(rows * completions, len(saes.names), saes.k)
-        for readout in (tracked.readouts or {}).values():  # top-k rows, as SAE features
+        asked = [f"{len(config.layers)} layer(s)"]
+        if saes is not None:
+            asked.append(f"{len(saes.names)} SAE(s) x top-{saes.k}")
+        engine_readouts = self.engine_client.session.readouts  # type: ignore[attr-defined]
+        for source, readout in (tracked.readouts or {}).items():  # top-k rows, as SAE features
+            entries = rows * completions * len(readout.names) * readout.k
             bound += features_bytes_bound(rows * completions, len(readout.names), readout.k)
+            kind = engine_readouts[source].readout
+            text = self._token_text() if kind.entries_are_tokens else None
+            if text is not None:  # each entry's token text beside its id
+                bound += entries * text.json_bytes
+            asked.append(f"{len(readout.names)} {kind.name} instance(s) x top-{readout.k}")
         if bound > self.max_response_bytes:
-            features = f", {len(saes.names)} SAE(s) x top-{saes.k}" if saes is not None else ""
             raise CaptureConfigError(
                 f"This request could return up to {bound / MiB:.1f} MiB of hidden states and "
-                f"SAE features ({len(config.layers)} layer(s){features} x {rows} rows x "
-                f"{completions} completion(s); {info['hidden_size']} values a row), over this "
-                f"server's cap of {self.max_response_bytes / MiB:.1f} MiB "
-                "(--max-capture-response-mb). Ask for fewer layers, SAEs, sae_top_k or "
+                f"top-k readings ({', '.join(asked)} x {rows} rows x {completions} "
+                f"completion(s); {info['hidden_size']} values a row), over this server's cap "
+                f"of {self.max_response_bytes / MiB:.1f} MiB (--max-capture-response-mb). Ask "
+                "for fewer layers, SAEs, lenses or other readouts, a smaller top-k or "
                 "max_tokens, or leave include_prefill off."
             )
 

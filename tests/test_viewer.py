@@ -188,9 +188,9 @@ def _open(browser: Any, path: Path) -> tuple[Any, list[str], list[str]]:
 
 
 def _expected_colour(series: dict[str, Any], p: int) -> str | None:
-    from probehook.viewer.page import level, series_top, shade
+    from probehook.viewer.page import level, series_scale, series_top, shade
 
-    t = level(series["values"][p], series["scale"], series_top(series))
+    t = level(series["values"][p], series_scale(series), series_top(series))
     return None if t is None else shade(t)
 
 

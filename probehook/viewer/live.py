@@ -19,7 +19,8 @@ def live_page() -> str:
         f"<style>{_static('view.css')}</style></head><body>"
         '<div class="ph-view ph-live"><div class="ph-request">'
         '<div class="ph-title">probehook live</div>'
-        '<div class="ph-controls"><textarea id="ph-message" rows="3" cols="60"></textarea>'
+        '<div class="ph-controls"><label hidden>API key <input id="ph-key" type="password" '
+        'size="30"></label><textarea id="ph-message" rows="3" cols="60"></textarea>'
         '<div id="ph-choices"></div>'
         'steering scale <input id="ph-scale" type="number" value="1" step="any"> '
         'max tokens <input id="ph-max" type="number" value="64" min="1"><br>'

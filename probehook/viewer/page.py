@@ -19,39 +19,54 @@ from probehook.viewer.tokens import Labels, request_data
 
 BASE_COLOUR = (33, 102, 172)
 """Tokens are painted from white to this blue by their score's level in [0, 1]."""
+NEGATIVE_COLOUR = (178, 24, 43)
+"""... and from white to this red by a negative level in [-1, 0) (a value below zero)."""
 
 
 def shade(t: float) -> str:
-    """The colour of level ``t`` (the same rule as ``view.js``'s ``shade``)."""
-    return "rgb({}, {}, {})".format(*(math.floor(255 + (c - 255) * t + 0.5) for c in BASE_COLOUR))
+    """The colour of level ``t`` in [-1, 1] (the same rule as ``view.js``'s ``shade``)."""
+    base, a = (NEGATIVE_COLOUR, -t) if t < 0 else (BASE_COLOUR, t)
+    return "rgb({}, {}, {})".format(*(math.floor(255 + (c - 255) * a + 0.5) for c in base))
 
 
 def paint(t: float) -> str:
     """A token's style at level ``t``: its background, and white text where it is dark."""
-    text = "; color: #ffffff" if t > DARK else ""
+    text = "; color: #ffffff" if abs(t) > DARK else ""
     return f"background-color: {shade(t)}{text}"
 
 
 DARK = 0.6
-"""Above this level the background is dark enough for white text."""
+"""Above this level (either sign) the background is dark enough for white text."""
 
 
 def level(value: float | None, scale: str, top: float) -> float | None:
-    """A score's level in [0, 1]: a probability as it is, a log-prob's probability, an
-    activation over the series' largest (``view.js``'s ``level``)."""
-    if value is None:
+    """A score's level in [-1, 1]: a probability as it is, a log-prob's probability, an
+    activation or a value over the series' largest magnitude ``top`` (``view.js``'s
+    ``level``); None for no value (or a non-finite one)."""
+    if value is None or not math.isfinite(value):
         return None
     if scale == "logprob":
         t = math.exp(value)
-    elif scale == "activation":
-        t = value / top if top > 0 else 0.0
-    else:
+    elif scale == "probability":
         t = value
-    return min(1.0, max(0.0, t))
+    else:  # "activation", "value": signed, over the largest magnitude
+        t = value / top if top > 0 else 0.0
+    return min(1.0, max(-1.0, t))
 
 
 def series_top(series: dict[str, Any]) -> float:
-    return max([v for v in series["values"] if v is not None] + [0.0])
+    """The largest magnitude among a series' values."""
+    return max([abs(v) for v in series["values"] if v is not None and math.isfinite(v)] + [0.0])
+
+
+def series_scale(series: dict[str, Any]) -> str:
+    """The scale a series is painted on: a probe's ``"score"`` is ``"probability"`` where
+    every value lies in [0, 1] (a binary or multi-class probe), else ``"value"`` (a regression
+    probe's raw outputs, signed); others as they say (``view.js``'s ``scaleOf``)."""
+    if series["scale"] != "score":
+        return series["scale"]
+    inside = all(v is None or not math.isfinite(v) or 0.0 <= v <= 1.0 for v in series["values"])
+    return "probability" if inside else "value"
 
 
 @cache
@@ -116,6 +131,7 @@ def _series(data: dict[str, Any], name: str | None) -> dict[str, Any] | None:
 def _request_html(index: int, data: dict[str, Any]) -> str:
     first = data["series"][0] if data["series"] else None
     top = series_top(first) if first is not None else 0.0
+    scale = series_scale(first) if first is not None else "probability"
     flagged = {p for rows in data["marks"]["flags"].values() for p in rows}
     stop = data["marks"]["stop"]
     steered = data["marks"].get("steered")
@@ -128,7 +144,7 @@ def _request_html(index: int, data: dict[str, Any]) -> str:
             classes.append("ph-stop")
         if steered is not None and p >= steered["from"]:
             classes.append("ph-steered")
-        t = level(first["values"][p], first["scale"], top) if first is not None else None
+        t = level(first["values"][p], scale, top) if first is not None else None
         style = f' style="{paint(t)}"' if t is not None else ""
         spans.append(
             f'<span class="{" ".join(classes)}" data-i="{p}"{style}>{html.escape(text)}</span>'
@@ -177,10 +193,12 @@ def _marks_text(marks: dict[str, Any]) -> str:
 
 def _grid_html(grid: dict[str, Any], data: dict[str, Any]) -> str:
     rows = []
+    whole = {"scale": grid["scale"], "values": [v for values in grid["values"] for v in values]}
+    scale, top = series_scale(whole), series_top(whole)
     for layer, values in zip(grid["layers"], grid["values"], strict=True):
         cells = []
         for p, value in enumerate(values):
-            t = level(value, grid["scale"], 1.0)
+            t = level(value, scale, top)
             colour = shade(t) if t is not None else "#ffffff"
             tip = html.escape(f"layer {layer}, {data['tokens'][p]!r}: {value}")
             cells.append(f'<td title="{tip}" style="background-color: {colour}"></td>')

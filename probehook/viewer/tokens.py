@@ -48,7 +48,7 @@ def request_data(
     decode = output.probe_scores if stored else _get(completion, "probe_scores")
     for name in sorted({*prefill, *decode}):
         for label, values in _columns(place.series(prefill.get(name), decode.get(name))):
-            series.append(_series(f"probe {name}{label}", "probe", values, "probability"))
+            series.append(_series(f"probe {name}{label}", "probe", values, "score"))
     # every top-k readout: its rows per token, and a series of its scalar where it means one
     for readout, prefill_rows, decode_rows in _top_k_readouts(output, completion, stored):
         for instance in sorted({*prefill_rows, *decode_rows}):
@@ -83,7 +83,7 @@ def request_data(
     if len(probes) > 1:  # e.g. a probe per layer: one row each
         grids.append({
             "name": "probes: score by token",
-            "scale": "probability",
+            "scale": "score",
             "layers": [s["name"].removeprefix("probe ") for s in probes],
             "values": [s["values"] for s in probes],
         })  # fmt: skip

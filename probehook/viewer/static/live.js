@@ -103,10 +103,13 @@
       }
       if (steering.clamp) { data.marks.clamp = steering.clamp; }
     }
+    // one series per probe, one per class of a multi-class probe (as the notebook view)
     Object.keys(readings.probe_scores || {}).forEach(function (name) {
-      var s = seriesOf("probe " + name, "probability");
       readings.probe_scores[name].forEach(function (v, i) {
-        s.values[first + i] = Array.isArray(v) ? v[0] : v;
+        (Array.isArray(v) ? v : [v]).forEach(function (x, c) {
+          var label = Array.isArray(v) ? "probe " + name + "[" + c + "]" : "probe " + name;
+          seriesOf(label, "score").values[first + i] = x;
+        });
       });
     });
     // every top-k readout the server describes (lenses, the next ones): its columns where
@@ -119,7 +122,8 @@
           return at === undefined ? undefined : at[step];
         }, value);
         if (!columns) { return; }
-        var ids = columns[r.columns[0]], values = columns[r.columns[1]];
+        var ids = view.columns(columns[r.columns[0]]);
+        var values = view.columns(columns[r.columns[1]]);
         var t = topKOf(r.name + " " + instance, r.tokens);
         ids.forEach(function (row, i) {
           t.rows[first + i] = [];
@@ -133,7 +137,9 @@
         });
         if (r.series) {
           var s = seriesOf(r.name + " " + instance + " " + r.series[0], r.series[1]);
-          columns[r.columns[2]].forEach(function (v, i) { s.values[first + i] = v; });
+          view.columns(columns[r.columns[2]]).forEach(function (v, i) {
+            s.values[first + i] = v;
+          });
         }
       });
     });
@@ -141,8 +147,9 @@
     Object.keys(saes).forEach(function (name) {
       var labels = state.labels[name] || {};
       var t = topKOf("sae " + name, false, labels);
-      saes[name].indices.forEach(function (ids, i) {
-        t.rows[first + i] = ids.map(function (id, j) { return [id, saes[name].values[i][j]]; })
+      var values = view.columns(saes[name].values);
+      view.columns(saes[name].indices).forEach(function (ids, i) {
+        t.rows[first + i] = ids.map(function (id, j) { return [id, values[i][j]]; })
           .filter(function (pair) { return pair[0] >= 0; });
         Object.keys(labels).forEach(function (feature) {  // a labelled feature: a series
           var s = seriesOf("sae " + name + " #" + feature + " " + labels[feature], "activation");
@@ -241,7 +248,8 @@
     status.textContent = "streaming";
     var state = { rows: 0, nPrompt: null, labels: labels };
     fetch("/v1/chat/completions", {
-      method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body)
+      method: "POST", headers: headers({ "Content-Type": "application/json" }),
+      body: JSON.stringify(body)
     }).then(function (response) {
       if (!response.ok) {
         return response.text().then(function (text) { status.textContent = "error: " + text; });
@@ -266,14 +274,47 @@
     }).catch(function (error) { status.textContent = "error: " + error; });
   }
 
+  // The server's API key (probehook serve --api-key guards /v1), typed in where it asks.
+  var key = document.getElementById("ph-key");
+
+  function headers(more) {
+    var out = more || {};
+    if (key.value) { out.Authorization = "Bearer " + key.value; }
+    return out;
+  }
+
+  function getJSON(path) {
+    return fetch(path, { headers: headers() }).then(function (r) {
+      if (r.status === 401) { throw new Error("unauthorized"); }
+      if (!r.ok) { throw new Error(path + " answered " + r.status); }
+      return r.json();
+    });
+  }
+
   select.addEventListener("change", paint);
   document.getElementById("ph-send").addEventListener("click", send);
-  Promise.all([
-    fetch("/v1/probehook").then(function (r) { return r.json(); }),
-    fetch("/v1/models").then(function (r) { return r.json(); })
-  ]).then(function (got) {
-    info = got[0];
-    model = got[1].data[0].id;
+  key.addEventListener("change", load);
+  load();
+
+  function load() {
+    document.getElementById("ph-choices").textContent = "";
+    Promise.all([getJSON("/v1/probehook"), getJSON("/v1/models")]).then(function (got) {
+      ready(got[0], got[1]);
+    }).catch(function (error) {
+      if (error.message === "unauthorized") {
+        key.parentNode.hidden = false;
+        status.textContent = key.value ? "error: the server refused this API key"
+          : "this server asks for its API key (probehook serve --api-key): type it in above";
+      } else {
+        status.textContent = "error: " + error.message;
+      }
+    });
+  }
+
+  function ready(described, models) {
+    info = described;
+    model = models.data[0].id;
+    status.textContent = "";
     Object.keys(info.probes || {}).forEach(function (name) { checkbox("probe", name); });
     (info.saes || []).forEach(function (name) { checkbox("sae", name); });
     Object.keys(readouts()).forEach(function (key) {
@@ -287,5 +328,5 @@
       box.checked = false;
     });
     root.setAttribute("data-ph-ready", "1");
-  });
+  }
 })();

@@ -4,30 +4,81 @@
 (function () {
   "use strict";
 
-  // The same colour rule as probehook/viewer/page.py: white to blue by t in [0, 1].
+  // The same colour rule as probehook/viewer/page.py: t in [-1, 1], white to blue above 0,
+  // white to red below.
   function shade(t) {
-    var c = [33, 102, 172];
-    return "rgb(" + c.map(function (x) { return Math.floor(255 + (x - 255) * t + 0.5); })
+    var c = t < 0 ? [178, 24, 43] : [33, 102, 172], a = Math.abs(t);
+    return "rgb(" + c.map(function (x) { return Math.floor(255 + (x - 255) * a + 0.5); })
       .join(", ") + ")";
   }
 
+  function finite(v) { return v !== null && v !== undefined && isFinite(v); }
+
+  // A score's level: a probability as it is, a log-prob's probability, an activation or a
+  // value over the series' largest magnitude (negative: below 0).
   function level(value, scale, top) {
-    if (value === null || value === undefined) { return null; }
+    if (!finite(value)) { return null; }
     var t = scale === "logprob" ? Math.exp(value)
-      : scale === "activation" ? (top > 0 ? value / top : 0) : value;
-    return Math.min(1, Math.max(0, t));
+      : scale === "probability" ? value : (top > 0 ? value / top : 0);
+    return Math.min(1, Math.max(-1, t));
   }
 
   function seriesTop(series) {
     var top = 0;
-    series.values.forEach(function (v) { if (v !== null && v > top) { top = v; } });
+    series.values.forEach(function (v) { if (finite(v) && Math.abs(v) > top) { top = Math.abs(v); } });
     return top;
   }
 
+  // A probe's "score": probabilities where every value lies in [0, 1] (a binary or
+  // multi-class probe), else values (a regression probe), as page.py's series_scale.
+  function scaleOf(series) {
+    if (series.scale !== "score") { return series.scale; }
+    var inside = series.values.every(function (v) { return !finite(v) || (v >= 0 && v <= 1); });
+    return inside ? "probability" : "value";
+  }
+
   function colour(span, series, position) {
-    var t = series ? level(series.values[position], series.scale, seriesTop(series)) : null;
+    var t = series ? level(series.values[position], scaleOf(series), seriesTop(series)) : null;
     span.style.backgroundColor = t === null ? "" : shade(t);
-    span.style.color = t !== null && t > 0.6 ? "#ffffff" : "";  // page.py's DARK
+    span.style.color = t !== null && Math.abs(t) > 0.6 ? "#ffffff" : "";  // page.py's DARK
+  }
+
+  // A served column as nested lists: JSON lists as they are, a base64 array (probehook's
+  // compact form, `--sae-encoding base64`: {dtype, shape, data}) decoded.
+  function columns(value) {
+    if (!value || Array.isArray(value) || typeof value.data !== "string") { return value; }
+    var bin = atob(value.data), bytes = new Uint8Array(bin.length), flat = [], i;
+    for (i = 0; i < bin.length; i++) { bytes[i] = bin.charCodeAt(i); }
+    var view = new DataView(bytes.buffer), size = { int32: 4, float32: 4, int64: 8,
+      float64: 8, bfloat16: 2, float16: 2 }[value.dtype];
+    if (!size) { throw new Error("unknown array dtype " + value.dtype); }
+    for (i = 0; i < bytes.length; i += size) {
+      flat.push(value.dtype === "int32" ? view.getInt32(i, true)
+        : value.dtype === "float32" ? view.getFloat32(i, true)
+        : value.dtype === "int64" ? Number(view.getBigInt64(i, true))
+        : value.dtype === "float64" ? view.getFloat64(i, true)
+        : value.dtype === "bfloat16" ? bfloat16(view.getUint16(i, true))
+        : float16(view.getUint16(i, true)));
+    }
+    function nest(at, dims) {
+      if (dims.length <= 1) { return flat.slice(at, at + (dims.length ? dims[0] : 1)); }
+      var inner = dims.slice(1).reduce(function (a, b) { return a * b; }, 1), out = [];
+      for (var j = 0; j < dims[0]; j++) { out.push(nest(at + j * inner, dims.slice(1))); }
+      return out;
+    }
+    return value.shape.length ? nest(0, value.shape) : flat[0];
+  }
+
+  function bfloat16(bits) {
+    var v = new DataView(new ArrayBuffer(4));
+    v.setUint32(0, bits << 16);
+    return v.getFloat32(0);
+  }
+
+  function float16(bits) {
+    var e = (bits >> 10) & 31, m = bits & 1023, sign = bits >> 15 ? -1 : 1;
+    if (e === 31) { return m ? NaN : sign * Infinity; }
+    return sign * (e ? Math.pow(2, e - 15) * (1 + m / 1024) : Math.pow(2, -14) * (m / 1024));
   }
 
   function fmt(x) { return x === null || x === undefined ? "-" : Number(x).toFixed(4); }
@@ -127,8 +178,8 @@
   }
 
   window.probehookView = {
-    start: start, shade: shade, level: level, seriesTop: seriesTop, colour: colour,
-    describe: describe, mark: mark
+    start: start, shade: shade, level: level, seriesTop: seriesTop, scaleOf: scaleOf,
+    colour: colour, columns: columns, describe: describe, mark: mark
   };
   document.querySelectorAll(".ph-view").forEach(start);
 })();

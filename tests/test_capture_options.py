@@ -58,6 +58,21 @@ def test_bad_request_option_fails_before_generation(eager_llm) -> None:
     assert stats["pending_requests"] == 0 and stats["retained_bytes"] == 0
 
 
+def test_steer_on_an_engine_without_steering_is_refused(eager_llm) -> None:
+    """A request's ``steer`` and ``add_steering`` on an engine built without steering name
+    the fix, before anything is generated; the engine goes on."""
+    from probehook import SamplingParams, SteeringVector
+
+    steered = SamplingParams(max_tokens=2, extra_args={"probehook": {"steer": {"v": 1.0}}})
+    with pytest.raises(CaptureConfigError, match=r"engine has no steering vectors; build it"):
+        eager_llm.generate(["1+1="], steered, use_tqdm=False)
+    vector = SteeringVector({0: torch.ones(128)}, name="v")
+    with pytest.raises(CaptureConfigError, match=r"built without steering; pass steering="):
+        eager_llm.add_steering("v", vector)
+    out = eager_llm.generate(["1+1="], SamplingParams(max_tokens=2), use_tqdm=False)[0]
+    assert out.hidden_states[0].shape[0] == 2
+
+
 def test_plain_llm_outputs_have_empty_dicts(plain_engines: dict) -> None:
     """layers=None is plain vLLM, but the attributes still exist (the engine runs in the
     plain-engines subprocess, tests/plain_engines.py)."""

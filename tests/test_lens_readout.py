@@ -1,7 +1,8 @@
 """The lens readout's parts without an engine: the worker's bank on a stand-in head (top-k
 log-probs and the target's against a hand computation, tiling, the rows a request asked for),
 the request options, the rows' forms (JSON, base64, streams). The engine and Hugging Face
-comparisons are in test_capture_under_load.py and test_lens_engine.py."""
+comparisons are in test_capture_under_load.py, test_engine_options.py, test_capture_only.py
+and test_multi_engine.py (TP=2)."""
 
 from __future__ import annotations
 

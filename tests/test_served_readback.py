@@ -5,6 +5,7 @@ outputs (no engine; the served round trip on a real server is in tests/test_serv
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 import torch
@@ -106,3 +107,30 @@ def test_every_non_finite_number_a_served_form_writes_as_null_is_named() -> None
     assert compact_top_k({"l": rows})["l"]["non_finite"] == [1, 2]
     assert "non_finite" not in json_top_k(rows.rows(0, 1))
     assert json_top_k(ROWS)["non_finite"] == [1]  # an integer scalar: values alone
+
+
+def test_indices_the_packed_rows_cannot_carry_exactly_are_refused() -> None:
+    """The worker packs indices in float32, exact below 2**24: a readout instance (or an SAE)
+    with more entries is refused at construction, naming it (review D9: a 32M-feature SAE's odd
+    indices above 2**24 were rounded without a word)."""
+    from toy_readout import RowNorm
+
+    from probehook.errors import CaptureConfigError
+    from probehook.frontend.readout_set import ReadoutSet
+    from probehook.outputs.top_k import PACKED_INDEX_LIMIT, check_packed_indices
+
+    assert float(PACKED_INDEX_LIMIT - 1) == PACKED_INDEX_LIMIT - 1  # exact below the limit
+    assert (
+        float(torch.tensor(PACKED_INDEX_LIMIT + 1, dtype=torch.float32)) != PACKED_INDEX_LIMIT + 1
+    )
+    check_packed_indices(PACKED_INDEX_LIMIT, "SAE 'big'")
+
+    class Wide(RowNorm):
+        def index_bound(self, settings: Any) -> int:
+            return PACKED_INDEX_LIMIT + 1
+
+    ReadoutSet(RowNorm(), {"n": 1}, None, num_layers=4, hidden_size=8)
+    with pytest.raises(CaptureConfigError, match=r"row_norms 'n' has 16,777,217 entries"):
+        ReadoutSet(Wide(), {"n": 1}, None, num_layers=4, hidden_size=8)
+    with pytest.raises(CaptureConfigError, match=r"SAE 'big' has 33,554,432 entries"):
+        check_packed_indices(2**25, "SAE 'big'")

@@ -13,6 +13,7 @@ from typing import Any
 
 from probehook.errors import CaptureConfigError
 from probehook.frontend.named import select_names
+from probehook.outputs.top_k import check_packed_indices
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,11 @@ class ReadoutSet:
             specs, dict(extras or {}), num_layers=num_layers, hidden_size=hidden_size,
             model_name=model_name,
         )  # fmt: skip
+        for name, settings in self.instances.items():
+            bound = readout.index_bound(settings)
+            if readout.entries_are_tokens and vocab_size is not None:
+                bound = min(bound, vocab_size)  # token ids: the model's vocabulary
+            check_packed_indices(bound, f"{readout.name} {name!r}")
         self.layers = tuple(sorted({int(s["layer"]) for s in self.instances.values()}))
         self.vocab_size = vocab_size
         self.monitors = tuple(self.check_monitor(m) for m in monitors)

@@ -18,6 +18,7 @@ from probehook.core.monitors import FeatureMonitor
 from probehook.core.request_options import RequestOptions
 from probehook.errors import CaptureConfigError
 from probehook.frontend.named import load_named, select_names
+from probehook.outputs.top_k import check_packed_indices
 from probehook.saes import SAE, SAEError, SAEFeatures
 from probehook.saes.sae import check_top_k
 
@@ -67,6 +68,7 @@ class SAESet:
         self.monitors = tuple(self._check_monitor(m) for m in monitors)
         for name, sae in self.saes.items():
             sae.check_model(hidden_size, num_layers, name)
+            check_packed_indices(sae.d_sae, f"SAE {name!r}")
             if sae.path is None:
                 raise SAEError(
                     f"SAE {name!r} has no folder: the engine's workers read SAEs from disk. "

@@ -16,6 +16,24 @@ from typing import Any, ClassVar
 
 import torch
 
+PACKED_INDEX_LIMIT = 2**24
+"""Indices travel from the worker in float32 packed rows, exact below 2**24: a readout whose
+indices may reach it (an SAE of more features, a vocabulary that large) is refused at
+construction rather than have odd indices rounded."""
+
+
+def check_packed_indices(bound: int, what: str) -> None:
+    """Refuse ``what`` (an SAE, a readout instance) whose ``bound`` indices the packed rows
+    cannot carry exactly."""
+    from probehook.errors import CaptureConfigError
+
+    if bound > PACKED_INDEX_LIMIT:
+        raise CaptureConfigError(
+            f"{what} has {bound:,} entries; the worker's packed rows carry indices exactly only "
+            f"below {PACKED_INDEX_LIMIT:,} (float32), so larger ones would be rounded. Such "
+            "readouts are not supported yet."
+        )
+
 
 @dataclass(frozen=True)
 class TopKRows:

@@ -22,7 +22,7 @@ import torch
 
 from probehook.errors import CaptureConfigError
 from probehook.outputs.registry import OutputProcessor
-from probehook.outputs.top_k import TopKRows, compact_top_k, json_top_k
+from probehook.outputs.top_k import PACKED_INDEX_LIMIT, TopKRows, compact_top_k, json_top_k
 
 
 class TopKReadout(OutputProcessor):
@@ -132,8 +132,10 @@ class TopKReadout(OutputProcessor):
     def index_bound(self, settings: Mapping[str, Any]) -> int:
         """How many distinct indices an instance's rows can hold (a vocabulary's size, an
         SAE's width): the store keeps indices in the smallest unsigned type that holds them.
-        Default: uint32's range."""
-        return 2**32 - 2
+        Default: what the worker's packed rows carry exactly
+        (:data:`~probehook.outputs.top_k.PACKED_INDEX_LIMIT`); a larger bound is refused at
+        construction (a token readout's is its model's vocabulary)."""
+        return PACKED_INDEX_LIMIT
 
     def read(self, rows: torch.Tensor, settings: Mapping[str, Any], k: int) -> torch.Tensor:
         """In the worker: ``rows`` ``[n, hidden]`` of the instance's layer -> packed float32

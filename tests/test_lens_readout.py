@@ -265,7 +265,7 @@ def test_lens_monitors_are_checked_against_the_engine_and_travel_on_the_wire() -
     assert lenses.for_request(None, {}, own).monitors == own  # a request's own replace them
     with pytest.raises(CaptureConfigError, match=r"watch \['l@1'\].*ask for them too"):
         lenses.for_request(None, {"lens_layers": [3]}, own)
-    with pytest.raises(CaptureConfigError, match="a lens monitor has fields"):
+    with pytest.raises(CaptureConfigError, match="a LensMonitor has fields"):
         RequestOptions.from_user({"monitors": [{"lens": "l", "layer": 1, "threshold": -0.5}]})
     wire = RequestWire("t", CaptureConfig(layers=()), readouts=(("lens", ("l@3",)),),
                        readout_monitors=((watched, lenses.slot("l@3")),))  # fmt: skip
@@ -302,7 +302,9 @@ def test_json_and_base64_forms_name_the_lens_columns_and_write_nan_as_null() -> 
     response = LensReadout().to_response({"j": {1: rows}})
     assert response["j"]["1"]["target_logprob"] == [-2.25, None]
     compact = LensReadout().to_compact({"j": {1: rows}})["j"]["1"]
-    assert sorted(compact) == ["logprobs", "target_logprob", "token_ids"]
+    # the NaN target is named as non-finite values are (review D12)
+    assert sorted(compact) == ["logprobs", "non_finite", "target_logprob", "token_ids"]
+    assert compact["non_finite"] == response["j"]["1"]["non_finite"] == [1]
     assert compact == compact_top_k({"j@1": rows})["j@1"]
 
 

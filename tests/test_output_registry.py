@@ -44,10 +44,11 @@ def fresh(*processors: Any) -> OutputProcessorRegistry:
 
 
 def test_builtin_processors_are_registered() -> None:
-    assert OUTPUT_PROCESSORS.names()[:4] == [
+    assert OUTPUT_PROCESSORS.names()[:5] == [
         "hidden_states",
         "probe_scores",
         "sae_features",
+        "feature_flags",  # derived: the flags of the monitors of SAE features
         "probe_flags",
     ]
     assert OUTPUT_PROCESSORS["sae_features"].completion_attributes == ("sae_features",)

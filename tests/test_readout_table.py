@@ -47,11 +47,17 @@ def assert_norms(got: Any, rows: torch.Tensor) -> None:
 
 
 def test_offline_outputs_picks_and_the_store(registered, tmp_path: Path) -> None:
+    """Also the readout's own monitor (``NormMonitor``, declared in the toy's module alone):
+    an engine flag monitor, a request's flag monitor in dict form, and a request's stop
+    monitor that the worker forces (the stop token) and the front end names."""
+    from toy_readout import NormMonitor
+
     from probehook import LLM, SamplingParams, tiny_model_path
     from probehook.store import ActivationStore
 
     llm = LLM(str(tiny_model_path()), layers=[1, 3], include_prefill=True,
-              norms={"n1": 1, "n3": 3}, store=tmp_path / "store", **ENGINE)  # fmt: skip
+              norms={"n1": 1, "n3": 3}, store=tmp_path / "store",
+              monitors=[NormMonitor("n1", 0.0)], **ENGINE)  # fmt: skip
     try:
         params = [
             SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True),
@@ -63,8 +69,32 @@ def test_offline_outputs_picks_and_the_store(registered, tmp_path: Path) -> None
             ),  # fmt: skip
         ]
         every, picked = llm.generate([PROMPT, PROMPT], params, use_tqdm=False)
+        norms = every.outputs[0].row_norms["n3"].values[:, 0]
+        # halfway between two norms (rows of another batch than these differ in the last bit)
+        ordered = norms.sort().values
+        half = len(ordered) // 2
+        assert ordered[half] - ordered[half - 1] > 1e-4
+        middle = float((ordered[half - 1] + ordered[half]) / 2)
+        flag = {"norm": "n3", "threshold": middle, "action": "flag"}
+        flagged = llm.generate(PROMPT, SamplingParams(
+            max_tokens=TOKENS, temperature=0, ignore_eos=True,
+            extra_args={"probehook": {"monitors": [flag]}}), use_tqdm=False)[0]  # fmt: skip
+        first = int((norms > middle).nonzero()[0])
+        stop = NormMonitor("n3", middle, action="stop")
+        stopped = llm.generate(PROMPT, SamplingParams(
+            max_tokens=TOKENS, temperature=0, ignore_eos=True,
+            extra_args={"probehook": {"monitors": [stop]}}), use_tqdm=False)[0]  # fmt: skip
+        eos = llm.get_tokenizer().eos_token_id
     finally:
         llm.shutdown()
+    # The engine's monitor flags every row (a norm is above 0); the request's replaces it.
+    assert every.outputs[0].norm_flags == {"n1": list(range(TOKENS))}
+    assert flagged.outputs[0].norm_flags == {
+        "n3": [i for i, v in enumerate(norms.tolist()) if v > middle]
+    }
+    completion = stopped.outputs[0]
+    assert list(completion.token_ids) == list(every.outputs[0].token_ids[:first]) + [eos]
+    assert completion.stop_reason == "norm:n3"
     for name, layer in (("n1", 1), ("n3", 3)):
         assert_norms(every.outputs[0].row_norms[name], every.outputs[0].hidden_states[layer])
         assert_norms(every.prefill_row_norms[name], every.prefill_hidden_states[layer])

@@ -7,12 +7,47 @@ probehook names it, and it reaches offline outputs, streams, the server and the 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 
+from probehook.core.monitors import TopKMonitor
 from probehook.errors import CaptureConfigError
 from probehook.outputs.top_k_readout import TopKReadout, pack
+
+
+@dataclass(frozen=True)
+class NormMonitor(TopKMonitor):
+    """Stop or flag where instance ``norm``'s row norm crosses ``threshold``: the readout's
+    own monitor, declared here (``RowNorm.monitor``) and known to probehook by that alone
+    (dict form ``{"norm": "n3", "threshold": 5.0, "action": "flag"}``)."""
+
+    norm: str
+    threshold: float
+    action: str = "flag"
+    direction: str = "above"
+
+    source: ClassVar[str] = "norm"
+    marker: ClassVar[str] = "norm"
+    required: ClassVar[tuple[str, ...]] = ("norm", "threshold")
+    watches: ClassVar[str] = "row norms"
+    stop_prefix: ClassVar[str] = "norm:"
+
+    def __post_init__(self) -> None:
+        self._check_action(f"NormMonitor({self.norm!r})")
+
+    @property
+    def instance(self) -> str:
+        return self.norm
+
+    @property
+    def entry(self) -> int:
+        return 0  # the norm is entry 0 of the one-entry top-k
+
+    @property
+    def key(self) -> str:
+        return self.norm
 
 
 class RowNorm(TopKReadout):
@@ -24,6 +59,8 @@ class RowNorm(TopKReadout):
     request_option = "norms"
     default_k = 1
     max_k = 1
+    monitor = NormMonitor
+    flags_attribute = "norm_flags"
 
     def settings(self, name: str, spec: Any, *, num_layers: int, hidden_size: int) -> dict:
         if isinstance(spec, str) and spec.isdigit():

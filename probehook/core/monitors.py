@@ -16,7 +16,7 @@ import contextlib
 import math
 import reprlib
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any, ClassVar
 
 import numpy as np
@@ -115,8 +115,130 @@ class ProbeMonitor:
         )
 
 
+class TopKMonitor:
+    """Base of the monitors of a top-k readout's rows (SAE features, a lens's tokens, a
+    third party's readout): each watches one entry of one readout instance and stops or flags
+    generation where its value crosses a threshold. A subclass is a frozen dataclass with
+    ``threshold``, ``action`` and ``direction`` fields among its own; it declares the readout it
+    watches (``source``), its value where the entry is outside the engine's top k
+    (``outside``), the field that marks its dict form (``marker``: ``{"lens": ...}``), and
+    defines ``instance``, ``entry`` and ``key``. Registered with :func:`top_k_monitor`, it is
+    parsed from requests, sent to the worker and read back there by that registration alone.
+    """
+
+    source: ClassVar[str]
+    """The top-k readout it watches (a readout's ``source``)."""
+    outside: ClassVar[float] = 0.0
+    """Its value where the entry is not among the engine's top k."""
+    marker: ClassVar[str]
+    """The field whose presence marks its dict form in a request's ``monitors``."""
+    required: ClassVar[tuple[str, ...]]
+    """The fields its dict form must have."""
+    watches: ClassVar[str]
+    """What it watches, for messages (``"lenses"``)."""
+    stop_prefix: ClassVar[str]
+    """Its stop reason's prefix (``"lens:"``): the stop reason is the prefix and its key."""
+    threshold: float
+    action: str
+    direction: str
+
+    def _check_action(self, what: str) -> None:
+        """The checks every top-k monitor shares: action, direction, a finite threshold."""
+        name = type(self).__name__
+        if self.action not in FEATURE_ACTIONS:
+            raise CaptureConfigError(
+                f"{name} action={self.action!r} is not valid; choose one of {FEATURE_ACTIONS}."
+            )
+        if self.direction not in DIRECTIONS:
+            raise CaptureConfigError(
+                f"{name} direction={self.direction!r} is not valid; choose one of {DIRECTIONS}."
+            )
+        object.__setattr__(self, "threshold", monitor_threshold(self.threshold, what))
+
+    @property
+    def instance(self) -> str:
+        """The readout instance it watches."""
+        raise NotImplementedError
+
+    @property
+    def entry(self) -> int:
+        """The entry of the instance's top-k rows it watches."""
+        raise NotImplementedError
+
+    @property
+    def key(self) -> str:
+        """Its name in its readout's flags attribute."""
+        raise NotImplementedError
+
+    @property
+    def stop_reason(self) -> str:
+        return self.stop_prefix + self.key
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)  # type: ignore[call-overload]
+
+    @classmethod
+    def coerce(cls, item: Any, where: str) -> TopKMonitor:
+        """A monitor from an instance or its dict form, checked (``where``: its place in
+        messages, ``"probehook option monitors[0]"``)."""
+        if isinstance(item, cls):
+            return item
+        names = [f.name for f in fields(cls)]  # type: ignore[arg-type]
+        unknown = sorted(map(str, set(item) - set(names)))
+        missing = [f for f in cls.required if f not in item]
+        if unknown or missing:
+            raise CaptureConfigError(
+                f"{where}={_short(dict(item))}: a {cls.__name__} has fields {names} "
+                f"({', '.join(map(repr, cls.required))} required)."
+            )
+        try:
+            return cls(**item)
+        except (CaptureConfigError, TypeError) as e:
+            raise CaptureConfigError(f"{where}: {e}") from None
+
+
+TOP_K_MONITORS: dict[str, type[TopKMonitor]] = {}
+"""Every registered top-k monitor class, by the source of the readout it watches."""
+
+
+def top_k_monitor(cls: type[TopKMonitor]) -> type[TopKMonitor]:
+    """Register a top-k monitor class (a class decorator): requests' monitors of its dict form
+    are parsed to it, and the worker reads it back from the wire. One class a source."""
+    known = TOP_K_MONITORS.get(cls.source)
+    if known is not None and known.__qualname__ != cls.__qualname__:
+        raise CaptureConfigError(
+            f"{cls.__name__} watches readout {cls.source!r}, which {known.__name__} watches "
+            "already: one monitor class a readout."
+        )
+    clash = [
+        k for k in TOP_K_MONITORS.values() if k.marker == cls.marker and k.source != cls.source
+    ]
+    if clash:
+        raise CaptureConfigError(
+            f"{cls.__name__}'s dict form is marked by {cls.marker!r}, as {clash[0].__name__}'s "
+            "is: pick another marker field."
+        )
+    TOP_K_MONITORS[cls.source] = cls  # a module imported again replaces its class
+    return cls
+
+
+def top_k_monitor_of(item: Any) -> type[TopKMonitor] | None:
+    """The registered top-k monitor class of a monitor or of its dict form (None: neither,
+    a probe monitor's)."""
+    if isinstance(item, TopKMonitor):
+        return type(item)
+    if isinstance(item, Mapping):
+        return next((k for k in TOP_K_MONITORS.values() if k.marker in item), None)
+    return None
+
+
+def _short(value: Any) -> str:
+    return reprlib.repr(value)
+
+
+@top_k_monitor
 @dataclass(frozen=True)
-class FeatureMonitor:
+class FeatureMonitor(TopKMonitor):
     """Stop or flag generation when feature ``feature`` of SAE ``sae`` crosses ``threshold``.
 
     The watched value is the feature's activation where it is among the token's top features
@@ -145,26 +267,16 @@ class FeatureMonitor:
         object.__setattr__(self, "feature", int(self.feature))
         if self.feature < 0:
             raise CaptureConfigError(f"FeatureMonitor feature={self.feature} is negative.")
-        if self.action not in FEATURE_ACTIONS:
-            raise CaptureConfigError(
-                f"FeatureMonitor action={self.action!r} is not valid; choose one of "
-                f"{FEATURE_ACTIONS}."
-            )
-        if self.direction not in DIRECTIONS:
-            raise CaptureConfigError(
-                f"FeatureMonitor direction={self.direction!r} is not valid; choose one of "
-                f"{DIRECTIONS}."
-            )
-        object.__setattr__(
-            self,
-            "threshold",
-            monitor_threshold(self.threshold, f"FeatureMonitor({self.sae!r}, {self.feature})"),
-        )
+        self._check_action(f"FeatureMonitor({self.sae!r}, {self.feature})")
 
     source: ClassVar[str] = "sae"
     """The top-k rows it watches (the worker's SAE features)."""
     outside: ClassVar[float] = 0.0
     """Its value where the feature is not among the engine's top k."""
+    marker: ClassVar[str] = "sae"
+    required: ClassVar[tuple[str, ...]] = ("sae", "feature", "threshold")
+    watches: ClassVar[str] = "SAE features"
+    stop_prefix: ClassVar[str] = FEATURE_STOP_PREFIX
 
     @property
     def instance(self) -> str:
@@ -181,19 +293,13 @@ class FeatureMonitor:
         """Its name in ``feature_flags``: ``"<sae>:<feature>"``."""
         return f"{self.sae}:{self.feature}"
 
-    @property
-    def stop_reason(self) -> str:
-        return FEATURE_STOP_PREFIX + self.key
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
 
 LENS_STOP_PREFIX = "lens:"
 
 
+@top_k_monitor
 @dataclass(frozen=True)
-class LensMonitor:
+class LensMonitor(TopKMonitor):
     """Stop or flag generation when lens ``lens``'s log-prob of token ``token`` at layer
     ``layer`` crosses ``threshold``.
 
@@ -220,6 +326,10 @@ class LensMonitor:
     """The top-k readout it watches."""
     outside: ClassVar[float] = -math.inf
     """Its value where the token is not among the engine's top k."""
+    marker: ClassVar[str] = "lens"
+    required: ClassVar[tuple[str, ...]] = ("lens", "layer", "token", "threshold")
+    watches: ClassVar[str] = "lenses"
+    stop_prefix: ClassVar[str] = LENS_STOP_PREFIX
 
     def __post_init__(self) -> None:
         what = f"LensMonitor({self.lens!r})"
@@ -241,16 +351,7 @@ class LensMonitor:
             object.__setattr__(self, field_name, int(value))
         if self.token < 0:
             raise CaptureConfigError(f"{what} token={self.token} is negative.")
-        if self.action not in FEATURE_ACTIONS:
-            raise CaptureConfigError(
-                f"LensMonitor action={self.action!r} is not valid; choose one of {FEATURE_ACTIONS}."
-            )
-        if self.direction not in DIRECTIONS:
-            raise CaptureConfigError(
-                f"LensMonitor direction={self.direction!r} is not valid; choose one of "
-                f"{DIRECTIONS}."
-            )
-        object.__setattr__(self, "threshold", monitor_threshold(self.threshold, what))
+        self._check_action(what)
 
     @property
     def instance(self) -> str:
@@ -266,13 +367,6 @@ class LensMonitor:
     def key(self) -> str:
         """Its name in ``lens_flags``: ``"<lens>@<layer>:<token>"``."""
         return f"{self.instance}:{self.token}"
-
-    @property
-    def stop_reason(self) -> str:
-        return LENS_STOP_PREFIX + self.key
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def top_k_value(packed: np.ndarray, entry: int, outside: float) -> float:

@@ -23,11 +23,12 @@ from typing import Any
 
 from probehook.capture_config import CaptureConfig, as_int
 from probehook.core.monitors import (
-    FeatureMonitor,
-    LensMonitor,
+    TOP_K_MONITORS,
     ProbeMonitor,
+    TopKMonitor,
     finite_number,
     steer_terms,
+    top_k_monitor_of,
 )
 from probehook.errors import CaptureConfigError
 
@@ -57,13 +58,9 @@ STEER_PHASES = ("both", "prefill", "decode")
 USER_KEYS = CAPTURE_KEYS + PROBE_KEYS + STEER_KEYS + SAE_KEYS
 """Every key a user may set; anything else is refused."""
 FLAG_KEYS = CAPTURE_KEYS[1:]
-Monitor = ProbeMonitor | FeatureMonitor | LensMonitor
-"""A monitor of any kind."""
-READOUT_MONITORS: dict[str, type[LensMonitor] | type[FeatureMonitor]] = {
-    "lens": LensMonitor,
-    "sae": FeatureMonitor,
-}
-"""The monitor class of each top-k readout that has one, by source."""
+Monitor = ProbeMonitor | TopKMonitor
+"""A monitor of any kind: a probe's, or a top-k readout's (its class registered in
+:data:`~probehook.core.monitors.TOP_K_MONITORS`)."""
 MONITOR_FIELDS = ("probe", "threshold", "action", "direction", "label")
 EXAMPLE = '{"layers": [3], "probes": ["truth"]}'
 
@@ -256,74 +253,39 @@ def _user_names(key: str, value: Any, what: str) -> tuple[str, ...] | bool:
 
 
 def _user_monitors(value: Any) -> tuple[Monitor, ...]:
-    if isinstance(value, Mapping | ProbeMonitor | FeatureMonitor | LensMonitor):
+    if isinstance(value, Mapping | ProbeMonitor | TopKMonitor):
         value = [value]
     if not _is_list(value):
+        # the same words in every process, whatever readouts it has registered
         raise _bad(
             "monitors",
             value,
-            "pass a list of probehook.ProbeMonitor / FeatureMonitor / LensMonitor or dicts "
-            "with 'probe' (or 'sae' and 'feature', or 'lens', 'layer' and 'token') and "
-            "'threshold'",
+            "pass a list of monitors (probehook.ProbeMonitor / FeatureMonitor / LensMonitor, "
+            "or a registered readout's) or their dicts: 'probe' (or the readout's field: "
+            "'sae', 'lens', ...) and 'threshold'",
         )
-    monitors: list[Monitor] = []
-    for i, item in enumerate(value):
-        if isinstance(item, LensMonitor) or isinstance(item, Mapping) and "lens" in item:
-            monitors.append(lens_monitor(i, item))
-            continue
-        if isinstance(item, FeatureMonitor) or isinstance(item, Mapping) and "sae" in item:
-            monitors.append(_feature_monitor(i, item))
-            continue
-        if isinstance(item, Mapping):
-            missing = [f for f in ("probe", "threshold") if f not in item]
-            if missing:
-                raise CaptureConfigError(
-                    f"probehook option monitors[{i}]={_show(dict(item))} lacks {missing}; a "
-                    f"monitor has fields {list(MONITOR_FIELDS)} ('probe' and 'threshold' "
-                    "required)."
-                )
-        try:
-            monitors.append(ProbeMonitor.coerce(item))
-        except CaptureConfigError as e:
-            raise CaptureConfigError(f"probehook option monitors[{i}]: {e}") from None
-    return tuple(monitors)
+    return tuple(user_monitor(i, item) for i, item in enumerate(value))
 
 
-LENS_MONITOR_FIELDS = ("lens", "layer", "token", "threshold", "action", "direction")
-
-
-def lens_monitor(i: int, item: Any) -> LensMonitor:
-    """``monitors[i]``, a LensMonitor or its dict form, checked."""
-    if isinstance(item, LensMonitor):
-        return item
-    unknown = sorted(map(str, set(item) - set(LENS_MONITOR_FIELDS)))
-    missing = [f for f in LENS_MONITOR_FIELDS[:4] if f not in item]
-    if unknown or missing:
-        raise CaptureConfigError(
-            f"probehook option monitors[{i}]={_show(dict(item))}: a lens monitor has fields "
-            f"{list(LENS_MONITOR_FIELDS)} ('lens', 'layer', 'token' and 'threshold' required)."
-        )
+def user_monitor(i: int, item: Any) -> Monitor:
+    """``monitors[i]`` of a request or an engine: a monitor or its dict form, checked; a dict
+    is a top-k readout's monitor where it has that monitor's marker field (``"lens"``,
+    ``"sae"``), else a probe's."""
+    where = f"probehook option monitors[{i}]"
+    kind = top_k_monitor_of(item)
+    if kind is not None:
+        return kind.coerce(item, where)
+    if isinstance(item, Mapping):
+        missing = [f for f in ("probe", "threshold") if f not in item]
+        if missing:
+            raise CaptureConfigError(
+                f"{where}={_show(dict(item))} lacks {missing}; a monitor has fields "
+                f"{list(MONITOR_FIELDS)} ('probe' and 'threshold' required)."
+            )
     try:
-        return LensMonitor(**item)
+        return ProbeMonitor.coerce(item)
     except CaptureConfigError as e:
-        raise CaptureConfigError(f"probehook option monitors[{i}]: {e}") from None
-
-
-def _feature_monitor(i: int, item: Any) -> FeatureMonitor:
-    if isinstance(item, FeatureMonitor):
-        return item
-    known = ("sae", "feature", "threshold", "action", "direction")
-    unknown = sorted(map(str, set(item) - set(known)))
-    missing = [f for f in ("sae", "feature", "threshold") if f not in item]
-    if unknown or missing:
-        raise CaptureConfigError(
-            f"probehook option monitors[{i}]={_show(dict(item))}: a feature monitor has fields "
-            f"{list(known)} ('sae', 'feature' and 'threshold' required)."
-        )
-    try:
-        return FeatureMonitor(**item)
-    except CaptureConfigError as e:
-        raise CaptureConfigError(f"probehook option monitors[{i}]: {e}") from None
+        raise CaptureConfigError(f"{where}: {e}") from None
 
 
 # -- what the worker receives -----------------------------------------------------------------
@@ -398,7 +360,7 @@ class RequestWire:
     """SAE features held at values on every token of the request (:func:`clamp_terms`)."""
     readouts: tuple[tuple[str, tuple[str, ...]], ...] = ()
     """The top-k readouts the request gets: ``(source, instance names)``."""
-    readout_monitors: tuple[tuple[LensMonitor | FeatureMonitor, int], ...] = ()
+    readout_monitors: tuple[tuple[TopKMonitor, int], ...] = ()
     """Monitors of the top-k rows the request reads (feature monitors of its SAEs, lens
     monitors), each with its instance's slot in the worker's bank of that source (where the
     stop processor finds the watched value)."""
@@ -515,7 +477,7 @@ class RequestWire:
             if not isinstance(m, Mapping):
                 raise CaptureConfigError(f"readout monitor {_show(m)} is not a dict")
             slot = as_int(m.get("slot"))
-            kind = READOUT_MONITORS.get(m.get("source"))  # type: ignore[arg-type]
+            kind = TOP_K_MONITORS.get(m.get("source"))  # type: ignore[arg-type]
             if slot is None or slot < 0 or kind is None:
                 raise CaptureConfigError(f"readout monitor {_show(m)}: no slot or source")
             fields_ = {k: v for k, v in m.items() if k not in ("slot", "source")}

@@ -39,7 +39,7 @@ import torch
 
 from probehook.capture_config import CaptureConfig
 from probehook.core.export_wire import ExportReply, SpanReport, StreamAsk, stream_id
-from probehook.core.monitors import FeatureMonitor, LensMonitor, ProbeMonitor
+from probehook.core.monitors import FeatureMonitor, ProbeMonitor, TopKMonitor
 from probehook.core.request_options import (
     EXTRA_ARGS_KEY,
     PLAN_KEY,
@@ -219,12 +219,15 @@ class CaptureSession:
                 "with probes={...}."
             )
         readouts = self._readouts(options)
-        lens_monitors = [m for m in options.monitors or () if isinstance(m, LensMonitor)]
-        if lens_monitors and "lens" not in self.readouts:
-            raise CaptureConfigError(
-                "This request sets lens monitors, but the engine has no lenses; build the LLM "
-                "with lenses={...} and lens_layers=[...]."
-            )
+        for monitor in options.monitors or ():
+            if isinstance(monitor, TopKMonitor) and monitor.source not in self.readouts:
+                if monitor.source == "sae":
+                    continue  # checked with the request's SAEs above
+                raise CaptureConfigError(
+                    f"This request sets {type(monitor).__name__}s, which watch "
+                    f"{monitor.watches}, but the engine has no {monitor.watches}; build the "
+                    "LLM with them."
+                )
         if (
             config is not None
             and not config.layers

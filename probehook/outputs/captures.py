@@ -10,6 +10,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from probehook.core.monitors import FeatureMonitor
 from probehook.outputs.array_codec import decode_array, encode_array
 from probehook.outputs.registry import OutputProcessor
 from probehook.outputs.top_k import TopKRows, compact_top_k, json_floats, json_nans, json_top_k
@@ -72,6 +73,8 @@ class SAEFeatureSets(OutputProcessor):
     request_attributes = ("prefill_sae_features",)
     completion_attributes = ("sae_features",)
     source = "sae"
+    monitor = FeatureMonitor
+    flags_attribute = "feature_flags"
 
     def merge(self, pieces: list[dict[str, Any]]) -> dict[str, Any]:
         names = list(dict.fromkeys(name for piece in pieces for name in piece))
@@ -103,26 +106,6 @@ class ProbeFlags(OutputProcessor):
         return out
 
 
-class FeatureFlags(OutputProcessor):
-    """The rows where a feature monitor's threshold was crossed, by ``"<sae>:<feature>"``."""
-
-    name: ClassVar[str] = "feature_flags"
-    completion_attributes = ("feature_flags",)
-
-    def merge(self, pieces: list[dict[str, list[int]]]) -> dict[str, list[int]]:
-        return ProbeFlags().merge(pieces)
-
-
-class LensFlags(OutputProcessor):
-    """The rows where a lens monitor's threshold was crossed, by ``"<lens>@<layer>:<token>"``."""
-
-    name: ClassVar[str] = "lens_flags"
-    completion_attributes = ("lens_flags",)
-
-    def merge(self, pieces: list[dict[str, list[int]]]) -> dict[str, list[int]]:
-        return ProbeFlags().merge(pieces)
-
-
 class Steering(OutputProcessor):
     """Which steering applied to a completion: ``{"vectors": {name: scale}, "phase", "start"}``
     (plus ``"gate"`` for probe-gated steering); None when it was not steered. Online the same
@@ -143,7 +126,5 @@ BUILTIN = (
     ProbeScores,
     SAEFeatureSets,
     ProbeFlags,
-    FeatureFlags,
-    LensFlags,
     Steering,
 )

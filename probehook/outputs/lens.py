@@ -22,6 +22,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from probehook.core.monitors import LensMonitor
 from probehook.errors import CaptureConfigError
 from probehook.outputs.top_k import TopKRows, compact_top_k, json_top_k
 from probehook.outputs.top_k_readout import TopKReadout
@@ -90,6 +91,7 @@ class LensReadout(TopKReadout):
     reads_next_token = True
     entries_are_tokens = True
     follows_last_prefill_token = True  # the last prompt token's reading costs one row
+    monitor = LensMonitor
     flags_attribute = "lens_flags"
     scalar_series = ("target", "logprob")
 

@@ -53,6 +53,17 @@ class OutputProcessor:
     """The worker capture source (``"hidden"`` rows or probe ``"scores"``) whose values fill
     this processor's attributes: its first request attribute gets the prompt's, its first
     completion attribute each completion's. None: filled by something else."""
+    monitor: ClassVar[type | None] = None
+    """The class of the monitors that watch its values (a
+    :class:`~probehook.core.monitors.TopKMonitor` subclass: ``LensMonitor``); registering the
+    processor registers it. None: nothing watches them."""
+    flags_attribute: ClassVar[str | None] = None
+    """The completion attribute its monitors' flags go to (``"lens_flags"``): registering the
+    processor registers a :class:`MonitorFlags` processor owning it."""
+
+    def derived(self) -> list[OutputProcessor]:
+        """The processors registering this one registers too (its monitors' flags)."""
+        return [MonitorFlags(self.flags_attribute)] if self.flags_attribute else []
 
     def empty(self) -> Any:
         return {}
@@ -75,6 +86,23 @@ class OutputProcessor:
 
     def __repr__(self) -> str:
         return f"<output processor {self.name!r}>"
+
+
+class MonitorFlags(OutputProcessor):
+    """The rows where a monitor of another processor's values crossed its threshold, by the
+    monitor's key (``{"j@3:42": [0, 5]}``): one completion attribute, the watched processor's
+    ``flags_attribute``, registered with it. A stream's pieces join by concatenation."""
+
+    def __init__(self, attribute: str) -> None:
+        self.name = attribute  # type: ignore[misc]
+        self.completion_attributes = (attribute,)  # type: ignore[misc]
+
+    def merge(self, pieces: list[dict[str, list[int]]]) -> dict[str, list[int]]:
+        out: dict[str, list[int]] = {}
+        for piece in pieces:
+            for key, rows in piece.items():
+                out.setdefault(key, []).extend(rows)
+        return out
 
 
 class OnePassProcessor(OutputProcessor):
@@ -141,14 +169,29 @@ class OutputProcessorRegistry:
                 f"Output processor {name!r} would own attribute(s) {clash}, already owned by "
                 f"{[owned[a].name for a in clash]}."
             )
+        derived = instance.derived()
+        names = [d.name for d in derived]
+        taken = [n for n in names if n in self._processors]
+        if taken:
+            raise OutputProcessorError(
+                f"Output processor {name!r} would register {taken}, already registered."
+            )
+        if instance.monitor is not None:
+            from probehook.core.monitors import top_k_monitor
+
+            top_k_monitor(instance.monitor)  # type: ignore[arg-type]
         self._processors[name] = instance
+        for made in derived:
+            self._processors[made.name] = made
         return processor
 
     def unregister(self, name: str) -> OutputProcessor:
-        """Remove a processor (to replace it, say, when a notebook cell runs again); returns
-        it. An unknown name is an error listing the known ones."""
+        """Remove a processor and those it registered (to replace it, say, when a notebook
+        cell runs again); returns it. An unknown name is an error listing the known ones."""
         processor = self[name]
         del self._processors[name]
+        for made in processor.derived():
+            self._processors.pop(made.name, None)
         return processor
 
     def for_model(self, name: str) -> Callable[[type], type]:

@@ -62,10 +62,9 @@ class TopKReadout(OutputProcessor):
     """How viewers show the per-token scalar column as a colour series: ``(label, scale)``,
     the scale one of the viewer's (``"probability"``, ``"logprob"``, ``"activation"``); a
     lens's target log-prob is ``("target", "logprob")``. None: not shown as a series."""
-    flags_attribute: ClassVar[str | None] = None
-    """The completion attribute its monitors' flags go to (``"lens_flags"``); None: the
-    readout has no monitors. Its monitors (``source`` = this readout's, ``instance``,
-    ``entry``, ``outside``, ``key``, ``stop_reason``) are checked by :meth:`check_monitor`."""
+    # ``monitor`` and ``flags_attribute`` (OutputProcessor's): its monitors' class, a
+    # TopKMonitor subclass whose source is this readout's, and where their flags go; each
+    # monitor is checked against the engine by :meth:`check_monitor`.
 
     def check_monitor(self, monitor: Any, k: int, vocab_size: int | None) -> None:
         """Refuse a monitor of this readout the engine cannot watch exactly (a clear

@@ -263,16 +263,11 @@ def _marks(output: Any, completion: Any, stored: bool, place: _Placer) -> dict[s
 
 
 def _flag_attributes() -> list[str]:
-    """Where flags are: the probe and feature monitors', and each top-k readout's."""
+    """Where flags are: the probe monitors', and those of every processor whose values
+    monitors watch (SAE features, lenses, any registered readout's)."""
     from probehook.outputs import OUTPUT_PROCESSORS
-    from probehook.outputs.top_k_readout import top_k_readouts
 
-    readouts = top_k_readouts(OUTPUT_PROCESSORS).values()
-    return [
-        "probe_flags",
-        "feature_flags",
-        *(r.flags_attribute for r in readouts if r.flags_attribute),
-    ]
+    return ["probe_flags", *(p.flags_attribute for p in OUTPUT_PROCESSORS if p.flags_attribute)]
 
 
 def _jsonable(value: Any) -> Any:

@@ -21,8 +21,8 @@ from probehook._version import __version__ as probehook_version
 from probehook.adapter.frontend import engine_config, outputs
 from probehook.capture_config import CaptureConfig, LayerSpec, resolve_layers
 from probehook.core.bank_file import WorkerBanks
-from probehook.core.monitors import FeatureMonitor, LensMonitor
-from probehook.core.request_options import lens_monitor
+from probehook.core.monitors import FeatureMonitor, TopKMonitor, top_k_monitor_of
+from probehook.core.request_options import user_monitor
 from probehook.core.steering_wire import DEFAULT_CAPACITY
 from probehook.errors import CaptureConfigError, CaptureError
 from probehook.frontend.named import load_named
@@ -107,26 +107,23 @@ class CaptureRequest:
                 f"steering= has {len(self.steering)} vectors, more than steering_capacity="
                 f"{self.steering_capacity}; raise steering_capacity."
             )
-        if self.monitors is not None:  # a lens monitor's dict form, as in a request
+        if self.monitors is not None:  # a top-k monitor's dict form, as in a request
             self.monitors = [
-                lens_monitor(i, m) if isinstance(m, Mapping) and "lens" in m else m
+                user_monitor(i, m) if top_k_monitor_of(m) is not None else m
                 for i, m in enumerate(self.monitors)
             ]
         kinds = {type(m) for m in self.monitors or ()}
-        if kinds - {FeatureMonitor, LensMonitor} and self.probes is None:
+        if any(not issubclass(k, TopKMonitor) for k in kinds) and self.probes is None:
             raise CaptureConfigError(
                 "monitors= watch probes, but no probes were given; pass probes={...}."
             )
-        if LensMonitor in kinds and not (self.readouts or {}).get("lens"):
-            raise CaptureConfigError(
-                "monitors= has LensMonitors, which watch lenses, but no lenses were given; "
-                "pass lenses={...} and lens_layers=[...]."
-            )
-        if FeatureMonitor in kinds and self.saes is None:
-            raise CaptureConfigError(
-                "monitors= has FeatureMonitors, which watch SAE features, but no SAEs were "
-                "given; pass saes={...}."
-            )
+        read = set(self.readouts or {}) | ({"sae"} if self.saes is not None else set())
+        for kind in sorted((k for k in kinds if issubclass(k, TopKMonitor)), key=str):
+            if kind.source not in read:
+                raise CaptureConfigError(
+                    f"monitors= has {kind.__name__}s, which watch {kind.watches}, but no "
+                    f"{kind.watches} were given; pass {_engine_option(kind.source)}."
+                )
         if self.saes is None:
             # Checked here, not with the engine: without anything to capture the front end
             # would be plain vLLM and these would be dropped without a word.
@@ -182,6 +179,17 @@ class CaptureRequest:
             or bool(self.readouts)
             or self.steers
         )
+
+
+def _engine_option(source: str) -> str:
+    """The engine option that gives readout ``source`` its instances, for messages."""
+    if source == "sae":
+        return "saes={...}"
+    readout = top_k_readouts(OUTPUT_PROCESSORS).get(source)
+    if readout is None:
+        return f"readouts={{{source!r}: {{...}}}}"
+    extras = "".join(f" and {o}=[...]" for o in readout.extra_engine_options[:1])
+    return f"{readout.engine_option}={{...}}{extras}"
 
 
 CONFIGURING_ARGUMENTS = (
@@ -303,7 +311,7 @@ def prepare(
     if probes is not None:
         probe_set = ProbeSet(
             probes,
-            [m for m in request.monitors or () if not isinstance(m, FeatureMonitor | LensMonitor)],
+            [m for m in request.monitors or () if not isinstance(m, TopKMonitor)],
             num_layers=num_layers,
             hidden_size=resolved.model_config.get_hidden_size(),
             model_fingerprint=fingerprint["fingerprint"],

@@ -133,8 +133,9 @@ def server(
     argv += [arg for name, path in lens_files.items() for arg in ("--lens", f"{name}={path}")]
     argv += ["--lens-layers", "0,3", "--lens-top-k", "3"]
     # the toy readout (tests/toy_readout.py), known to the server's processes by its entry
-    # point (test_a_registered_readout_is_served_in_choices_and_chunks)
-    argv += ["--readout", "norm:n3=3"]
+    # point (test_a_registered_readout_is_served_in_choices_and_chunks), by the flag its
+    # engine option generates
+    argv += ["--norms", "n3=3"]
     argv += ["--store", str(work / "store"), "--store-flush-interval", "0.5"]
     argv += ["--capture-default", json.dumps(DEFAULT)]
     argv += ["--chat-template", str(work / "chat.jinja"), "--served-model-name", "tiny"]

@@ -287,3 +287,34 @@ def test_no_response_carries_a_non_finite_number_unflagged() -> None:
     assert features["non_finite"] == [1, 2]
     assert lists["probe_scores"]["p"] == [0.5, None]
     assert compact.take(0)["sae_features"]["res"]["non_finite"] == [1, 2]
+
+
+def test_a_registered_readout_gets_its_flags_with_no_edit_in_probehook() -> None:
+    """The toy readout (tests/toy_readout.py) registered: ``--norms NAME=SPEC`` and
+    ``--norms-top-k K`` exist, generated from its engine options as the lenses' are, and
+    become its engine arguments; an option flag without instances exits naming the fix."""
+    from toy_readout import RowNorm
+
+    from probehook.adapter.server.serve import add_capture_args
+    from probehook.outputs import OUTPUT_PROCESSORS
+
+    list(OUTPUT_PROCESSORS)  # the entry points, loaded before the registration
+    registered = "row_norms" not in OUTPUT_PROCESSORS
+    if registered:
+        OUTPUT_PROCESSORS.register(RowNorm)
+    try:
+        parser = argparse.ArgumentParser()
+        add_capture_args(parser)
+        args = parser.parse_args(["--norms", "n3=3", "--norms", "n1=1", "--norms-top-k", "1"])
+        kwargs = capture_kwargs(args)
+        assert kwargs["norms"] == {"n3": "3", "n1": "1"} and kwargs["norms_top_k"] == 1
+        assert "norms" not in capture_kwargs(parser.parse_args([]))
+        with pytest.raises(SystemExit, match="--norms-top-k needs --norms NAME=SPEC"):
+            capture_kwargs(parser.parse_args(["--norms-top-k", "1"]))
+        with pytest.raises(SystemExit):  # argparse: the dtype's choices
+            parser.parse_args(["--lens", "l=logit", "--lens-dtype", "int8"])
+        lens = capture_kwargs(parser.parse_args(["--lens", "l=logit", "--lens-layers", "1,2"]))
+        assert lens["lenses"] == {"l": "logit"} and lens["lens_layers"] == [1, 2]
+    finally:
+        if registered:
+            OUTPUT_PROCESSORS.unregister(RowNorm.name)

@@ -95,9 +95,27 @@ class LensReadout(TopKReadout):
     flags_attribute = "lens_flags"
     scalar_series = ("target", "logprob")
 
+    cli_flag = "lens"
+    cli_help = {
+        "lenses": 'a lens requests may ask readings of ("probehook": {"lenses": ["NAME"]}): '
+        "'logit', a J-lens file (.pt) or a tuned-lens folder; needs --lens-layers",
+        "lens_layers": "the layers the lenses read: '2,4' or 'all'",
+        "lens_top_k": f"next tokens a lens reading keeps per token (default {default_k})",
+        "lens_dtype": "the dtype of a J-lens or tuned lens's map (default float32; the head "
+        "runs in the model's)",
+    }
+    cli_choices = {"lens_dtype": tuple(d for d in MAP_DTYPES if d is not None)}
+
     @property
     def k_option(self) -> str:
         return "lens_top_k"
+
+    def cli_value(self, option: str, text: str) -> Any:
+        if option == "lens_layers":
+            from probehook.capture_config import parse_layers
+
+            return parse_layers(text)
+        return super().cli_value(option, text)
 
     def instances(
         self,

@@ -15,6 +15,7 @@ No vLLM. The worker calls :meth:`TopKReadout.read`; everything else runs in the 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
@@ -65,6 +66,26 @@ class TopKReadout(OutputProcessor):
     # ``monitor`` and ``flags_attribute`` (OutputProcessor's): its monitors' class, a
     # TopKMonitor subclass whose source is this readout's, and where their flags go; each
     # monitor is checked against the engine by :meth:`check_monitor`.
+
+    cli_flag: ClassVar[str] = ""
+    """``probehook serve``'s flag naming instances, ``--<cli_flag> NAME=SPEC`` (repeatable);
+    default: the engine option's name with dashes (``--norms``). Its other engine options
+    get flags of their own names with dashes (``--lens-layers``, ``--lens-top-k``)."""
+    cli_help: ClassVar[Mapping[str, str]] = {}
+    """Each engine option's flag help, by option name (the instances', the k's, the extras')."""
+    cli_choices: ClassVar[Mapping[str, tuple[str, ...]]] = {}
+    """The values a flag takes, by option name, where they are few (a dtype)."""
+
+    def cli_value(self, option: str, text: str) -> Any:
+        """An engine option's value from its flag's text (the instances' specs stay text: their
+        option checks them). Default: the k as an int, other options as JSON where they parse
+        (``3``, ``[1, 2]``), else as text."""
+        if option == self.k_option:
+            return int(text)
+        try:
+            return json.loads(text)
+        except ValueError:
+            return text
 
     def check_monitor(self, monitor: Any, k: int, vocab_size: int | None) -> None:
         """Refuse a monitor of this readout the engine cannot watch exactly (a clear

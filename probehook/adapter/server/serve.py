@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+from dataclasses import dataclass
 from typing import Any
 
 from probehook.adapter import vllm_names
@@ -129,37 +130,13 @@ def add_capture_args(parser: Any) -> None:
         '\'{"probes": true, "layers": [3]}\'); a request\'s own object wins, {} opts out',
     )
     group.add_argument(
-        "--lens",
-        action="append",
-        default=[],
-        metavar="NAME=PATH",
-        help='a lens requests may ask readings of ("probehook": {"lenses": ["NAME"]}): '
-        "'logit', a J-lens file (.pt) or a tuned-lens folder; repeatable; needs --lens-layers",
-    )
-    group.add_argument(
-        "--lens-layers",
-        default=None,
-        help="the layers the lenses read: '2,4' or 'all'",
-    )
-    group.add_argument(
-        "--lens-top-k",
-        type=int,
-        default=None,
-        help="next tokens a lens reading keeps per token (default 5)",
-    )
-    group.add_argument(
-        "--lens-dtype",
-        choices=("float32", "bfloat16", "float16"),
-        default=None,
-        help="the dtype of a J-lens or tuned lens's map (default float32; the head runs in "
-        "the model's)",
-    )
-    group.add_argument(
         "--ui",
         action="store_true",
         help="serve the live viewer at /probehook/ui: a chat box whose reply is painted token "
         "by token with its readings (off unless asked)",
     )
+    for flag in readout_flags():
+        group.add_argument(flag.flag, **flag.argparse())
     group.add_argument(
         "--readout",
         action="append",
@@ -208,24 +185,8 @@ def capture_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     steering_layers = (
         parse_layers(args.steering_layers) if args.steering_layers is not None else None
     )
-    lenses = _named_paths("--lens", args.lens, "j=j_lens.pt")
-    if args.lens_layers is not None and not lenses:
-        raise SystemExit("error: --lens-layers needs --lens NAME=PATH")
-    if args.lens_top_k is not None and not lenses:
-        raise SystemExit("error: --lens-top-k needs --lens NAME=PATH")
-    if args.lens_dtype is not None and not lenses:
-        raise SystemExit("error: --lens-dtype needs --lens NAME=PATH")
-    lens_options: dict[str, Any] = {}
-    if lenses:
-        lens_options["lenses"] = lenses  # "logit", a J-lens file or a tuned-lens folder
-        if args.lens_layers is not None:
-            lens_options["lens_layers"] = parse_layers(args.lens_layers)
-        if args.lens_top_k is not None:
-            lens_options["lens_top_k"] = args.lens_top_k
-        if args.lens_dtype is not None:
-            lens_options["lens_dtype"] = args.lens_dtype
     return dict(
-        **lens_options,
+        **_readout_options(args),
         layers=layers,
         probes=probes or None,
         monitors=monitors or None,
@@ -244,6 +205,85 @@ def capture_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         readouts=_readouts(args.readout) or None,
         readout_top_k=_readout_top_k(args.readout_top_k) or None,
     )
+
+
+@dataclass(frozen=True)
+class ReadoutFlag:
+    """One flag ``probehook serve`` generates from a registered top-k readout's engine
+    options: its instances (``--lens NAME=SPEC``, repeatable), its k, its further options."""
+
+    readout: Any
+    option: str
+    """The engine option it sets (``"lenses"``, ``"lens_top_k"``, ``"lens_layers"``)."""
+
+    @property
+    def instances(self) -> bool:
+        return self.option == self.readout.engine_option
+
+    @property
+    def flag(self) -> str:
+        name = self.readout.cli_flag if self.instances and self.readout.cli_flag else self.option
+        return "--" + name.replace("_", "-")
+
+    @property
+    def dest(self) -> str:
+        return self.flag[2:].replace("-", "_")
+
+    def argparse(self) -> dict[str, Any]:
+        readout = self.readout
+        default_help = (
+            f"an instance of the {readout.name} readout (repeatable)"
+            if self.instances
+            else f"entries a {readout.name} reading keeps per token (default {readout.default_k})"
+            if self.option == readout.k_option
+            else f"the {readout.name} readout's {self.option} engine option"
+        )
+        out: dict[str, Any] = {"help": readout.cli_help.get(self.option, default_help)}
+        if self.instances:
+            out.update(action="append", default=[], metavar="NAME=SPEC")
+        else:
+            out.update(default=None)
+            if self.option in readout.cli_choices:
+                out["choices"] = readout.cli_choices[self.option]
+        return out
+
+
+def readout_flags() -> list[ReadoutFlag]:
+    """The flags of every registered top-k readout's engine options (a readout registered
+    through the entry point gets its flags as a built-in one does)."""
+    from probehook.outputs import OUTPUT_PROCESSORS
+    from probehook.outputs.top_k_readout import top_k_readouts
+
+    return [
+        ReadoutFlag(readout, option)
+        for readout in top_k_readouts(OUTPUT_PROCESSORS).values()
+        if readout.engine_option
+        for option in (readout.engine_option, readout.k_option, *readout.extra_engine_options)
+    ]
+
+
+def _readout_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine options of the readouts whose flags were given; an option flag without its
+    readout's instances exits with a message."""
+    out: dict[str, Any] = {}
+    flags = readout_flags()
+    named = {f.readout.source: f for f in flags if f.instances}
+    for flag in flags:
+        given = getattr(args, flag.dest, None)
+        if flag.instances or given is None:
+            continue
+        owner = named[flag.readout.source]
+        if not getattr(args, owner.dest, None):
+            raise SystemExit(f"error: {flag.flag} needs {owner.flag} NAME=SPEC")
+        try:
+            out[flag.option] = flag.readout.cli_value(flag.option, given)
+        except ValueError as e:
+            raise SystemExit(f"error: {flag.flag} {given!r}: {e}") from None
+    for flag in named.values():
+        items = getattr(args, flag.dest, None) or []
+        if items:
+            out[flag.option] = _named_paths(flag.flag, items, "NAME=SPEC")
+    return out
 
 
 def _readouts(items: list[str]) -> dict[str, dict[str, str]]:

@@ -197,6 +197,15 @@ def _check_generation(llm: Any, specs: tuple[str, ...], kwargs: dict[str, Any]) 
         if not steers:
             torch.testing.assert_close(reading.target_logprob, torch.tensor(sampled))
             assert reading.token_ids[:, 0].tolist() == list(completion.token_ids)  # greedy
+        if specs == ("lenses",):  # a request's k: the first entries of the engine's
+            fewer = SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True,
+                                   extra_args={"probehook": {"lens_top_k": 2}})  # fmt: skip
+            two = llm.generate([PROMPT], fewer, use_tqdm=False)[0].outputs[0].lens["l"][LAST]
+            assert two.k == 2 and torch.equal(two.token_ids, reading.token_ids[:, :2])
+            torch.testing.assert_close(two.target_logprob, reading.target_logprob)
+            more = SamplingParams(max_tokens=1, extra_args={"probehook": {"lens_top_k": 6}})
+            with pytest.raises(CaptureConfigError, match=r"lens_top_k=6 is not valid: .* 1\.\.5"):
+                llm.generate([PROMPT], more, use_tqdm=False)
         if "include_prefill" in specs:
             prompt = out.prefill_lens["l"][LAST]
             assert len(prompt) == len(out.prompt_token_ids)

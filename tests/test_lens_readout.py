@@ -345,3 +345,29 @@ def test_served_readings_carry_each_tokens_text_beside_its_id(compact: bool) -> 
     without = ChoiceFields([LensReadout()], compact)
     without.add(0, SimpleNamespace(), completion)
     assert "tokens" not in without.take(0)["lens"]["j"]["1"]
+
+
+def test_a_request_keeps_fewer_entries_than_the_engine_and_the_wire_carries_it() -> None:
+    """A readout's per-request k (``lens_top_k``, generic ``<request option>_top_k``): at most
+    the engine's, carried on the wire so the front end cuts the engine's rows to it."""
+    from probehook.capture_config import CaptureConfig
+    from probehook.core.request_options import RequestOptions, RequestWire
+    from probehook.frontend.readout_set import ReadoutSet
+
+    engine = ReadoutSet(LensReadout(), {"l": "logit"}, 5, num_layers=4, hidden_size=HIDDEN,
+                        extras={"lens_layers": [1, 3]})  # fmt: skip
+    assert engine.request_options == ("lenses", "lens_top_k", "lens_layers")
+    assert engine.for_request(None, {"lens_top_k": 2}).k == 2
+    assert engine.for_request(None, {}).k == 5
+    for bad in (0, 6, True, "2"):
+        with pytest.raises(CaptureConfigError, match=r"lens_top_k=.* is not valid: .* 1\.\.5"):
+            engine.for_request(None, {"lens_top_k": bad})
+    options = dict.fromkeys(engine.request_options, "lens")
+    parsed = RequestOptions.from_user({"lens_top_k": 2}, options)
+    assert parsed.readout_extras == (("lens", "lens_top_k", 2),)
+    wire = RequestWire("t", CaptureConfig(layers=()), readouts=(("lens", ("l@1",)),),
+                       readout_top_k=(("lens", 2),))  # fmt: skip
+    assert wire.to_wire()["readout_top_k"] == {"lens": 2}
+    assert RequestWire.from_wire(wire.to_wire()) == wire
+    with pytest.raises(CaptureConfigError, match="readout_top_k"):
+        RequestWire.from_wire({**wire.to_wire(), "readout_top_k": {"lens": 0}})

@@ -360,6 +360,9 @@ class RequestWire:
     """SAE features held at values on every token of the request (:func:`clamp_terms`)."""
     readouts: tuple[tuple[str, tuple[str, ...]], ...] = ()
     """The top-k readouts the request gets: ``(source, instance names)``."""
+    readout_top_k: tuple[tuple[str, int], ...] = ()
+    """Entries the request keeps per token of a readout, where fewer than the engine's:
+    ``(source, k)`` (the worker computes the engine's k; the front end cuts them)."""
     readout_monitors: tuple[tuple[TopKMonitor, int], ...] = ()
     """Monitors of the top-k rows the request reads (feature monitors of its SAEs, lens
     monitors), each with its instance's slot in the worker's bank of that source (where the
@@ -390,6 +393,8 @@ class RequestWire:
             wire["clamp"] = {name: [[f, v] for f, v in terms] for name, terms in self.clamp}
         if self.readouts:
             wire["readouts"] = {source: list(names) for source, names in self.readouts}
+        if self.readout_top_k:
+            wire["readout_top_k"] = dict(self.readout_top_k)
         if self.readout_monitors:
             wire["readout_monitors"] = [
                 {"source": m.source, **m.to_dict(), "slot": slot}
@@ -411,6 +416,7 @@ class RequestWire:
         known = {"tag", "n", "stream", "probes", "monitors", "stop_token", "record", PLAN_KEY}
         known.update(SAE_KEYS)
         known.add("readouts")
+        known.add("readout_top_k")
         known.add("readout_monitors")
         known.update(STEER_KEYS)
         unknown = [k for k in value if k not in known and k not in CAPTURE_KEYS]
@@ -472,6 +478,12 @@ class RequestWire:
             for source, names in readouts.items()
         ):
             raise CaptureConfigError(f"readouts={_show(readouts)} is not a dict of name lists")
+        readout_top_k = value.get("readout_top_k", {})
+        if not isinstance(readout_top_k, Mapping) or not all(
+            isinstance(source, str) and not isinstance(k, bool) and as_int(k) is not None and k > 0
+            for source, k in readout_top_k.items()
+        ):
+            raise CaptureConfigError(f"readout_top_k={_show(readout_top_k)} is not a dict of ks")
         readout_monitors = []
         for m in value.get("readout_monitors", []):
             if not isinstance(m, Mapping):
@@ -504,6 +516,7 @@ class RequestWire:
             None if top_k is None else int(top_k),
             clamp_terms(value["clamp"], "clamp") if "clamp" in value else (),
             tuple((source, tuple(names)) for source, names in readouts.items() if names),
+            tuple(sorted((source, int(k)) for source, k in readout_top_k.items())),
             tuple(readout_monitors),
         )
 

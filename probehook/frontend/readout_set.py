@@ -65,9 +65,10 @@ class ReadoutSet:
             model_name=model_name,
         )  # fmt: skip
         for name, settings in self.instances.items():
-            bound = readout.index_bound(settings)
-            if readout.entries_are_tokens and vocab_size is not None:
-                bound = min(bound, vocab_size)  # token ids: the model's vocabulary
+            if readout.entries_are_tokens:  # token ids: bounded by the model's vocabulary
+                bound = vocab_size if vocab_size is not None else 0
+            else:
+                bound = readout.index_bound(settings)
             check_packed_indices(bound, f"{readout.name} {name!r}")
         self.layers = tuple(sorted({int(s["layer"]) for s in self.instances.values()}))
         self.vocab_size = vocab_size
@@ -91,8 +92,10 @@ class ReadoutSet:
 
     @property
     def request_options(self) -> tuple[str, ...]:
-        """The request options that ask it: its picking option first, then its further ones."""
-        return (self.readout.request_option, *self.readout.extra_request_options)
+        """The request options that ask it: its picking option first, then its k, then its
+        further ones."""
+        readout = self.readout
+        return (readout.request_option, readout.request_k_option, *readout.extra_request_options)
 
     def describe(self) -> dict[str, Any]:
         """What a request may ask of this readout (the server's ``GET /v1/probehook``), and
@@ -129,9 +132,11 @@ class ReadoutSet:
         (None: the engine's of the instances it reads; a list, of any kind: they replace the
         engine's, and those of this readout must watch instances it reads)."""
         readout = self.readout
+        extras = dict(extras or {})
+        k = self._request_k(extras.pop(readout.request_k_option, None))
         names = select_names(picked, readout.pickable(self.instances), readout.request_option,
                              readout.name, CaptureConfigError)  # fmt: skip
-        names = readout.narrow(names, dict(extras or {}), self.instances)  # checks extras
+        names = readout.narrow(names, extras, self.instances)  # checks extras
         if monitors is None:
             mine = tuple(m for m in self.monitors if m.instance in names)
         else:
@@ -144,7 +149,20 @@ class ReadoutSet:
                     f"This request's monitors watch {off}, which the request does not read "
                     f"({readout.request_option}: {list(names)}); ask for them too."
                 )
-        return RequestReadout(tuple(names), self.k, mine) if names else None
+        return RequestReadout(tuple(names), k, mine) if names else None
+
+    def _request_k(self, asked: Any) -> int:
+        """A request's k of this readout: the first ``asked`` entries of the engine's ``k``
+        (None: all of them)."""
+        if asked is None:
+            return self.k
+        if isinstance(asked, bool) or not isinstance(asked, int) or not 1 <= asked <= self.k:
+            raise CaptureConfigError(
+                f"probehook option {self.readout.request_k_option}={asked!r} is not valid: "
+                f"pass an int in 1..{self.k} (the engine's {self.readout.k_option}; a request "
+                "keeps the first entries of the engine's)."
+            )
+        return asked
 
     def values(self, packed: Any, request: RequestReadout) -> Any:
         """``[len(request.names), n, 2k + 1]`` packed rows -> the readout's value (rows per

@@ -268,6 +268,11 @@ class CaptureSession:
                 readouts=tuple((s, r.names) for s, r in readouts.items())
                 if config is not None
                 else (),
+                readout_top_k=tuple(
+                    (s, r.k) for s, r in readouts.items() if r.k != self.readouts[s].k
+                )
+                if config is not None
+                else (),
                 # every monitor of top-k rows, SAE features' and readouts', on one list
                 readout_monitors=(self._feature_wire(saes, tagged) if saes is not None else ())
                 + self._readout_wire(readouts, tagged)
@@ -442,7 +447,7 @@ class CaptureSession:
         readouts = {
             source: RequestReadout(
                 names,
-                self.readouts[source].k,
+                dict(wire.readout_top_k).get(source, self.readouts[source].k),
                 tuple(m for m, _ in wire.readout_monitors if m.source == source),
             )
             for source, names in wire.readouts

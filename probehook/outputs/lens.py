@@ -110,6 +110,10 @@ class LensReadout(TopKReadout):
     def k_option(self) -> str:
         return "lens_top_k"
 
+    @property
+    def request_k_option(self) -> str:
+        return "lens_top_k"
+
     def cli_value(self, option: str, text: str) -> Any:
         if option == "lens_layers":
             from probehook.capture_config import parse_layers

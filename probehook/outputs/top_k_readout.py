@@ -98,6 +98,12 @@ class TopKReadout(OutputProcessor):
         """The engine keyword argument for k: ``<engine_option>_top_k``."""
         return f"{self.engine_option}_top_k"
 
+    @property
+    def request_k_option(self) -> str:
+        """The per-request option for k (at most the engine's: the first k of its rows):
+        ``<request_option>_top_k`` (a lens's ``lens_top_k``, as its engine option)."""
+        return f"{self.request_option}_top_k"
+
     def instances(
         self,
         specs: Mapping[str, Any],

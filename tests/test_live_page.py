@@ -115,9 +115,10 @@ def _colour(values: list[float], scale: str, p: int) -> str:
     return shade(t)
 
 
-def _send(page: Any) -> Any:
+def _send(page: Any, labels: dict[str, Any] | None = None) -> Any:
     page.wait_for_selector(".ph-live[data-ph-ready='1']")
     page.fill("#ph-message", "hello")
+    page.fill("#ph-labels", json.dumps(labels or {}))
     page.click("#ph-send")
     page.wait_for_selector(".ph-live[data-ph-done='1']")
     return page.locator("#ph-reply .ph-token")
@@ -139,12 +140,15 @@ def test_the_live_page_reads_both_column_forms_and_paints_scores_on_their_scale(
         page.on("pageerror", lambda e: errors.append(str(e)))
         _serve(page, compact)
         page.goto(f"{ORIGIN}/probehook/ui")
-        spans = _send(page)
+        spans = _send(page, {"s": {"20": "twenty"}, "j@3": {"12": "B's id"}})
         assert spans.all_inner_texts()[1:] == TOKENS  # position 0: the prompt's last token
         options = page.locator("select.ph-series option").all_inner_texts()
         assert {"probe mc[0]", "probe mc[1]", "probe mc[2]", "probe reg"} <= set(options)
+        # labelled entries of any top-k readout: a series each (0 where not among the kept)
+        assert {"sae s #20 twenty", "lens j@3 #12 B's id"} <= set(options)
         assert "probe mc" not in options
         cases = {
+            "lens j@3 #12 B's id": ([0.0, LENS_TARGET[1], 0.0], "activation"),
             "probe p": (BINARY, "score"),
             "probe reg": (REGRESSION, "score"),
             "probe mc[1]": ([c[1] for c in CLASSES], "score"),
@@ -158,7 +162,10 @@ def test_the_live_page_reads_both_column_forms_and_paints_scores_on_their_scale(
         assert _colour(REGRESSION, "score", 0).startswith("rgb(2")  # red: below zero
         # the top-k rows, decoded from either form; a negative activation kept as it is
         spans.nth(1).hover()
-        assert page.inner_text(".ph-top-k[data-name='sae s']") == "sae s: #8 -5.0000, #20 1.0000"
+        assert (
+            page.inner_text(".ph-top-k[data-name='sae s']")
+            == "sae s: #8 -5.0000, #20 (twenty) 1.0000"
+        )
         assert page.inner_text(".ph-top-k[data-name='lens j@3']").startswith('lens j@3: "B"')
         assert errors == []
 

@@ -162,3 +162,32 @@ def test_a_completion_with_no_tokens_reads_back_and_views(tmp_path) -> None:
     path.write_text(json.dumps(body) + "\n", encoding="utf-8")
     data = view(list(read_responses(path))).requests[0]
     assert data["ids"] == [0, 1, 2]
+
+
+def test_labels_name_the_entries_of_any_top_k_readout() -> None:
+    """Labels are by instance name for every top-k readout, as for an SAE's features: a lens
+    instance's labelled token is named in its block and gets a series of its own."""
+    from probehook import view
+    from probehook.outputs.lens import LensRows
+
+    @dataclass
+    class Completion:
+        token_ids: list[int]
+        lens: dict[str, Any]
+        finish_reason: str | None = None
+
+    @dataclass
+    class Output:
+        request_id: str
+        prompt_token_ids: list[int]
+        outputs: list[Completion]
+
+    rows = LensRows(torch.tensor([[5, 2], [2, 5]]), torch.tensor([[-0.1, -2.0], [-0.3, -1.0]]),
+                    torch.tensor([-0.1, -0.3]))  # fmt: skip
+    out = Output("0", [0, 1], [Completion([7, 8], {"j": {3: rows}})])
+    data = view(out, labels={"j@3": {5: "five"}}).requests[0]
+    block = next(b for b in data["top_k"] if b["name"] == "lens j@3")
+    assert block["labels"] == {"5": "five"}
+    labelled = next(s for s in data["series"] if s["name"] == "lens j@3 #5 five")
+    got = [None if v is None else round(v, 5) for v in labelled["values"]]
+    assert got == [None, -0.1, -1.0, None]  # decode row i at position 1 + i

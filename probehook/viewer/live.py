@@ -26,7 +26,8 @@ def live_page() -> str:
         'max tokens <input id="ph-max" type="number" value="64" min="1"><br>'
         '<input id="ph-extra" size="60" placeholder=\'more "probehook" options, JSON: '
         '{"monitors": [...], "clamp": {...}}\'> '
-        '<input id="ph-labels" size="40" placeholder=\'SAE feature labels, JSON: '
+        '<input id="ph-labels" size="40" placeholder=\'labels of SAE features or other '
+        "entries, JSON: "
         '{"res3": {"320": "false statement"}}\'><br>'
         '<button id="ph-send">send</button> colour by <select class="ph-series"></select></div>'
         '<div class="ph-tokens" id="ph-reply"></div>'

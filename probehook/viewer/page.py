@@ -220,8 +220,9 @@ def view(
     Args:
         tokenizer: what turns each token id into its text (``llm.get_tokenizer()``; anything
             with ``decode``); None: ids are shown as ``<id>``.
-        labels: names of top-k entries by readout name, e.g. an SAE's features:
-            ``{"res3": {320: "false statement"}}``.
+        labels: names of top-k entries by instance name, e.g. an SAE's features
+            (``{"res3": {320: "false statement"}}``) or a lens instance's tokens
+            (``{"j@3": {1234: "Paris"}}``).
     """
     items = list(outputs) if isinstance(outputs, list | tuple) else [outputs]
     if not items:

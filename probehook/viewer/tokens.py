@@ -19,7 +19,9 @@ from typing import Any
 import torch
 
 Labels = Mapping[str, Mapping[int, str]]
-"""Labels of top-k entries by readout name (an SAE's: ``{"res3": {320: "false statement"}}``)."""
+"""Labels of top-k entries by instance name: an SAE's (``{"res3": {320: "false
+statement"}}``), any top-k readout instance's (``{"n3": {0: "the norm"}}``, ``{"j@3": ...}``):
+shown beside the entry, each labelled entry a series of its own."""
 
 
 def request_data(
@@ -53,10 +55,12 @@ def request_data(
     for readout, prefill_rows, decode_rows in _top_k_readouts(output, completion, stored):
         for instance in sorted({*prefill_rows, *decode_rows}):
             rows = place.top_k(prefill_rows.get(instance), decode_rows.get(instance))
-            entry = {"name": f"{readout.name} {instance}", "tokens": readout.entries_are_tokens,
-                     "rows": rows, "labels": {}}  # fmt: skip
+            name = f"{readout.name} {instance}"
+            entry = {"name": name, "tokens": readout.entries_are_tokens, "rows": rows,
+                     "labels": {}}  # fmt: skip
             if readout.entries_are_tokens:
                 entry["texts"] = _entry_texts(rows, token_text)
+            series.extend(_labelled(entry, (labels or {}).get(instance, {}), name))
             top_k.append(entry)
             if readout.scalar_series is not None:  # a lens's target log-prob
                 label, scale = readout.scalar_series
@@ -91,14 +95,9 @@ def request_data(
     saes_decode = output.sae_features if stored else _get(completion, "sae_features")
     for name in sorted({*saes_prefill, *saes_decode}):
         rows = place.top_k(saes_prefill.get(name), saes_decode.get(name))
-        known = dict((labels or {}).get(name, {}))
-        entry = {"name": f"sae {name}", "tokens": False, "rows": rows,
-                 "labels": {str(int(k)): str(v) for k, v in known.items()}}  # fmt: skip
+        entry = {"name": f"sae {name}", "tokens": False, "rows": rows, "labels": {}}
+        series.extend(_labelled(entry, (labels or {}).get(name, {}), f"sae {name}"))
         top_k.append(entry)
-        for feature in sorted(int(k) for k in known):  # labelled features: a series each
-            values = [_value_of(row, feature) for row in rows]
-            series.append(_series(f"sae {name} #{feature} {known[feature]}", "sae", values,
-                                  "activation"))  # fmt: skip
     return {
         "title": title if title is not None else _title(output, stored),
         "tokens": [token_text(t) for t in ids],
@@ -197,6 +196,22 @@ def _finite(value: Any) -> float | None:
 
 def _scalar(rows: Any) -> Any:
     return None if rows is None else rows.l0.float()
+
+
+def _labelled(entry: dict[str, Any], known: Mapping[Any, str], name: str) -> list[dict]:
+    """Put the labels of a top-k block's entries on it (by entry index), and a series for each
+    labelled entry (its value on each token: 0 where it is not among the kept)."""
+    known = {int(k): str(v) for k, v in known.items()}
+    entry["labels"] = {str(k): v for k, v in known.items()}
+    return [
+        _series(
+            f"{name} #{index} {label}",
+            name.split(" ")[0],
+            [_value_of(row, index) for row in entry["rows"]],
+            "activation",
+        )  # fmt: skip
+        for index, label in sorted(known.items())
+    ]
 
 
 def _value_of(row: Any, index: int) -> float | None:

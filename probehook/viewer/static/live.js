@@ -74,6 +74,16 @@
     return found;
   }
 
+  // A labelled entry of a top-k block: a series of its value on each token (0 where it is
+  // not among the kept), as the notebook view's.
+  function labelled(name, labels, row, position) {
+    Object.keys(labels).forEach(function (entry) {
+      var s = seriesOf(name + " #" + entry + " " + labels[entry], "activation");
+      var hit = row.filter(function (pair) { return String(pair[0]) === entry; });
+      s.values[position] = hit.length ? hit[0][1] : 0;
+    });
+  }
+
   function grow(count) {
     data.series.forEach(function (s) { while (s.values.length < count) { s.values.push(null); } });
     data.top_k.forEach(function (t) { while (t.rows.length < count) { t.rows.push(null); } });
@@ -124,7 +134,8 @@
         if (!columns) { return; }
         var ids = view.columns(columns[r.columns[0]]);
         var values = view.columns(columns[r.columns[1]]);
-        var t = topKOf(r.name + " " + instance, r.tokens);
+        var name = r.name + " " + instance, labels = state.labels[instance] || {};
+        var t = topKOf(name, r.tokens, labels);
         ids.forEach(function (row, i) {
           t.rows[first + i] = [];
           row.forEach(function (id, j) {
@@ -134,6 +145,7 @@
             }
             t.rows[first + i].push([id, values[i][j]]);
           });
+          labelled(name, labels, t.rows[first + i], first + i);
         });
         if (r.series) {
           var s = seriesOf(r.name + " " + instance + " " + r.series[0], r.series[1]);
@@ -151,11 +163,7 @@
       view.columns(saes[name].indices).forEach(function (ids, i) {
         t.rows[first + i] = ids.map(function (id, j) { return [id, values[i][j]]; })
           .filter(function (pair) { return pair[0] >= 0; });
-        Object.keys(labels).forEach(function (feature) {  // a labelled feature: a series
-          var s = seriesOf("sae " + name + " #" + feature + " " + labels[feature], "activation");
-          var hit = t.rows[first + i].filter(function (pair) { return String(pair[0]) === feature; });
-          s.values[first + i] = hit.length ? hit[0][1] : 0;
-        });
+        labelled("sae " + name, labels, t.rows[first + i], first + i);
       });
     });
   }

@@ -159,3 +159,31 @@ def test_async_llm_streams_it(registered, entry_point_root: Path, monkeypatch) -
     final = seen[-1]
     vllm = torch.tensor([next(iter(p.values())).logprob for p in final[4]])
     torch.testing.assert_close(final[3].target_logprob, vllm, atol=1e-4, rtol=0)
+
+
+def test_a_readout_that_reads_next_tokens_gets_them_from_the_generic_bank() -> None:
+    """``reads_next_token`` is generic (review D10: only the lens bank got next tokens): the
+    toy ``NextToken`` readout's rows hold each row's next token, the prompt's next prompt token
+    and each generated token after sampling; on prompt rows and generated rows alike."""
+    from toy_readout import NextToken
+
+    from probehook import LLM, SamplingParams, tiny_model_path
+    from probehook.outputs import OUTPUT_PROCESSORS
+
+    list(OUTPUT_PROCESSORS)
+    OUTPUT_PROCESSORS.register(NextToken)
+    try:
+        llm = LLM(str(tiny_model_path()), include_prefill=True, nexts={"t": 2}, **ENGINE)
+        try:
+            params = SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True)
+            out = llm.generate([PROMPT], params, use_tqdm=False)[0]
+        finally:
+            llm.shutdown()
+    finally:
+        OUTPUT_PROCESSORS.unregister(NextToken.name)
+    decode = out.outputs[0].next_tokens["t"]
+    generated = list(out.outputs[0].token_ids)
+    # decode row i is computed on position n_prompt - 1 + i; the token after it is token i
+    assert decode.indices[:, 0].tolist() == generated[: len(decode)]
+    prompt = out.prefill_next_tokens["t"]
+    assert prompt.indices[:, 0].tolist() == list(out.prompt_token_ids[1:]) + generated[:1]

@@ -79,3 +79,33 @@ class RowNorm(TopKReadout):
         norms = rows.float().norm(dim=1, keepdim=True)
         index = torch.zeros((n, 1), device=rows.device)
         return pack(index, norms, torch.ones(n, device=rows.device))
+
+
+class NextToken(TopKReadout):
+    """A test-only readout of each row's next token (``reads_next_token``): entry the token's
+    id, value 1 (none where no token came). It proves the generic bank hands ``read`` the next
+    tokens, after the step's sampling, as the lens bank's are: registered in-process only."""
+
+    name = "next_tokens"
+    source = "next"
+    request_attributes = ("prefill_next_tokens",)
+    completion_attributes = ("next_tokens",)
+    engine_option = "nexts"
+    request_option = "nexts"
+    default_k = max_k = 1
+    reads_next_token = True
+    entries_are_tokens = True
+
+    def settings(self, name: str, spec: Any, *, num_layers: int, hidden_size: int) -> dict:
+        return {"layer": int(spec)}
+
+    def read(
+        self, rows: torch.Tensor, settings: Mapping[str, Any], k: int, next_tokens: Any = None
+    ) -> torch.Tensor:
+        assert next_tokens is not None and len(next_tokens) == rows.shape[0]
+        known = next_tokens >= 0
+        return pack(
+            next_tokens.unsqueeze(1).float(),
+            known.float().unsqueeze(1),
+            known.float(),
+        )

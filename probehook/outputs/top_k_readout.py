@@ -166,7 +166,9 @@ class TopKReadout(OutputProcessor):
     def read(self, rows: torch.Tensor, settings: Mapping[str, Any], k: int) -> torch.Tensor:
         """In the worker: ``rows`` ``[n, hidden]`` of the instance's layer -> packed float32
         ``[n, 2k + 1]`` (k indices, -1 padding; k values, 0 padding; l0), on the rows'
-        device."""
+        device. A readout that :attr:`reads_next_token` takes ``next_tokens`` too: int64
+        ``[n]``, each row's next token id (-1 where none came: a capture-only engine's last
+        prompt row, a request that ended), on the rows' device."""
         raise NotImplementedError
 
     # -- the output processor's part: generic over top-k rows --------------------------

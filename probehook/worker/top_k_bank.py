@@ -20,18 +20,26 @@ def read_selected(
     k: int,
     rows: torch.Tensor,
     asked: np.ndarray | None,
-    read: Callable[[torch.Tensor], torch.Tensor],
+    read: Callable[..., torch.Tensor],
+    next_tokens: torch.Tensor | None = None,
 ) -> None:
     """``out`` (``[n, 2k + 1]``) = ``read`` of the rows ``asked`` (None: of every row);
-    the other rows are padding (no entry: -1, 0, l0 0), which no request reads."""
+    the other rows are padding (no entry: -1, 0, l0 0), which no request reads.
+    ``next_tokens`` (``[n]``, a readout that ``reads_next_token``): each row's next token,
+    handed to ``read`` with the rows it belongs to."""
     if asked is None or len(asked) == rows.shape[0]:
-        out.copy_(read(rows))
+        out.copy_(read(rows) if next_tokens is None else read(rows, next_tokens=next_tokens))
         return
     out[:, :k] = -1
     out[:, k:] = 0
     if len(asked):
         where = torch.from_numpy(asked).to(rows.device, non_blocking=True)
-        out.index_copy_(0, where, read(rows.index_select(0, where)))
+        picked = rows.index_select(0, where)
+        if next_tokens is None:
+            out.index_copy_(0, where, read(picked))
+        else:
+            tokens = next_tokens.index_select(0, where.to(next_tokens.device))
+            out.index_copy_(0, where, read(picked, next_tokens=tokens))
 
 
 class TopKBank:
@@ -52,11 +60,16 @@ class TopKBank:
         self.width = 2 * self.k + 1
         self.layers = tuple(sorted({int(s["layer"]) for s in instances.values()}))
         self._instances = [(self.layers.index(int(s["layer"])), s) for s in instances.values()]
+        self._pending: tuple[np.ndarray, list[torch.Tensor], Any] | None = None
+        self.reads_next_token = bool(readout.reads_next_token)
+        """Its rows complete after the step's sampling, with each row's next token (the
+        recorder defers them; :meth:`__call__` gets ``next_tokens``)."""
 
     def __call__(
         self,
         staged: torch.Tensor | Sequence[torch.Tensor],
         slot_rows: Sequence[np.ndarray] | None = None,
+        next_tokens: torch.Tensor | None = None,
     ) -> torch.Tensor:
         rows = staged[0].shape[0]
         device = staged[0].device
@@ -64,5 +77,48 @@ class TopKBank:
         for slot, (layer_slot, settings) in enumerate(self._instances):
             asked = None if slot_rows is None else slot_rows[slot]
             read = functools.partial(self.readout.read, settings=settings, k=self.k)
-            read_selected(out[slot], self.k, staged[layer_slot], asked, read)
+            read_selected(out[slot], self.k, staged[layer_slot], asked, read, next_tokens)
+        self._pending = None
+        if next_tokens is not None:
+            self._hold_unknown(staged, slot_rows, next_tokens)
         return out
+
+    def _hold_unknown(
+        self,
+        staged: torch.Tensor | Sequence[torch.Tensor],
+        slot_rows: Sequence[np.ndarray] | None,
+        next_tokens: torch.Tensor,
+    ) -> None:
+        """Keep (copies of) the rows read before their next token was drawn (a request's
+        newest position: -1), for :meth:`complete` to read again once sampling drew it."""
+        unknown = (next_tokens < 0).nonzero().squeeze(1).cpu().numpy()  # one sync a step
+        if not len(unknown):
+            return
+        where = torch.from_numpy(unknown).to(staged[0].device)
+        rows = [layer.index_select(0, where) for layer in staged]
+        self._pending = (unknown, rows, slot_rows)
+
+    def complete(
+        self, out: torch.Tensor, next_tokens: Callable[[np.ndarray], torch.Tensor] | None
+    ) -> None:
+        """Read again, with their next tokens, the rows :meth:`__call__` read without them
+        (``out``: what it returned; ``next_tokens``: rows of the step's block -> their tokens,
+        -1 where none came; None: none known, the rows stay as read)."""
+        pending, self._pending = self._pending, None
+        if pending is None or next_tokens is None:
+            return
+        unknown, rows, slot_rows = pending
+        tokens = next_tokens(unknown)
+        for slot, (layer_slot, settings) in enumerate(self._instances):
+            mine = np.arange(len(unknown))
+            if slot_rows is not None:  # the unknown rows this instance was asked for
+                mine = np.flatnonzero(np.isin(unknown, slot_rows[slot]))
+            if not len(mine):
+                continue
+            at = torch.from_numpy(mine).to(rows[layer_slot].device)
+            read = self.readout.read(
+                rows[layer_slot].index_select(0, at), settings, self.k,
+                next_tokens=tokens.index_select(0, at.to(tokens.device)),
+            )  # fmt: skip
+            where = torch.from_numpy(unknown[mine]).to(out.device)
+            out[slot].index_copy_(0, where, read)

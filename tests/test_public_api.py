@@ -66,7 +66,7 @@ def test_the_capture_arguments_are_declared_once() -> None:
     import inspect
 
     from probehook import LLM, AsyncLLM
-    from probehook.adapter.frontend.setup import CAPTURE_ARGUMENTS, CaptureRequest
+    from probehook.frontend.capture_request import CAPTURE_ARGUMENTS, CaptureRequest
 
     fields = {f.name: f.default for f in dataclasses.fields(CaptureRequest)}
     assert set(CAPTURE_ARGUMENTS) == set(fields) and "saes" in fields

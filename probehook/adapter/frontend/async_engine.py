@@ -33,6 +33,7 @@ from probehook.adapter.frontend import cpu_memory, engine_config, outputs, setup
 from probehook.adapter.frontend.prompts import with_cache_salt
 from probehook.capture_config import CaptureConfig
 from probehook.errors import CaptureConfigError
+from probehook.frontend import capture_request
 from probehook.frontend.fill import clear_outputs, reset
 from probehook.frontend.probe_set import ProbeSet
 from probehook.frontend.request_stream import Kind, RequestStream
@@ -73,7 +74,7 @@ class AsyncLLM(VllmAsyncLLM):
         vllm_config: Any = None,
         **kwargs: Any,
     ) -> None:
-        # The capture arguments are declared once, as setup.CaptureRequest's fields (the
+        # The capture arguments are declared once, as CaptureRequest's fields (the
         # signature below shows them); everything else is vLLM's.
         self.capture_config: CaptureConfig | None = None
         self.session: CaptureSession | None = None
@@ -89,7 +90,7 @@ class AsyncLLM(VllmAsyncLLM):
         """Capture requests that carry no probehook options with the engine's defaults. The
         server sets False: only requests that opt in capture (its pooling routes: none)."""
         if vllm_config is not None:  # vLLM's own constructor path: a plain engine
-            given = [name for name in setup.CAPTURE_ARGUMENTS if name in kwargs]
+            given = [name for name in capture_request.CAPTURE_ARGUMENTS if name in kwargs]
             if model is not None or given:
                 raise CaptureConfigError(
                     "AsyncLLM(vllm_config=...) builds a plain vLLM engine; for capture pass "
@@ -107,7 +108,7 @@ class AsyncLLM(VllmAsyncLLM):
                 "llm.capture(prompts), or probehook.collect / `probehook capture --capture-only` "
                 "for a resumable collection (docs/collect.md)."
             )
-        request = setup.take_capture_arguments(kwargs)
+        request = capture_request.take_capture_arguments(kwargs)
         model = os.fspath(model)
         self._model = model
         engine_kwargs, start = _split_start_kwargs(kwargs)
@@ -471,7 +472,7 @@ def _no_sync_rpc(method: str, args: tuple) -> list:
     raise RuntimeError(f"AsyncLLM's capture session has no synchronous RPC ({method}).")
 
 
-AsyncLLM.__init__.__signature__ = setup.front_end_signature(  # type: ignore[attr-defined]
+AsyncLLM.__init__.__signature__ = capture_request.front_end_signature(  # type: ignore[attr-defined]
     [
         inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
         inspect.Parameter("model", inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None,

@@ -23,6 +23,7 @@ from probehook.adapter.frontend.engine_death import raise_on_engine_death
 from probehook.adapter.frontend.prompts import with_cache_salt
 from probehook.capture_config import CaptureConfig
 from probehook.errors import CaptureConfigError
+from probehook.frontend import capture_request
 from probehook.frontend.fill import clear_outputs, copy_captures
 from probehook.frontend.item_ids import check_item_ids
 from probehook.frontend.probe_set import ProbeSet
@@ -99,10 +100,10 @@ class LLM(vllm.LLM):
     """
 
     def __init__(self, model: str | os.PathLike[str], **kwargs: Any) -> None:
-        # The capture arguments are declared once, as setup.CaptureRequest's fields (the
+        # The capture arguments are declared once, as CaptureRequest's fields (the
         # signature below shows them); everything else is vLLM's.
         model = os.fspath(model)
-        request = setup.take_capture_arguments(kwargs)
+        request = capture_request.take_capture_arguments(kwargs)
         self.capture_only = request.capture_only
         # capture(): the store record fields of each request it adds, in order
         self._labels: Iterator[dict[str, Any]] | None = None
@@ -420,7 +421,7 @@ def _request_id(engine_id: str) -> str:
 _HEX = frozenset("0123456789abcdef")
 
 
-LLM.__init__.__signature__ = setup.front_end_signature(  # type: ignore[attr-defined]
+LLM.__init__.__signature__ = capture_request.front_end_signature(  # type: ignore[attr-defined]
     [
         inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
         inspect.Parameter("model", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation="str"),

@@ -17,12 +17,12 @@ from typing import Any
 
 from torch import nn
 
+from probehook.adapter.worker.head import model_parts
 from probehook.adapter.worker.surgery import (
     attach_clamped_sae,
     exit_early,
     install_taps,
     locate_layers,
-    model_parts,
 )
 from probehook.capture_config import CaptureConfig
 from probehook.core.bank_file import WorkerBanks

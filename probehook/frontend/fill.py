@@ -56,7 +56,7 @@ class Need(NamedTuple):
     hi: int
 
 
-class Slot(NamedTuple):
+class Destination(NamedTuple):
     """Where one source's rows of one stream go: ``target.attribute``."""
 
     target: Any
@@ -107,7 +107,7 @@ class OutputPlan:
     output: Any
     request: TrackedRequest
     prompt_len: int
-    slots: list[Slot]
+    destinations: list[Destination]
     scored: list[Scored]
     gate_started: dict[int, int]
     monitor_state: dict[tuple[int, Any], tuple[int, list[int]]] | None = None
@@ -116,10 +116,10 @@ class OutputPlan:
     """Completion index -> tokens earlier outputs of a delta stream already held."""
 
     def needs(self) -> Iterator[Need]:
-        """Every row range to fetch, slots first (in output order), then flag scores."""
-        for slot in self.slots:
-            if slot.need is not None:
-                yield slot.need
+        """Every row range to fetch, destinations first (in output order), then flag scores."""
+        for destination in self.destinations:
+            if destination.need is not None:
+                yield destination.need
         for scored in self.scored:
             if scored.flags is not None:
                 yield scored.flags
@@ -161,7 +161,9 @@ def plan(
         key = f"{request.tag}/0"
         for source, span in _pooled_spans(captured, prompt_len):
             need = Need(source, key, *span) if span is not None else None
-            planned.slots.append(Slot(output, attributes[source][0], source, key, need, None))
+            planned.destinations.append(
+                Destination(output, attributes[source][0], source, key, need, None)
+            )
         return planned
     delta = progress is not None and progress.delta
     carries_prefill = not delta or not progress.prefill_sent  # type: ignore[union-attr]
@@ -182,12 +184,16 @@ def plan(
             if prefill is not None:
                 need = Need(source, key, prefill.lo, prefill.hi)
                 wanted = need if carries_prefill and taken else None
-                planned.slots.append(Slot(output, on_request, source, key, wanted, completion))
+                planned.destinations.append(
+                    Destination(output, on_request, source, key, wanted, completion)
+                )
             if decode is not None:
                 # Only the rows of tokens this output adds, in delta mode.
                 lo = max(decode.lo, prompt_len - 1 + before)
                 need = Need(source, key, lo, decode.hi)
-                planned.slots.append(Slot(completion, on_completion, source, key, need, completion))
+                planned.destinations.append(
+                    Destination(completion, on_completion, source, key, need, completion)
+                )
             if source == "scores" and taken:
                 flags = None
                 assert request.probes is not None
@@ -206,7 +212,7 @@ def apply(planned: OutputPlan, got: Mapping[Need, Any], sources: Sources) -> Non
     ``capture_error``. Then flags, stop reason and steering start from the scores."""
     output, request = planned.output, planned.request
     failures: dict[tuple[str, str], FailedCapture] = {}
-    for slot in planned.slots:
+    for slot in planned.destinations:
         value = got.get(slot.need) if slot.need is not None else None
         if value is None:
             value = sources[slot.source].empty(request)
@@ -214,7 +220,7 @@ def apply(planned: OutputPlan, got: Mapping[Need, Any], sources: Sources) -> Non
             failures[(slot.source, slot.key)] = value
             logger.error("probehook: %s", value.reason)
         setattr(slot.target, slot.attribute, value)
-    for slot in planned.slots if failures else ():
+    for slot in planned.destinations if failures else ():
         failure = failures.get((slot.source, slot.key))
         if failure is not None:  # every slot of a failed stream fails
             setattr(slot.target, slot.attribute, failure)
@@ -253,7 +259,7 @@ class PooledFill:
     offline fill gets them (a pooling batch, the patches of an image): one recipe per request
     shape (:func:`_pooled_spans`, the same :func:`plan` follows for one output), every
     output's spans batched per source and layer set, values cut from one tensor per batch and
-    set on the outputs. No :class:`OutputPlan`, :class:`Need` or :class:`Slot` per output:
+    set on the outputs. No :class:`OutputPlan`, :class:`Need` or :class:`Destination` per output:
     a pooled output has no completions, scores to act on or steering."""
 
     def __init__(self, attributes: Mapping[str, tuple[str, str]], sources: Sources) -> None:

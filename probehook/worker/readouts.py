@@ -68,10 +68,10 @@ def _scores(hook: Any, banks: Any) -> StepRecorder | None:
 
 
 def _sae(hook: Any, banks: Any) -> StepRecorder | None:
-    if hook.saes is None:  # read from the SAEs' folders by the loader, before this
+    if hook.sae_bank is None:  # read from the SAEs' folders by the loader, before this
         return None
-    buffers = [hook.buffers[layer] for layer in hook.saes.layers]
-    return StepRecorder(buffers, hook.saes.layers, transform=hook.saes, source="sae")
+    buffers = [hook.buffers[layer] for layer in hook.sae_bank.layers]
+    return StepRecorder(buffers, hook.sae_bank.layers, transform=hook.sae_bank, source="sae")
 
 
 READOUTS: dict[str, WorkerReadout] = {

@@ -120,12 +120,12 @@ def _make_loader_class() -> type:
                 from probehook.worker.sae_bank import load_bank
 
                 device = next(model.parameters()).device
-                hook.saes, decoders = load_bank(
+                hook.sae_bank, decoders = load_bank(
                     self.sae_settings, device, keep_decoders=[name for name, _, _ in clamps]
                 )
                 for name, layer, key in clamps:
                     attach_clamped_sae(
-                        model, layer, key, hook.saes.weights_of(name), decoders[name]
+                        model, layer, key, hook.sae_bank.weights_of(name), decoders[name]
                     )
             for source, entry in (self.readouts or {}).items():
                 # Each top-k readout's instances (its class is registered in this process

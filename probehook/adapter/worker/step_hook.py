@@ -54,7 +54,7 @@ class StepHook:
         self.top_k_banks: dict[str, Any] = {}
         """Each top-k readout's :class:`~probehook.worker.top_k_bank.TopKBank`, by source,
         read from the loader's settings at load."""
-        self.saes: Any = None
+        self.sae_bank: Any = None
         """The engine's :class:`~probehook.worker.sae_bank.SAEBank`, read at load (None: no
         SAEs)."""
         self.steer: StepSteering | None = None
@@ -97,7 +97,7 @@ class StepHook:
             "probe_outputs": sum(spec.weight.shape[0] for spec in banks.probes),
             "steering_capacity": self.steer.bank.capacity if self.steer is not None else 0,
             "steering_vectors": sorted(banks.vectors) if self.steer is not None else [],
-            "saes": list(self.saes.slots) if self.saes is not None else [],
+            "saes": list(self.sae_bank.slots) if self.sae_bank is not None else [],
             "readouts": {source: list(bank.slots) for source, bank in self.top_k_banks.items()},
         }
 

@@ -685,13 +685,15 @@ def test_reserved_xargs_key_and_info_route(client, server) -> None:
     assert info["steering"]["layers"] == [2] and list(info["steering"]["vectors"]) == ["up"]
     assert info["steering"]["capacity"] == 64
     served = {f"{lens}@{layer}": [lens, str(layer)] for lens in ("logit", "j") for layer in (0, 3)}
-    lenses = {"options": ["lenses", "lens_layers"], "names": ["logit", "j"], "layers": [0, 3],
+    lenses = {"options": ["lenses", "lens_top_k", "lens_layers"], "names": ["logit", "j"],
+              "layers": [0, 3],
               "k": 3, "name": "lens", "attribute": "lens", "served": served,
               "columns": ["token_ids", "logprobs", "target_logprob"], "tokens": True,
               "series": ["target", "logprob"], "flags": "lens_flags"}  # fmt: skip
-    norms = {"options": ["norms"], "names": ["n3"], "layers": [3], "k": 1, "name": "row_norms",
-             "attribute": "row_norms", "columns": ["indices", "values", "l0"],
-             "served": {"n3": ["n3"]}, "tokens": False, "series": None, "flags": None}  # fmt: skip
+    norms = {"options": ["norms", "norms_top_k"], "names": ["n3"], "layers": [3], "k": 1,
+             "name": "row_norms", "attribute": "row_norms", "columns": ["indices", "values", "l0"],
+             "served": {"n3": ["n3"]}, "tokens": False, "series": None,
+             "flags": "norm_flags"}  # fmt: skip
     assert info["readouts"] == {"lenses": lenses, "norms": norms}
     assert info["saes"] == ["res3"]
     # The server is still serving after every refusal above.

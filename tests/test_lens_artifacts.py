@@ -383,3 +383,34 @@ def test_check_lens_only_warns_about_another_model_name(tmp_path: Path) -> None:
         check_lens(j, "j", model_name=None, **args)
         check_lens(JacobianLens(_matrices([0]), n_prompts=1, d_model=D), "j",
                    model_name="x", **args)  # fmt: skip
+
+
+def test_an_engine_checks_a_lens_by_its_description_without_reading_its_matrices(
+    tmp_path, monkeypatch
+) -> None:
+    """The front end checks a J-lens file or tuned-lens folder with its tensors mapped from
+    the file (``torch.load(mmap=True)``), never converted: a lens of gigabytes costs the user's
+    process nothing (review D15: each was read whole, to float32, just to be checked). The
+    workers still read the whole lens."""
+    from probehook.outputs.lens import LensReadout
+
+    j = JacobianLens(_matrices([1]), n_prompts=1, d_model=D).save(tmp_path / "j.pt")  # fp16
+    tuned = TunedLens({2: (torch.zeros(D, D), None)}, {"d_model": D, "num_hidden_layers": 4})
+    folder = tuned.save(tmp_path / "tuned")
+    mapped = []
+    real = torch.load
+    monkeypatch.setattr(
+        torch, "load", lambda *a, **k: mapped.append(k.get("mmap")) or real(*a, **k)
+    )
+    got = LensReadout().instances({"j": str(j), "t": str(folder)}, {"lens_layers": [1]},
+                                  num_layers=4, hidden_size=D)  # fmt: skip
+    assert sorted(got) == ["j@1", "t@1"] and mapped == [True, True]
+    described = load_lens(j, weights=False)
+    assert not described.weights and described.jacobians[1].dtype == torch.float16
+    whole = load_lens(j)
+    assert whole.weights and whole.jacobians[1].dtype == torch.float32
+    with pytest.raises(CaptureConfigError, match="no matrix for layer 2"):
+        LensReadout().instances({"j": str(j)}, {"lens_layers": [2]}, num_layers=4, hidden_size=D)
+    with pytest.raises(CaptureConfigError, match="no translator for layer 0"):
+        LensReadout().instances({"t": str(folder)}, {"lens_layers": [0]}, num_layers=4,
+                                hidden_size=D)  # fmt: skip

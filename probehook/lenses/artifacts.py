@@ -38,8 +38,16 @@ LENS_CHOICES = (
 )
 
 
-def _load_tensors(path: Path) -> Any:
+def _load_tensors(path: Path, mapped: bool = False) -> Any:
+    """A lens file's payload; ``mapped``: its tensors mapped from the file, not read (shapes
+    and metadata cost nothing; a file of the old, non-zip format is read as usual)."""
     try:
+        if mapped:
+            try:
+                return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            except RuntimeError as e:
+                if "mmap" not in str(e):
+                    raise
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - pickled code, a truncated file: say which file
         raise CaptureConfigError(
@@ -61,6 +69,7 @@ class JacobianLens:
         d_model: int,
         metadata: Mapping[str, Any] | None = None,
         path: str | os.PathLike[str] | None = None,
+        weights: bool = True,
     ) -> None:
         if not jacobians:
             raise ValueError("a JacobianLens needs at least one layer's matrix")
@@ -71,7 +80,11 @@ class JacobianLens:
                     f"J[{layer}] has shape {tuple(matrix.shape)}, not "
                     f"({self.d_model}, {self.d_model})"
                 )
-        self.jacobians = {int(k): v.detach().float().cpu() for k, v in jacobians.items()}
+        self.weights = weights
+        """False: a description read with ``load(weights=False)``: the matrices are the file's
+        tensors as mapped (shapes right, values not read, not averaged), for checks only."""
+        convert = (lambda v: v.detach().float().cpu()) if weights else (lambda v: v)
+        self.jacobians = {int(k): convert(v) for k, v in jacobians.items()}
         self.n_prompts = int(n_prompts)
         self.metadata = dict(metadata or {})
         self.path = os.fspath(path) if path is not None else None
@@ -85,10 +98,12 @@ class JacobianLens:
         return f"JacobianLens(layers={self.source_layers}, d_model={self.d_model})"
 
     @classmethod
-    def load(cls, path: str | os.PathLike[str]) -> JacobianLens:
+    def load(cls, path: str | os.PathLike[str], *, weights: bool = True) -> JacobianLens:
         """A J-lens artifact, or a reference fit checkpoint (running sums over ``n_done``
-        prompts, divided here)."""
-        payload = _load_tensors(Path(path))
+        prompts, divided here). ``weights=False``: its description alone (layers, width,
+        metadata; the matrices mapped from the file, not read), what an engine's front end
+        checks a lens with: a 2 GB lens costs the user's process nothing."""
+        payload = _load_tensors(Path(path), mapped=not weights)
         if not isinstance(payload, Mapping):
             raise CaptureConfigError(f"{os.fspath(path)!r} holds no J-lens (not a dict).")
         if "J" in payload:
@@ -104,6 +119,7 @@ class JacobianLens:
                 n_prompts=int(payload.get("n_prompts", 0)),
                 d_model=int(payload["d_model"]),
                 metadata=payload.get("metadata"),
+                weights=weights,
             )
         if "jacobian_sum" in payload:
             n = int(payload.get("n_done", payload.get("n_prompts", 0)))
@@ -114,9 +130,10 @@ class JacobianLens:
                 )
             sums = payload["jacobian_sum"]
             d = int(next(iter(sums.values())).shape[0])
-            matrices = {int(k): v.float() / n for k, v in sums.items()}
+            matrices = {int(k): v.float() / n if weights else v for k, v in sums.items()}
             metadata = _checkpoint_metadata(payload)
-            return _build(cls, path, matrices, n_prompts=n, d_model=d, metadata=metadata)
+            return _build(cls, path, matrices, n_prompts=n, d_model=d, metadata=metadata,
+                          weights=weights)  # fmt: skip
         raise CaptureConfigError(
             f"{os.fspath(path)!r} is not a J-lens: it has neither a 'J' key (an artifact) nor "
             "a 'jacobian_sum' key (a fit checkpoint)."
@@ -257,12 +274,16 @@ class TunedLens:
         translators: Mapping[int, tuple[torch.Tensor, torch.Tensor | None]],
         config: Mapping[str, Any],
         path: str | os.PathLike[str] | None = None,
+        weights: bool = True,
     ) -> None:
         self.config = dict(config)
         self.d_model = int(config["d_model"])
         self.num_hidden_layers = int(config["num_hidden_layers"])
+        self.weights = weights
+        """False: a description (``load(weights=False)``): translators mapped, not read."""
+        convert = (lambda v: v.detach().float().cpu()) if weights else (lambda v: v)
         self.translators = {
-            int(i): (w.detach().float().cpu(), None if b is None else b.detach().float().cpu())
+            int(i): (convert(w), None if b is None else convert(b))
             for i, (w, b) in translators.items()
         }
         self.path = os.fspath(path) if path is not None else None
@@ -271,7 +292,9 @@ class TunedLens:
         return f"TunedLens(d_model={self.d_model}, translators={len(self.translators)})"
 
     @classmethod
-    def load(cls, folder: str | os.PathLike[str]) -> TunedLens:
+    def load(cls, folder: str | os.PathLike[str], *, weights: bool = True) -> TunedLens:
+        """A tuned-lens folder; ``weights=False``: its description alone (the translators
+        mapped from params.pt, not read), as :meth:`JacobianLens.load`."""
         folder = Path(folder)
         try:
             config = json.loads((folder / "config.json").read_text())
@@ -282,7 +305,7 @@ class TunedLens:
         missing = [k for k in ("d_model", "num_hidden_layers") if k not in config]
         if missing:
             raise CaptureConfigError(f"{os.fspath(folder)!r}: config.json lacks {missing}.")
-        params = _load_tensors(folder / "params.pt")
+        params = _load_tensors(folder / "params.pt", mapped=not weights)
         if not isinstance(params, Mapping):
             raise CaptureConfigError(f"{os.fspath(folder)!r}: params.pt holds no state dict.")
         d = int(config["d_model"])
@@ -302,7 +325,7 @@ class TunedLens:
                             f"{shape} (config.json's d_model is {d})."
                         )
                 translators[int(index)] = (weight, bias)
-        return cls(translators, config, folder)
+        return cls(translators, config, folder, weights=weights)
 
     def save(self, folder: str | os.PathLike[str]) -> Path:
         """Write the package's folder format; the lens remembers the folder."""
@@ -323,23 +346,31 @@ class TunedLens:
         self, layer: int, num_layers: int
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """``(I + W[layer + 1], b[layer + 1])``; ``(None, None)`` at the last layer."""
-        if layer == num_layers - 1:
+        if not self.check_layer(layer, num_layers):
             return None, None
+        weight, bias = self.translators[layer + 1]
+        return torch.eye(self.d_model) + weight, bias
+
+    def check_layer(self, layer: int, num_layers: int) -> bool:
+        """Whether ``layer`` has a translator (False: the last layer, none needed); a
+        :class:`CaptureConfigError` where it needs one and has none."""
+        if layer == num_layers - 1:
+            return False
         if layer + 1 not in self.translators:
             raise CaptureConfigError(
                 f"the tuned lens{_from(self.path)} has no translator for layer {layer} "
                 f"(translator {layer + 1}; it has {sorted(self.translators)})."
             )
-        weight, bias = self.translators[layer + 1]
-        return torch.eye(self.d_model) + weight, bias
+        return True
 
 
 def _from(path: str | None) -> str:
     return f" {path!r}" if path else ""
 
 
-def load_lens(spec: Any) -> JacobianLens | TunedLens | str:
-    """A lens from what an engine's ``lenses={name: spec}`` takes (module docstring)."""
+def load_lens(spec: Any, *, weights: bool = True) -> JacobianLens | TunedLens | str:
+    """A lens from what an engine's ``lenses={name: spec}`` takes (module docstring);
+    ``weights=False``: a file's description alone (its tensors mapped, not read)."""
     if isinstance(spec, (JacobianLens, TunedLens)):
         return spec
     if isinstance(spec, str) and spec == LOGIT:
@@ -347,9 +378,9 @@ def load_lens(spec: Any) -> JacobianLens | TunedLens | str:
     if isinstance(spec, (str, os.PathLike)):
         path = Path(spec)
         if path.is_dir():
-            return TunedLens.load(path)
+            return TunedLens.load(path, weights=weights)
         if path.is_file():
-            return JacobianLens.load(path)
+            return JacobianLens.load(path, weights=weights)
         raise CaptureConfigError(f"lens {os.fspath(spec)!r}: no such file or folder; pass "
                                  f"{LENS_CHOICES}.")  # fmt: skip
     raise CaptureConfigError(f"lens {spec!r} is not a lens: pass {LENS_CHOICES}.")
@@ -379,8 +410,11 @@ def check_lens(
             f"model has {num_layers}: a lens of another model."
         )
     for layer in layers:
-        try:
-            lens_affine(lens, layer, num_layers)
+        try:  # the layer's map exists (nothing computed: a description is enough)
+            if isinstance(lens, TunedLens):
+                lens.check_layer(layer, num_layers)
+            else:
+                lens.matrix(layer, num_layers)
         except CaptureConfigError as e:
             raise CaptureConfigError(f"lenses[{name!r}]: {e}") from None
     recorded = (

@@ -156,7 +156,7 @@ class LensReadout(TopKReadout):
                 raise CaptureConfigError(
                     f"lenses: the name {name!r} is not valid: pass a non-empty name without '@'."
                 )
-            lens = load_lens(spec)
+            lens = load_lens(spec, weights=False)  # checked by its description: nothing read
             kind = LOGIT if isinstance(lens, str) else lens.kind
             if kind != LOGIT:
                 check_lens(lens, name, hidden_size=hidden_size, num_layers=num_layers,

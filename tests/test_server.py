@@ -603,7 +603,8 @@ def test_malformed_options_storm(client, server, offline) -> None:
         readouts = json.load(reply)["readouts"]
     # The server's lenses add their options to the valid ones the refusals list.
     options = {o: name for name, r in readouts.items() for o in r["options"]}
-    assert options == {"lenses": "lenses", "lens_layers": "lenses", "norms": "norms"}
+    assert options == {"lenses": "lenses", "lens_top_k": "lenses", "lens_layers": "lenses",
+                       "norms": "norms", "norms_top_k": "norms"}  # fmt: skip
     messages = []
     for value in objects:
         with pytest.raises(CaptureConfigError) as err:

@@ -119,8 +119,16 @@ def _send(page: Any, labels: dict[str, Any] | None = None) -> Any:
     page.wait_for_selector(".ph-live[data-ph-ready='1']")
     page.fill("#ph-message", "hello")
     page.fill("#ph-labels", json.dumps(labels or {}))
+    page.evaluate(
+        """() => { window.counts = []; new MutationObserver(() => window.counts.push(
+            document.querySelectorAll('#ph-reply .ph-token').length))
+            .observe(document.getElementById('ph-reply'), {childList: true}); }"""
+    )
     page.click("#ph-send")
     page.wait_for_selector(".ph-live[data-ph-done='1']")
+    # The stand-in sends the whole reply in one body: still painted a chunk at a time.
+    counts = page.evaluate("window.counts")
+    assert counts == list(range(1, len(TOKENS) + 2)), counts
     return page.locator("#ph-reply .ph-token")
 
 

@@ -263,19 +263,32 @@
         return response.text().then(function (text) { status.textContent = "error: " + text; });
       }
       var reader = response.body.getReader(), decoder = new TextDecoder(), buffer = "";
+      // Each chunk is painted in a task of its own, also when a read holds many (a reply that
+      // came faster than the page read it still appears token by token).
+      function paintLines(lines) {
+        var line = lines.shift();
+        if (line === undefined) { return Promise.resolve(); }
+        if (line.indexOf("data: ") === 0) {
+          var payload = line.slice(6).trim();
+          if (payload === "[DONE]") {
+            root.setAttribute("data-ph-done", "1");
+          } else {
+            chunk(JSON.parse(payload), state);
+          }
+        }
+        return new Promise(function (resolve) { setTimeout(resolve, 0); }).then(function () {
+          return paintLines(lines);
+        });
+      }
       function pump() {
         return reader.read().then(function (got) {
           buffer += decoder.decode(got.value || new Uint8Array(), { stream: !got.done });
           var lines = buffer.split("\n");
           buffer = got.done ? "" : lines.pop();
-          lines.forEach(function (line) {
-            if (line.indexOf("data: ") !== 0) { return; }
-            var payload = line.slice(6).trim();
-            if (payload === "[DONE]") { root.setAttribute("data-ph-done", "1"); return; }
-            chunk(JSON.parse(payload), state);
+          return paintLines(lines).then(function () {
+            if (!got.done) { return pump(); }
+            root.setAttribute("data-ph-done", "1");
           });
-          if (!got.done) { return pump(); }
-          root.setAttribute("data-ph-done", "1");
         });
       }
       return pump();

@@ -99,6 +99,7 @@ def build_random_checkpoint(
     dtype: torch.dtype = torch.float32,
     spread_norms: bool = False,
     tie_embeddings: bool = False,
+    vocab_size: int | None = None,
 ) -> Path:
     """Write a random-weight checkpoint of architecture ``arch`` (one of ``ARCHITECTURES``;
     GQA allowed where the architecture has it) to ``out_dir``.
@@ -108,6 +109,8 @@ def build_random_checkpoint(
     ``spread_norms`` moves norm weights away from their init (1, or 0 for Gemma's offset
     form), so that a norm skipped or applied twice shows in the rows. ``tie_embeddings``:
     the LM head is the embedding matrix (no ``lm_head.weight`` in the checkpoint).
+    ``vocab_size``: more token ids than the tokenizer's (a vocabulary that spans both ranks of
+    a TP=2 engine; generate with ``detokenize=False``: the tokenizer knows 19 of them).
     """
     from transformers import CONFIG_MAPPING, AutoModelForCausalLM, AutoTokenizer
 
@@ -119,7 +122,7 @@ def build_random_checkpoint(
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_path())
     common = dict(
-        vocab_size=len(tokenizer),
+        vocab_size=vocab_size or len(tokenizer),
         hidden_size=hidden_size,
         intermediate_size=intermediate_size or 2 * hidden_size,
         num_hidden_layers=num_layers,

@@ -54,10 +54,23 @@ def test_two_llms_in_one_process_capture_their_own_rows(
         assert (a.prefill_hidden_states[0] - b.prefill_hidden_states[0]).abs().max() > 0.1
 
 
+WIDE_VOCAB = 96
+"""The TP test model's vocabulary: vLLM pads it to 128, so rank 1 holds ids 64..95, real ones
+(the tokenizer's 19 would all sit on rank 0, and rank 1's id mapping would go unchecked)."""
+
+
+@pytest.fixture(scope="module")
+def wide_vocab_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from helpers import build_random_checkpoint
+
+    return build_random_checkpoint(
+        tmp_path_factory.mktemp("llama-wide"), arch="llama", seed=1, vocab_size=WIDE_VOCAB
+    )
+
+
 @pytest.mark.topology  # tests/README.md: RPC to two workers, each in its own process
 def test_tensor_parallel_2_matches_tp_1(
-    eager_llm,
-    llama_dir: Path,
+    wide_vocab_dir: Path,
     llama_lenses: dict[str, str],
     engine_defaults: dict,
     monkeypatch: pytest.MonkeyPatch,
@@ -65,7 +78,9 @@ def test_tensor_parallel_2_matches_tp_1(
     """Also: the workers find probehook's loader without inheriting ``PROBEHOOK_ENGINE``
     (withheld here), as under vLLM's Ray executor, which passes its workers only ``VLLM_``
     variables (issue 37, item 7; vLLM's CPU platform refuses the Ray executor, so this is the
-    closest this machine runs: separate worker processes that did not inherit it)."""
+    closest this machine runs: separate worker processes that did not inherit it). The model's
+    vocabulary spans both ranks, so the lenses' merge of the ranks' shards is checked on real
+    tokens of rank 1 (review 11-29, item 9)."""
     from engine_layout import users_layout
     from helpers import assert_scores_match_rows, random_probes
 
@@ -73,6 +88,14 @@ def test_tensor_parallel_2_matches_tp_1(
     from probehook.adapter import plugin
     from probehook.testing import assert_lens_matches_hf
 
+    llama_dir = wide_vocab_dir
+    tp1 = LLM(str(llama_dir), layers=[0, 2], include_prefill=True, enforce_eager=True,
+              **engine_defaults)  # fmt: skip
+    try:
+        plain = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, detokenize=False)
+        want = tp1.generate(PROMPTS, plain, use_tqdm=False)
+    finally:
+        tp1.shutdown()
     # vLLM's CPU backend needs one core per TP worker named explicitly.
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
     monkeypatch.setattr(plugin, "ACTIVE_ENV", "PROBEHOOK_ENGINE_WITHHELD_IN_THIS_TEST")
@@ -94,9 +117,9 @@ def test_tensor_parallel_2_matches_tp_1(
             **engine_defaults,
         )
     try:
-        params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+        params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, detokenize=False)
         got = tp2.generate(PROMPTS, params, use_tqdm=False)
-        want = eager_llm.generate(PROMPTS, params, use_tqdm=False)
+        on_rank_1 = 0
         for g, w in zip(got, want, strict=True):
             assert g.outputs[0].token_ids == w.outputs[0].token_ids
             for layer in (0, 2):
@@ -110,9 +133,12 @@ def test_tensor_parallel_2_matches_tp_1(
                     rtol=0,
                 )
             assert_lens_matches_hf(llama_dir, g, llama_lenses, [2, 3], prefill=True)
+            for by_layer in (*g.outputs[0].lens.values(), *g.prefill_lens.values()):
+                on_rank_1 += sum(int((r.token_ids >= 64).sum()) for r in by_layer.values())
             # Scores come back once (rank 0), equal to the probes on the returned rows.
             assert assert_scores_match_rows(g, tp2.probes.probes) > 0
             assert len(g.probe_scores["truth"]) == len(g.outputs[0].token_ids)
+        assert on_rank_1 > 0, "no lens reading named a token of rank 1's shard"
         # A stop monitor is forced on every rank alike: the request ends where it crosses.
         scores = got[1].outputs[0].probe_scores["size"]
         k = 1 if scores[1] > scores[0] else 0
@@ -121,7 +147,7 @@ def test_tensor_parallel_2_matches_tp_1(
         stopped = tp2.generate(
             PROMPTS[1],
             SamplingParams(
-                max_tokens=4, temperature=0, ignore_eos=True,
+                max_tokens=4, temperature=0, ignore_eos=True, detokenize=False,
                 extra_args={"probehook": {"monitors": [monitor]}},
             ),
             use_tqdm=False,
@@ -129,6 +155,8 @@ def test_tensor_parallel_2_matches_tp_1(
         eos = tp2.get_tokenizer().eos_token_id
         assert list(stopped.token_ids) == list(got[1].outputs[0].token_ids[:k]) + [eos]
         assert stopped.stop_reason == "probe:size"
+        # Each rank forced it (rank 0's output alone could not tell a rank that did not).
+        assert tp2.collective_rpc("probehook_forced_stops") == [1, 1]
         # A lens stop monitor too, forced on every rank alike: the J-lens at layer 2 gives
         # the token the model produced second a log-prob below 0 everywhere, so it stops at
         # the first row.
@@ -137,12 +165,13 @@ def test_tensor_parallel_2_matches_tp_1(
                  "direction": "below", "action": "stop"}  # fmt: skip
         lens_stopped = tp2.generate(
             PROMPTS[1],
-            SamplingParams(max_tokens=4, temperature=0, ignore_eos=True,
+            SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, detokenize=False,
                            extra_args={"probehook": {"monitors": [watch]}}),
             use_tqdm=False,
         )[0].outputs[0]  # fmt: skip
         assert list(lens_stopped.token_ids) == [eos]
         assert lens_stopped.stop_reason == f"lens:j@2:{token}"
+        assert tp2.collective_rpc("probehook_forced_stops") == [2, 2]
         _check_tp2_steering(tp2, want, up, llama_dir)
     finally:
         tp2.shutdown()
@@ -159,6 +188,7 @@ def _check_tp2_steering(tp2, unsteered, up, llama_dir: Path) -> None:  # noqa: A
         temperature=0,
         ignore_eos=True,
         logprobs=0,
+        detokenize=False,
         extra_args={"probehook": {"steer": {"up": 1.5}}},
     )
     steered = tp2.generate(PROMPTS, params, use_tqdm=False)

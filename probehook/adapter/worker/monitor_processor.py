@@ -65,6 +65,7 @@ class ProbeStopProcessor(LogitsProcessor):
             if _crossed(watch, index, scores) or _readout_crossed(watch, index, hook, readouts):
                 logits[index] = float("-inf")
                 logits[index, watch.stop_token] = 0.0
+                hook.forced_stops += 1
         return logits
 
 

@@ -282,6 +282,12 @@ class ProbehookWorkerExtension:
         dropped = sum(r.forget(key_prefixes) for r in hook.recorders())
         return dropped if _reports(self) else None
 
+    def probehook_forced_stops(self) -> int:
+        """The stop tokens this worker's stop processor forced, on every rank (a test of
+        tensor parallelism asks each rank: rank 0's output alone would hide a rank that did
+        not stop)."""
+        return _hook(self).forced_stops
+
     def probehook_stats(self) -> dict[str, int] | None:
         """Counters for tests, debugging and the benchmark."""
         hook = _hook(self)

@@ -54,6 +54,9 @@ class StepHook:
         self.top_k_banks: dict[str, Any] = {}
         """Each top-k readout's :class:`~probehook.worker.top_k_bank.TopKBank`, by source,
         read from the loader's settings at load."""
+        self.forced_stops = 0
+        """Stop tokens this worker's stop processor forced (every rank forces its own: under
+        tensor parallelism the ranks' counts agree)."""
         self.sae_bank: Any = None
         """The engine's :class:`~probehook.worker.sae_bank.SAEBank`, read at load (None: no
         SAEs)."""

@@ -141,7 +141,7 @@ def test_tensor_parallel_2_matches_tp_1(
         assert on_rank_1 > 0, "no lens reading named a token of rank 1's shard"
         # A stop monitor is forced on every rank alike: the request ends where it crosses.
         scores = got[1].outputs[0].probe_scores["size"]
-        k = 1 if scores[1] > scores[0] else 0
+        k = 1 if scores[1] > scores[0] + 1e-4 else 0  # a margin over last-bit differences
         threshold = float((scores[0] + scores[1]) / 2) if k else float(scores[0]) - 1.0
         monitor = {"probe": "size", "threshold": threshold, "action": "stop"}
         stopped = tp2.generate(

@@ -937,8 +937,9 @@ def test_the_live_page_paints_a_streamed_reply_per_token(client, server) -> None
         # Flags and a labelled feature: a truth flag monitor typed in as JSON (its threshold
         # between the reply's scores), a label for row 2's strongest feature.
         scores = field(want)["probe_scores"]["truth"]
-        ordered = sorted(set(scores))
-        middle = (ordered[len(ordered) // 2 - 1] + ordered[len(ordered) // 2]) / 2
+        ordered = sorted(set(scores))  # split at the widest gap: last bits cannot cross it
+        gap = max(range(1, len(ordered)), key=lambda j: ordered[j] - ordered[j - 1])
+        middle = (ordered[gap - 1] + ordered[gap]) / 2
         feature = field(want)["sae_features"]["res3"]["indices"][2][0]
         flag = {"probe": "truth", "threshold": middle, "action": "flag"}
         send(page, {"monitors": [flag]}, {"res3": {str(feature): "a name"}})
@@ -952,7 +953,7 @@ def test_the_live_page_paints_a_streamed_reply_per_token(client, server) -> None
         assert f"#{feature} (a name)" in page.inner_text(".ph-top-k[data-name='sae res3']")
         # A stop monitor at the first row that tops every row before it, with steering at
         # scale 0 (the same reply, marked as steered from its first position).
-        row = next(i for i in range(1, len(scores)) if scores[i] > max(scores[:i]))
+        row = next(i for i in range(1, len(scores)) if scores[i] > max(scores[:i]) + 1e-4)
         stop = {"probe": "truth", "action": "stop",
                 "threshold": (scores[row] + max(scores[:row])) / 2}  # fmt: skip
         page.locator("#ph-choices input[data-group='steer'][value='up']").set_checked(True)

@@ -306,7 +306,8 @@ def test_probe_gated_steering_starts_after_the_crossing(steer_llm, vectors) -> N
     prompt = PROMPTS[1]
     plain = steer_llm.generate([prompt], _params(max_tokens=10))[0]
     scores = plain.outputs[0].probe_scores["g"].numpy()
-    k = next(i for i in range(2, len(scores)) if scores[i] > scores[:i].max())
+    # a new maximum by a margin: another batch shape moves scores in their last bits only
+    k = next(i for i in range(2, len(scores)) if scores[i] > scores[:i].max() + 1e-4)
     threshold = float((scores[:k].max() + scores[k]) / 2)
     gate = ProbeMonitor("g", threshold, action="steer", steer={"v2": 3.0})
     out = steer_llm.generate(

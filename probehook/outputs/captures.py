@@ -12,7 +12,7 @@ import torch
 
 from probehook.core.monitors import FeatureMonitor
 from probehook.outputs.array_codec import decode_array, encode_array
-from probehook.outputs.registry import OutputProcessor
+from probehook.outputs.registry import MonitorFlags, OutputProcessor
 from probehook.outputs.top_k import TopKRows, compact_top_k, json_floats, json_nans, json_top_k
 
 
@@ -92,18 +92,11 @@ class SAEFeatureSets(OutputProcessor):
         return {name: TopKRows.from_columns(columns) for name, columns in response.items()}
 
 
-class ProbeFlags(OutputProcessor):
+class ProbeFlags(MonitorFlags):
     """The rows where a flag monitor's threshold was crossed, by probe name."""
 
-    name: ClassVar[str] = "probe_flags"
-    completion_attributes = ("probe_flags",)
-
-    def merge(self, pieces: list[dict[str, list[int]]]) -> dict[str, list[int]]:
-        out: dict[str, list[int]] = {}
-        for piece in pieces:
-            for name, rows in piece.items():
-                out.setdefault(name, []).extend(rows)
-        return out
+    def __init__(self) -> None:
+        super().__init__("probe_flags")
 
 
 class Steering(OutputProcessor):

@@ -50,6 +50,13 @@ def test_a_store_written_before_the_port_reads_bit_equal(copied: Path) -> None:
     kinds = {key.split("/")[1] for key in want}
     assert kinds == {"hidden", "scores", "sae", "lens", "norm"}  # every kind it holds
     _assert_bit_equal(got, want)
+    # A readout's rows as its outputs hold them (out.lens["l"][3]), not only by flat name.
+    from probehook.store import ActivationStore
+
+    stored = ActivationStore.open(copied)[ids[0]]
+    presented = stored.readout("lens")["l"][3]
+    assert torch.equal(presented.token_ids, stored.top_k("lens")["l@3"].token_ids)
+    assert set(stored.readout("lens", "prefill")) == {"l"}
 
 
 def test_fsck_and_compact_keep_an_old_store_bit_equal(copied: Path) -> None:

@@ -120,6 +120,17 @@ class StoredRequest:
         ``completion``) or the prompt's (``phase="prefill"``)."""
         return self._features(phase, completion if phase == "decode" else None, source)
 
+    def readout(self, source: str, phase: str = "decode", completion: int | None = 0) -> Any:
+        """The stored rows of top-k readout ``source`` as its outputs hold them: a lens's
+        ``{"j": {4: LensRows}}``, as ``out.lens`` (:meth:`top_k` has them by flat instance
+        name, ``"j@4"``); a readout this process has not registered: by flat name."""
+        flat = self.top_k(source, phase, completion)
+        from probehook.outputs import OUTPUT_PROCESSORS
+        from probehook.outputs.top_k_readout import top_k_readouts
+
+        readout = top_k_readouts(OUTPUT_PROCESSORS).get(source)
+        return readout.present(flat) if readout is not None else flat
+
     def _features(
         self, phase: str, completion: int | None, source: str = "sae"
     ) -> dict[str, SAEFeatures]:

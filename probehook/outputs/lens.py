@@ -93,6 +93,8 @@ class LensReadout(TopKReadout):
     follows_last_prefill_token = True  # the last prompt token's reading costs one row
     monitor = LensMonitor
     flags_attribute = "lens_flags"
+    ranks = "every rank"  # each rank holds a shard of the vocabulary
+    worker_bank = "probehook.worker.lens_bank:lens_bank"
     scalar_series = ("target", "logprob")
 
     cli_flag = "lens"

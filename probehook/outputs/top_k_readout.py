@@ -67,6 +67,16 @@ class TopKReadout(OutputProcessor):
     # TopKMonitor subclass whose source is this readout's, and where their flags go; each
     # monitor is checked against the engine by :meth:`check_monitor`.
 
+    ranks: ClassVar[str] = "rank 0"
+    """Which tensor-parallel ranks read it: ``"rank 0"`` (the rank that answers exports; the
+    others hold the same rows) or ``"every rank"`` (each rank reads in step, as a lens whose
+    vocabulary is sharded, its partial readings merged by a collective; each rank also forces
+    its monitors' stops alike, since every rank samples)."""
+    worker_bank: ClassVar[str] = "probehook.worker.top_k_bank:generic_bank"
+    """The worker's factory of its bank, ``"module:function"`` called at load as
+    ``function(readout, instances, k, model)`` (``model``: the parts of the model it may need,
+    ``ModelParts``: head, norms, vocabulary shard); the default reads each instance with
+    :meth:`read` on the rows of the requests that asked for it."""
     cli_flag: ClassVar[str] = ""
     """``probehook serve``'s flag naming instances, ``--<cli_flag> NAME=SPEC`` (repeatable);
     default: the engine option's name with dashes (``--norms``). Its other engine options

@@ -270,3 +270,18 @@ class LensBank:
             known,
         )
         return packed, lse, shard.vocab
+
+
+def lens_bank(readout: Any, instances: Any, k: int, model: Any) -> LensBank:
+    """``LensReadout.worker_bank``: the lenses' bank on the model's head (``model``: the
+    worker's ``ModelParts``)."""
+    from probehook.errors import UnsupportedModelError
+
+    if model.head is None:
+        raise UnsupportedModelError(
+            "lenses read the model's final norm and unembedding, and this model has none "
+            "probehook can call: a final norm of a name it does not know, or, run as a pooling "
+            "model (capture_only=True), an untied LM head that is not in a safetensors file of "
+            "the checkpoint."
+        )
+    return LensBank(instances, k, model.head, model.token_logits, model.shard).to(model.device)

@@ -2,7 +2,8 @@
 ``"scores"``, ``"sae"`` features, and the readouts to come), saying how its recorder is built
 from what the loader allocated, which wire key lists what a request gets of it, and which
 ranks record it. The step hook, the plan factory and the RPC surface read the table instead of
-naming sources; a new readout adds its row here (and its bank to the loader).
+naming sources; a top-k readout's row is derived from what it declares (its bank's factory and
+its ranks).
 
 No vLLM imports.
 """
@@ -10,13 +11,13 @@ No vLLM imports.
 from __future__ import annotations
 
 import functools
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from probehook.worker.probe_bank import ProbeBank
 from probehook.worker.recorder import StepRecorder
-from probehook.worker.top_k_bank import TopKBank
 
 RANK_0 = "rank 0"
 """Recorded by the rank that answers exports alone (the other ranks hold the same data)."""
@@ -85,51 +86,30 @@ READOUTS: dict[str, WorkerReadout] = {
 """Every readout a worker knows, by source, in the order the step hook records them."""
 
 
-def _lens_bank(readout: Any, instances: Any, k: int, model: Any) -> Any:
-    from probehook.errors import UnsupportedModelError
-    from probehook.worker.lens_bank import LensBank
-
-    if model.head is None:
-        raise UnsupportedModelError(
-            "lenses read the model's final norm and unembedding, and this model has none "
-            "probehook can call: a final norm of a name it does not know, or, run as a pooling "
-            "model (capture_only=True), an untied LM head that is not in a safetensors file of "
-            "the checkpoint."
+def top_k_bank(readout: Any, instances: Any, k: int, model: Any) -> Any:
+    """The worker's bank of a top-k readout, built at load by the factory the readout names
+    (``TopKReadout.worker_bank``, ``"module:function"``; ``model``: the parts of the model
+    readouts may need, ``ModelParts``)."""
+    module, _, name = readout.worker_bank.partition(":")
+    factory = getattr(importlib.import_module(module), name, None)
+    if factory is None:
+        raise ValueError(
+            f"{type(readout).__name__}.worker_bank={readout.worker_bank!r} names no function "
+            "(pass 'module:function')"
         )
-    return LensBank(instances, k, model.head, model.token_logits, model.shard).to(model.device)
+    return factory(readout, instances, k, model)
 
 
-def _generic_bank(readout: Any, instances: Any, k: int, model: Any) -> Any:
-    return TopKBank(readout, instances, k)
-
-
-TOP_K_BANKS: dict[str, Callable[[Any, Any, int, Any], Any]] = {"lens": _lens_bank}
-"""The bank of each top-k readout that needs more than its ``read`` (lenses: the model's
-head), by source; every other top-k readout gets the generic
-:class:`~probehook.worker.top_k_bank.TopKBank`."""
-
-
-SHARDED_READOUTS = frozenset({"lens"})
-"""Top-k readouts every rank reads in step under tensor parallelism (a lens: each rank holds a
-shard of the vocabulary, and the partial readings are merged by a collective); every rank
-samples, so each also forces a lens monitor's stop alike."""
-
-
-def top_k_bank(source: str, readout: Any, instances: Any, k: int, model: Any) -> Any:
-    """The worker's bank of top-k readout ``source``, built at load (``model``: the parts of
-    the model readouts may need, ``ModelParts``)."""
-    return TOP_K_BANKS.get(source, _generic_bank)(readout, instances, k, model)
-
-
-def readout_row(source: str) -> WorkerReadout:
-    """The table's row of ``source``: a built-in one, or the generic row of a top-k readout
-    (:class:`~probehook.worker.top_k_bank.TopKBank`, allocated at load; rank 0 records it)."""
+def readout_row(source: str, ranks: str = RANK_0) -> WorkerReadout:
+    """The table's row of ``source``: a built-in one, or the row of a top-k readout (its bank
+    allocated at load), recorded on the ``ranks`` it declares (``TopKReadout.ranks``)."""
     row = READOUTS.get(source)
     if row is not None:
         return row
-    # Its step's rows stay readable in the sampler (a lens monitor's stop reads them).
+    if ranks not in (RANK_0, EVERY_RANK):
+        raise ValueError(f"readout {source!r}: ranks={ranks!r} is not {RANK_0!r} or {EVERY_RANK!r}")
+    # Its step's rows stay readable in the sampler (a monitor's stop reads them).
     build = functools.partial(_top_k, source)
-    ranks = EVERY_RANK if source in SHARDED_READOUTS else RANK_0
     return WorkerReadout(source, source, ranks, build, read_in_sampler=True)
 
 

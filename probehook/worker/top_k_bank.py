@@ -122,3 +122,11 @@ class TopKBank:
             )  # fmt: skip
             where = torch.from_numpy(unknown[mine]).to(out.device)
             out[slot].index_copy_(0, where, read)
+
+
+def generic_bank(
+    readout: Any, instances: Mapping[str, Mapping[str, Any]], k: int, model: Any
+) -> TopKBank:
+    """The default ``TopKReadout.worker_bank``: each instance's ``read`` on the rows of the
+    requests that asked for it."""
+    return TopKBank(readout, instances, k)

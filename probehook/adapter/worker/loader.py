@@ -139,8 +139,9 @@ def _make_loader_class() -> type:
                     )
                 parts = model_parts(model, lambda: _unembedding(self.inner, model_config))
                 hook.top_k_banks[source] = top_k_bank(
-                    source, readout, entry["instances"], entry["k"], parts
+                    readout, entry["instances"], entry["k"], parts
                 )
+                hook.top_k_ranks[source] = readout.ranks
             # Probes and steering vectors too, from the banks the front end encoded.
             banks = WorkerBanks.decode(self.banks) if self.banks else WorkerBanks()
             hook.allocate_banks(banks)

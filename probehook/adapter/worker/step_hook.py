@@ -52,6 +52,8 @@ class StepHook:
         self.clamp_buffers: dict[str, Any] = {}
         """Each clamped SAE's op buffers, by name (:class:`ClampBuffers`)."""
         self.top_k_banks: dict[str, Any] = {}
+        self.top_k_ranks: dict[str, str] = {}
+        """Each top-k readout's ranks (``TopKReadout.ranks``), by source."""
         """Each top-k readout's :class:`~probehook.worker.top_k_bank.TopKBank`, by source,
         read from the loader's settings at load."""
         self.forced_stops = 0
@@ -82,7 +84,10 @@ class StepHook:
         """Allocate the steering bank and every readout's recorder (the readout table's
         ``build``: probe scores from ``banks``, SAE features from the SAE bank the loader read
         before this), at model load, inside vLLM's memory profiling."""
-        rows = [*READOUTS.values(), *(readout_row(source) for source in self.top_k_banks)]
+        rows = [
+            *READOUTS.values(),
+            *(readout_row(source, self.top_k_ranks[source]) for source in self.top_k_banks),
+        ]
         for readout in rows:
             source = readout.source
             recorder = readout.build(self, banks)

@@ -318,3 +318,17 @@ def test_a_registered_readout_gets_its_flags_with_no_edit_in_probehook() -> None
     finally:
         if registered:
             OUTPUT_PROCESSORS.unregister(RowNorm.name)
+
+
+def test_the_top_k_encoding_flag_and_its_older_name() -> None:
+    """``--top-k-encoding`` names what the flag switches (every top-k readout's served form,
+    review: ``--sae-encoding`` switched lenses too); the older name still works."""
+    from probehook.adapter.server.serve import add_capture_args
+
+    parser = argparse.ArgumentParser()
+    add_capture_args(parser)
+    assert parser.parse_args([]).sae_encoding == "lists"
+    for flag in ("--top-k-encoding", "--sae-encoding"):
+        assert parser.parse_args([flag, "base64"]).sae_encoding == "base64"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--top-k-encoding", "hex"])

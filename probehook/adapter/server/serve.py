@@ -60,11 +60,14 @@ def add_capture_args(parser: Any) -> None:
         '{"FEATURE": VALUE}}}): a clamp op on each SAE\'s layer',
     )
     group.add_argument(
+        "--top-k-encoding",
         "--sae-encoding",
+        dest="sae_encoding",
         default="lists",
         choices=["lists", "base64"],
-        help="how SAE features are written into responses: JSON lists (default) or base64 "
-        "arrays (int32 indices, float32 values, int32 l0; decode with decode_array)",
+        help="how every top-k reading (SAE features, lenses, any registered readout) is written "
+        "into responses: JSON lists (default) or base64 arrays (int32 indices, float32 values, "
+        "the scalar column; decode with decode_array); --sae-encoding is its older name",
     )
     group.add_argument(
         "--sae-top-k",

@@ -238,6 +238,24 @@ def assert_scores_match_rows(output: Any, probes: dict[str, Any], tol: float = 1
     return compared
 
 
+def assert_same_top_k(
+    ids: Any, values: Any, want_ids: Any, want_values: Any, atol: float = 1e-5
+) -> None:
+    """Top-k entries computed over another batch shape than the reference (rows of one step
+    against one row alone, tiles): the same values to float rounding, and the same ids except
+    where neighbouring values are within ``atol`` (a near-tie, which two batch shapes may
+    order either way; the last entry may swap with the first one left out)."""
+    ids, want_ids = torch.as_tensor(ids), torch.as_tensor(want_ids)
+    values = torch.as_tensor(values, dtype=torch.float32)
+    want_values = torch.as_tensor(want_values, dtype=torch.float32)
+    torch.testing.assert_close(values, want_values, atol=atol, rtol=0)
+    k = ids.shape[-1]
+    for row, j in (ids != want_ids).nonzero().tolist() if ids.dim() > 1 else []:
+        v = want_values[row]
+        near = [abs(float(v[j] - v[i])) for i in (j - 1, j + 1) if 0 <= i < k]
+        assert j == k - 1 or min(near) <= 2 * atol, (row, j, ids[row], want_ids[row])
+
+
 RECORD_GAP = 1e-4
 """The least margin between a record and the scores before it: a threshold halfway between
 them stays on its side when another run (another batch shape) moves a score in its last bits."""

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import assert_same_top_k
 
 from probehook.errors import CaptureConfigError
 
@@ -217,7 +218,9 @@ def _check_generation(llm: Any, specs: tuple[str, ...], kwargs: dict[str, Any]) 
                 extra_args={"probehook": {"last_prefill_token": True}},
             )
             alone = llm.generate([PROMPT], last, use_tqdm=False)[0].prefill_lens["l"][LAST]
-            assert len(alone) == 1 and torch.equal(alone.token_ids, prompt.token_ids[-1:])
+            assert len(alone) == 1  # one row alone, the prompt's rows in one batch
+            assert_same_top_k(alone.token_ids, alone.logprobs, prompt.token_ids[-1:],
+                              prompt.logprobs[-1:])  # fmt: skip
             torch.testing.assert_close(alone.target_logprob, prompt.target_logprob[-1:])
     if "feature_monitors" in specs:
         assert completion.feature_flags["s:0"] == list(range(TOKENS))

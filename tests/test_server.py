@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 from engine_layout import USERS_LAYOUT_ENV
-from helpers import first_record, random_probes, reference_steering
+from helpers import assert_same_top_k, first_record, random_probes, reference_steering
 
 from probehook.frontend.response_fields import decode_array
 from probehook.testing import ServerProcess
@@ -268,6 +268,7 @@ def test_lenses_in_choices_chunks_and_the_store(client, server, llama_dir, lens_
     streamed = {**ignore_eos({"lenses": ["j"], "lens_layers": [3]}), "return_token_ids": True}
     stream = client.completions.create(prompt=prompt, stream=True, extra_body=streamed, **greedy())
     joined: list[int] = []
+    joined_logprobs: list[float] = []
     for chunk in stream:
         for part in chunk.choices:
             tokens = (part.model_extra or {}).get("token_ids") or []
@@ -275,7 +276,9 @@ def test_lenses_in_choices_chunks_and_the_store(client, server, llama_dir, lens_
                 reading = field(part)["lens"]["j"]["3"]
                 assert len(reading["token_ids"]) == len(reading["tokens"]) == len(tokens)
                 joined += reading["token_ids"]
-    assert joined == got["lens"]["j"]["3"]["token_ids"]
+                joined_logprobs += reading["logprobs"]
+    whole = got["lens"]["j"]["3"]  # decode row 0 read with the prompt there, alone here
+    assert_same_top_k(joined, joined_logprobs, whole["token_ids"], whole["logprobs"])
 
     only_layers = client.completions.create(
         prompt=prompt, extra_body=ignore_eos({"lens_layers": [0]}), **greedy()

@@ -277,8 +277,8 @@ def test_lenses_in_choices_chunks_and_the_store(client, server, llama_dir, lens_
                 assert len(reading["token_ids"]) == len(reading["tokens"]) == len(tokens)
                 joined += reading["token_ids"]
                 joined_logprobs += reading["logprobs"]
-    whole = got["lens"]["j"]["3"]  # decode row 0 read with the prompt there, alone here
-    assert_same_top_k(joined, joined_logprobs, whole["token_ids"], whole["logprobs"])
+    decoded = got["lens"]["j"]["3"]  # decode row 0 read with the prompt there, alone here
+    assert_same_top_k(joined, joined_logprobs, decoded["token_ids"], decoded["logprobs"])
 
     only_layers = client.completions.create(
         prompt=prompt, extra_body=ignore_eos({"lens_layers": [0]}), **greedy()

@@ -60,7 +60,7 @@ def request_data(
                      "labels": {}}  # fmt: skip
             if readout.entries_are_tokens:
                 entry["texts"] = _entry_texts(rows, token_text)
-            series.extend(_labelled(entry, (labels or {}).get(instance, {}), name))
+            series.extend(_labelled(entry, (labels or {}).get(instance, {}), name, readout.name))
             top_k.append(entry)
             if readout.scalar_series is not None:  # a lens's target log-prob
                 label, scale = readout.scalar_series
@@ -96,7 +96,7 @@ def request_data(
     for name in sorted({*saes_prefill, *saes_decode}):
         rows = place.top_k(saes_prefill.get(name), saes_decode.get(name))
         entry = {"name": f"sae {name}", "tokens": False, "rows": rows, "labels": {}}
-        series.extend(_labelled(entry, (labels or {}).get(name, {}), f"sae {name}"))
+        series.extend(_labelled(entry, (labels or {}).get(name, {}), f"sae {name}", "sae"))
         top_k.append(entry)
     return {
         "title": title if title is not None else _title(output, stored),
@@ -198,7 +198,7 @@ def _scalar(rows: Any) -> Any:
     return None if rows is None else rows.l0.float()
 
 
-def _labelled(entry: dict[str, Any], known: Mapping[Any, str], name: str) -> list[dict]:
+def _labelled(entry: dict[str, Any], known: Mapping[Any, str], name: str, kind: str) -> list[dict]:
     """Put the labels of a top-k block's entries on it (by entry index), and a series for each
     labelled entry (its value on each token: 0 where it is not among the kept)."""
     known = {int(k): str(v) for k, v in known.items()}
@@ -206,7 +206,7 @@ def _labelled(entry: dict[str, Any], known: Mapping[Any, str], name: str) -> lis
     return [
         _series(
             f"{name} #{index} {label}",
-            name.split(" ")[0],
+            kind,
             [_value_of(row, index) for row in entry["rows"]],
             "activation",
         )  # fmt: skip
@@ -281,8 +281,9 @@ def _flag_attributes() -> list[str]:
     """Where flags are: the probe monitors', and those of every processor whose values
     monitors watch (SAE features, lenses, any registered readout's)."""
     from probehook.outputs import OUTPUT_PROCESSORS
+    from probehook.outputs.registry import MonitorFlags
 
-    return ["probe_flags", *(p.flags_attribute for p in OUTPUT_PROCESSORS if p.flags_attribute)]
+    return [p.name for p in OUTPUT_PROCESSORS if isinstance(p, MonitorFlags)]
 
 
 def _jsonable(value: Any) -> Any:

@@ -33,7 +33,6 @@ from probehook.core.spans import Span
 from probehook.core.steering_wire import vectors_from_wire
 from probehook.core.stream_frames import encode
 from probehook.worker.clamp_tables import StepClamps
-from probehook.worker.readouts import RANK_0, readout_row
 from probehook.worker.recorder import StepRecorder
 from probehook.worker.steering_bank import StepSteering
 from probehook.worker.stream_publisher import Publisher
@@ -66,8 +65,7 @@ def _answers(worker: Any, source: str) -> bool:
     """Whether this worker records (and so exports) ``source``: the readout table says which
     ranks record what (rank 0 answers exports; every rank samples, so a stop monitor's values
     are recorded wherever it must be forced)."""
-    hook = _hook(worker)
-    return readout_row(source, hook.top_k_ranks.get(source, RANK_0)).records_on(_reports(worker))
+    return _hook(worker).readout_row(source).records_on(_reports(worker))
 
 
 class ProbehookWorkerExtension:
@@ -101,9 +99,7 @@ class ProbehookWorkerExtension:
                         recorder.source,
                         steerable,
                         recorder.slots,
-                        stops_only=readout_row(
-                            recorder.source, hook.top_k_ranks.get(recorder.source, RANK_0)
-                        ).stops_only_on(_reports(self)),
+                        stops_only=hook.readout_row(recorder.source).stops_only_on(_reports(self)),
                     ),
                     signatures,
                 ),

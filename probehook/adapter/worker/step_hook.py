@@ -12,7 +12,7 @@ import torch
 from probehook.adapter.worker.runner_patch import patch_runner
 from probehook.capture_config import CaptureConfig
 from probehook.core.bank_file import WorkerBanks
-from probehook.worker.readouts import READOUTS, readout_row
+from probehook.worker.readouts import RANK_0, READOUTS, WorkerReadout, readout_row
 from probehook.worker.recorder import StepRecorder
 from probehook.worker.steering_bank import SteeringBank, StepSteering
 
@@ -86,7 +86,7 @@ class StepHook:
         before this), at model load, inside vLLM's memory profiling."""
         rows = [
             *READOUTS.values(),
-            *(readout_row(source, self.top_k_ranks[source]) for source in self.top_k_banks),
+            *(self.readout_row(source) for source in self.top_k_banks),
         ]
         for readout in rows:
             source = readout.source
@@ -108,6 +108,11 @@ class StepHook:
             "saes": list(self.sae_bank.slots) if self.sae_bank is not None else [],
             "readouts": {source: list(bank.slots) for source, bank in self.top_k_banks.items()},
         }
+
+    def readout_row(self, source: str) -> WorkerReadout:
+        """The worker's readout-table row of ``source``: a built-in one, or a top-k readout's
+        on the ranks it declared (``TopKReadout.ranks``)."""
+        return readout_row(source, self.top_k_ranks.get(source, RANK_0))
 
     def recorders(self) -> list[StepRecorder]:
         """Every recorder this worker has (rows, probe scores, SAE features, ...)."""

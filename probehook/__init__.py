@@ -30,13 +30,14 @@ if TYPE_CHECKING:
     from probehook.adapter.frontend.async_engine import AsyncLLM
     from probehook.adapter.frontend.offline import LLM
     from probehook.capture_config import CaptureConfig
-    from probehook.core.monitors import FeatureMonitor, LensMonitor, ProbeMonitor
+    from probehook.core.monitors import ProbeMonitor
     from probehook.frontend.fill import FailedCapture
     from probehook.lenses.artifacts import JacobianLens, TunedLens
     from probehook.outputs.array_codec import decode_array
-    from probehook.outputs.lens import LensRows
+    from probehook.outputs.lens import LensMonitor, LensRows
     from probehook.probes import LinearProbe
     from probehook.saes import SAE, SAEFeatures
+    from probehook.saes.readout import FeatureMonitor
     from probehook.steering import SteeringVector
     from probehook.store import ActivationStore, LayerMatrix, StoredRequest
 
@@ -51,8 +52,8 @@ _LAZY = {
     "StoredRequest": ("probehook.store", "StoredRequest"),
     "LinearProbe": ("probehook.probes", "LinearProbe"),
     "ProbeMonitor": ("probehook.core.monitors", "ProbeMonitor"),
-    "FeatureMonitor": ("probehook.core.monitors", "FeatureMonitor"),
-    "LensMonitor": ("probehook.core.monitors", "LensMonitor"),
+    "FeatureMonitor": ("probehook.saes.readout", "FeatureMonitor"),
+    "LensMonitor": ("probehook.outputs.lens", "LensMonitor"),
     "SteeringVector": ("probehook.steering", "SteeringVector"),
     "SAE": ("probehook.saes", "SAE"),
     "SAEFeatures": ("probehook.saes", "SAEFeatures"),

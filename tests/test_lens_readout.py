@@ -325,7 +325,7 @@ def test_served_readings_carry_each_tokens_text_beside_its_id(compact: bool) -> 
     from types import SimpleNamespace
 
     from probehook.frontend.response_fields import ChoiceFields, TokenText
-    from probehook.outputs.captures import SAEFeatureSets
+    from probehook.saes.readout import SAEReadout as SAEFeatureSets
 
     class Tokenizer:
         calls = 0

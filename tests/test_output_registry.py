@@ -44,13 +44,12 @@ def fresh(*processors: Any) -> OutputProcessorRegistry:
 
 
 def test_builtin_processors_are_registered() -> None:
-    assert OUTPUT_PROCESSORS.names()[:5] == [
-        "hidden_states",
-        "probe_scores",
-        "sae_features",
-        "feature_flags",  # derived: the flags of the monitors of SAE features
-        "probe_flags",
-    ]
+    names = OUTPUT_PROCESSORS.names()
+    assert names[:3] == ["hidden_states", "probe_scores", "probe_flags"]
+    # SAE features come through the entry point, as a third party's readout would, with the
+    # flags of their monitors (derived) beside them.
+    assert {"sae_features", "feature_flags", "lens", "lens_flags"} <= set(names)
+    assert names.index("feature_flags") == names.index("sae_features") + 1
     assert OUTPUT_PROCESSORS["sae_features"].completion_attributes == ("sae_features",)
     assert OUTPUT_PROCESSORS["probe_scores"].request_attributes == ("prefill_probe_scores",)
 

@@ -14,7 +14,7 @@ import pytest
 from malformed_options import CORRUPTIONS, FLAGS, malformed
 
 from probehook.capture_config import CaptureConfig
-from probehook.core.monitors import FeatureMonitor, ProbeMonitor
+from probehook.core.monitors import ProbeMonitor
 from probehook.core.request_options import (
     MAX_CLAMPED,
     USER_KEYS,
@@ -24,6 +24,7 @@ from probehook.core.request_options import (
     clamp_terms,
 )
 from probehook.errors import CaptureConfigError
+from probehook.saes.readout import FeatureMonitor
 
 MALFORMED = malformed()
 
@@ -344,7 +345,7 @@ def test_a_wire_threshold_is_checked_not_raised(threshold: Any) -> None:
     probe = {**good, "monitors": [{**good["monitors"][0], "threshold": threshold}]}
     feature = {
         **good,
-        "saes": ["res3"],
+        "readouts": {"sae": ["res3"]},
         "readout_monitors": [
             {
                 "source": "sae",

@@ -343,13 +343,20 @@ class PackedRows:
 
 
 def sae_stream(kind: str, monitors: tuple = (), k: int = 2) -> RequestStream:
-    from probehook.frontend.sae_set import RequestSAEs
-    from probehook.frontend.sources import SAEFeatureRows
+    """A stream of SAE ``s``'s features (the SAE readout, as the session's source has it; its
+    engine k is 4), the request keeping ``k``."""
+    from probehook.frontend.readout_set import ReadoutSet, RequestReadout
+    from probehook.frontend.sources import TopKReadoutRows
+    from probehook.saes.readout import SAEReadout
 
+    saes = object.__new__(ReadoutSet)  # the engine's instances, without reading SAE folders
+    saes.readout, saes.source, saes.k = SAEReadout(), "sae", 4
+    saes.instances = {"s": {"layer": 0, "d_sae": 16}}
     capture = session()
-    capture.sources["sae"] = SAEFeatureRows(None)  # type: ignore[arg-type]
+    capture.sources["sae"] = TopKReadoutRows(saes)
     config = CaptureConfig(layers=(), include_prefill=True, include_decode=True)
-    request = TrackedRequest("T", "", config, {}, saes=RequestSAEs(("s",), k, monitors))
+    asked = {"sae": RequestReadout(("s",), k, monitors)}
+    request = TrackedRequest("T", "", config, {}, readouts=asked)
     return RequestStream(capture, PackedRows(), request, kind)  # type: ignore[arg-type]
 
 
@@ -357,8 +364,8 @@ def test_a_cumulative_sae_stream_decodes_each_row_once_and_hands_out_views(monke
     """Every yield of a cumulative stream holds every feature row to date; the rows a yield
     converts (and the rows its flag monitor reads) do not grow with the tokens before it
     (issue 43: both were O(T) per yield, O(T^2) per stream)."""
-    from probehook.core.monitors import FeatureMonitor
     from probehook.outputs.top_k import TopKRows
+    from probehook.saes.readout import FeatureMonitor
 
     read = []
     value_of = TopKRows.value_of
@@ -394,7 +401,7 @@ def test_two_flag_monitors_on_one_feature_flag_their_union_offline_and_streamed(
     """Two flag monitors on one feature share its key in ``feature_flags``: it holds the union
     of their rows, offline and in a cumulative stream alike (review D3: the last monitor's rows
     overwrote the first's, and the stream's second monitor started from the first's state)."""
-    from probehook.core.monitors import FeatureMonitor
+    from probehook.saes.readout import FeatureMonitor
 
     # Feature 9 is 1.0, 2.0, 3.0, 4.0 on decode rows 3..6 and 0 (outside the top 4) elsewhere.
     high = FeatureMonitor("s", 9, 2.5, action="flag")  # rows 5, 6
@@ -416,7 +423,7 @@ def test_a_feature_stop_below_the_requests_k_names_its_reason() -> None:
     """The worker stops on the engine's k; the front end names the stop from the same values
     (issue 43: a request's smaller sae_top_k hid the feature, so no stop reason and no
     flags). "below": a feature outside the engine's top-k reads 0."""
-    from probehook.core.monitors import FeatureMonitor
+    from probehook.saes.readout import FeatureMonitor
 
     stop = FeatureMonitor("s", 9, 1.5, action="stop")
     offline = sae_stream("final", (stop,))

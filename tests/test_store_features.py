@@ -369,7 +369,7 @@ def test_an_sae_another_run_stored_under_its_name_is_compared_and_kept_apart(
     added = sae_run(root, range(2), 512, 8)
     other = {"s": {"d_sae": 70_000, "k": 4, "layer": 3, "fingerprint": "g"}}
     with caplog.at_level(logging.INFO, logger="probehook.store"):
-        ActivationStore.check_appendable(root, META, saes=other)
+        ActivationStore.check_appendable(root, META, top_k=other)
     assert "SAE 's'" in caplog.text and "d_sae 512 -> 70000" in caplog.text
     assert "k 8 -> 4" in caplog.text and "fingerprint" in caplog.text
     caplog.clear()
@@ -384,7 +384,7 @@ def test_an_sae_another_run_stored_under_its_name_is_compared_and_kept_apart(
         ({"s": "not a description"}, "description"),
     ]:
         with pytest.raises(StoreError, match=f"SAE 's'.*{why}"):
-            ActivationStore.check_appendable(root, META, saes=bad)
+            ActivationStore.check_appendable(root, META, top_k=bad)
         store = ActivationStore.for_writing(root, META)
         with pytest.raises(StoreError, match=f"SAE 's'.*{why}"):
             store.begin_run({"saes": bad})

@@ -16,19 +16,16 @@ key; the vectors are not)."""
 EXIT_AFTER_KEY = "exit_after"
 """Key in the capture settings: a capture-only engine's deepest tapped layer, after which the
 model stops (part of the compile-cache key; None: every layer runs)."""
-SAE_BANK_KEY = "probehook_saes"
-"""Key in ``model_loader_extra_config``: the engine's SAEs (``{"saes": {name: {"path",
-"layer"}}, "k": int}``), read by the loader at model load. Not part of the compile-cache key
-(``LoadConfig`` hashes nothing): the SAEs run after the compiled forward, on its taps, whose
-layers ``TAP_LAYERS_KEY`` names."""
 CLAMP_KEY = "clamp_saes"
-"""Key in the capture settings: ``[[sae name, layer, fingerprint], ...]``, the SAEs whose
-layers get a clamp op (part of the compile-cache key, as the steered layers are)."""
+"""Key in the capture settings: ``[[source, instance, layer, key part], ...]``, the readout
+instances (SAEs) whose layers get a clamp op (part of the compile-cache key, as the steered
+layers are)."""
 BANKS_KEY = "probehook_banks"
 """Key in ``model_loader_extra_config``: the engine's banks (probes, first steering vectors,
 steering capacity), encoded inline (``probehook.core.bank_file``: no path on the user's
 machine, so a worker on another node reads them too), decoded by the loader at model load.
-Not part of the compile-cache key, for the reason ``SAE_BANK_KEY`` gives."""
+Not part of the compile-cache key (``LoadConfig`` hashes nothing): the banks are read after
+the compiled forward, on its taps, whose layers ``TAP_LAYERS_KEY`` names."""
 READOUTS_KEY = "probehook_readouts"
 """Key in ``model_loader_extra_config``: the engine's top-k readouts, ``{source: {"k": k,
 "instances": {name: settings}}}`` (``probehook.outputs.top_k_readout``), read by the loader

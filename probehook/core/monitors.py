@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import math
 import reprlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
 from typing import Any, ClassVar
 
@@ -121,7 +121,7 @@ class TopKMonitor:
     generation where its value crosses a threshold. A subclass is a frozen dataclass with
     ``threshold``, ``action`` and ``direction`` fields among its own; it declares the readout it
     watches (``source``), its value where the entry is outside the engine's top k
-    (``outside``), the field that marks its dict form (``marker``: ``{"lens": ...}``), and
+    (``outside``), the field that marks its dict form (``marker``: a lens monitor's ``lens``), and
     defines ``instance``, ``entry`` and ``key``. Registered with :func:`top_k_monitor`, it is
     parsed from requests, sent to the worker and read back there by that registration alone.
     """
@@ -222,151 +222,40 @@ def top_k_monitor(cls: type[TopKMonitor]) -> type[TopKMonitor]:
     return cls
 
 
+_LOADERS: list[Callable[[], Any]] = []
+
+
+def load_top_k_monitors_with(loader: Callable[[], Any]) -> None:
+    """Have ``loader`` run before the registry is looked up: it registers the monitors of the
+    readouts registered later (the output-processor registry's entry points: a readout
+    registered through one registers its monitor)."""
+    _LOADERS.append(loader)
+
+
+def _loaded() -> dict[str, type[TopKMonitor]]:
+    for loader in _LOADERS:
+        loader()
+    return TOP_K_MONITORS
+
+
+def top_k_monitor_class(source: Any) -> type[TopKMonitor] | None:
+    """The registered monitor class of the top-k readout ``source`` (None: none)."""
+    return _loaded().get(source) if isinstance(source, str) else None
+
+
 def top_k_monitor_of(item: Any) -> type[TopKMonitor] | None:
     """The registered top-k monitor class of a monitor or of its dict form (None: neither,
     a probe monitor's)."""
     if isinstance(item, TopKMonitor):
         return type(item)
     if isinstance(item, Mapping):
+        _loaded()
         return next((k for k in TOP_K_MONITORS.values() if k.marker in item), None)
     return None
 
 
 def _short(value: Any) -> str:
     return reprlib.repr(value)
-
-
-@top_k_monitor
-@dataclass(frozen=True)
-class FeatureMonitor(TopKMonitor):
-    """Stop or flag generation when feature ``feature`` of SAE ``sae`` crosses ``threshold``.
-
-    The watched value is the feature's activation where it is among the token's top features
-    at the engine's ``sae_top_k`` (whatever k the request keeps: the worker and the front end
-    read the same values), 0 where it is not. So ``direction="below"`` fires on every token
-    where the feature is outside the engine's top-k, active below the cut or not. The same rule
-    as :class:`ProbeMonitor`, on the same rows (each decode row: the state that produces the
-    next token): ``"stop"`` ends the completion at the first crossing (its ``stop_reason`` is
-    ``"feature:<sae>:<feature>"``), ``"flag"`` lists every crossing row in
-    ``CompletionOutput.feature_flags["<sae>:<feature>"]``.
-    """
-
-    sae: str
-    feature: int
-    threshold: float
-    action: str = "flag"
-    direction: str = "above"
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.sae, str) or not self.sae:
-            raise CaptureConfigError(f"FeatureMonitor sae={self.sae!r} must be an SAE name.")
-        if isinstance(self.feature, bool) or not isinstance(self.feature, int | np.integer):
-            raise CaptureConfigError(
-                f"FeatureMonitor feature={self.feature!r} must be a feature index (an int)."
-            )
-        object.__setattr__(self, "feature", int(self.feature))
-        if self.feature < 0:
-            raise CaptureConfigError(f"FeatureMonitor feature={self.feature} is negative.")
-        self._check_action(f"FeatureMonitor({self.sae!r}, {self.feature})")
-
-    source: ClassVar[str] = "sae"
-    """The top-k rows it watches (the worker's SAE features)."""
-    outside: ClassVar[float] = 0.0
-    """Its value where the feature is not among the engine's top k."""
-    marker: ClassVar[str] = "sae"
-    required: ClassVar[tuple[str, ...]] = ("sae", "feature", "threshold")
-    watches: ClassVar[str] = "SAE features"
-    stop_prefix: ClassVar[str] = FEATURE_STOP_PREFIX
-
-    @property
-    def instance(self) -> str:
-        """The SAE it watches (its slot in the worker's bank goes with it on the wire)."""
-        return self.sae
-
-    @property
-    def entry(self) -> int:
-        """The entry of the SAE's top-k rows it watches (as a lens monitor's token)."""
-        return self.feature
-
-    @property
-    def key(self) -> str:
-        """Its name in ``feature_flags``: ``"<sae>:<feature>"``."""
-        return f"{self.sae}:{self.feature}"
-
-
-LENS_STOP_PREFIX = "lens:"
-
-
-@top_k_monitor
-@dataclass(frozen=True)
-class LensMonitor(TopKMonitor):
-    """Stop or flag generation when lens ``lens``'s log-prob of token ``token`` at layer
-    ``layer`` crosses ``threshold``.
-
-    The watched value is the token's log-prob under the lens where it is among the row's
-    most likely tokens at the engine's ``lens_top_k`` (whatever k the request keeps: the
-    worker and the front end read the same values), ``-inf`` where it is not. That is exact
-    for every threshold above ``-log(k + 1)``: a token outside the top ``k`` has ``k``
-    tokens at least as likely, so its probability is at most ``1 / (k + 1)``; the engine
-    refuses a lower threshold (raise ``lens_top_k``). The same rule as :class:`ProbeMonitor`
-    on the same rows (each decode row: the state that produces the next token): ``"stop"``
-    ends the completion at the first crossing (``stop_reason`` is ``"lens:" + key``),
-    ``"flag"`` lists every crossing row in ``CompletionOutput.lens_flags[key]``; ``key`` is
-    ``"<lens>@<layer>:<token>"``.
-    """
-
-    lens: str
-    layer: int
-    token: int
-    threshold: float
-    action: str = "flag"
-    direction: str = "above"
-
-    source: ClassVar[str] = "lens"
-    """The top-k readout it watches."""
-    outside: ClassVar[float] = -math.inf
-    """Its value where the token is not among the engine's top k."""
-    marker: ClassVar[str] = "lens"
-    required: ClassVar[tuple[str, ...]] = ("lens", "layer", "token", "threshold")
-    watches: ClassVar[str] = "lenses"
-    stop_prefix: ClassVar[str] = LENS_STOP_PREFIX
-
-    def __post_init__(self) -> None:
-        what = f"LensMonitor({self.lens!r})"
-        if not isinstance(self.lens, str) or not self.lens or "@" in self.lens:
-            raise CaptureConfigError(
-                f"LensMonitor lens={self.lens!r} must be the name of an engine lens."
-            )
-        for field_name in ("layer", "token"):
-            value = getattr(self, field_name)
-            if isinstance(value, bool) or not isinstance(value, int | np.integer):
-                hint = (
-                    "a token id, such as tokenizer.convert_tokens_to_ids(...)"
-                    if field_name == "token"
-                    else "a layer index of the engine's lens_layers"
-                )
-                raise CaptureConfigError(
-                    f"{what} {field_name}={value!r} is not valid: pass {hint}."
-                )
-            object.__setattr__(self, field_name, int(value))
-        if self.token < 0:
-            raise CaptureConfigError(f"{what} token={self.token} is negative.")
-        self._check_action(what)
-
-    @property
-    def instance(self) -> str:
-        """The readout instance it watches (``"<lens>@<layer>"``)."""
-        return f"{self.lens}@{self.layer}"
-
-    @property
-    def entry(self) -> int:
-        """The entry of the instance's top-k rows it watches."""
-        return self.token
-
-    @property
-    def key(self) -> str:
-        """Its name in ``lens_flags``: ``"<lens>@<layer>:<token>"``."""
-        return f"{self.instance}:{self.token}"
 
 
 def top_k_value(packed: np.ndarray, entry: int, outside: float) -> float:

@@ -23,11 +23,11 @@ from typing import Any
 
 from probehook.capture_config import CaptureConfig, as_int
 from probehook.core.monitors import (
-    TOP_K_MONITORS,
     ProbeMonitor,
     TopKMonitor,
     finite_number,
     steer_terms,
+    top_k_monitor_class,
     top_k_monitor_of,
 )
 from probehook.errors import CaptureConfigError
@@ -50,12 +50,12 @@ CAPTURE_KEYS = (
 )
 PROBE_KEYS = ("probes", "monitors")
 STEER_KEYS = ("steer", "steer_phase")
-SAE_KEYS = ("saes", "sae_top_k", "clamp")
+WRITE_KEYS = ("clamp",)
 PLAN_KEY = "plan"
 """A wire key the front end sets on every request tagged from one template: wires with the
 same value differ only in their tag, so the worker reads one of them and reuses its plan."""
 STEER_PHASES = ("both", "prefill", "decode")
-USER_KEYS = CAPTURE_KEYS + PROBE_KEYS + STEER_KEYS + SAE_KEYS
+USER_KEYS = CAPTURE_KEYS + PROBE_KEYS + STEER_KEYS + WRITE_KEYS
 """Every key a user may set; anything else is refused."""
 FLAG_KEYS = CAPTURE_KEYS[1:]
 Monitor = ProbeMonitor | TopKMonitor
@@ -94,20 +94,16 @@ class RequestOptions:
     probes: tuple[str, ...] | bool | None = None
     """None or True: all engine probes; False: none; names: those."""
     monitors: tuple[Monitor, ...] | None = None
-    """None: the engine's monitors of the probes and SAEs the request gets; a tuple replaces
-    them."""
+    """None: the engine's monitors of the probes and readouts the request gets; a tuple
+    replaces them."""
     steer: tuple[tuple[str, float], ...] | None = None
     """Steering vector names and scales, as sorted ``(name, scale)`` pairs."""
     steer_phase: str | None = None
     """``"both"`` (None), ``"prefill"`` or ``"decode"``."""
-    saes: tuple[str, ...] | bool | None = None
-    """None or True: every engine SAE; False: none; names: those."""
-    sae_top_k: int | None = None
-    """Features kept per token and SAE (at most the engine's ``sae_top_k``); None: the
-    engine's."""
     clamp: tuple[tuple[str, tuple[tuple[int, float], ...]], ...] | None = None
-    """SAE features held at values on every token: ``(sae, ((feature, value), ...))`` pairs,
-    sorted (a hashable, canonical form of ``{"sae": {feature: value}}``)."""
+    """Entries of a readout's instances (SAE features) held at values on every token:
+    ``(instance, ((feature, value), ...))`` pairs, sorted (a hashable, canonical form of
+    ``{instance: {feature: value}}``)."""
     readouts: tuple[tuple[str, tuple[str, ...] | bool], ...] = ()
     """Top-k readouts picked by their request options: ``(source, names or True/False)``."""
     readout_extras: tuple[tuple[str, str, Any], ...] = ()
@@ -170,13 +166,6 @@ class RequestOptions:
             parsed["probes"] = _user_probes(value["probes"])
         if value.get("monitors") is not None:
             parsed["monitors"] = _user_monitors(value["monitors"])
-        if value.get("saes") is not None:
-            parsed["saes"] = _user_names("saes", value["saes"], "SAE")
-        if value.get("sae_top_k") is not None:
-            k = value["sae_top_k"]
-            if isinstance(k, bool) or as_int(k) is None or as_int(k) < 1:  # type: ignore[operator]
-                raise _bad("sae_top_k", k, "pass a positive int (features kept per token)")
-            parsed["sae_top_k"] = int(k)
         if value.get("clamp") is not None:
             parsed["clamp"] = clamp_terms(value["clamp"], "probehook option clamp")
         if value.get("steer") is not None:
@@ -269,8 +258,8 @@ def _user_monitors(value: Any) -> tuple[Monitor, ...]:
 
 def user_monitor(i: int, item: Any) -> Monitor:
     """``monitors[i]`` of a request or an engine: a monitor or its dict form, checked; a dict
-    is a top-k readout's monitor where it has that monitor's marker field (``"lens"``,
-    ``"sae"``), else a probe's."""
+    is a top-k readout's monitor where it has that monitor's marker field (a lens monitor's
+    ``lens``, a feature monitor's ``sae``), else a probe's."""
     where = f"probehook option monitors[{i}]"
     kind = top_k_monitor_of(item)
     if kind is not None:
@@ -351,22 +340,18 @@ class RequestWire:
     steer: tuple[tuple[str, float], ...] = ()
     """Steering vector names and scales applied from the start of the phase."""
     steer_phase: str = "both"
-    saes: tuple[str, ...] = ()
-    """The SAEs whose features the request gets."""
-    sae_top_k: int | None = None
-    """Features the request keeps per token (the worker computes the engine's k; the front
-    end cuts them to this)."""
     clamp: tuple[tuple[str, tuple[tuple[int, float], ...]], ...] = ()
-    """SAE features held at values on every token of the request (:func:`clamp_terms`)."""
+    """Entries of readout instances (SAE features) held at values on every token of the
+    request (:func:`clamp_terms`)."""
     readouts: tuple[tuple[str, tuple[str, ...]], ...] = ()
     """The top-k readouts the request gets: ``(source, instance names)``."""
     readout_top_k: tuple[tuple[str, int], ...] = ()
     """Entries the request keeps per token of a readout, where fewer than the engine's:
     ``(source, k)`` (the worker computes the engine's k; the front end cuts them)."""
     readout_monitors: tuple[tuple[TopKMonitor, int], ...] = ()
-    """Monitors of the top-k rows the request reads (feature monitors of its SAEs, lens
-    monitors), each with its instance's slot in the worker's bank of that source (where the
-    stop processor finds the watched value)."""
+    """Monitors of the top-k rows the request reads (feature monitors, lens monitors), each
+    with its instance's slot in the worker's bank of that source (where the stop processor
+    finds the watched value)."""
 
     def to_wire(self) -> WireDict:
         wire = WireDict(
@@ -386,9 +371,6 @@ class RequestWire:
         if self.steer:
             wire["steer"] = dict(self.steer)
             wire["steer_phase"] = self.steer_phase
-        if self.saes:
-            wire["saes"] = list(self.saes)
-            wire["sae_top_k"] = self.sae_top_k
         if self.clamp:
             wire["clamp"] = {name: [[f, v] for f, v in terms] for name, terms in self.clamp}
         if self.readouts:
@@ -414,7 +396,7 @@ class RequestWire:
         if not isinstance(value, Mapping) or "tag" not in value:
             return None
         known = {"tag", "n", "stream", "probes", "monitors", "stop_token", "record", PLAN_KEY}
-        known.update(SAE_KEYS)
+        known.update(WRITE_KEYS)
         known.add("readouts")
         known.add("readout_top_k")
         known.add("readout_monitors")
@@ -445,12 +427,6 @@ class RequestWire:
         probes = value.get("probes", [])
         if not _is_list(probes) or not all(isinstance(p, str) for p in probes):
             raise CaptureConfigError(f"probes={_show(probes)} is not a list of names")
-        saes = value.get("saes", [])
-        if not _is_list(saes) or not all(isinstance(p, str) and p for p in saes):
-            raise CaptureConfigError(f"saes={_show(saes)} is not a list of names")
-        top_k = value.get("sae_top_k")
-        if top_k is not None and (isinstance(top_k, bool) or as_int(top_k) is None or top_k < 1):
-            raise CaptureConfigError(f"sae_top_k={_show(top_k)} is not a positive int")
         monitors = value.get("monitors", [])
         if not _is_list(monitors):
             raise CaptureConfigError(f"monitors={_show(monitors)} is not a list")
@@ -489,7 +465,7 @@ class RequestWire:
             if not isinstance(m, Mapping):
                 raise CaptureConfigError(f"readout monitor {_show(m)} is not a dict")
             slot = as_int(m.get("slot"))
-            kind = TOP_K_MONITORS.get(m.get("source"))  # type: ignore[arg-type]
+            kind = top_k_monitor_class(m.get("source"))
             if slot is None or slot < 0 or kind is None:
                 raise CaptureConfigError(f"readout monitor {_show(m)}: no slot or source")
             fields_ = {k: v for k, v in m.items() if k not in ("slot", "source")}
@@ -512,8 +488,6 @@ class RequestWire:
             record,
             steer,
             phase,
-            tuple(saes),
-            None if top_k is None else int(top_k),
             clamp_terms(value["clamp"], "clamp") if "clamp" in value else (),
             tuple((source, tuple(names)) for source, names in readouts.items() if names),
             tuple(sorted((source, int(k)) for source, k in readout_top_k.items())),
@@ -526,11 +500,11 @@ MAX_CLAMPED = 16
 
 
 def clamp_terms(value: Any, what: str) -> tuple[tuple[str, tuple[tuple[int, float], ...]], ...]:
-    """``{"sae": {feature: value}}`` checked; returned as sorted pairs. A feature is an int
+    """``{instance: {feature: value}}`` checked; returned as sorted pairs. A feature is an int
     or a string of ASCII digits (as JSON keys are; ``"²"`` or ``"٣"`` are not feature ids),
     named once per SAE (``"5"`` and ``"05"`` are one feature: refused, not summed); values
     are finite numbers; at most :data:`MAX_CLAMPED` features per SAE. The pair form the wire
-    carries, ``{"sae": [[feature, value], ...]}``, is read alike."""
+    carries, ``{instance: [[feature, value], ...]}``, is read alike."""
     example = '{"res3": {"123": 0.0}}'
     if not isinstance(value, Mapping) or not value:
         raise CaptureConfigError(

@@ -15,12 +15,11 @@ from typing import Any
 
 from probehook.capture_config import LayerSpec
 from probehook.core.monitors import TopKMonitor, top_k_monitor_of
+from probehook.core.named import load_named
 from probehook.core.request_options import user_monitor
 from probehook.core.steering_wire import DEFAULT_CAPACITY
 from probehook.errors import CaptureConfigError
-from probehook.frontend.named import load_named
 from probehook.frontend.probe_set import load_probes
-from probehook.frontend.sae_set import load_saes
 from probehook.frontend.steering_set import check_capacity
 from probehook.outputs import OUTPUT_PROCESSORS
 from probehook.outputs.top_k_readout import top_k_readouts
@@ -49,13 +48,6 @@ class CaptureRequest:
     """None: :data:`DEFAULT_CAPACITY` where the engine steers (set without steering: refused)."""
     capture_only: bool = False
     """One forward pass per prompt, prompt rows only, stopping after the deepest tapped layer."""
-    saes: Any = None
-    sae_top_k: int | None = None
-    """None: :data:`DEFAULT_TOP_K` when SAEs are given (set without SAEs: refused)."""
-    sae_clamping: bool = False
-    """Requests may clamp SAE features (a clamp op on each SAE's layer)."""
-    sae_dtype: str | None = None
-    """The encoder GEMM's dtype in the worker (None: each SAE's own)."""
     readouts: dict[str, Any] | None = None
     """Top-k readouts by source: ``{source: {name: spec}}`` (each registered readout's
     engine option, e.g. ``norms={...}``, lands here)."""
@@ -81,8 +73,12 @@ class CaptureRequest:
             self.include_decode = not self.capture_only
         if self.probes is not None:
             self.probes = load_probes(self.probes) or None  # bad paths fail before start-up
-        if self.saes is not None:
-            self.saes = load_saes(self.saes) or None
+        registered = top_k_readouts(OUTPUT_PROCESSORS)
+        if self.readouts:  # checked as given (an SAE folder's config read), before start-up
+            self.readouts = {
+                source: registered[source].named_specs(specs) if source in registered else specs
+                for source, specs in self.readouts.items()
+            }
         if "sae_values" in (self.store_options or {}):
             check_values(self.store_options["sae_values"])  # type: ignore[index]
         self.steering = load_steering(self.steering)
@@ -104,35 +100,18 @@ class CaptureRequest:
             raise CaptureConfigError(
                 "monitors= watch probes, but no probes were given; pass probes={...}."
             )
-        read = set(self.readouts or {}) | ({"sae"} if self.saes is not None else set())
+        read = set(self.readouts or {})
         for kind in sorted((k for k in kinds if issubclass(k, TopKMonitor)), key=str):
             if kind.source not in read:
                 raise CaptureConfigError(
                     f"monitors= has {kind.__name__}s, which watch {kind.watches}, but no "
                     f"{kind.watches} were given; pass {_engine_option(kind.source)}."
                 )
-        if self.saes is None:
-            # Checked here, not with the engine: without anything to capture the front end
-            # would be plain vLLM and these would be dropped without a word.
-            if self.sae_clamping:
-                raise CaptureConfigError(
-                    "sae_clamping=True clamps SAE features: pass saes={...} too."
-                )
-            if self.sae_top_k is not None:
-                raise CaptureConfigError(
-                    f"sae_top_k={self.sae_top_k!r} sets the SAE features kept per token, but no "
-                    "SAEs were given; pass saes={...} too, or drop sae_top_k."
-                )
-            if self.sae_dtype is not None:
-                raise CaptureConfigError(
-                    f"sae_dtype={self.sae_dtype!r} sets the SAEs' GEMM dtype, but no SAEs were "
-                    "given; pass saes={...} too, or drop sae_dtype."
-                )
-        if self.layers is None and self.probes is None and self.saes is None and not self.readouts:
+        if self.layers is None and self.probes is None and not self.readouts:
             if self.store is not None:
                 raise CaptureConfigError(
                     f"store={os.fspath(self.store)!r} needs something to store: pass "
-                    "layers=[...], probes={...} or saes={...}."
+                    f"layers=[...], probes={{...}} or {_readout_options()}."
                 )
             if self.include_prefill or self.last_prefill_token or self.last_decode_token:
                 raise CaptureConfigError(
@@ -144,13 +123,18 @@ class CaptureRequest:
             raise CaptureConfigError(
                 f"{given} configure{'s' if len(configuring) == 1 else ''} capture or steering, "
                 "but this engine captures and steers nothing; pass layers=[...], probes={...}, "
-                "saes={...} or steering={...} too, or drop "
+                f"{_readout_options()} or steering={{...}} too, or drop "
                 f"{'it' if len(configuring) == 1 else 'them'}."
             )
 
     def worker_bytes(self) -> int:
-        """What the engine's SAEs will hold in each worker (their encoders)."""
-        return sum(sae.nbytes for sae in (self.saes or {}).values())
+        """What the engine's readouts will hold in each worker (SAEs: their encoders)."""
+        registered = top_k_readouts(OUTPUT_PROCESSORS)
+        return sum(
+            registered[source].worker_bytes(specs)
+            for source, specs in (self.readouts or {}).items()
+            if source in registered
+        )
 
     @property
     def steers(self) -> bool:
@@ -160,23 +144,23 @@ class CaptureRequest:
     def captures(self) -> bool:
         """False: the front end is plain vLLM."""
         return (
-            self.layers is not None
-            or self.probes is not None
-            or self.saes is not None
-            or bool(self.readouts)
-            or self.steers
+            self.layers is not None or self.probes is not None or bool(self.readouts) or self.steers
         )
 
 
 def _engine_option(source: str) -> str:
     """The engine option that gives readout ``source`` its instances, for messages."""
-    if source == "sae":
-        return "saes={...}"
     readout = top_k_readouts(OUTPUT_PROCESSORS).get(source)
     if readout is None:
         return f"readouts={{{source!r}: {{...}}}}"
     extras = "".join(f" and {o}=[...]" for o in readout.extra_engine_options[:1])
     return f"{readout.engine_option}={{...}}{extras}"
+
+
+def _readout_options() -> str:
+    """The registered top-k readouts' engine options, for messages (``lenses={...}``)."""
+    options = [f"{r.engine_option}={{...}}" for r in top_k_readouts(OUTPUT_PROCESSORS).values()]
+    return " or ".join(options) if options else "readouts={...}"
 
 
 CONFIGURING_ARGUMENTS = (
@@ -238,21 +222,30 @@ def front_end_signature(
         for name in CAPTURE_ARGUMENTS
         if name not in refused
     ]  # fmt: skip
+    # Each registered top-k readout's engine options (lenses=..., SAEs'), taken by name.
+    for readout in top_k_readouts(OUTPUT_PROCESSORS).values():
+        for name in readout_engine_options(readout):
+            if name not in refused:
+                capture.append(
+                    inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None)
+                )
     rest = inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD, annotation="Any")
     return inspect.Signature([*leading, *capture, rest])
 
 
+def readout_engine_options(readout: Any) -> tuple[str, ...]:
+    """A top-k readout's engine keyword arguments: its instances, its k, its further ones."""
+    if not readout.engine_option:
+        return ()
+    return (readout.engine_option, readout.k_option, *readout.extra_engine_options)
+
+
 def _check_capture_only(request: CaptureRequest) -> None:
     """``capture_only=True`` reads prompts in one pass: refuse what needs generated tokens."""
-    if (
-        request.layers is None
-        and request.probes is None
-        and request.saes is None
-        and not request.readouts
-    ):
+    if request.layers is None and request.probes is None and not request.readouts:
         raise CaptureConfigError(
-            "capture_only=True needs something to capture: pass layers=[...], probes={...}, "
-            "saes={...} or lenses={...}."
+            "capture_only=True needs something to capture: pass layers=[...], probes={...} "
+            f"or {_readout_options()}."
         )
     refused = [
         (request.include_decode is True, "include_decode=True"),

@@ -231,8 +231,6 @@ def apply(planned: OutputPlan, got: Mapping[Need, Any], sources: Sources) -> Non
     for scored in planned.scored:
         _act_on_scores(planned, scored, got, probes)
         _gate_start(planned, scored, probes)
-    if request.saes is not None and request.saes.monitors:
-        _act_on_features(planned)
     for source, chosen in (request.readouts or {}).items():
         if chosen.monitors:
             _act_on_readout(planned, sources[source].readouts.readout, chosen.monitors)  # type: ignore[attr-defined]
@@ -384,17 +382,8 @@ def _act_on_scores(
         completion.stop_reason = stop_reason
 
 
-def _act_on_features(planned: OutputPlan) -> None:
-    """Feature monitors: flags on ``feature_flags`` and the stop reason, from each SAE's
-    features (:func:`_act_on_monitors`)."""
-    assert planned.request.saes is not None
-    _act_on_monitors(
-        planned, planned.request.saes.monitors, lambda c: c.sae_features, "feature_flags"
-    )
-
-
 def _act_on_readout(planned: OutputPlan, readout: Any, monitors: Sequence[Any]) -> None:
-    """A top-k readout's monitors (lens monitors): flags on the readout's
+    """A top-k readout's monitors (feature monitors, lens monitors): flags on the readout's
     ``flags_attribute`` and the stop reason (:func:`_act_on_monitors`)."""
     attribute = readout.completion_attributes[0]
 

@@ -16,10 +16,10 @@ from typing import Any
 import torch
 
 from probehook.core.monitors import ProbeMonitor, crossings
+from probehook.core.named import load_named, select_names
 from probehook.core.probe_spec import ColumnRange, ProbeSpec, columns_of
 from probehook.core.request_options import RequestOptions, WireMonitor
 from probehook.errors import CaptureConfigError
-from probehook.frontend.named import load_named, select_names
 
 ACTIVATION_OF_KIND = {"binary": "sigmoid", "multiclass": "softmax", "regression": "identity"}
 PROBABILITY_KINDS = ("binary", "multiclass")

@@ -11,8 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from probehook.errors import CaptureConfigError
-from probehook.frontend.named import select_names
+from probehook.core.named import select_names
 from probehook.outputs.top_k import check_packed_indices
 
 
@@ -48,16 +47,12 @@ class ReadoutSet:
     ) -> None:
         self.readout = readout
         self.source: str = readout.source
-        option = readout.engine_option
-        if not isinstance(specs, Mapping) or not specs:
-            raise CaptureConfigError(
-                f"{option}={specs!r} is not valid: pass a non-empty dict of names and "
-                f"{readout.name} specs."
-            )
+        specs = readout.named_specs(specs)
         k = readout.default_k if k is None else k
         if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= readout.max_k:
-            raise CaptureConfigError(
-                f"{readout.k_option}={k!r} is not valid: pass an int in 1..{readout.max_k}."
+            raise readout.instance_error(
+                f"{readout.k_option}={k!r} is not valid: pass an int in 1..{readout.max_k} "
+                "(entries kept per token)."
             )
         self.k = k
         self.instances = readout.instances(
@@ -79,12 +74,18 @@ class ReadoutSet:
     def check_monitor(self, monitor: Any) -> Any:
         """A monitor of this readout checked against the engine's instances and k."""
         if monitor.instance not in self.instances:
-            raise CaptureConfigError(
+            raise self.readout.instance_error(
                 f"{type(monitor).__name__} watches {monitor.instance!r}, which this engine "
-                f"does not read; its {self.readout.name} instances are {list(self.instances)}."
+                f"does not read; its {self.noun}s are {list(self.instances)}."
             )
         self.readout.check_monitor(monitor, self.k, self.vocab_size)
+        self.readout.check_entry(monitor, self.instances[monitor.instance])
         return monitor
+
+    @property
+    def noun(self) -> str:
+        """What an instance is called in messages (``"SAE"``, ``"lens instance"``)."""
+        return self.readout.instance_noun or f"{self.readout.name} instance"
 
     def slot(self, instance: str) -> int:
         """An instance's slot in the workers' bank (their order of :attr:`instances`)."""
@@ -135,7 +136,7 @@ class ReadoutSet:
         extras = dict(extras or {})
         k = self._request_k(extras.pop(readout.request_k_option, None))
         names = select_names(picked, readout.pickable(self.instances), readout.request_option,
-                             readout.name, CaptureConfigError)  # fmt: skip
+                             self.noun, readout.instance_error)  # fmt: skip
         names = readout.narrow(names, extras, self.instances)  # checks extras
         if monitors is None:
             mine = tuple(m for m in self.monitors if m.instance in names)
@@ -145,7 +146,7 @@ class ReadoutSet:
             )
             off = sorted({m.instance for m in mine} - set(names))
             if off:
-                raise CaptureConfigError(
+                raise readout.instance_error(
                     f"This request's monitors watch {off}, which the request does not read "
                     f"({readout.request_option}: {list(names)}); ask for them too."
                 )
@@ -157,7 +158,7 @@ class ReadoutSet:
         if asked is None:
             return self.k
         if isinstance(asked, bool) or not isinstance(asked, int) or not 1 <= asked <= self.k:
-            raise CaptureConfigError(
+            raise self.readout.instance_error(
                 f"probehook option {self.readout.request_k_option}={asked!r} is not valid: "
                 f"pass an int in 1..{self.k} (the engine's {self.readout.k_option}; a request "
                 "keeps the first entries of the engine's)."
@@ -181,16 +182,14 @@ class ReadoutSet:
 
     def store_description(self) -> dict[str, dict[str, Any]]:
         """What a store's run records of each instance, under its stored name
-        (``"<source>:<name>"``, beside the run's SAEs): the index bound (``d_sae``), k and
-        settings."""
+        (``TopKReadout.stored_name``: ``"lens:j@4"``; an SAE's own name)."""
+        readout = self.readout
         return {
-            f"{self.source}:{name}": {
-                "source": self.source,
-                "readout": name,
-                "d_sae": int(self.readout.index_bound(settings)),
-                "k": self.k,
-                "layer": int(settings["layer"]),
-                "settings": settings,
-            }
+            readout.stored_name(name): readout.describe_instance(name, settings, self.k)
             for name, settings in self.instances.items()
         }
+
+    def clamp_ops(self) -> list[list[Any]]:
+        """The clamp ops the workers' loader installs for this readout: ``[[source, instance,
+        layer, key part], ...]``."""
+        return [[self.source, *op] for op in self.readout.clamp_ops(self.instances)]

@@ -15,8 +15,8 @@ and costs nothing. Each choice then carries::
                                    "l0": [...]}},        # top-k per token of this choice/chunk
         "prefill_hidden_states": {...}, "prefill_probe_scores": {...},  # first choice only
         "prefill_sae_features": {...},
-        "lens": {"j": {"4": {"token_ids": [[...], ...], "logprobs": [[...], ...],
-                             "target_logprob": [...], "tokens": [["The", ...], ...]}}},
+        # ... and each other top-k readout's field (a lens's: {lens: {layer: {"token_ids",
+        # "logprobs", "target_logprob", "tokens"}}})
         "error": "..."                                    # only when the capture failed
     }
 
@@ -40,8 +40,9 @@ from probehook.outputs.array_codec import encode_array as encode_array
 FIELD = "probehook"
 # Key, inside the field, naming output processors whose ``fill`` raised on this output.
 PROCESSOR_ERRORS = "processor_errors"
-OFF = {"layers": [], "probes": False, "saes": False, "include_prefill": False}
-"""What a request that names nothing gets: no rows, no scores, no features."""
+OFF = {"layers": [], "probes": False, "include_prefill": False}
+"""What a request that names nothing gets: no rows, no scores (and no top-k readout:
+:func:`request_options` turns each off)."""
 
 
 def request_options(value: Any, readout_options: Mapping[str, str] | None = None) -> dict[str, Any]:
@@ -71,9 +72,10 @@ FEATURE_JSON_BYTES = 34
 float32 value as JSON writes it (up to 24 characters), separators."""
 
 
-def features_bytes_bound(rows: int, saes: int, k: int) -> int:
-    """The most bytes the SAE features of ``rows`` rows can add to a response (JSON lists)."""
-    return rows * saes * (k * FEATURE_JSON_BYTES + 12)
+def features_bytes_bound(rows: int, instances: int, k: int) -> int:
+    """The most bytes ``instances`` top-k readings (SAEs, lens instances) of ``rows`` rows
+    can add to a response (JSON lists)."""
+    return rows * instances * (k * FEATURE_JSON_BYTES + 12)
 
 
 # -- choices --------------------------------------------------------------------------------

@@ -39,7 +39,7 @@ import torch
 
 from probehook.capture_config import CaptureConfig
 from probehook.core.export_wire import ExportReply, SpanReport, StreamAsk, stream_id
-from probehook.core.monitors import FeatureMonitor, ProbeMonitor, TopKMonitor
+from probehook.core.monitors import ProbeMonitor, TopKMonitor
 from probehook.core.request_options import (
     EXTRA_ARGS_KEY,
     PLAN_KEY,
@@ -66,12 +66,12 @@ from probehook.frontend.fill import (
 )
 from probehook.frontend.probe_set import ProbeSet, RequestProbes
 from probehook.frontend.readout_set import ReadoutSet, RequestReadout
-from probehook.frontend.sae_set import RequestSAEs, SAESet
 from probehook.frontend.sources import engine_sources
 from probehook.frontend.steering_set import RequestSteer, SteeringSet
 from probehook.frontend.tracked_request import TrackedRequest
 from probehook.frontend.transport_reader import Spool, read_tensors
 from probehook.outputs import OUTPUT_PROCESSORS
+from probehook.outputs.top_k_readout import top_k_readouts
 from probehook.store.records import store_filled
 
 logger = logging.getLogger(__name__)
@@ -121,7 +121,6 @@ class CaptureSession:
         probes: ProbeSet | None = None,
         stop_token: int | None = None,
         steering: SteeringSet | None = None,
-        saes: SAESet | None = None,
         readouts: Mapping[str, ReadoutSet] | None = None,
     ) -> None:
         """
@@ -133,19 +132,17 @@ class CaptureSession:
             probes: the engine's probes and monitors, if any.
             stop_token: the token a stop monitor forces (the model's EOS).
             steering: the engine's steering vectors, if it steers.
-            saes: the engine's SAEs, if any.
-            readouts: the engine's top-k readouts, by source.
+            readouts: the engine's top-k readouts (SAE features, lenses, ...), by source.
         """
         self.config = config
         self.probes = probes
-        self.saes = saes
         self.readouts = dict(readouts or {})
         self.readout_options = {
             option: source for source, r in self.readouts.items() for option in r.request_options
         }
         """Each top-k readout's request options -> its source (accepted in a request): its
         picking option first, then its further ones."""
-        self.sources = engine_sources(probes, saes, self.readouts)
+        self.sources = engine_sources(probes, self.readouts)
         """What the engine records, by source name (:mod:`probehook.frontend.sources`)."""
         self.steering = steering
         self.stop_token = stop_token
@@ -190,6 +187,7 @@ class CaptureSession:
                 template.config is None or getattr(params, "prompt_logprob_token_ids", None) is None
             ):
                 return self._tag_from(template, params, field, extra)
+        _check_unread_readouts(extra.get(EXTRA_ARGS_KEY), self.readouts)
         options = RequestOptions.from_user(extra.get(EXTRA_ARGS_KEY), self.readout_options)
         if field == POOLING_EXTRA and (options.steered() or options.clamp):
             raise CaptureConfigError(
@@ -204,14 +202,7 @@ class CaptureSession:
             )
         config = self.config.narrow(options.capture())
         probes = self.probes.for_request(options) if self.probes is not None else None
-        saes = self.saes.for_request(options) if self.saes is not None else None
         probe_monitors = [m for m in options.monitors or () if isinstance(m, ProbeMonitor)]
-        feature_monitors = [m for m in options.monitors or () if isinstance(m, FeatureMonitor)]
-        if saes is None and (options.saes not in (None, False, ()) or feature_monitors):
-            raise CaptureConfigError(
-                "This request sets saes (or feature monitors), but the engine has no SAEs; "
-                "build the LLM with saes={name: SAE or folder}."
-            )
         asks_for_probes = options.probes not in (None, False, ()) or probe_monitors
         if probes is None and asks_for_probes:
             raise CaptureConfigError(
@@ -221,8 +212,6 @@ class CaptureSession:
         readouts = self._readouts(options)
         for monitor in options.monitors or ():
             if isinstance(monitor, TopKMonitor) and monitor.source not in self.readouts:
-                if monitor.source == "sae":
-                    continue  # checked with the request's SAEs above
                 raise CaptureConfigError(
                     f"This request sets {type(monitor).__name__}s, which watch "
                     f"{monitor.watches}, but the engine has no {monitor.watches}; build the "
@@ -232,7 +221,6 @@ class CaptureSession:
             config is not None
             and not config.layers
             and not (probes and probes.names)
-            and not (saes and saes.names)
             and not readouts
         ):
             config = None  # nothing to collect: no rows, scores or features
@@ -258,12 +246,10 @@ class CaptureSession:
                 monitors=self._wire(probes, tagged)
                 if probes is not None and config is not None
                 else (),
-                stop_token=self.stop_token if _stops(probes, saes, readouts) else None,
+                stop_token=self.stop_token if _stops(probes, readouts) else None,
                 record=record,
                 steer=steer.terms if steer is not None else (),
                 steer_phase=steer.phase if steer is not None else "both",
-                saes=saes.names if saes is not None and config is not None else (),
-                sae_top_k=saes.k if saes is not None and config is not None else None,
                 clamp=clamp,
                 readouts=tuple((s, r.names) for s, r in readouts.items())
                 if config is not None
@@ -273,11 +259,8 @@ class CaptureSession:
                 )
                 if config is not None
                 else (),
-                # every monitor of top-k rows, SAE features' and readouts', on one list
-                readout_monitors=(self._feature_wire(saes, tagged) if saes is not None else ())
-                + self._readout_wire(readouts, tagged)
-                if config is not None
-                else (),
+                # every monitor of a top-k readout's rows (SAE features', lenses'), on one list
+                readout_monitors=self._readout_wire(readouts, tagged) if config is not None else (),
             )
             extra = with_wire(extra, wire.to_wire())
             setattr(tagged, field, extra)
@@ -292,7 +275,7 @@ class CaptureSession:
                 config,
                 wired,
                 self.describe(tagged) if wired is not None else None,
-                stops=config is not None and _stops(probes, saes, readouts),
+                stops=config is not None and _stops(probes, readouts),
             )
         return tagged
 
@@ -338,26 +321,39 @@ class CaptureSession:
         decode_scores = config is not None and config.include_decode
         return self.steering.for_request(options, monitors, decode_scores)
 
+    @property
+    def _clamped(self) -> ReadoutSet | None:
+        """The readout whose entries requests may clamp (SAE features; None: none may)."""
+        return next((r for r in self.readouts.values() if r.clamp_ops()), None)
+
     def _clamp(self, options: RequestOptions) -> tuple:
         if not options.clamp:
             return ()
-        if self.saes is None:
+        clamped = self._clamped
+        if clamped is None:
+            switches = [
+                f"{r.engine_option}={{...}} and {r.clamp_switch}=True"
+                for r in top_k_readouts(OUTPUT_PROCESSORS).values()
+                if r.clamp_switch
+            ]
             raise CaptureConfigError(
-                "This request sets clamp, but the engine has no SAEs; build it with "
-                "saes={...} and sae_clamping=True."
+                "This request sets clamp, but the engine was built without clamping (the clamp "
+                "op is part of the compiled model); build it with "
+                f"{' or '.join(switches) or 'a readout that clamps'}."
             )
-        return self.saes.check_clamp(options.clamp)
+        return clamped.readout.check_clamp(clamped.instances, options.clamp)
 
     def cache_salt(self, params: Any) -> str | None:
         """The prefix-cache salt of a request tagged by :meth:`tag` (None: neither steered
         nor clamped): its KV must never be reused by, or reuse, a request's that was not."""
-        if self.steering is None and (self.saes is None or not self.saes.clamping):
+        clamped = self._clamped
+        if self.steering is None and clamped is None:
             return None
         wire = wire_of(params)
         steer = self._steering_of(wire)
         salts = [steer.salt] if steer is not None else []
-        if wire is not None and wire.clamp and self.saes is not None:
-            salts.append(self.saes.clamp_salt(wire.clamp))
+        if wire is not None and wire.clamp and clamped is not None:
+            salts.append(clamped.readout.clamp_salt(clamped.instances, wire.clamp))
         return "|".join(salts) or None
 
     def _steering_of(self, wire: RequestWire | None) -> RequestSteer | None:
@@ -375,14 +371,6 @@ class CaptureSession:
         if probes.stops:
             self._add_stop_token(params)
         return self.probes.wire_monitors(probes)
-
-    def _feature_wire(self, saes: RequestSAEs, params: Any) -> tuple[tuple[Any, int], ...]:
-        """The request's feature monitors for the worker, each with its SAE's bank slot; a
-        stop monitor makes the model's EOS a stop token of the request, as for probes."""
-        assert self.saes is not None
-        if saes.stops:
-            self._add_stop_token(params)
-        return tuple((m, self.saes.slot(m.sae)) for m in saes.monitors)
 
     def _readout_wire(
         self, readouts: Mapping[str, RequestReadout], params: Any
@@ -429,7 +417,6 @@ class CaptureSession:
                 known.stop_token,
                 None,
                 known.steering,
-                known.saes,
                 known.readouts,
             )
         wire = RequestWire.from_wire(raw)
@@ -440,10 +427,6 @@ class CaptureSession:
         if self.probes is not None:
             monitors = tuple(self.probes.check_monitor(m.monitor) for m in wire.monitors)
             probes = RequestProbes(wire.probes, monitors)
-        saes = None
-        if self.saes is not None and wire.saes:
-            monitors = tuple(m for m, _ in wire.readout_monitors if m.source == "sae")
-            saes = RequestSAEs(wire.saes, wire.sae_top_k or self.saes.k, monitors)
         readouts = {
             source: RequestReadout(
                 names,
@@ -453,19 +436,16 @@ class CaptureSession:
             for source, names in wire.readouts
             if source in self.readouts
         }
-        captures = (
-            bool(wire.config.layers) or bool(wire.probes) or saes is not None or bool(readouts)
-        )
+        captures = bool(wire.config.layers) or bool(wire.probes) or bool(readouts)
         return TrackedRequest(
             wire.tag,
             engine_id,
             wire.config if captures else None,
             sampling,
             probes,
-            self.stop_token if _stops(probes, saes, readouts) else None,
+            self.stop_token if _stops(probes, readouts) else None,
             dict(wire.record) if wire.record is not None else None,
             self._steering_of(wire),
-            saes,
             readouts or None,
             wire.clamp,
         )
@@ -587,17 +567,26 @@ class CaptureSession:
         self.spool.remove()
 
 
-def _stops(
-    probes: RequestProbes | None,
-    saes: RequestSAEs | None,
-    readouts: Mapping[str, RequestReadout],
-) -> bool:
+def _stops(probes: RequestProbes | None, readouts: Mapping[str, RequestReadout]) -> bool:
     """Whether a stop monitor (of a probe, an SAE feature or a lens) watches the request."""
-    return (
-        (probes is not None and probes.stops)
-        or (saes is not None and saes.stops)
-        or any(r.stops for r in readouts.values())
-    )
+    return (probes is not None and probes.stops) or any(r.stops for r in readouts.values())
+
+
+def _check_unread_readouts(options: Any, readouts: Mapping[str, ReadoutSet]) -> None:
+    """Refuse, naming the engine option, a request that asks a registered top-k readout
+    (SAE features, lenses) this engine does not read; other unknown options are
+    :meth:`RequestOptions.from_user`'s to refuse."""
+    if not isinstance(options, Mapping):
+        return
+    for source, readout in top_k_readouts(OUTPUT_PROCESSORS).items():
+        if source in readouts:
+            continue
+        asked = [o for o in (readout.request_option, readout.request_k_option) if o in options]
+        if asked and options.get(asked[0]) not in (None, False, [], ()):
+            raise CaptureConfigError(
+                f"This request sets {asked[0]}, but the engine reads no {readout.name}; build "
+                f"it with {readout.engine_option}={{...}}."
+            )
 
 
 def options_of(params: Any, readout_options: Mapping[str, str] | None = None) -> RequestOptions:

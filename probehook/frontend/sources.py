@@ -1,6 +1,7 @@
 """Capture sources as the front end sees them: one small object per source, so the fill path
 has no per-source branches. A source is what one worker recorder keeps per token: hidden
-``"hidden"`` rows (by layer), probe ``"scores"`` (by probe) or ``"sae"`` features (by SAE).
+``"hidden"`` rows (by layer), probe ``"scores"`` (by probe) or a top-k readout's rows (by
+instance: SAE features, lenses).
 Each says whether a request captures it, which positions it covers, what the export asks it
 by, and how rows become an output's values. No vLLM imports.
 """
@@ -20,7 +21,6 @@ from probehook.outputs.top_k import TopKDecoder
 if TYPE_CHECKING:
     from probehook.frontend.probe_set import ProbeSet
     from probehook.frontend.readout_set import ReadoutSet
-    from probehook.frontend.sae_set import SAESet
     from probehook.frontend.tracked_request import TrackedRequest
 
 
@@ -51,7 +51,8 @@ class CaptureSource:
         return score_config(config)
 
     def slots(self, request: TrackedRequest) -> tuple[Any, ...]:
-        """What an export of this source names for ``request`` (layers, probe slot, SAEs)."""
+        """What an export of this source names for ``request`` (layers, probe slot, a
+        readout's instances)."""
         raise NotImplementedError
 
     def value(self, rows: torch.Tensor, request: TrackedRequest) -> dict[Any, Any]:
@@ -152,40 +153,6 @@ class ProbeScores(CaptureSource):
         return self.probes.split(torch.empty((0, width)), request.probes.names)
 
 
-class SAEFeatureRows(CaptureSource):
-    name = "sae"
-
-    def __init__(self, saes: SAESet) -> None:
-        self.saes = saes
-
-    def active(self, request: TrackedRequest) -> bool:
-        return request.saes is not None and bool(request.saes.names)
-
-    def slots(self, request: TrackedRequest) -> tuple[Any, ...]:
-        assert request.saes is not None
-        return request.saes.names
-
-    def value(self, rows: torch.Tensor, request: TrackedRequest) -> dict[Any, Any]:
-        assert request.saes is not None
-        return self.saes.features(rows, request.saes)
-
-    def empty(self, request: TrackedRequest) -> dict[Any, Any]:
-        assert request.saes is not None
-        return self.saes.empty(request.saes)
-
-    def stream_value(self, rows, lo, key, request, state):  # type: ignore[no-untyped-def]
-        # Each row is decoded once per stream; earlier rows are handed out as views.
-        assert request.saes is not None
-        decoder = state.get(("sae", key))
-        if decoder is None:
-            decoder = state[("sae", key)] = TopKDecoder()
-        decoded = decoder.decode(rows, lo)
-        k = request.saes.k
-        return {
-            name: rows_of.top(k) for name, rows_of in zip(request.saes.names, decoded, strict=True)
-        }
-
-
 class TopKReadoutRows(CaptureSource):
     """A top-k readout's rows (:class:`~probehook.frontend.readout_set.ReadoutSet`): one
     source for every registered readout, named by it."""
@@ -225,15 +192,12 @@ class TopKReadoutRows(CaptureSource):
 
 def engine_sources(
     probes: ProbeSet | None = None,
-    saes: SAESet | None = None,
     readouts: Mapping[str, ReadoutSet] | None = None,
 ) -> dict[str, CaptureSource]:
-    """The sources an engine with these probes, SAEs and top-k readouts records."""
+    """The sources an engine with these probes and top-k readouts records."""
     sources: dict[str, CaptureSource] = {"hidden": HiddenRows()}
     if probes is not None:
         sources["scores"] = ProbeScores(probes)
-    if saes is not None:
-        sources["sae"] = SAEFeatureRows(saes)
     for source, readout_set in (readouts or {}).items():
         sources[source] = TopKReadoutRows(readout_set)
     return sources

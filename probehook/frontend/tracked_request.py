@@ -9,7 +9,6 @@ from typing import Any
 from probehook.capture_config import CaptureConfig
 from probehook.frontend.probe_set import RequestProbes
 from probehook.frontend.readout_set import RequestReadout
-from probehook.frontend.sae_set import RequestSAEs
 from probehook.frontend.steering_set import RequestSteer
 
 
@@ -27,8 +26,6 @@ class TrackedRequest:
     """Extra fields of the request's store record (a one-pass input's request and patch)."""
     steering: RequestSteer | None = None
     """The request's steering (None: not steered)."""
-    saes: RequestSAEs | None = None
-    """The SAEs whose features it gets, and how many per token (None: none)."""
     readouts: dict[str, RequestReadout] | None = None
     """The top-k readouts it gets, by source (None: none)."""
     clamp: tuple[tuple[str, tuple[tuple[int, float], ...]], ...] = ()

@@ -4,11 +4,14 @@
 ``probe_flags``) and any a user or package registers, including those of installed packages'
 ``probehook.output_processors`` entry points (probehook's bundled segmenter's
 ``segmentation_image`` comes that way); lenses (``lens``, :mod:`probehook.lenses`) are a
-top-k readout registered here (:mod:`probehook.outputs.lens`). See docs/outputs.md.
+top-k readout registered here (:mod:`probehook.outputs.lens`); SAE features
+(``sae_features``, :mod:`probehook.saes.readout`) come through the entry point, as a third
+party's readout would. See docs/outputs.md.
 """
 
 from __future__ import annotations
 
+from probehook.core.monitors import load_top_k_monitors_with
 from probehook.outputs.captures import BUILTIN, HiddenStates, ProbeFlags, ProbeScores
 from probehook.outputs.lens import LensReadout
 from probehook.outputs.registry import (
@@ -20,6 +23,9 @@ from probehook.outputs.registry import (
 )
 
 OUTPUT_PROCESSORS = OutputProcessorRegistry()
+# A monitor's dict form is parsed by its class, which its readout registers: the registry's
+# entry points are loaded before any lookup of one.
+load_top_k_monitors_with(OUTPUT_PROCESSORS.names)
 for _processor in BUILTIN:
     OUTPUT_PROCESSORS.register(_processor)
 OUTPUT_PROCESSORS.register(LensReadout)  # lenses: a top-k readout like any other

@@ -10,10 +10,9 @@ from typing import Any, ClassVar
 
 import torch
 
-from probehook.core.monitors import FeatureMonitor
 from probehook.outputs.array_codec import decode_array, encode_array
 from probehook.outputs.registry import MonitorFlags, OutputProcessor
-from probehook.outputs.top_k import TopKRows, compact_top_k, json_floats, json_nans, json_top_k
+from probehook.outputs.top_k import json_floats, json_nans
 
 
 def _concat_by_key(pieces: list[dict[Any, torch.Tensor]]) -> dict[Any, torch.Tensor]:
@@ -65,33 +64,6 @@ class ProbeScores(OutputProcessor):
         }
 
 
-class SAEFeatureSets(OutputProcessor):
-    """SAE features by SAE name: :class:`~probehook.saes.SAEFeatures` (the top-k features of
-    each token); online ``{"indices", "values", "l0"}`` lists."""
-
-    name: ClassVar[str] = "sae_features"
-    request_attributes = ("prefill_sae_features",)
-    completion_attributes = ("sae_features",)
-    source = "sae"
-    monitor = FeatureMonitor
-    flags_attribute = "feature_flags"
-
-    def merge(self, pieces: list[dict[str, Any]]) -> dict[str, Any]:
-        names = list(dict.fromkeys(name for piece in pieces for name in piece))
-        return {
-            name: TopKRows.cat([piece[name] for piece in pieces if name in piece]) for name in names
-        }
-
-    def to_response(self, value: dict[str, Any]) -> dict[str, Any]:
-        return {name: json_top_k(features) for name, features in value.items()}
-
-    def to_compact(self, value: dict[str, Any]) -> dict[str, Any]:
-        return compact_top_k(value)
-
-    def from_response(self, response: dict[str, Any]) -> dict[str, Any]:
-        return {name: TopKRows.from_columns(columns) for name, columns in response.items()}
-
-
 class ProbeFlags(MonitorFlags):
     """The rows where a flag monitor's threshold was crossed, by probe name."""
 
@@ -117,7 +89,6 @@ class Steering(OutputProcessor):
 BUILTIN = (
     HiddenStates,
     ProbeScores,
-    SAEFeatureSets,
     ProbeFlags,
     Steering,
 )

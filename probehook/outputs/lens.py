@@ -20,9 +20,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 
-from probehook.core.monitors import LensMonitor
+from probehook.core.monitors import TopKMonitor, top_k_monitor
 from probehook.errors import CaptureConfigError
 from probehook.outputs.top_k import TopKRows, compact_top_k, json_top_k
 from probehook.outputs.top_k_readout import TopKReadout
@@ -63,6 +64,81 @@ class LensRows(TopKRows):
         return self.l0
 
 
+LENS_STOP_PREFIX = "lens:"
+
+
+@top_k_monitor
+@dataclass(frozen=True)
+class LensMonitor(TopKMonitor):
+    """Stop or flag generation when lens ``lens``'s log-prob of token ``token`` at layer
+    ``layer`` crosses ``threshold``.
+
+    The watched value is the token's log-prob under the lens where it is among the row's
+    most likely tokens at the engine's ``lens_top_k`` (whatever k the request keeps: the
+    worker and the front end read the same values), ``-inf`` where it is not. That is exact
+    for every threshold above ``-log(k + 1)``: a token outside the top ``k`` has ``k``
+    tokens at least as likely, so its probability is at most ``1 / (k + 1)``; the engine
+    refuses a lower threshold (raise ``lens_top_k``). The same rule as :class:`ProbeMonitor`
+    on the same rows (each decode row: the state that produces the next token): ``"stop"``
+    ends the completion at the first crossing (``stop_reason`` is ``"lens:" + key``),
+    ``"flag"`` lists every crossing row in ``CompletionOutput.lens_flags[key]``; ``key`` is
+    ``"<lens>@<layer>:<token>"``.
+    """
+
+    lens: str
+    layer: int
+    token: int
+    threshold: float
+    action: str = "flag"
+    direction: str = "above"
+
+    source: ClassVar[str] = "lens"
+    """The top-k readout it watches."""
+    outside: ClassVar[float] = -math.inf
+    """Its value where the token is not among the engine's top k."""
+    marker: ClassVar[str] = "lens"
+    required: ClassVar[tuple[str, ...]] = ("lens", "layer", "token", "threshold")
+    watches: ClassVar[str] = "lenses"
+    stop_prefix: ClassVar[str] = LENS_STOP_PREFIX
+
+    def __post_init__(self) -> None:
+        what = f"LensMonitor({self.lens!r})"
+        if not isinstance(self.lens, str) or not self.lens or "@" in self.lens:
+            raise CaptureConfigError(
+                f"LensMonitor lens={self.lens!r} must be the name of an engine lens."
+            )
+        for field_name in ("layer", "token"):
+            value = getattr(self, field_name)
+            if isinstance(value, bool) or not isinstance(value, int | np.integer):
+                hint = (
+                    "a token id, such as tokenizer.convert_tokens_to_ids(...)"
+                    if field_name == "token"
+                    else "a layer index of the engine's lens_layers"
+                )
+                raise CaptureConfigError(
+                    f"{what} {field_name}={value!r} is not valid: pass {hint}."
+                )
+            object.__setattr__(self, field_name, int(value))
+        if self.token < 0:
+            raise CaptureConfigError(f"{what} token={self.token} is negative.")
+        self._check_action(what)
+
+    @property
+    def instance(self) -> str:
+        """The readout instance it watches (``"<lens>@<layer>"``)."""
+        return f"{self.lens}@{self.layer}"
+
+    @property
+    def entry(self) -> int:
+        """The entry of the instance's top-k rows it watches."""
+        return self.token
+
+    @property
+    def key(self) -> str:
+        """Its name in ``lens_flags``: ``"<lens>@<layer>:<token>"``."""
+        return f"{self.instance}:{self.token}"
+
+
 def instance_name(lens: str, layer: int) -> str:
     """The readout instance of ``lens`` at ``layer`` (the store's and the wire's name)."""
     return f"{lens}@{layer}"
@@ -95,6 +171,7 @@ class LensReadout(TopKReadout):
     flags_attribute = "lens_flags"
     ranks = "every rank"  # each rank holds a shard of the vocabulary
     worker_bank = "probehook.worker.lens_bank:lens_bank"
+    reads_head = True
     scalar_series = ("target", "logprob")
 
     cli_flag = "lens"
@@ -180,7 +257,7 @@ class LensReadout(TopKReadout):
         return out
 
     def check_monitor(self, monitor: Any, k: int, vocab_size: int | None) -> None:
-        """A :class:`~probehook.core.monitors.LensMonitor` reads the token's log-prob among
+        """A :class:`~probehook.LensMonitor` reads the token's log-prob among
         the top ``k``, ``-inf`` outside: exact above ``-log(k + 1)`` (a token outside the top
         ``k`` has probability at most ``1 / (k + 1)``), so a lower threshold is refused."""
         if vocab_size is not None and monitor.token >= vocab_size:

@@ -16,6 +16,19 @@ from typing import Any, ClassVar
 
 import torch
 
+# How stores name top-k rows. The spellings date from format 1, when SAE features were the
+# only top-k readout; they stay so that every store written since reads unchanged.
+SEGMENT_NAME_KEY = "sae"
+"""A stored request's top-k segment (``record["sae_segments"]``): the key of its stored
+instance name (``TopKReadout.stored_name``)."""
+SEGMENT_SOURCE_KEY = "source"
+"""A top-k segment's key of its readout's source."""
+UNSOURCED = "sae"
+"""The source of a top-k segment written without :data:`SEGMENT_SOURCE_KEY` (before a store
+held any readout but SAE features)."""
+RUN_TOP_K_KEY = "saes"
+"""A run's key (``store.runs[run]``) of its top-k instances' descriptions, by stored name."""
+
 PACKED_INDEX_LIMIT = 2**24
 """Indices travel from the worker in float32 packed rows, exact below 2**24: a readout whose
 indices may reach it (an SAE of more features, a vocabulary that large) is refused at

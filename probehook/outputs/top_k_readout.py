@@ -69,9 +69,22 @@ class TopKReadout(OutputProcessor):
 
     ranks: ClassVar[str] = "rank 0"
     """Which tensor-parallel ranks read it: ``"rank 0"`` (the rank that answers exports; the
-    others hold the same rows) or ``"every rank"`` (each rank reads in step, as a lens whose
+    others hold the same rows), ``"every rank"`` (each rank reads in step, as a lens whose
     vocabulary is sharded, its partial readings merged by a collective; each rank also forces
-    its monitors' stops alike, since every rank samples)."""
+    its monitors' stops alike, since every rank samples) or ``"rank 0, and the stops
+    elsewhere"`` (the other ranks read only the rows a stop monitor watches, to force its stop
+    themselves: SAE features)."""
+    stored_prefix: ClassVar[str | None] = None
+    """How a store names an instance's top-k datasets: this prefix and the instance's name;
+    None: ``"<source>:"`` (``"lens:j@4"``). SAE features, the store's first top-k readout,
+    are stored by their own names (``""``)."""
+    instance_error: ClassVar[type[Exception]] = CaptureConfigError
+    """The error a bad instance, k or pick raises (SAEs: ``SAEError``)."""
+    instance_noun: ClassVar[str] = ""
+    """What an instance is called in messages (default: the readout's name)."""
+    reads_head: ClassVar[bool] = False
+    """Its bank reads the model's final norm and unembedding (``ModelParts.head``, a lens);
+    other banks get the model's device alone (nothing of a head is read at load for them)."""
     worker_bank: ClassVar[str] = "probehook.worker.top_k_bank:generic_bank"
     """The worker's factory of its bank, ``"module:function"`` called at load as
     ``function(readout, instances, k, model)`` (``model``: the parts of the model it may need,
@@ -85,11 +98,15 @@ class TopKReadout(OutputProcessor):
     """Each engine option's flag help, by option name (the instances', the k's, the extras')."""
     cli_choices: ClassVar[Mapping[str, tuple[str, ...]]] = {}
     """The values a flag takes, by option name, where they are few (a dtype)."""
+    cli_switches: ClassVar[tuple[str, ...]] = ()
+    """Engine options whose flags take no value (``--sae-clamping``: True when given)."""
 
     def cli_value(self, option: str, text: str) -> Any:
         """An engine option's value from its flag's text (the instances' specs stay text: their
         option checks them). Default: the k as an int, other options as JSON where they parse
         (``3``, ``[1, 2]``), else as text."""
+        if option in self.cli_switches:
+            return True
         if option == self.k_option:
             return int(text)
         try:
@@ -102,6 +119,62 @@ class TopKReadout(OutputProcessor):
         :class:`~probehook.errors.CaptureConfigError`)."""
         if self.flags_attribute is None:
             raise CaptureConfigError(f"the {self.name} readout has no monitors.")
+
+    def check_entry(self, monitor: Any, settings: Mapping[str, Any]) -> None:
+        """Refuse a monitor of an entry instance ``settings`` cannot hold (a feature past an
+        SAE's width). Default: any entry."""
+
+    def named_specs(self, value: Any) -> dict[str, Any]:
+        """The engine option's value as ``{name: spec}``, checked as the user gave it (before
+        the model is known; an SAE's folder is read for its config here). Default: a
+        non-empty dict."""
+        if not isinstance(value, Mapping) or not value:
+            raise self.instance_error(
+                f"{self.engine_option}={value!r} is not valid: pass a non-empty dict of names "
+                f"and {self.name} specs."
+            )
+        return dict(value)
+
+    def worker_bytes(self, specs: Mapping[str, Any]) -> int:
+        """What the instances will hold in each worker's memory (checked against the
+        machine's before the engine starts). Default: nothing worth counting."""
+        return 0
+
+    def stored_name(self, instance: str) -> str:
+        """An instance's name in a store (:attr:`stored_prefix`)."""
+        prefix = f"{self.source}:" if self.stored_prefix is None else self.stored_prefix
+        return prefix + instance
+
+    def describe_instance(self, name: str, settings: Mapping[str, Any], k: int) -> dict[str, Any]:
+        """What a store's run records of an instance, under its stored name: the readout, the
+        index bound (``d_sae``), k, layer and settings."""
+        return {
+            "source": self.source,
+            "readout": name,
+            "d_sae": int(self.index_bound(settings)),
+            "k": k,
+            "layer": int(settings["layer"]),
+            "settings": dict(settings),
+        }
+
+    # -- the write side (the clamps of SAE features: the first entry of the write table) --
+
+    clamp_switch: ClassVar[str] = ""
+    """The engine option that lets requests clamp its entries (``"sae_clamping"``; empty:
+    requests cannot)."""
+
+    def clamp_ops(self, instances: Mapping[str, Mapping[str, Any]]) -> list[list[Any]]:
+        """The clamp ops the loader installs, ``[[instance, layer, key part], ...]`` (none:
+        requests cannot clamp this readout's entries)."""
+        return []
+
+    def check_clamp(self, instances: Mapping[str, Mapping[str, Any]], terms: Any) -> Any:
+        """A request's clamp terms checked against the instances."""
+        raise self.instance_error(f"the {self.name} readout takes no clamp.")
+
+    def clamp_salt(self, instances: Mapping[str, Mapping[str, Any]], terms: Any) -> str:
+        """The prefix-cache salt of a request's clamp terms."""
+        raise NotImplementedError
 
     @property
     def k_option(self) -> str:

@@ -5,7 +5,7 @@ A run's SAEs are compared with those of the store's earlier runs (:func:`compare
 refused: a run may store features under a name an earlier run used for another SAE, d_sae or
 k. Stored features are kept apart by layout (store/features.py: a run of another index type,
 width or value type never shares a dataset with it, in a shard or after ``compact``), and a
-request's features are its own run's SAE's (``store.runs[run]["saes"][name]``). What is
+request's features are its own run's SAE's (the run's description of that stored name). What is
 refused, with a :class:`~probehook.errors.StoreError` naming the SAE, is a description the
 store cannot lay out (:func:`check_saes`)."""
 
@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from probehook.errors import StoreError, StoreFormatError
+from probehook.outputs.top_k import RUN_TOP_K_KEY
 from probehook.store.contents import read_meta
 from probehook.store.features import MAX_D_SAE
 from probehook.store.format import (
@@ -38,7 +39,7 @@ def check_appendable(
     meta: dict[str, Any],
     *,
     legacy_fingerprint: str | None = None,
-    saes: dict[str, Any] | None = None,
+    top_k: dict[str, Any] | None = None,
 ) -> None:
     """Raise unless ``path`` is new, empty, or a store of the same model (the keys of
     ``meta`` that it has: model_fingerprint, hidden_size, dtype).
@@ -47,10 +48,11 @@ def check_appendable(
     version 1, the legacy whole-config hash). A legacy store accepts a run whose
     ``legacy_fingerprint`` matches it; anything else is refused with what to do.
 
-    ``saes``: the run's SAEs (``{name: {"d_sae", "k", "fingerprint", "layer", ...}}``, as
-    ``begin_run`` records them), checked (:func:`check_saes`) and compared with the store's
-    earlier runs: an SAE, d_sae or k that differs from an earlier run's under the same name
-    is allowed and logged (INFO), since features of other layouts are stored apart.
+    ``top_k``: the run's top-k instances (SAEs: ``{name: {"d_sae", "k", "fingerprint",
+    "layer", ...}}``, as ``begin_run`` records them), checked (:func:`check_saes`) and
+    compared with the store's earlier runs: an SAE, d_sae or k that differs from an earlier
+    run's under the same name is allowed and logged (INFO), since features of other layouts
+    are stored apart.
     """
     root = Path(path)
     # A writer creating the store right now writes meta.json before anything else it adds:
@@ -80,25 +82,25 @@ def check_appendable(
                     f"Cannot append to {root}: its {key} is {existing.get(key)!r} but this "
                     f"run's is {meta[key]!r}. Use a new store path for another model."
                 )
-        if saes is not None:
-            check_saes(root, saes)
-            for note in compare_saes(_runs(root), saes):
+        if top_k is not None:
+            check_saes(root, top_k)
+            for note in compare_saes(_runs(root), top_k):
                 logger.info("probehook store %s: %s", root, note)
-    elif saes is not None:
-        check_saes(root, saes)
+    elif top_k is not None:
+        check_saes(root, top_k)
 
 
-def check_saes(root: str | Path, saes: Any) -> None:
-    """Raise :class:`StoreError`, naming the SAE, unless every description in ``saes``
+def check_saes(root: str | Path, described: Any) -> None:
+    """Raise :class:`StoreError`, naming the SAE, unless every description in ``described``
     (``{name: {"d_sae", "k", ...}}``) is one whose features the store can lay out: a
     non-empty name, ``d_sae`` from 1 to :data:`~probehook.store.features.MAX_D_SAE` (indices
     and the padding mark fit in uint32), ``k`` at least 1."""
-    if not isinstance(saes, dict):
+    if not isinstance(described, dict):
         raise StoreError(
             f"Cannot store SAE features in {root}: a run's SAEs must be a dict name -> "
-            f"description, not a {type(saes).__name__}."
+            f"description, not a {type(described).__name__}."
         )
-    for name, sae in saes.items():
+    for name, sae in described.items():
         if not isinstance(name, str) or not name:
             raise StoreError(
                 f"Cannot store features of SAE {name!r} in {root}: an SAE name must be a "
@@ -123,16 +125,17 @@ def check_saes(root: str | Path, saes: Any) -> None:
                 )
 
 
-def compare_saes(runs: dict[str, dict[str, Any]], saes: dict[str, Any]) -> list[str]:
-    """One line for each SAE of ``saes`` whose name the latest earlier run in ``runs`` that
+def compare_saes(runs: dict[str, dict[str, Any]], described: dict[str, Any]) -> list[str]:
+    """One line for each SAE of ``described`` whose name the latest earlier run in ``runs`` that
     used it gave another SAE (fingerprint), d_sae, k or layer: what changed, and that the
     store keeps both (empty when nothing changed)."""
     notes = []
-    for name, sae in saes.items():
+    for name, sae in described.items():
         earlier = [
-            (run_id, run["saes"][name])
+            (run_id, run[RUN_TOP_K_KEY][name])
             for run_id, run in runs.items()
-            if isinstance(run.get("saes"), dict) and isinstance(run["saes"].get(name), dict)
+            if isinstance(run.get(RUN_TOP_K_KEY), dict)
+            and isinstance(run[RUN_TOP_K_KEY].get(name), dict)
         ]
         if not earlier or not isinstance(sae, dict):
             continue
@@ -147,7 +150,7 @@ def compare_saes(runs: dict[str, dict[str, Any]], saes: dict[str, Any]) -> list[
                 f"SAE {name!r} differs from run {run_id}'s ({', '.join(changed)}); both are "
                 "kept: features of another d_sae, k or value type are stored in datasets of "
                 "their own, and a request's features are its run's SAE's (store.runs[run]"
-                '["saes"])'
+                f"[{RUN_TOP_K_KEY!r}])"
             )
     return notes
 

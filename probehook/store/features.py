@@ -14,14 +14,17 @@ type}``, e.g. ``k32-uint16-float32``, with ``-{scalar type}`` after it when the 
 uint32 (a lens: ``k5-uint32-float32-float32``; :func:`layout_of`). Runs that store one SAE name with
 another d_sae (index type), k (width) or value type therefore never share a dataset, in a
 writer's shard or in a compacted one; runs of the same layout do, whatever their SAE's
-fingerprint (a segment's SAE is its record's run's ``saes[name]``).
+fingerprint (a segment's SAE is its record's run's description of that name).
 
 The three are appended together, so a segment's ``start`` is the same row in each (a
 compaction that merges shards keeps them in step: it appends whole datasets, and refuses a
 group whose three are not). A request's record lists its feature segments under
-``"sae_segments"`` (``phase``, ``completion``, ``sae``, ``layout``, ``k`` (the request's),
+``"sae_segments"`` (``phase``, ``completion``, the readout's ``source``, its stored name
+(:data:`~probehook.outputs.top_k.SEGMENT_NAME_KEY`), ``layout``, ``k`` (the request's),
 ``first_position``, ``start``, ``count``), beside the row ``"segments"``; the run's record
-names each SAE's fingerprint, k, layer and settings under ``"saes"``.
+describes each stored name (an SAE's fingerprint, k, layer and settings) under
+:data:`~probehook.outputs.top_k.RUN_TOP_K_KEY`. A segment without a source (written before
+stores held other top-k readouts) is :data:`~probehook.outputs.top_k.UNSOURCED`'s.
 
 Stores written before layouts (before issue 43, item 6) have no ``layout`` in their segments and
 keep the three datasets directly in ``{phase}/sae_{name}/``; they are read as they are, and a
@@ -38,6 +41,7 @@ import numpy as np
 import torch
 
 from probehook.errors import CaptureConfigError
+from probehook.outputs.top_k import SEGMENT_NAME_KEY, UNSOURCED
 
 PARTS = ("indices", "values", "l0")
 VALUE_DTYPES = {"float32": np.float32, "float16": np.float16}
@@ -71,7 +75,7 @@ def feature_dataset(phase: str, sae: str, part: str, layout: str | None = None) 
 
 def segment_group(segment: dict[str, Any]) -> str:
     """The group an SAE segment's rows lie in."""
-    return feature_group(segment["phase"], segment["sae"], segment.get("layout"))
+    return feature_group(segment["phase"], segment[SEGMENT_NAME_KEY], segment.get("layout"))
 
 
 def layout_of(indices: Any, values: Any, scalar: Any) -> str:
@@ -86,21 +90,17 @@ def layout_of(indices: Any, values: Any, scalar: Any) -> str:
 
 @dataclass
 class FeatureBlock:
-    """SAE ``sae``'s features of one (phase, completion) of a request."""
+    """One top-k readout instance's rows of one (phase, completion) of a request."""
 
     phase: str
     completion: int | None
-    sae: str
+    stored_name: str
+    """The instance's name in the store (``TopKReadout.stored_name``: an SAE's own,
+    ``"lens:j@4"``)."""
     first_position: int
-    features: object  # probehook.saes.SAEFeatures (not imported: the store reads no SAEs)
-    source: str = "sae"
-    """The readout whose top-k rows these are: ``"sae"``, or a top-k readout's source (its
-    instance ``sae`` is then stored under :attr:`stored_name`)."""
-
-    @property
-    def stored_name(self) -> str:
-        """The feature set's name in the store: the SAE's, or ``"<source>:<instance>"``."""
-        return stored_name(self.source, self.sae)
+    features: object  # TopKRows (not imported: the store reads no readouts)
+    source: str = UNSOURCED
+    """The readout whose top-k rows these are."""
 
     @property
     def nbytes(self) -> int:
@@ -108,12 +108,6 @@ class FeatureBlock:
         f = self.features
         parts = (f.indices, f.values, f.l0)  # type: ignore[attr-defined]
         return sum(int(t.numel() * t.element_size()) for t in parts)
-
-
-def stored_name(source: str, name: str) -> str:
-    """A feature set's name in a store: an SAE's own name, else ``"<source>:<name>"`` (the
-    top-k readout ``source``'s instance ``name``; segments also record ``"source"``)."""
-    return name if source == "sae" else f"{source}:{name}"
 
 
 def index_dtype(d_sae: int) -> type:

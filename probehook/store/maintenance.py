@@ -23,6 +23,7 @@ from typing import Any
 import h5py
 
 from probehook.errors import StoreCorruptError, StoreError, StoreLockedError
+from probehook.outputs.top_k import SEGMENT_NAME_KEY
 from probehook.store.appender import DatasetAppender
 from probehook.store.contents import read_meta
 from probehook.store.features import (
@@ -331,7 +332,7 @@ def _compact_lane(store_root: Path, lane: str, shard_bytes: int, progress: bool)
         if record.get("kind") == "request" and record["shard"] in merged:
             for seg in record.get("sae_segments", ()):
                 if seg["count"]:
-                    where = (seg["phase"], seg["sae"], seg.get("layout"))
+                    where = (seg["phase"], seg[SEGMENT_NAME_KEY], seg.get("layout"))
                     sae_groups.setdefault(record["shard"], {})[segment_group(seg)] = where
     renames: dict[str, _Moved] = {}  # old shard -> where its datasets went
     into: list[dict[str, Any]] = []
@@ -390,8 +391,8 @@ def _compact_lane(store_root: Path, lane: str, shard_bytes: int, progress: bool)
 
 
 def _datasets(segment: dict[str, Any]) -> list[str]:
-    """The datasets a segment's rows lie in (an SAE segment: its three, in step)."""
-    if "sae" in segment:
+    """The datasets a segment's rows lie in (a top-k segment: its three, in step)."""
+    if SEGMENT_NAME_KEY in segment:
         group = segment_group(segment)
         return [f"{group}/{part}" for part in PARTS]
     return [dataset_name(segment["phase"], segment["layer"])]
@@ -459,7 +460,7 @@ def _merge(
     plan: dict[str, list[tuple[str, str]]] = {}  # destination -> [(shard, source)] in order
     compressions: dict[str, str | None] = {}
     moved = {n: _Moved(new_name) for n in names}
-    saes: dict[str, str] = {}  # destination dataset -> SAE name (for messages)
+    owners: dict[str, str] = {}  # destination dataset -> its stored name (for messages)
     for name in names:
         with h5py.File(shards_dir / name, "r") as f:
             keys: list[str] = []
@@ -468,7 +469,9 @@ def _merge(
                     keys.append(key) if isinstance(obj, h5py.Dataset) else None
                 )
             )
-            targets = _sae_destinations(f, name, keys, sae_groups.get(name, {}), moved[name], saes)
+            targets = _sae_destinations(
+                f, name, keys, sae_groups.get(name, {}), moved[name], owners
+            )
             # All parts of a source group next to each other, groups in one order for every
             # part: groups that share a destination land at the same row in each of its three.
             for key in sorted(keys, key=lambda k: k.rpartition("/")[0]):
@@ -485,7 +488,7 @@ def _merge(
                         try:
                             moved[name].offsets[key] = target.append(f[key][()])
                         except ValueError as e:
-                            what = f"SAE {saes[dest]!r}'s" if dest in saes else "the"
+                            what = f"{owners[dest]!r}'s" if dest in owners else "the"
                             raise StoreError(
                                 f"Cannot compact {what} dataset {key} of shard {name} into "
                                 f"{dest}: {e}. Nothing was changed."
@@ -515,10 +518,10 @@ def _sae_destinations(
     keys: list[str],
     named: dict[str, tuple[str, str, str | None]],
     moved: _Moved,
-    saes: dict[str, str],
+    owners: dict[str, str],
 ) -> dict[str, str]:
     """Where the SAE datasets of shard ``f`` go: ``{source dataset: destination}``; notes each
-    group's layout in ``moved`` and each destination's SAE name in ``saes``.
+    group's layout in ``moved`` and each destination's stored name in ``owners``.
 
     An SAE group is one that segments name (``named``), or any group holding the three
     datasets (kept even if no record names it, as every other dataset is). Its destination is
@@ -563,7 +566,7 @@ def _sae_destinations(
         for p in PARTS:
             dest = feature_dataset(phase, sae, p, layout)
             targets[f"{group}/{p}"] = dest
-            saes[dest] = sae
+            owners[dest] = sae
     return targets
 
 

@@ -6,7 +6,7 @@ import logging
 from typing import Any
 
 from probehook.capture_config import CaptureConfig
-from probehook.core.spans import completion_spans, readout_config, score_config
+from probehook.core.spans import completion_spans, readout_config
 from probehook.outputs import OUTPUT_PROCESSORS
 from probehook.outputs.shapes import completions, failed, is_pooled
 from probehook.outputs.top_k_readout import top_k_readouts
@@ -83,36 +83,28 @@ def pending_request(
 def _feature_blocks(
     output: Any, config: CaptureConfig, prompt_len: int, pooled: bool
 ) -> list[FeatureBlock]:
-    """The output's SAE features, one block per (phase, completion, SAE); their positions
-    follow the score spans (every token of the request's phases)."""
-    spans = score_config(config)
+    """The output's top-k readouts' rows (SAE features, lenses, ...), one block per (phase,
+    completion, instance), under each instance's stored name; their positions follow the
+    readout's spans (every token of the request's phases; a lens's last-prompt-token rule)."""
     blocks = []
-    prefill_features = getattr(output, "prefill_sae_features", None) or {}
-    if prefill_features:
+    for source, readout in top_k_readouts(OUTPUT_PROCESSORS).items():
+        spans = readout_config(config, readout.follows_last_prefill_token)
         prefill, _ = completion_spans(spans, prompt_len, 0)
-        if prefill is not None:
-            for name, features in prefill_features.items():
-                blocks.append(FeatureBlock("prefill", None, name, prefill.lo, features))
-    readouts = [(source, p.request_attributes[0], p.completion_attributes[0], p.flat)
-                for source, p in top_k_readouts(OUTPUT_PROCESSORS).items()]  # fmt: skip
-    registered = top_k_readouts(OUTPUT_PROCESSORS)
-    for source, on_request, _, flat in readouts:  # the top-k readouts' rows: stored alike
-        thin = registered[source].follows_last_prefill_token
-        prefill, _ = completion_spans(readout_config(config, thin), prompt_len, 0)
-        for name, rows in flat(getattr(output, on_request, None) or {}).items():
+        on_request = readout.request_attributes[0]
+        for name, rows in readout.flat(getattr(output, on_request, None) or {}).items():
             if prefill is not None:
-                blocks.append(FeatureBlock("prefill", None, name, prefill.lo, rows, source))
-    if pooled:
-        return blocks
-    for c in completions(output):
-        _, decode = completion_spans(spans, prompt_len, len(c.token_ids), c.index)
-        if decode is None:
+                stored = readout.stored_name(name)
+                blocks.append(FeatureBlock("prefill", None, stored, prefill.lo, rows, source))
+        if pooled:
             continue
-        for name, features in (getattr(c, "sae_features", None) or {}).items():
-            blocks.append(FeatureBlock("decode", c.index, name, decode.lo, features))
-        for source, _, on_completion, flat in readouts:
-            for name, rows in flat(getattr(c, on_completion, None) or {}).items():
-                blocks.append(FeatureBlock("decode", c.index, name, decode.lo, rows, source))
+        for c in completions(output):
+            _, decode = completion_spans(spans, prompt_len, len(c.token_ids), c.index)
+            if decode is None:
+                continue
+            on_completion = readout.completion_attributes[0]
+            for name, rows in readout.flat(getattr(c, on_completion, None) or {}).items():
+                stored = readout.stored_name(name)
+                blocks.append(FeatureBlock("decode", c.index, stored, decode.lo, rows, source))
     return blocks
 
 

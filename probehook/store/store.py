@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from probehook.errors import DuplicateStoreIdError, StoreError, StoreFormatError
+from probehook.outputs.top_k import RUN_TOP_K_KEY
 from probehook.store.appendable import check_appendable, check_saes, compare_saes
 from probehook.store.export import check_export_options, export_writer
 from probehook.store.features import check_values
@@ -199,26 +200,27 @@ class ActivationStore(StoreReader):
         meta: dict[str, Any],
         *,
         legacy_fingerprint: str | None = None,
-        saes: dict[str, Any] | None = None,
+        top_k: dict[str, Any] | None = None,
     ) -> None:
-        """Raise unless ``path`` is new, empty, or a store of the same model; ``saes`` (a
-        run's SAEs, as :meth:`begin_run` takes them) are checked and compared with the earlier
-        runs' (see :func:`probehook.store.appendable.check_appendable`)."""
-        check_appendable(path, meta, legacy_fingerprint=legacy_fingerprint, saes=saes)
+        """Raise unless ``path`` is new, empty, or a store of the same model; ``top_k`` (a
+        run's top-k instances, SAEs, as :meth:`begin_run` takes them) are checked and compared
+        with the earlier runs' (see :func:`probehook.store.appendable.check_appendable`)."""
+        check_appendable(path, meta, legacy_fingerprint=legacy_fingerprint, top_k=top_k)
 
     # -- writing ------------------------------------------------------------------------------
 
     @_locked
     def begin_run(self, info: dict[str, Any]) -> str:
-        """Record a new run (``info``: what it captures, under ``"capture"``; its SAEs under
-        ``"saes"``: ``{name: {"d_sae", "k", "layer", "fingerprint", ...}}``); return its id.
+        """Record a new run (``info``: what it captures, under ``"capture"``; its top-k
+        instances (SAEs, lens instances) under :data:`~probehook.outputs.top_k.RUN_TOP_K_KEY`:
+        ``{stored name: {"d_sae", "k", "layer", "fingerprint", ...}}``); return its id.
 
         Its SAEs are checked (a :class:`~probehook.errors.StoreError` names one the store
         cannot lay out) and compared with the earlier runs': another SAE, d_sae or k under a
         stored name is logged and kept apart (see :mod:`probehook.store.appendable`)."""
-        if "saes" in info:
-            check_saes(self.root, info["saes"])
-            for note in compare_saes(self.runs, info["saes"]):
+        if RUN_TOP_K_KEY in info:
+            check_saes(self.root, info[RUN_TOP_K_KEY])
+            for note in compare_saes(self.runs, info[RUN_TOP_K_KEY]):
                 logger.info("probehook store %s: %s", self.root, note)
         run_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
         record = {"kind": "run", "run_id": run_id, "started": time.time(), **info}
@@ -240,7 +242,7 @@ class ActivationStore(StoreReader):
         run = self.runs.get(self._run_id or "", {})
         return {
             name: (int(sae["d_sae"]), int(sae["k"]))
-            for name, sae in (run.get("saes") or {}).items()
+            for name, sae in (run.get(RUN_TOP_K_KEY) or {}).items()
         }
 
     @_locked
@@ -266,7 +268,7 @@ class ActivationStore(StoreReader):
                 raise StoreError(
                     f"Request {request_id!r} carries features of SAE(s) {unknown}, which run "
                     f"{self._run_id} did not declare (begin_run(info) names a run's SAEs "
-                    'under "saes").'
+                    f"under {RUN_TOP_K_KEY!r})."
                 )
             request.sae_sizes = sizes
         record["request_id"] = request_id

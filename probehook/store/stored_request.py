@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from probehook.saes.features import SAEFeatures
+from probehook.outputs.top_k import SEGMENT_NAME_KEY, SEGMENT_SOURCE_KEY, UNSOURCED, TopKRows
 from probehook.store.features import from_storage
 from probehook.store.format import split_shard_key
 
@@ -99,56 +99,49 @@ class StoredRequest:
         return _score_tensors(done[index].get("probe_scores") if index < len(done) else None)
 
     @property
-    def sae_features(self) -> dict[str, SAEFeatures]:
+    def sae_features(self) -> dict[str, TopKRows]:
         """SAE features of the first completion's tokens, by SAE name
-        (:class:`~probehook.saes.SAEFeatures`)."""
+        (:class:`~probehook.SAEFeatures`, top-k rows)."""
         return self.completion_sae_features(0)
 
     @property
-    def prefill_sae_features(self) -> dict[str, SAEFeatures]:
+    def prefill_sae_features(self) -> dict[str, TopKRows]:
         """SAE features of the prompt tokens (with ``include_prefill``)."""
-        return self._features("prefill", None)
+        return self.top_k(UNSOURCED, "prefill")
 
-    def completion_sae_features(self, index: int) -> dict[str, SAEFeatures]:
-        return self._features("decode", index)
+    def completion_sae_features(self, index: int) -> dict[str, TopKRows]:
+        return self.top_k(UNSOURCED, "decode", index)
 
     def top_k(
         self, source: str, phase: str = "decode", completion: int | None = 0
-    ) -> dict[str, SAEFeatures]:
-        """The stored top-k rows of readout ``source`` (``"sae"`` or a registered top-k
-        readout's source), by instance name: a completion's decode tokens (``phase="decode"``,
-        ``completion``) or the prompt's (``phase="prefill"``)."""
-        return self._features(phase, completion if phase == "decode" else None, source)
+    ) -> dict[str, TopKRows]:
+        """The stored top-k rows of readout ``source`` (a registered top-k readout's source, an
+        SAE's features' included), by instance name: a completion's decode tokens
+        (``phase="decode"``, ``completion``) or the prompt's (``phase="prefill"``)."""
+        completion = completion if phase == "decode" else None
+        readout = _readouts().get(source)
+        row_type = readout.row_type if readout is not None else TopKRows
+        out = {}
+        for seg in self.record.get("sae_segments", ()):
+            if seg.get(SEGMENT_SOURCE_KEY, UNSOURCED) != source:
+                continue
+            if seg["phase"] == phase and seg["completion"] == completion:
+                stored = seg[SEGMENT_NAME_KEY]
+                start, stop = seg["start"], seg["start"] + seg["count"]
+                parts = self.store._read_features(
+                    self.record["shard"], phase, stored, start, stop, seg.get("layout")
+                )
+                rows = row_type(*from_storage(*parts))
+                out[_instance(readout, source, stored)] = rows.top(seg.get("k", rows.k))
+        return out
 
     def readout(self, source: str, phase: str = "decode", completion: int | None = 0) -> Any:
         """The stored rows of top-k readout ``source`` as its outputs hold them: a lens's
         ``{"j": {4: LensRows}}``, as ``out.lens`` (:meth:`top_k` has them by flat instance
         name, ``"j@4"``); a readout this process has not registered: by flat name."""
         flat = self.top_k(source, phase, completion)
-        from probehook.outputs import OUTPUT_PROCESSORS
-        from probehook.outputs.top_k_readout import top_k_readouts
-
-        readout = top_k_readouts(OUTPUT_PROCESSORS).get(source)
+        readout = _readouts().get(source)
         return readout.present(flat) if readout is not None else flat
-
-    def _features(
-        self, phase: str, completion: int | None, source: str = "sae"
-    ) -> dict[str, SAEFeatures]:
-        out = {}
-        prefix = "" if source == "sae" else f"{source}:"
-        row_type = _row_type(source)
-        for seg in self.record.get("sae_segments", ()):
-            if seg.get("source", "sae") != source:
-                continue
-            if seg["phase"] == phase and seg["completion"] == completion:
-                start, stop = seg["start"], seg["start"] + seg["count"]
-                shard = self.record["shard"]
-                parts = self.store._read_features(
-                    shard, phase, seg["sae"], start, stop, seg.get("layout")
-                )
-                features = row_type(*from_storage(*parts))
-                out[seg["sae"].removeprefix(prefix)] = features.top(seg.get("k", features.k))
-        return out
 
     def completion_hidden_states(self, index: int) -> dict[int, torch.Tensor]:
         return self._rows("decode", index)
@@ -171,13 +164,15 @@ def _score_tensors(scores: dict[str, list] | None) -> dict[str, torch.Tensor]:
     return {name: torch.tensor(v, dtype=torch.float32) for name, v in (scores or {}).items()}
 
 
-def _row_type(source: str) -> type:
-    """The rows' class of a readout's stored features: a registered top-k readout's own
-    (a lens's :class:`~probehook.outputs.lens.LensRows`), else SAE features'."""
-    if source == "sae":
-        return SAEFeatures
+def _readouts() -> dict[str, Any]:
     from probehook.outputs import OUTPUT_PROCESSORS
     from probehook.outputs.top_k_readout import top_k_readouts
 
-    readout = top_k_readouts(OUTPUT_PROCESSORS).get(source)
-    return readout.row_type if readout is not None else SAEFeatures
+    return top_k_readouts(OUTPUT_PROCESSORS)
+
+
+def _instance(readout: Any, source: str, stored: str) -> str:
+    """An instance's name from its stored name (the readout's prefix off; a readout this
+    process has not registered: ``"<source>:"`` off, as the default prefix)."""
+    prefix = readout.stored_name("") if readout is not None else f"{source}:"
+    return stored.removeprefix(prefix)

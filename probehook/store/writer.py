@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from probehook.errors import StoreError
+from probehook.outputs.top_k import SEGMENT_NAME_KEY, SEGMENT_SOURCE_KEY
 from probehook.store.appender import DatasetAppender
 from probehook.store.features import FeatureBlock, feature_dataset, layout_of
 from probehook.store.features import to_storage as features_to_storage
@@ -331,8 +332,8 @@ class ShardWriter:
                 {
                     "phase": block.phase,
                     "completion": block.completion,
-                    **({} if block.source == "sae" else {"source": block.source}),
-                    "sae": name,
+                    SEGMENT_SOURCE_KEY: block.source,
+                    SEGMENT_NAME_KEY: name,
                     "layout": layout,
                     "k": block.features.k,  # type: ignore[attr-defined]
                     "first_position": block.first_position,

@@ -1,9 +1,9 @@
 """The worker's readout table: one row per capture source (``"hidden"`` rows, probe
-``"scores"``, ``"sae"`` features, and the readouts to come), saying how its recorder is built
-from what the loader allocated, which wire key lists what a request gets of it, and which
-ranks record it. The step hook, the plan factory and the RPC surface read the table instead of
-naming sources; a top-k readout's row is derived from what it declares (its bank's factory and
-its ranks).
+``"scores"``, and each top-k readout's: SAE features, lenses, a third party's), saying how
+its recorder is built from what the loader allocated, which wire key lists what a request
+gets of it, and which ranks record it. The step hook, the plan factory and the RPC surface
+read the table instead of naming sources; a top-k readout's row is derived from what it
+declares (its bank's factory and its ranks).
 
 No vLLM imports.
 """
@@ -27,6 +27,7 @@ alike."""
 STOPS_OFF_RANK_0 = "rank 0, and the stops elsewhere"
 """Recorded by rank 0, and by the other ranks only for the requests a stop monitor of this
 source watches in the sampler."""
+RANKS = (RANK_0, EVERY_RANK, STOPS_OFF_RANK_0)
 
 
 @dataclass(frozen=True)
@@ -68,19 +69,11 @@ def _scores(hook: Any, banks: Any) -> StepRecorder | None:
     return StepRecorder(buffers, probes.layers, transform=probes, source="scores")
 
 
-def _sae(hook: Any, banks: Any) -> StepRecorder | None:
-    if hook.sae_bank is None:  # read from the SAEs' folders by the loader, before this
-        return None
-    buffers = [hook.buffers[layer] for layer in hook.sae_bank.layers]
-    return StepRecorder(buffers, hook.sae_bank.layers, transform=hook.sae_bank, source="sae")
-
-
 READOUTS: dict[str, WorkerReadout] = {
     r.source: r
     for r in (
         WorkerReadout("hidden", None, RANK_0, _hidden),
         WorkerReadout("scores", "probes", EVERY_RANK, _scores, read_in_sampler=True),
-        WorkerReadout("sae", "saes", STOPS_OFF_RANK_0, _sae, read_in_sampler=True),
     )
 }
 """Every readout a worker knows, by source, in the order the step hook records them."""
@@ -106,8 +99,8 @@ def readout_row(source: str, ranks: str = RANK_0) -> WorkerReadout:
     row = READOUTS.get(source)
     if row is not None:
         return row
-    if ranks not in (RANK_0, EVERY_RANK):
-        raise ValueError(f"readout {source!r}: ranks={ranks!r} is not {RANK_0!r} or {EVERY_RANK!r}")
+    if ranks not in RANKS:
+        raise ValueError(f"readout {source!r}: ranks={ranks!r} is not one of {RANKS}")
     # Its step's rows stay readable in the sampler (a monitor's stop reads them).
     build = functools.partial(_top_k, source)
     return WorkerReadout(source, source, ranks, build, read_in_sampler=True)

@@ -8,7 +8,8 @@ float32 per SAE (indices, values, l0: :func:`probehook.saes.encode.read_top_k`) 
 device. A step in which no request asked for SAE features gathers no rows, so it does no SAE
 work at all (the recorder skips it).
 
-No vLLM imports: ``probehook.adapter`` builds the bank from the loader's settings.
+No vLLM imports: the loader builds the bank through the readout's ``worker_bank``
+(:func:`sae_bank`), from the instances' settings.
 """
 
 from __future__ import annotations
@@ -30,7 +31,12 @@ class SAEBank:
 
     dtype = torch.float32
 
-    def __init__(self, saes: Mapping[str, tuple[int, SAEWeights]], k: int) -> None:
+    def __init__(
+        self,
+        saes: Mapping[str, tuple[int, SAEWeights]],
+        k: int,
+        decoders: Mapping[str, torch.Tensor] | None = None,
+    ) -> None:
         if not saes:
             raise ValueError("an SAEBank needs at least one SAE")
         self.slots = tuple(saes)
@@ -39,9 +45,14 @@ class SAEBank:
         self.width = 2 * self.k + 1
         self.layers = tuple(sorted({layer for layer, _ in saes.values()}))
         self._saes = [(self.layers.index(layer), weights) for layer, weights in saes.values()]
+        self._decoders = dict(decoders or {})
 
     def weights_of(self, name: str) -> SAEWeights:
         return self._saes[self.slots.index(name)][1]
+
+    def decoder_of(self, name: str) -> torch.Tensor:
+        """A clamped SAE's decoder rows (its clamp op writes with them)."""
+        return self._decoders[name]
 
     selective = True
     """The recorder hands it each SAE's rows (``slot_rows``): an SAE runs only on the rows of
@@ -68,21 +79,22 @@ class SAEBank:
         return out
 
 
-def load_bank(
-    settings: Mapping[str, Any], device: torch.device | str, keep_decoders: Sequence[str] = ()
-) -> tuple[SAEBank, dict[str, torch.Tensor]]:
-    """The bank the loader's settings describe (``{"saes": {name: {"path", "layer"}}, "k":
-    int, "dtype": encoder dtype or None}``), each SAE read from its folder onto ``device``;
-    and the decoder rows of the SAEs named in ``keep_decoders`` (clamping writes with them)."""
+def sae_bank(
+    readout: Any, instances: Mapping[str, Mapping[str, Any]], k: int, model: Any
+) -> SAEBank:
+    """``SAEReadout.worker_bank``: each SAE read from its folder (``instances[name]["path"]``)
+    onto the model's device (``model.device``), its encoder in the instance's ``dtype`` (None:
+    its own); a clamped SAE's decoder rows are kept too (its clamp op writes with them)."""
     from probehook.saes import SAE
 
     saes = {}
     decoders = {}
-    for name, entry in settings["saes"].items():
-        sae = SAE.load(entry["path"], layer=int(entry["layer"]))
+    for name, settings in instances.items():
+        sae = SAE.load(settings["path"], layer=int(settings["layer"]))
         dtype = settings.get("dtype")
-        saes[name] = (sae.layer, sae.weights.to(device, getattr(torch, dtype) if dtype else None))
-        if name in keep_decoders:
+        weights = sae.weights.to(model.device, getattr(torch, dtype) if dtype else None)
+        saes[name] = (sae.layer, weights)
+        if settings.get("clamping"):
             assert sae.W_dec is not None
-            decoders[name] = sae.W_dec.to(device)
-    return SAEBank(saes, int(settings["k"])), decoders
+            decoders[name] = sae.W_dec.to(model.device)
+    return SAEBank(saes, int(k), decoders)

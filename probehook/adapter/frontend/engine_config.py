@@ -316,18 +316,18 @@ def capture_engine_kwargs(
     pooling: bool = False,
     steer_layers: tuple[int, ...] = (),
     exit_after: int | None = None,
-    saes: dict[str, Any] | None = None,
     monitored: bool | None = None,
     clamps: Sequence[Sequence[Any]] = (),
     banks: str | None = None,
     readouts: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Return ``kwargs`` for ``vllm.LLM`` with probehook's loader, extension and config;
-    ``probe_layers`` (the layers probes and SAEs read) are tapped too; with probes
+    ``probe_layers`` (the layers probes and readouts read) are tapped too; with probes
     (``monitored``; None: whenever ``probe_layers`` are given) the monitor logits processor is
     added; with ``steer_layers``, those layers get the steering op; with ``exit_after`` (a
-    capture-only engine), the model stops after that layer; ``saes``: the SAE bank's loader
-    settings; ``banks``: the probes and first steering vectors, encoded (``WorkerBanks.encode``);
+    capture-only engine), the model stops after that layer; ``clamps``: the clamp ops
+    (``[[source, instance, layer, key part], ...]``); ``banks``: the probes and first
+    steering vectors, encoded (``WorkerBanks.encode``);
     ``readouts``: each top-k readout's loader settings, by source."""
     kwargs = dict(kwargs)
     if kwargs.get("worker_extension_cls") not in (None, "", WORKER_EXTENSION):
@@ -357,8 +357,6 @@ def capture_engine_kwargs(
         )
     kwargs["load_format"] = loader_keys.LOAD_FORMAT
     kwargs["model_loader_extra_config"] = {**extra, loader_keys.LOADER_EXTRA_KEY: inner_format}
-    if saes:
-        kwargs["model_loader_extra_config"][loader_keys.SAE_BANK_KEY] = saes
     if readouts:
         kwargs["model_loader_extra_config"][loader_keys.READOUTS_KEY] = readouts
     if banks:

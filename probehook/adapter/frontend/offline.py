@@ -73,20 +73,12 @@ class LLM(vllm.LLM):
             always get one), for vectors added later with :meth:`add_steering`. Which layers
             steer is fixed when the model is compiled; the vectors are not.
         steering_capacity: the most vectors the bank holds at once (default 64).
-        saes: :class:`~probehook.SAE` objects read inside the engine on every token: a dict
-            name -> SAE (or its folder). Their layers are tapped whether or not ``layers``
-            names them; only each token's top features leave the worker:
-            ``CompletionOutput.sae_features[name]`` (a :class:`~probehook.SAEFeatures`) and,
-            with ``include_prefill``, ``RequestOutput.prefill_sae_features``. See
-            docs/saes.md.
-        sae_top_k: features kept per token and SAE (default 32); a request may ask fewer
-            with ``extra_args={"probehook": {"sae_top_k": k}}``.
-        sae_clamping: let requests hold SAE features at values on every token
-            (``extra_args={"probehook": {"clamp": {"res3": {123: 0.0}}}}``): a clamp op on
-            each SAE's layer, in the compiled model.
-        sae_dtype: the encoder GEMM's operand dtype in the worker: None (each SAE's own),
-            ``"float32"``, ``"bfloat16"`` or ``"float16"`` (half the weight bytes a step
-            reads; biases, activation and top-k stay float32).
+        **readout options**: each registered top-k readout's engine options, by its own
+            names. SAE features (:class:`~probehook.saes.readout.SAEReadout`): SAEs read
+            inside the engine on every token, by name (``CompletionOutput.sae_features``),
+            with ``sae_top_k`` (default 32), ``sae_clamping`` and ``sae_dtype``; lenses
+            (:class:`~probehook.outputs.lens.LensReadout`): ``lenses``, ``lens_layers``,
+            ``lens_top_k``, ``lens_dtype``. Each readout's class documents its options.
         capture_only: build a collection engine: :meth:`capture` reads each prompt in one
             forward pass (vLLM's pooling runner; nothing is sampled) and the model stops after
             the deepest layer captured or probed (no later layers, final norm or LM head).

@@ -20,7 +20,7 @@ from probehook._version import __version__ as probehook_version
 from probehook.adapter.frontend import engine_config, outputs
 from probehook.capture_config import CaptureConfig, resolve_layers
 from probehook.core.bank_file import WorkerBanks
-from probehook.core.monitors import FeatureMonitor, TopKMonitor
+from probehook.core.monitors import TopKMonitor
 from probehook.core.steering_wire import DEFAULT_CAPACITY
 from probehook.errors import CaptureConfigError, CaptureError
 from probehook.frontend.capture_request import (
@@ -28,10 +28,10 @@ from probehook.frontend.capture_request import (
 )
 from probehook.frontend.probe_set import ProbeSet
 from probehook.frontend.readout_set import ReadoutSet
-from probehook.frontend.sae_set import DEFAULT_TOP_K, SAESet
 from probehook.frontend.session import CaptureSession, Rpc
 from probehook.frontend.steering_set import SteeringSet
 from probehook.outputs import OUTPUT_PROCESSORS
+from probehook.outputs.top_k import RUN_TOP_K_KEY
 from probehook.outputs.top_k_readout import top_k_readouts
 from probehook.store import ActivationStore
 from probehook.store.fingerprint import legacy_fingerprint, model_fingerprint
@@ -52,7 +52,6 @@ class CaptureSetup:
     store: str | None
     store_options: dict[str, Any]
     steering: SteeringSet | None = None
-    saes: SAESet | None = None
 
     banks: str | None = None
     """The probes and first steering vectors the workers' loader reads at model load
@@ -100,18 +99,6 @@ def prepare(
             hidden_size=resolved.model_config.get_hidden_size(),
             model_fingerprint=fingerprint["fingerprint"],
         )
-    sae_set = None
-    feature_monitors = [m for m in request.monitors or () if isinstance(m, FeatureMonitor)]
-    if request.saes is not None:
-        sae_set = SAESet(
-            request.saes,
-            DEFAULT_TOP_K if request.sae_top_k is None else request.sae_top_k,
-            feature_monitors,
-            num_layers=num_layers,
-            hidden_size=resolved.model_config.get_hidden_size(),
-            clamping=request.sae_clamping,
-            dtype=request.sae_dtype,
-        )
     readouts = _readout_sets(
         request, num_layers, resolved.model_config.get_hidden_size(),
         model_name=resolved.model_config.model,
@@ -154,12 +141,11 @@ def prepare(
         last_prefill_token=request.last_prefill_token,
         last_decode_token=request.last_decode_token,
     )
-    # Probes and SAEs read their layers' taps, whether or not rows are captured there.
+    # Probes and readouts read their layers' taps, whether or not rows are captured there.
     read_layers = tuple(
         sorted(
             {
                 *(probe_set.layers if probe_set else ()),
-                *(sae_set.layers if sae_set else ()),
                 *(layer for r in readouts.values() for layer in r.layers),
             }
         )
@@ -173,13 +159,11 @@ def prepare(
         steering.layers if steering is not None else (),
         # Capture-only: nothing after the deepest tapped layer is computed.
         exit_after=max((*config.layers, *read_layers)) if request.capture_only else None,
-        saes=sae_set.loader_settings() if sae_set is not None else None,
         banks=banks,
         readouts={source: r.loader_settings() for source, r in readouts.items()} or None,
-        clamps=sae_set.clamp_settings() if sae_set is not None else (),
-        # Requests may bring their own monitors: whenever probes or SAEs can be watched.
+        clamps=[op for r in readouts.values() for op in r.clamp_ops()],
+        # Requests may bring their own monitors: whenever probes or readouts can be watched.
         monitored=probe_set is not None
-        or sae_set is not None
         or any(r.readout.flags_attribute for r in readouts.values()),
     )
     legacy = legacy_fingerprint(hf_config)  # only compared with pre-v2 stores
@@ -200,7 +184,6 @@ def prepare(
         store,
         dict(request.store_options or {}),
         steering,
-        sae_set,
         banks,
         readouts,
     )
@@ -265,12 +248,10 @@ def capture_only_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
 
 
 def _monitorable(setup: CaptureSetup) -> bool:
-    """Whether requests may bring stop monitors: of probes, SAE features or a top-k readout
-    that has monitors (lenses)."""
-    return (
-        setup.probes is not None
-        or setup.saes is not None
-        or any(r.readout.flags_attribute for r in setup.readouts.values())
+    """Whether requests may bring stop monitors: of probes or of a top-k readout that has
+    monitors (SAE features, lenses)."""
+    return setup.probes is not None or any(
+        r.readout.flags_attribute for r in setup.readouts.values()
     )
 
 
@@ -295,7 +276,6 @@ def start(
         probes=setup.probes,
         stop_token=stop_token if _monitorable(setup) else None,
         steering=setup.steering,
-        saes=setup.saes,
         readouts=setup.readouts,
     )
     session.row_format = (int(infos[0]["hidden_size"]), _torch_dtype(infos[0]["dtype"]))
@@ -329,10 +309,8 @@ def _open_store(setup: CaptureSetup, model: str, info: dict[str, Any]) -> Activa
     options = {**setup.store_options, "legacy_fingerprint": setup.legacy_fingerprint}
     store = ActivationStore.for_writing(setup.store, meta, **options)
     run: dict[str, Any] = {"capture": setup.config.to_dict()}
-    if setup.saes is not None:
-        run["saes"] = setup.saes.describe()
-    for readout_set in setup.readouts.values():  # stored as feature sets alike
-        run.setdefault("saes", {}).update(readout_set.store_description())
+    for readout_set in setup.readouts.values():  # each instance under its stored name
+        run.setdefault(RUN_TOP_K_KEY, {}).update(readout_set.store_description())
     store.begin_run(run)
     return store
 

@@ -40,26 +40,6 @@ def add_capture_args(parser: Any) -> None:
         help="a probe file (safetensors) requests may ask scores of; repeatable",
     )
     group.add_argument(
-        "--sae",
-        action="append",
-        default=[],
-        metavar="NAME=PATH",
-        help="an SAE folder (SAELens or sparsify) requests may ask features of "
-        '("probehook": {"saes": ["NAME"]}); repeatable',
-    )
-    group.add_argument(
-        "--sae-dtype",
-        default=None,
-        choices=["float32", "bfloat16", "float16"],
-        help="the SAE encoder GEMM's dtype in the worker (default: each SAE's own)",
-    )
-    group.add_argument(
-        "--sae-clamping",
-        action="store_true",
-        help='let requests hold SAE features at values ("probehook": {"clamp": {"NAME": '
-        '{"FEATURE": VALUE}}}): a clamp op on each SAE\'s layer',
-    )
-    group.add_argument(
         "--top-k-encoding",
         "--sae-encoding",
         dest="sae_encoding",
@@ -68,12 +48,6 @@ def add_capture_args(parser: Any) -> None:
         help="how every top-k reading (SAE features, lenses, any registered readout) is written "
         "into responses: JSON lists (default) or base64 arrays (int32 indices, float32 values, "
         "the scalar column; decode with decode_array); --sae-encoding is its older name",
-    )
-    group.add_argument(
-        "--sae-top-k",
-        type=int,
-        default=None,
-        help="the most SAE features a token returns (default 32; a request may ask fewer)",
     )
     group.add_argument(
         "--monitor",
@@ -169,11 +143,6 @@ def capture_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
     probes = _named_paths("--probe", args.probe, "truth=probe.st")
     steering = _named_paths("--steer", args.steer, "calm=calm.st")
-    saes = _named_paths("--sae", args.sae, "res12=saes/layer12")
-    if args.sae_top_k is not None and args.sae_top_k < 1:
-        raise SystemExit("error: --sae-top-k must be a positive number of features")
-    if args.sae_top_k is not None and not saes:
-        raise SystemExit("error: --sae-top-k needs --sae NAME=FOLDER")
     if args.steering_capacity is not None and args.steering_capacity < 1:
         raise SystemExit("error: --steering-capacity must be a positive number of vectors")
     try:
@@ -201,10 +170,6 @@ def capture_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         steering=steering or None,
         steering_layers=steering_layers,
         steering_capacity=args.steering_capacity,
-        saes=saes or None,
-        sae_top_k=args.sae_top_k,
-        sae_dtype=args.sae_dtype,
-        sae_clamping=args.sae_clamping,
         readouts=_readouts(args.readout) or None,
         readout_top_k=_readout_top_k(args.readout_top_k) or None,
     )
@@ -244,6 +209,8 @@ class ReadoutFlag:
         out: dict[str, Any] = {"help": readout.cli_help.get(self.option, default_help)}
         if self.instances:
             out.update(action="append", default=[], metavar="NAME=SPEC")
+        elif self.option in readout.cli_switches:
+            out.update(action="store_true", default=None)
         else:
             out.update(default=None)
             if self.option in readout.cli_choices:
@@ -251,15 +218,20 @@ class ReadoutFlag:
         return out
 
 
-def readout_flags() -> list[ReadoutFlag]:
-    """The flags of every registered top-k readout's engine options (a readout registered
-    through the entry point gets its flags as a built-in one does)."""
+def registered_readouts() -> dict[str, Any]:
+    """Every registered top-k readout, by source."""
     from probehook.outputs import OUTPUT_PROCESSORS
     from probehook.outputs.top_k_readout import top_k_readouts
 
+    return top_k_readouts(OUTPUT_PROCESSORS)
+
+
+def readout_flags() -> list[ReadoutFlag]:
+    """The flags of every registered top-k readout's engine options (a readout registered
+    through the entry point gets its flags as a built-in one does)."""
     return [
         ReadoutFlag(readout, option)
-        for readout in top_k_readouts(OUTPUT_PROCESSORS).values()
+        for readout in registered_readouts().values()
         if readout.engine_option
         for option in (readout.engine_option, readout.k_option, *readout.extra_engine_options)
     ]
@@ -561,7 +533,13 @@ def _describe(engine: Any, limit: int, default: dict[str, Any] | None = None) ->
         # Each top-k readout by its engine option (a lens: "lenses"), with the request
         # options that ask it.
         "readouts": {r.readout.engine_option: r.describe() for r in readouts.values()},
-        "saes": sorted(session.saes.saes) if session is not None and session.saes else [],
+        # And each registered readout's instances by its engine option (SAEs' older field,
+        # kept), empty where the engine does not read it.
+        **{
+            r.engine_option: sorted(readouts[s].instances) if s in readouts else []
+            for s, r in registered_readouts().items()
+            if r.engine_option not in ("readouts", "layers", "probes", "monitors")
+        },
         "hidden_size": info.get("hidden_size"),
         "dtype": str(info.get("dtype", "")).removeprefix("torch.") or None,
         "max_capture_response_bytes": limit,

@@ -181,21 +181,17 @@ class CaptureServing:
         bound = response_bytes_bound(
             rows * completions, len(config.layers), info["hidden_size"], itemsize
         )
-        saes = tracked.saes
-        if saes is not None:
-            bound += features_bytes_bound(rows * completions, len(saes.names), saes.k)
         asked = [f"{len(config.layers)} layer(s)"]
-        if saes is not None:
-            asked.append(f"{len(saes.names)} SAE(s) x top-{saes.k}")
         engine_readouts = self.engine_client.session.readouts  # type: ignore[attr-defined]
-        for source, readout in (tracked.readouts or {}).items():  # top-k rows, as SAE features
+        for source, readout in (tracked.readouts or {}).items():  # SAE features, lenses, ...
             entries = rows * completions * len(readout.names) * readout.k
             bound += features_bytes_bound(rows * completions, len(readout.names), readout.k)
             kind = engine_readouts[source].readout
             text = self._token_text() if kind.entries_are_tokens else None
             if text is not None:  # each entry's token text beside its id
                 bound += entries * text.json_bytes
-            asked.append(f"{len(readout.names)} {kind.name} instance(s) x top-{readout.k}")
+            noun = engine_readouts[source].noun
+            asked.append(f"{len(readout.names)} {noun}(s) x top-{readout.k}")
         if bound > self.max_response_bytes:
             raise CaptureConfigError(
                 f"This request could return up to {bound / MiB:.1f} MiB of hidden states and "

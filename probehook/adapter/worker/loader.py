@@ -17,7 +17,7 @@ from typing import Any
 
 from torch import nn
 
-from probehook.adapter.worker.head import model_parts
+from probehook.adapter.worker.head import ModelParts, model_parts
 from probehook.adapter.worker.surgery import (
     attach_clamped_sae,
     exit_early,
@@ -34,7 +34,6 @@ from probehook.core.loader_keys import (
     LOAD_FORMAT,
     LOADER_EXTRA_KEY,
     READOUTS_KEY,
-    SAE_BANK_KEY,
     STEER_LAYERS_KEY,
     TAP_LAYERS_KEY,
 )
@@ -67,7 +66,6 @@ def _make_loader_class() -> type:
             super().__init__(load_config)
             extra = dict(load_config.model_loader_extra_config or {})
             inner_format = extra.pop(LOADER_EXTRA_KEY, None)
-            self.sae_settings = extra.pop(SAE_BANK_KEY, None)
             self.banks = extra.pop(BANKS_KEY, None)
             self.readouts = extra.pop(READOUTS_KEY, None)
             if inner_format is None:
@@ -101,9 +99,11 @@ def _make_loader_class() -> type:
             )
             scheduler = vllm_config.scheduler_config
             # Each clamp op's buffers are named by a key made of what the compile-cache key
-            # holds (name, layer, fingerprint).
-            clamps = [(str(name), int(layer), clamp_key(str(name), int(layer), str(print_)))
-                      for name, layer, print_ in settings.get(CLAMP_KEY) or ()]  # fmt: skip
+            # holds (instance, layer, fingerprint).
+            clamped = [(str(source), str(name), int(layer), str(part))
+                       for source, name, layer, part in settings.get(CLAMP_KEY) or ()]  # fmt: skip
+            clamps = [(name, layer, clamp_key(name, layer, part))
+                      for _, name, layer, part in clamped]  # fmt: skip
             hook = install_taps(
                 model,
                 config,
@@ -115,18 +115,8 @@ def _make_loader_class() -> type:
                 steer_slots=scheduler.max_num_seqs + 1,
                 clamps=clamps,
             )
-            if self.sae_settings:
-                # Here, inside vLLM's memory profiling: the KV cache is sized around them.
-                from probehook.worker.sae_bank import load_bank
-
-                device = next(model.parameters()).device
-                hook.sae_bank, decoders = load_bank(
-                    self.sae_settings, device, keep_decoders=[name for name, _, _ in clamps]
-                )
-                for name, layer, key in clamps:
-                    attach_clamped_sae(
-                        model, layer, key, hook.sae_bank.weights_of(name), decoders[name]
-                    )
+            # The readouts' banks, here, inside vLLM's memory profiling: the KV cache is sized
+            # around what they hold (an SAE's encoder).
             for source, entry in (self.readouts or {}).items():
                 # Each top-k readout's instances (its class is registered in this process
                 # too: an output processor, or its entry point).
@@ -137,11 +127,18 @@ def _make_loader_class() -> type:
                         "in this worker's process: register it through the entry-point group "
                         "'probehook.output_processors' so every process knows it."
                     )
-                parts = model_parts(model, lambda: _unembedding(self.inner, model_config))
+                parts = (
+                    model_parts(model, lambda: _unembedding(self.inner, model_config))
+                    if readout.reads_head
+                    else ModelParts(next(model.parameters()).device, None)
+                )
                 hook.top_k_banks[source] = top_k_bank(
                     readout, entry["instances"], entry["k"], parts
                 )
                 hook.top_k_ranks[source] = readout.ranks
+            for (source, name, layer, _), (_, _, key) in zip(clamped, clamps, strict=True):
+                bank = hook.top_k_banks[source]  # a clamp writes with its instance's weights
+                attach_clamped_sae(model, layer, key, bank.weights_of(name), bank.decoder_of(name))
             # Probes and steering vectors too, from the banks the front end encoded.
             banks = WorkerBanks.decode(self.banks) if self.banks else WorkerBanks()
             hook.allocate_banks(banks)

@@ -235,10 +235,11 @@ def plan_factory(
     stops_only: bool = False,
 ) -> PlanFor:
     """Builds the keep plan of a request the first time a recorder of ``source`` sees it:
-    its hidden rows, its probe ``"scores"`` or its ``"sae"`` features (``slots``: the SAE
-    names the recorder computes). Never raises: it runs inside the step hook, where an
-    exception ends the engine for every request, so a request whose options cannot be read
-    gets a failed capture (its outputs carry the reason) and the others go on. ``steerable``
+    its hidden rows, its probe ``"scores"`` or a top-k readout's rows (``slots``: the
+    instances the recorder computes: SAEs, lens instances). Never raises: it runs inside
+    the step hook, where an exception ends the engine for every request, so a request
+    whose options cannot be read gets a failed capture (its outputs carry the reason) and
+    the others go on. ``steerable``
     (a steering engine's bank): a request that names a vector the bank lacks runs unsteered,
     so its capture fails too, naming them. ``stops_only``: keep only the requests whose stop
     monitors read this source in the sampler (a rank that answers no export)."""
@@ -259,8 +260,8 @@ def plan_factory(
 
 
 def _stops_on(raw: Any, source: str) -> bool:
-    """Whether a request's wire has a stop monitor that reads ``source`` (SAE features) in
-    the sampler."""
+    """Whether a request's wire has a stop monitor that reads ``source`` (a top-k readout's
+    rows: SAE features) in the sampler."""
     wire = RequestWire.from_wire(raw)
     if wire is None:
         return False
@@ -294,8 +295,8 @@ def _plan(
             "so it ran unsteered"
         )
     transformed = source != "hidden"
-    if source == "scores" and not wire.probes or source == "sae" and not wire.saes:
-        return None  # the front end lists the probes and SAEs a request gets; none here
+    if source == "scores" and not wire.probes:
+        return None  # the front end lists the probes a request gets; none here
     instances = wire.readout(source) if source not in BUILT_IN_SOURCES else None
     if instances is not None and not instances:
         return None  # a top-k readout the request does not ask for
@@ -303,11 +304,6 @@ def _plan(
         raise CaptureConfigError(
             f"it asks for {source} readout(s) {sorted(set(instances) - set(slots))}, which the "
             f"engine does not have (its {source} readouts: {list(slots)})"
-        )
-    if source == "sae" and not set(wire.saes) <= set(slots):
-        raise CaptureConfigError(
-            f"it asks for SAE(s) {sorted(set(wire.saes) - set(slots))}, which the engine does "
-            f"not have (its SAEs: {list(slots)})"
         )
     # The front end narrowed the config; narrowing it again checks that it names only layers
     # this engine taps (a wire that skipped the front end may not).
@@ -328,7 +324,7 @@ def _plan(
         # the engine. A stream sends each row as it is computed, before the end is known.
         end_known = not getattr(params, "stop", None) and not wire.stream
         keep = keep_plan(config, prompt_len, index, end_known)
-    layers = config.layers if source == "hidden" else wire.saes if source == "sae" else instances
+    layers = config.layers if source == "hidden" else instances
     one_pass = getattr(state, "sampling_params", None) is None  # a pooling request
     return RequestPlan(f"{wire.tag}/{index}", keep, wire.stream, layers, one_pass=one_pass)
 

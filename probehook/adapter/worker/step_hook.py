@@ -50,18 +50,15 @@ class StepHook:
         """The recorder of each source this engine records, in the readout table's order
         (built at load by :meth:`allocate_banks`)."""
         self.clamp_buffers: dict[str, Any] = {}
-        """Each clamped SAE's op buffers, by name (:class:`ClampBuffers`)."""
+        """Each clamped instance's op buffers (an SAE's), by name (:class:`ClampBuffers`)."""
         self.top_k_banks: dict[str, Any] = {}
+        """Each top-k readout's bank (SAE features', lenses', the generic
+        :class:`~probehook.worker.top_k_bank.TopKBank`), by source, built at load."""
         self.top_k_ranks: dict[str, str] = {}
         """Each top-k readout's ranks (``TopKReadout.ranks``), by source."""
-        """Each top-k readout's :class:`~probehook.worker.top_k_bank.TopKBank`, by source,
-        read from the loader's settings at load."""
         self.forced_stops = 0
         """Stop tokens this worker's stop processor forced (every rank forces its own: under
         tensor parallelism the ranks' counts agree)."""
-        self.sae_bank: Any = None
-        """The engine's :class:`~probehook.worker.sae_bank.SAEBank`, read at load (None: no
-        SAEs)."""
         self.steer: StepSteering | None = None
         """The steering bank and its per-step tables (None: no layer is steered)."""
         self.banks: dict[str, Any] = {}
@@ -82,8 +79,8 @@ class StepHook:
 
     def allocate_banks(self, banks: WorkerBanks) -> None:
         """Allocate the steering bank and every readout's recorder (the readout table's
-        ``build``: probe scores from ``banks``, SAE features from the SAE bank the loader read
-        before this), at model load, inside vLLM's memory profiling."""
+        ``build``: probe scores from ``banks``, each top-k readout's from the bank the loader
+        built before this), at model load, inside vLLM's memory profiling."""
         rows = [
             *READOUTS.values(),
             *(self.readout_row(source) for source in self.top_k_banks),
@@ -105,7 +102,6 @@ class StepHook:
             "probe_outputs": sum(spec.weight.shape[0] for spec in banks.probes),
             "steering_capacity": self.steer.bank.capacity if self.steer is not None else 0,
             "steering_vectors": sorted(banks.vectors) if self.steer is not None else [],
-            "saes": list(self.sae_bank.slots) if self.sae_bank is not None else [],
             "readouts": {source: list(bank.slots) for source, bank in self.top_k_banks.items()},
         }
 
@@ -127,11 +123,6 @@ class StepHook:
     def scorer(self) -> StepRecorder | None:
         """Probe scores (None: no probes)."""
         return self.recording.get("scores")
-
-    @property
-    def sae_recorder(self) -> StepRecorder | None:
-        """SAE features (None: no SAEs)."""
-        return self.recording.get("sae")
 
     def install_on(
         self,

@@ -83,11 +83,22 @@ def _oracles(sae_dirs: dict[str, Path]) -> dict[str, Any]:
 LAYERS = {name: layer for name, (_, _, layer, _) in SAES.items()}
 
 
-def test_the_user_process_holds_no_weights_of_a_folder(sae_llm) -> None:
+def test_the_user_process_holds_no_weights_of_a_folder(sae_llm, sae_dirs) -> None:
     """An SAE given as a folder is read for its config and shapes in the user's process (the
-    workers read the weights); one given loaded stays as it was."""
-    held = {name: sae.has_weights for name, sae in sae_llm.session.saes.saes.items()}
-    assert held == {"res1": True, "res2": False, "res3": False}
+    workers read the weights); one given loaded stays as it was; the engine's session keeps
+    each SAE's settings only (JSON: folder, layer, fingerprint), no tensors."""
+    import json
+
+    from probehook import SAE
+    from probehook.saes.readout import SAEReadout
+
+    given = {"res1": SAE.load(sae_dirs["res1"]), "res2": str(sae_dirs["res2"])}
+    read = SAEReadout().named_specs(given)
+    assert read["res1"] is given["res1"] and read["res1"].has_weights
+    assert not read["res2"].has_weights
+    instances = sae_llm.session.readouts["sae"].instances
+    assert sorted(instances) == ["res1", "res2", "res3"]
+    assert json.loads(json.dumps(instances)) == instances
 
 
 def test_features_under_load_equal_saelens(sae_llm, llama_dir: Path, sae_dirs) -> None:
@@ -249,9 +260,9 @@ def test_bad_sae_requests_fail_before_generation(sae_llm) -> None:
 
     for options, match in [
         ({"saes": ["nope"]}, "not engine SAEs"),
-        ({"sae_top_k": TOP_K + 1}, "over the engine's sae_top_k"),
-        ({"sae_top_k": 0}, "positive int"),
-        ({"saes": "res1"}, "list of SAE names"),
+        ({"sae_top_k": TOP_K + 1}, rf"in 1\.\.{TOP_K} \(the engine's sae_top_k"),
+        ({"sae_top_k": 0}, rf"sae_top_k=0 is not valid: pass an int in 1\.\.{TOP_K}"),
+        ({"saes": "res1"}, "list of readout names"),
         (
             {"saes": ["res1"], "monitors": [{"sae": "res2", "feature": 1, "threshold": 0}]},
             "does not read",

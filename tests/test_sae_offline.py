@@ -520,7 +520,7 @@ def test_an_sae_named_like_a_stored_readout_instance_is_refused():
     ``"lens:j@4"`` would take that instance's place and break the writer (review D14)."""
     from probehook import SAE, tiny_sae_path
     from probehook.errors import CaptureConfigError
-    from probehook.frontend.sae_set import load_saes
+    from probehook.saes.readout import load_saes
 
     sae = SAE.load(tiny_sae_path(), weights=False)
     assert list(load_saes({"res1": sae})) == ["res1"]

@@ -109,7 +109,7 @@ class ReadoutSet:
             "names": readout.pickable(self.instances),
             "layers": list(self.layers),
             "k": self.k,
-            "name": readout.name,
+            "name": readout.display_name,
             "attribute": readout.completion_attributes[0],
             "columns": list(readout.row_type.column_names),
             "served": {i: readout.served_path(i) for i in self.instances},

@@ -90,6 +90,9 @@ class TopKReadout(OutputProcessor):
     ``function(readout, instances, k, model)`` (``model``: the parts of the model it may need,
     ``ModelParts``: head, norms, vocabulary shard); the default reads each instance with
     :meth:`read` on the rows of the requests that asked for it."""
+    view_name: ClassVar[str] = ""
+    """Its name in viewers (series ``"<view name> <instance>"``, the live page's choices);
+    default: :attr:`name`."""
     cli_flag: ClassVar[str] = ""
     """``probehook serve``'s flag naming instances, ``--<cli_flag> NAME=SPEC`` (repeatable);
     default: the engine option's name with dashes (``--norms``). Its other engine options
@@ -175,6 +178,11 @@ class TopKReadout(OutputProcessor):
     def clamp_salt(self, instances: Mapping[str, Mapping[str, Any]], terms: Any) -> str:
         """The prefix-cache salt of a request's clamp terms."""
         raise NotImplementedError
+
+    @property
+    def display_name(self) -> str:
+        """:attr:`view_name`, or :attr:`name`."""
+        return self.view_name or self.name
 
     @property
     def k_option(self) -> str:

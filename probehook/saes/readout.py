@@ -96,6 +96,7 @@ class SAEReadout(TopKReadout):
     ``sae_features`` and ``prefill_sae_features``."""
 
     name = "sae_features"
+    view_name = "sae"
     source = SOURCE
     request_attributes = ("prefill_sae_features",)
     completion_attributes = ("sae_features",)

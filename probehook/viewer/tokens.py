@@ -55,23 +55,24 @@ def request_data(
     for readout, prefill_rows, decode_rows in _top_k_readouts(output, completion, stored):
         for instance in sorted({*prefill_rows, *decode_rows}):
             rows = place.top_k(prefill_rows.get(instance), decode_rows.get(instance))
-            name = f"{readout.name} {instance}"
+            shown = readout.display_name
+            name = f"{shown} {instance}"
             entry = {"name": name, "tokens": readout.entries_are_tokens, "rows": rows,
                      "labels": {}}  # fmt: skip
             if readout.entries_are_tokens:
                 entry["texts"] = _entry_texts(rows, token_text)
-            series.extend(_labelled(entry, (labels or {}).get(instance, {}), name, readout.name))
+            series.extend(_labelled(entry, (labels or {}).get(instance, {}), name, shown))
             top_k.append(entry)
             if readout.scalar_series is not None:  # a lens's target log-prob
                 label, scale = readout.scalar_series
                 values = place.series(
                     _scalar(prefill_rows.get(instance)), _scalar(decode_rows.get(instance))
                 )
-                name = f"{readout.name} {instance} {label}"
-                series.append(_series(name, readout.name, values, scale))
+                name = f"{shown} {instance} {label}"
+                series.append(_series(name, shown, values, scale))
                 group, at, layer = instance.rpartition("@")  # "<name>@<layer>": one grid
                 if at and layer.isdigit():
-                    key = (f"{readout.name} {group}: {label} by layer", scale)
+                    key = (f"{shown} {group}: {label} by layer", scale)
                     by_layer.setdefault(key, {})[int(layer)] = values
     grids = [
         {
@@ -91,13 +92,6 @@ def request_data(
             "layers": [s["name"].removeprefix("probe ") for s in probes],
             "values": [s["values"] for s in probes],
         })  # fmt: skip
-    saes_prefill = _get(output, "prefill_sae_features")
-    saes_decode = output.sae_features if stored else _get(completion, "sae_features")
-    for name in sorted({*saes_prefill, *saes_decode}):
-        rows = place.top_k(saes_prefill.get(name), saes_decode.get(name))
-        entry = {"name": f"sae {name}", "tokens": False, "rows": rows, "labels": {}}
-        series.extend(_labelled(entry, (labels or {}).get(name, {}), f"sae {name}", "sae"))
-        top_k.append(entry)
     return {
         "title": title if title is not None else _title(output, stored),
         "tokens": [token_text(t) for t in ids],

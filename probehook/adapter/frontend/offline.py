@@ -74,7 +74,7 @@ class LLM(vllm.LLM):
             steer is fixed when the model is compiled; the vectors are not.
         steering_capacity: the most vectors the bank holds at once (default 64).
         **readout options**: each registered top-k readout's engine options, by its own
-            names. SAE features (:class:`~probehook.saes.readout.SAEReadout`): SAEs read
+            names. SAE features (:class:`~probehook.SAE`; ``SAEReadout``): SAEs read
             inside the engine on every token, by name (``CompletionOutput.sae_features``),
             with ``sae_top_k`` (default 32), ``sae_clamping`` and ``sae_dtype``; lenses
             (:class:`~probehook.outputs.lens.LensReadout`): ``lenses``, ``lens_layers``,

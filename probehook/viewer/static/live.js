@@ -155,17 +155,6 @@
         }
       });
     });
-    var saes = readings.sae_features || {};
-    Object.keys(saes).forEach(function (name) {
-      var labels = state.labels[name] || {};
-      var t = topKOf("sae " + name, false, labels);
-      var values = view.columns(saes[name].values);
-      view.columns(saes[name].indices).forEach(function (ids, i) {
-        t.rows[first + i] = ids.map(function (id, j) { return [id, values[i][j]]; })
-          .filter(function (pair) { return pair[0] >= 0; });
-        labelled("sae " + name, labels, t.rows[first + i], first + i);
-      });
-    });
   }
 
   function paint() {
@@ -223,7 +212,7 @@
     reply.textContent = "";
     select.textContent = "";
     span(0, data.tokens[0]);  // the prompt's last token, where decode row 0 is computed
-    var options = { probes: chosen("probe"), saes: chosen("sae") };
+    var options = { probes: chosen("probe") };
     Object.keys(readouts()).forEach(function (key) {  // each readout's picking option
       var r = readouts()[key], names = chosen(r.name);
       if (names.length) { options[r.options[0]] = names; }
@@ -242,9 +231,7 @@
       status.textContent = "error: " + error.message;
       return;
     }
-    ["probes", "saes"].forEach(function (key) {
-      if (!options[key].length) { delete options[key]; }
-    });
+    if (!options.probes.length) { delete options.probes; }
     Object.keys(extra).forEach(function (key) { options[key] = extra[key]; });
     var body = {
       model: model, stream: true, temperature: 0, logprobs: true, return_token_ids: true,
@@ -337,7 +324,6 @@
     model = models.data[0].id;
     status.textContent = "";
     Object.keys(info.probes || {}).forEach(function (name) { checkbox("probe", name); });
-    (info.saes || []).forEach(function (name) { checkbox("sae", name); });
     Object.keys(readouts()).forEach(function (key) {
       var r = readouts()[key];
       r.names.forEach(function (name) { checkbox(r.name, name); });

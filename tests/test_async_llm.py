@@ -160,8 +160,7 @@ def test_banks_come_at_load_inline(engine, loop) -> None:
         "probe_outputs": outputs,
         "steering_capacity": 64,
         "steering_vectors": [],
-        "saes": ["res3"],
-        "readouts": {},
+        "readouts": {"sae": ["res3"]},
     }
 
 
@@ -449,7 +448,7 @@ def test_malformed_options_storm(engine, offline, loop) -> None:
         except VLLMValidationError:
             continue  # vLLM's SamplingParams refuses it itself (an int over 64 bits)
         with pytest.raises(CaptureConfigError) as err:
-            RequestOptions.from_user(value)
+            RequestOptions.from_user(value, engine.session.readout_options)
         wanted.append(str(err.value))
     assert len(params) >= 100
 

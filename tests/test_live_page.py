@@ -29,7 +29,12 @@ DESCRIPTION = {
     "probes": {"p": {}, "reg": {}, "mc": {}},
     "saes": ["s"],
     "steering": {"vectors": {}},
-    "readouts": {
+    "readouts": {  # as the server describes its readouts (SAE features among them)
+        "saes": {
+            "options": ["saes", "sae_top_k"], "names": ["s"], "layers": [1], "k": 2,
+            "name": "sae", "attribute": "sae_features", "columns": ["indices", "values", "l0"],
+            "served": {"s": ["s"]}, "tokens": False, "series": None, "flags": "feature_flags",
+        },
         "lens": {
             "options": ["lenses", "lens_layers"], "names": ["j"], "layers": [3], "k": 2,
             "name": "lens", "attribute": "lens",

@@ -69,10 +69,13 @@ def test_the_capture_arguments_are_declared_once() -> None:
     from probehook.frontend.capture_request import CAPTURE_ARGUMENTS, CaptureRequest
 
     fields = {f.name: f.default for f in dataclasses.fields(CaptureRequest)}
-    assert set(CAPTURE_ARGUMENTS) == set(fields) and "saes" in fields
+    assert set(CAPTURE_ARGUMENTS) == set(fields)
+    # Each registered readout's engine options too (SAE features', lenses'), default None.
+    readout_options = ("saes", "sae_top_k", "sae_clamping", "sae_dtype", "lenses", "lens_layers")
     for front_end, refused in ((LLM, set()), (AsyncLLM, {"capture_only"})):
         shown = inspect.signature(front_end.__init__).parameters
         assert {n: p.default for n, p in shown.items() if n in fields} == {
             n: d for n, d in fields.items() if n not in refused
         }
+        assert all(shown[o].default is None for o in readout_options)
         assert "kwargs" in shown

@@ -211,7 +211,10 @@ def test_sae_features_in_choices_and_chunks(client, sae_dir: Path) -> None:
     full = got["sae_features"]["res3"]
     assert joined["l0"] == full["l0"]
     assert joined["indices"] == [row[:4] for row in full["indices"]]
-    for bad, match in [({"saes": ["nope"]}, "not engine SAEs"), ({"sae_top_k": 99}, "over")]:
+    for bad, match in [
+        ({"saes": ["nope"]}, "not engine SAEs"),
+        ({"sae_top_k": 99}, r"in 1\.\.8 \(the engine's sae_top_k"),
+    ]:
         with pytest.raises(openai.BadRequestError, match=match):
             client.completions.create(prompt=prompt, extra_body=ignore_eos(bad), **greedy())
     plain = client.completions.create(prompt=prompt, extra_body=ignore_eos({}), **greedy())
@@ -604,10 +607,12 @@ def test_malformed_options_storm(client, server, offline) -> None:
     assert len(objects) >= 100
     with urllib.request.urlopen(f"{server.base_url}/probehook") as reply:
         readouts = json.load(reply)["readouts"]
-    # The server's lenses add their options to the valid ones the refusals list.
+    # The server's readouts (lenses, SAEs) add their options to the valid ones the refusals
+    # list.
     options = {o: name for name, r in readouts.items() for o in r["options"]}
     assert options == {"lenses": "lenses", "lens_top_k": "lenses", "lens_layers": "lenses",
-                       "norms": "norms", "norms_top_k": "norms"}  # fmt: skip
+                       "norms": "norms", "norms_top_k": "norms", "saes": "saes",
+                       "sae_top_k": "saes"}  # fmt: skip
     messages = []
     for value in objects:
         with pytest.raises(CaptureConfigError) as err:
@@ -698,8 +703,13 @@ def test_reserved_xargs_key_and_info_route(client, server) -> None:
              "name": "row_norms", "attribute": "row_norms", "columns": ["indices", "values", "l0"],
              "served": {"n3": ["n3"]}, "tokens": False, "series": None,
              "flags": "norm_flags"}  # fmt: skip
+    saes = info["readouts"].pop("saes")  # SAE features: a readout as the others
+    assert saes["options"] == ["saes", "sae_top_k"] and saes["names"] == ["res3"]
+    assert (saes["name"], saes["attribute"], saes["flags"]) == ("sae", "sae_features",
+                                                                "feature_flags")  # fmt: skip
+    assert saes["columns"] == ["indices", "values", "l0"] and saes["served"] == {"res3": ["res3"]}
     assert info["readouts"] == {"lenses": lenses, "norms": norms}
-    assert info["saes"] == ["res3"]
+    assert info["saes"] == ["res3"] and info["lenses"] == ["j", "logit"]
     # The server is still serving after every refusal above.
     assert client.completions.create(prompt="1+1=", **greedy()).choices[0].text is not None
 

@@ -65,7 +65,7 @@ def test_flags_become_async_llm_arguments() -> None:
     assert steering["steering_capacity"] == 8
     saes = capture_kwargs(flags(sae=["res3=saes/l3"], sae_top_k=8, sae_clamping=True))
     assert saes["saes"] == {"res3": "saes/l3"} and saes["sae_top_k"] == 8
-    assert saes["sae_clamping"] is True and saes["sae_dtype"] is None
+    assert saes["sae_clamping"] is True and saes.get("sae_dtype") is None
     readouts = capture_kwargs(flags(readout=["norm:n3=3", "norm:n1=1"], readout_top_k=["norm=1"]))
     assert readouts["readouts"] == {"norm": {"n3": "3", "n1": "1"}}
     assert readouts["readout_top_k"] == {"norm": 1}

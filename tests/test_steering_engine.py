@@ -121,7 +121,6 @@ def test_banks_are_allocated_at_model_load(steer_llm, vectors) -> None:
         "probe_outputs": 1,
         "steering_capacity": 8,
         "steering_vectors": sorted(vectors),
-        "saes": [],
         "readouts": {},
     }
 

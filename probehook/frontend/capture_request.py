@@ -198,10 +198,14 @@ def take_capture_arguments(kwargs: dict[str, Any]) -> CaptureRequest:
         unused.setdefault(source, []).append(k_option)
     for source, options in unused.items():
         if source not in readouts:
+            given = ", ".join(f"{o}={extras.get(source, {}).get(o, top_k.get(source))!r}"
+                              for o in options)  # fmt: skip
+            owner = registered.get(source)
+            what = f"the {owner.name} readout" if owner is not None else f"readout {source!r}"
+            fix = f"{owner.engine_option}={{...}}" if owner is not None else "its instances"
             raise CaptureConfigError(
-                f"{', '.join(f'{o}=' for o in options)} configure{'s' if len(options) == 1 else ''}"
-                f" the {source!r} readout, which the engine does not read; pass its "
-                "instances too (or drop the option)."
+                f"{given} configure{'s' if len(options) == 1 else ''} {what}, which the engine "
+                f"does not read; pass {fix} too (or drop {'it' if len(options) == 1 else 'them'})."
             )
     return CaptureRequest(
         **given, readouts=readouts or None, readout_top_k=top_k or None,

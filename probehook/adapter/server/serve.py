@@ -245,8 +245,12 @@ def _readout_options(args: argparse.Namespace) -> dict[str, Any]:
     named = {f.readout.source: f for f in flags if f.instances}
     for flag in flags:
         given = getattr(args, flag.dest, None)
-        if flag.instances or given is None:
+        if flag.instances or given is None or given is False:  # False: a switch not given
             continue
+        if flag.option == flag.readout.k_option:
+            text = str(given).strip()
+            if not text.isdigit() or int(text) < 1:
+                raise SystemExit(f"error: {flag.flag} must be a positive number of entries")
         owner = named[flag.readout.source]
         if not getattr(args, owner.dest, None):
             raise SystemExit(f"error: {flag.flag} needs {owner.flag} NAME=SPEC")
@@ -536,7 +540,7 @@ def _describe(engine: Any, limit: int, default: dict[str, Any] | None = None) ->
         # And each registered readout's instances by its engine option (SAEs' older field,
         # kept), empty where the engine does not read it.
         **{
-            r.engine_option: sorted(readouts[s].instances) if s in readouts else []
+            r.engine_option: sorted(r.pickable(readouts[s].instances)) if s in readouts else []
             for s, r in registered_readouts().items()
             if r.engine_option not in ("readouts", "layers", "probes", "monitors")
         },

@@ -13,7 +13,8 @@ from helpers import assert_same_top_k
 
 from probehook.errors import CaptureConfigError
 from probehook.outputs.lens import LensReadout, LensRows
-from probehook.outputs.top_k import TopKDecoder, compact_top_k
+from probehook.outputs.top_k import TopKDecoder, carried_indices, compact_top_k
+from probehook.outputs.top_k_readout import pack
 from probehook.worker import lens_bank
 from probehook.worker.lens_bank import LensBank
 
@@ -63,7 +64,8 @@ def test_bank_tiles_rows_and_reads_only_the_rows_asked(monkeypatch) -> None:
         out = bank([layer1, layer2], asked, nxt)
         full = LensBank(_logit_instances(1), 2, head)([layer1], None, nxt)
     torch.testing.assert_close(out[0, asked[0]], full[0, asked[0]])
-    assert (out[0, [1, 4, 5], :2] == -1).all() and (out[1, :, :2] == -1).all()
+    ids = carried_indices(out[..., :2])  # the padding, as the int32 bits the rows carry
+    assert (ids[0, [1, 4, 5]] == -1).all() and (ids[1] == -1).all()
 
 
 @pytest.mark.parametrize("by_rows", [False, True])
@@ -271,11 +273,13 @@ def test_lens_monitors_are_checked_against_the_engine_and_travel_on_the_wire() -
                        readout_monitors=((watched, lenses.slot("l@3")),))  # fmt: skip
     assert RequestWire.from_wire(wire.to_wire()) == wire
     # The value a monitor reads: the token's log-prob among the k, -inf outside.
-    packed = np.array([4.0, 7.0, -0.2, -1.9, -2.5])  # ids 4, 7; log-probs; target
+    # ids 4, 7 (as the int32 bits packed rows carry); log-probs; target
+    both = pack(torch.tensor([[4, 7], [7, 4]]), torch.tensor([[-0.2, -1.9], [-0.3, -1.2]]),
+                torch.tensor([-2.5, -2.5]))  # fmt: skip
+    packed = both[0].numpy()
     assert top_k_value(packed, 7, watched.outside) == pytest.approx(-1.9)
     assert top_k_value(packed, 5, watched.outside) == float("-inf")
-    second = [7.0, 4.0, -0.3, -1.2, -2.5]
-    rows = LensRows.unpack(torch.tensor([packed.tolist(), second]), 2)
+    rows = LensRows.unpack(both, 2)
     assert rows.value_of(4, -np.inf).tolist() == pytest.approx([-0.2, -1.2])
     # A request that keeps 1: monitors read the engine's k, its rows show 1.
     assert rows.top(1).watched.value_of(7, -np.inf).tolist() == pytest.approx([-1.9, -0.3])
@@ -291,7 +295,8 @@ def test_rows_are_presented_by_lens_and_layer_and_flattened_back() -> None:
 
 
 def test_json_and_base64_forms_name_the_lens_columns_and_write_nan_as_null() -> None:
-    packed = torch.tensor([[3.0, 1.0, -0.5, -1.5, -2.25], [2.0, 0.0, -0.1, -2.0, float("nan")]])
+    packed = pack(torch.tensor([[3, 1], [2, 0]]), torch.tensor([[-0.5, -1.5], [-0.1, -2.0]]),
+                  torch.tensor([-2.25, float("nan")]))  # fmt: skip
     rows = LensRows.unpack(packed, 2)
     assert rows.target_logprob.dtype == torch.float32
     assert rows.to_dict() == {
@@ -310,7 +315,8 @@ def test_json_and_base64_forms_name_the_lens_columns_and_write_nan_as_null() -> 
 
 def test_a_cumulative_stream_decodes_lens_rows_once_with_float_targets() -> None:
     decoder = TopKDecoder(LensRows)
-    buffer = torch.tensor([[[1.0, 0.0, -0.5, -1.0, -0.25]] * 6])  # [slots, n, 2k + 1]
+    row = pack(torch.tensor([[1, 0]]), torch.tensor([[-0.5, -1.0]]), torch.tensor([-0.25]))
+    buffer = row.repeat(6, 1)[None]  # [slots, n, 2k + 1]
     first = decoder.decode(buffer[:, :2], 0)[0]
     later = decoder.decode(buffer[:, :6], 0)[0]
     assert isinstance(later, LensRows) and len(first) == 2 and len(later) == 6
@@ -334,7 +340,8 @@ def test_served_readings_carry_each_tokens_text_beside_its_id(compact: bool) -> 
             Tokenizer.calls += 1
             return f"<{ids[0]}>"
 
-    rows = LensRows.unpack(torch.tensor([[3.0, 1.0, -0.5, -1.5, -2.25]] * 2), 2)
+    one = pack(torch.tensor([[3, 1]]), torch.tensor([[-0.5, -1.5]]), torch.tensor([-2.25]))
+    rows = LensRows.unpack(one.repeat(2, 1), 2)
     fields = ChoiceFields([LensReadout(), SAEFeatureSets()], compact, TokenText(Tokenizer()))
     completion = SimpleNamespace(index=0, lens={"j": {1: rows}}, sae_features={"s": rows})
     fields.add(0, SimpleNamespace(), completion)

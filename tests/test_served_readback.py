@@ -109,28 +109,35 @@ def test_every_non_finite_number_a_served_form_writes_as_null_is_named() -> None
     assert json_top_k(ROWS)["non_finite"] == [1]  # an integer scalar: values alone
 
 
-def test_indices_the_packed_rows_cannot_carry_exactly_are_refused() -> None:
-    """The worker packs indices in float32, exact below 2**24: a readout instance (or an SAE)
-    with more entries is refused at construction, naming it (review D9: a 32M-feature SAE's odd
-    indices above 2**24 were rounded without a word)."""
+def test_indices_travel_exactly_past_2_24_and_too_wide_ones_are_refused() -> None:
+    """The worker packs indices as int32 bits (the column schema's index column), so odd
+    indices past 2**24 (a 32M-feature SAE's; float32 rounded them: review D9) arrive exactly,
+    through unpacking, a stream's decoder and the stop processor's read; a readout instance
+    whose indices may pass int32 is refused at construction, naming it."""
     from toy_readout import RowNorm
 
+    from probehook.core.monitors import top_k_value
     from probehook.errors import CaptureConfigError
     from probehook.frontend.readout_set import ReadoutSet
-    from probehook.outputs.top_k import PACKED_INDEX_LIMIT, check_packed_indices
+    from probehook.outputs.top_k import PACKED_INDEX_LIMIT, TopKDecoder, check_packed_indices
+    from probehook.outputs.top_k_readout import pack
 
-    assert float(PACKED_INDEX_LIMIT - 1) == PACKED_INDEX_LIMIT - 1  # exact below the limit
-    assert (
-        float(torch.tensor(PACKED_INDEX_LIMIT + 1, dtype=torch.float32)) != PACKED_INDEX_LIMIT + 1
-    )
-    check_packed_indices(PACKED_INDEX_LIMIT, "SAE 'big'")
+    odd = [2**24 + 1, PACKED_INDEX_LIMIT, 3]
+    assert float(torch.tensor(odd[0], dtype=torch.float32)) != odd[0]  # float32 would round
+    packed = pack(torch.tensor([odd, [5, -1, -1]]), torch.tensor([[3.0, 2.0, 1.0]] * 2),
+                  torch.tensor([3.0, 1.0]))  # fmt: skip
+    assert TopKRows.unpack(packed, 3).indices.tolist() == [odd, [5, -1, -1]]
+    assert TopKDecoder().decode(packed[None], 0)[0].indices.tolist() == [odd, [5, -1, -1]]
+    assert top_k_value(packed[0].numpy(), odd[0], 0.0) == 3.0
+    assert top_k_value(packed[0].numpy(), odd[0] - 1, 0.0) == 0.0
+    check_packed_indices(2**25, "SAE 'big'")  # a 32M-feature SAE: fine now
 
     class Wide(RowNorm):
         def index_bound(self, settings: Any) -> int:
             return PACKED_INDEX_LIMIT + 1
 
     ReadoutSet(RowNorm(), {"n": 1}, None, num_layers=4, hidden_size=8)
-    with pytest.raises(CaptureConfigError, match=r"row_norms 'n' has 16,777,217 entries"):
+    with pytest.raises(CaptureConfigError, match=r"row_norms 'n' has 2,147,483,648 entries"):
         ReadoutSet(Wide(), {"n": 1}, None, num_layers=4, hidden_size=8)
-    with pytest.raises(CaptureConfigError, match=r"SAE 'big' has 33,554,432 entries"):
-        check_packed_indices(2**25, "SAE 'big'")
+
+

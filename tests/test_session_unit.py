@@ -17,6 +17,7 @@ from probehook.frontend.request_stream import RequestStream
 from probehook.frontend.session import CaptureSession
 from probehook.frontend.sources import engine_sources
 from probehook.frontend.tracked_request import TrackedRequest
+from probehook.outputs.top_k_readout import pack
 
 
 class Params:
@@ -337,7 +338,8 @@ class PackedRows:
         assert source == "sae", source
         while self.rows.hi < hi:
             p = max(self.rows.hi, 0)
-            packed = torch.tensor([[p, p + 1, p + 2, p + 3, 4.0, 3.0, 2.0, 1.0, 4.0]])
+            packed = pack(torch.tensor([[p, p + 1, p + 2, p + 3]]),
+                          torch.tensor([[4.0, 3.0, 2.0, 1.0]]), torch.tensor([4.0]))  # fmt: skip
             self.rows.add(p, packed[None])
         return self.rows.take(lo, hi)
 

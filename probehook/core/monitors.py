@@ -259,10 +259,12 @@ def _short(value: Any) -> str:
 
 
 def top_k_value(packed: np.ndarray, entry: int, outside: float) -> float:
-    """The value of ``entry`` in one packed top-k row (``[2k + 1]``: ids, values, scalar),
+    """The value of ``entry`` in one packed top-k row (``[2k + 1]``: ids as int32 bits, values,
+    scalar),
     ``outside`` where it is not among the ``k``: what the worker's stop processor reads."""
     k = (len(packed) - 1) // 2
-    hit = np.flatnonzero(packed[:k] == entry)
+    ids = np.ascontiguousarray(packed[:k], dtype=np.float32).view(np.int32)  # int32 bits
+    hit = np.flatnonzero(ids == entry)
     return float(packed[k + hit[0]]) if len(hit) else outside
 
 

@@ -4,7 +4,10 @@ outputs, on streams, on the server and in the store.
 
 The worker packs a step's rows of one readout as float32 ``[n, 2K + 1]`` (``K`` indices,
 ``K`` values, then ``l0``: :func:`pack` is that layout, ``K`` the engine's k); a request may
-keep fewer (``k <= K``, the first ``k``: rows are sorted). No vLLM, no torch.compile.
+keep fewer (``k <= K``, the first ``k``: rows are sorted). The indices travel as the bits of
+int32 (:func:`carry_indices`), not as float32 values: exact to 2**31 - 1, where float32 rounds
+past 2**24. Packed rows are only ever copied (gathered, concatenated, moved), never computed
+on, so their bits arrive as they left. No vLLM, no torch.compile.
 """
 
 from __future__ import annotations
@@ -29,10 +32,26 @@ held any readout but SAE features)."""
 RUN_TOP_K_KEY = "saes"
 """A run's key (``store.runs[run]``) of its top-k instances' descriptions, by stored name."""
 
-PACKED_INDEX_LIMIT = 2**24
-"""Indices travel from the worker in float32 packed rows, exact below 2**24: a readout whose
-indices may reach it (an SAE of more features, a vocabulary that large) is refused at
-construction rather than have odd indices rounded."""
+PACKED_INDEX_LIMIT = 2**31 - 1
+"""Indices travel from the worker as int32 bits in the float32 packed rows: a readout whose
+indices may reach 2**31 - 1 (the int32 padding -1 aside) is refused at construction. (They
+travelled as float32 values until the column schema, exact below 2**24 only.)"""
+
+
+def carry_indices(indices: torch.Tensor) -> torch.Tensor:
+    """Integer indices as the packed rows carry them: their int32 bits, viewed as float32
+    (exact; -1 is the padding)."""
+    return indices.to(torch.int32).view(torch.float32)
+
+
+def carried_indices(columns: torch.Tensor) -> torch.Tensor:
+    """The int32 indices of packed index columns (:func:`carry_indices`' inverse; a view)."""
+    return columns.view(torch.int32)
+
+
+def pad_indices(columns: torch.Tensor) -> None:
+    """Mark packed index columns as padding (int32 -1), in place."""
+    columns.view(torch.int32).fill_(-1)
 
 
 def check_packed_indices(bound: int, what: str) -> None:
@@ -42,9 +61,8 @@ def check_packed_indices(bound: int, what: str) -> None:
 
     if bound > PACKED_INDEX_LIMIT:
         raise CaptureConfigError(
-            f"{what} has {bound:,} entries; the worker's packed rows carry indices exactly only "
-            f"below {PACKED_INDEX_LIMIT:,} (float32), so larger ones would be rounded. Such "
-            "readouts are not supported yet."
+            f"{what} has {bound:,} entries; the worker's packed rows carry indices as int32, "
+            f"up to {PACKED_INDEX_LIMIT:,}. Such readouts are not supported."
         )
 
 
@@ -154,7 +172,7 @@ class TopKRows:
         copies, so the packed tensor (an export's shared block) is not kept alive."""
         engine_k = (packed.shape[1] - 1) // 2
         full = cls(
-            packed[:, :engine_k].to(torch.int64),
+            carried_indices(packed[:, :engine_k]).to(torch.int64),
             packed[:, engine_k : 2 * engine_k].clone(),
             packed[:, 2 * engine_k].to(cls.scalar_dtype),
         )
@@ -226,7 +244,7 @@ class TopKDecoder:
             assert self._indices is not None and self._l0 is not None
             new = packed[:, self.done - lo :]
             at = slice(self.done - self.base, hi - self.base)
-            self._indices[:, at] = new[:, :, :engine_k]
+            self._indices[:, at] = carried_indices(new[:, :, :engine_k])
             self._l0[:, at] = new[:, :, 2 * engine_k]
             self.converted += hi - self.done
             self.done = hi

@@ -23,7 +23,13 @@ import torch
 
 from probehook.errors import CaptureConfigError
 from probehook.outputs.registry import OutputProcessor
-from probehook.outputs.top_k import PACKED_INDEX_LIMIT, TopKRows, compact_top_k, json_top_k
+from probehook.outputs.top_k import (
+    PACKED_INDEX_LIMIT,
+    TopKRows,
+    carry_indices,
+    compact_top_k,
+    json_top_k,
+)
 
 
 class TopKReadout(OutputProcessor):
@@ -256,10 +262,11 @@ class TopKReadout(OutputProcessor):
 
     def read(self, rows: torch.Tensor, settings: Mapping[str, Any], k: int) -> torch.Tensor:
         """In the worker: ``rows`` ``[n, hidden]`` of the instance's layer -> packed float32
-        ``[n, 2k + 1]`` (k indices, -1 padding; k values, 0 padding; l0), on the rows'
-        device. A readout that :attr:`reads_next_token` takes ``next_tokens`` too: int64
-        ``[n]``, each row's next token id (-1 where none came: a capture-only engine's last
-        prompt row, a request that ended), on the rows' device."""
+        ``[n, 2k + 1]`` (k indices, -1 padding, as int32 bits: build it with :func:`pack`;
+        k values, 0 padding; l0), on the rows' device. A readout that
+        :attr:`reads_next_token` takes ``next_tokens`` too: int64 ``[n]``, each row's next
+        token id (-1 where none came: a capture-only engine's last prompt row, a request that
+        ended), on the rows' device."""
         raise NotImplementedError
 
     # -- the output processor's part: generic over top-k rows --------------------------
@@ -310,8 +317,9 @@ class TopKReadout(OutputProcessor):
 
 def pack(indices: torch.Tensor, values: torch.Tensor, l0: torch.Tensor) -> torch.Tensor:
     """``[n, k]`` indices and values and ``[n]`` l0 as the worker's packed float32 rows
-    ``[n, 2k + 1]`` (what :meth:`TopKReadout.read` returns)."""
-    return torch.cat([indices.float(), values.float(), l0.float().unsqueeze(1)], dim=1)
+    ``[n, 2k + 1]`` (what :meth:`TopKReadout.read` returns; the indices as int32 bits,
+    :func:`~probehook.outputs.top_k.carry_indices`)."""
+    return torch.cat([carry_indices(indices), values.float(), l0.float().unsqueeze(1)], dim=1)
 
 
 def top_k_readouts(processors: Any) -> dict[str, TopKReadout]:

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
+from probehook.outputs.top_k import carry_indices, pad_indices
+
 ARCHITECTURES = ("standard", "gated", "jumprelu", "topk", "abstopk")
 NORMALIZATIONS = ("none", "constant_norm_rescale", "layer_norm")
 TILE_ROWS = 256
@@ -189,7 +191,8 @@ def read_top_k(
 ) -> torch.Tensor:
     """The readout of every row of ``x`` (``[rows, d_in]``, any float dtype), packed as
     ``[rows, 2k + 1]`` float32: ``k`` feature indices (-1: none), their ``k`` values (0: none),
-    and ``l0``. Indices are exact in float32 below 2**24 features. Encoded in tiles of
+    and ``l0``; the indices as int32 bits (``probehook.outputs.top_k.carry_indices``: exact).
+    Encoded in tiles of
     :data:`TILE_ROWS` rows; written into ``out`` when given."""
     rows = x.shape[0]
     if out is None:
@@ -224,9 +227,9 @@ def _read_tile(weights: SAEWeights, x: torch.Tensor, k: int, out: torch.Tensor) 
     index, values = index.gather(-1, order), values.gather(-1, order)
     on = score > 0
     width = index.shape[1]  # under k: an SAE with fewer features (or a smaller k_sae) than k
-    out[:, :width] = torch.where(on, index, -1).to(torch.float32)
+    out[:, :width] = carry_indices(torch.where(on, index, -1))
     out[:, k : k + width] = torch.where(on, values, 0).to(torch.float32)
-    out[:, width:k] = -1
+    pad_indices(out[:, width:k])
     out[:, k + width : 2 * k] = 0
     out[:, 2 * k] = l0.to(torch.float32)
 

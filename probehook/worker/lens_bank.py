@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from probehook.outputs.top_k import carried_indices, carry_indices, pad_indices
 from probehook.worker.top_k_bank import read_selected
 
 LOGITS_TILE_BYTES = 64 * 2**20
@@ -213,19 +214,20 @@ class LensBank:
         top = torch.topk(logits, min(self.k, vocab), dim=1)
         picked = logits.gather(1, targets.clamp(0, vocab - 1).unsqueeze(1)) - lse
         known = (targets >= 0) & (targets < vocab)
-        packed = self._pack(top.indices.float(), top.values - lse, picked.squeeze(1), known)
+        packed = self._pack(top.indices, top.values - lse, picked.squeeze(1), known)
         return packed, lse.squeeze(1), vocab
 
     def _pack(
         self, ids: torch.Tensor, logprobs: torch.Tensor, target: torch.Tensor, known: torch.Tensor
     ) -> torch.Tensor:
-        """``[n, 2k + 1]`` float32: the kept ids (-1 padding past them), their log-probs (0
-        padding) and the target's log-prob (NaN where the next token is not known)."""
+        """``[n, 2k + 1]`` float32: the kept ids (integers; -1 padding past them, as int32
+        bits), their log-probs (0 padding) and the target's log-prob (NaN where the next token
+        is not known)."""
         n, kept = ids.shape
         packed = torch.empty((n, self.width), dtype=torch.float32, device=ids.device)
-        packed[:, kept : self.k] = -1
+        pad_indices(packed[:, kept : self.k])
         packed[:, self.k + kept : 2 * self.k] = 0
-        packed[:, :kept] = ids
+        packed[:, :kept] = carry_indices(ids)
         packed[:, self.k : self.k + kept] = logprobs
         packed[:, 2 * self.k] = torch.where(known, target, float("nan"))
         return packed
@@ -247,7 +249,7 @@ class LensBank:
         part = torch.cat(
             [
                 top.values,
-                (top.indices + shard.start).float(),
+                carry_indices(top.indices + shard.start),  # int32 bits: gathered as they are
                 torch.logsumexp(local, dim=1, keepdim=True),
                 torch.where(mine, picked, float("-inf")).unsqueeze(1),
             ],
@@ -256,7 +258,7 @@ class LensBank:
         every = shard.all_gather(part).view(n, shard.ranks, 2 * k + 2)
         lse = torch.logsumexp(every[:, :, 2 * k], dim=1)
         values = every[:, :, :k].reshape(n, -1)
-        ids = every[:, :, k : 2 * k].reshape(n, -1)
+        ids = carried_indices(every[:, :, k : 2 * k].reshape(n, -1))
         kept = min(self.k, values.shape[1])
         best = torch.topk(values, kept, dim=1)
         best_ids = ids.gather(1, best.indices)
@@ -264,7 +266,7 @@ class LensBank:
         target = every[:, :, 2 * k + 1].max(dim=1).values - lse
         known = (targets >= 0) & (targets < shard.vocab)
         packed = self._pack(
-            torch.where(real, best_ids, -1.0),
+            torch.where(real, best_ids, -1),
             torch.where(real, best.values - lse[:, None], 0.0),
             target,
             known,

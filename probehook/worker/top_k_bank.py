@@ -14,6 +14,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from probehook.outputs.top_k import pad_indices
+
 
 def read_selected(
     out: torch.Tensor,
@@ -30,7 +32,7 @@ def read_selected(
     if asked is None or len(asked) == rows.shape[0]:
         out.copy_(read(rows) if next_tokens is None else read(rows, next_tokens=next_tokens))
         return
-    out[:, :k] = -1
+    pad_indices(out[:, :k])
     out[:, k:] = 0
     if len(asked):
         where = torch.from_numpy(asked).to(rows.device, non_blocking=True)

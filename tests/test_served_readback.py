@@ -139,5 +139,3 @@ def test_indices_travel_exactly_past_2_24_and_too_wide_ones_are_refused() -> Non
     ReadoutSet(RowNorm(), {"n": 1}, None, num_layers=4, hidden_size=8)
     with pytest.raises(CaptureConfigError, match=r"row_norms 'n' has 2,147,483,648 entries"):
         ReadoutSet(Wide(), {"n": 1}, None, num_layers=4, hidden_size=8)
-
-

@@ -98,9 +98,12 @@ class LensBank:
         staged: torch.Tensor | Sequence[torch.Tensor],
         slot_rows: Sequence[np.ndarray] | None = None,
         next_tokens: torch.Tensor | None = None,
+        unknown: np.ndarray | None = None,
     ) -> torch.Tensor:
         """``next_tokens``: ``[rows]`` int64, the token that came after each row (None: not
-        known; the target log-prob is NaN)."""
+        known; the target log-prob is NaN); ``unknown``: where in the rows it is -1 because
+        this step's sampling draws it (the step context's, on the host: no device sync; None:
+        read from ``next_tokens`` on the device)."""
         rows = staged[0].shape[0]
         device = staged[0].device
         if next_tokens is None:
@@ -125,11 +128,12 @@ class LensBank:
                     where = torch.from_numpy(asked).to(device)
                     targets = next_tokens.index_select(0, where)
                 packed, lse = self.read(picked, targets, matrix, bias)
-                unknown = torch.nonzero(targets < 0).squeeze(1)
-                if len(unknown):  # their tokens are drawn after this
-                    mapped = self._map(picked.index_select(0, unknown), matrix, bias)
-                    block_rows = unknown if where is None else where.index_select(0, unknown)
-                    self._pending.append((slot, block_rows, mapped, lse.index_select(0, unknown)))
+                held = _held(unknown, asked, rows, targets)  # drawn after this: on the host
+                if len(held):
+                    at = torch.from_numpy(held).to(device, non_blocking=True)
+                    mapped = self._map(picked.index_select(0, at), matrix, bias)
+                    block_rows = held if asked is None or len(asked) == rows else asked[held]
+                    self._pending.append((slot, block_rows, mapped, lse.index_select(0, at)))
                 return packed
 
             read_selected(out[slot], self.k, h, asked, read)
@@ -144,8 +148,7 @@ class LensBank:
         pending, self._pending = self._pending, []
         if next_tokens is None or not pending:
             return
-        # every slot's rows in one copy to the host (one sync a step, not one a slot)
-        on_host = torch.cat([block_rows for _, block_rows, _, _ in pending]).cpu().numpy()
+        on_host = np.concatenate([block_rows for _, block_rows, _, _ in pending])
         sizes = [len(block_rows) for _, block_rows, _, _ in pending]
         drawn = next_tokens(on_host).split(sizes)
         for (slot, block_rows, mapped, lse), tokens in zip(pending, drawn, strict=True):
@@ -161,7 +164,8 @@ class LensBank:
             else:
                 logits = self.head(mapped).float().gather(1, ids.unsqueeze(1)).squeeze(1)
             target = torch.where(known, logits - lse, float("nan"))
-            out[slot, :, 2 * self.k].index_copy_(0, block_rows, target)
+            where = torch.from_numpy(block_rows).to(out.device, non_blocking=True)
+            out[slot, :, 2 * self.k].index_copy_(0, where, target)
 
     def read(
         self,
@@ -272,6 +276,19 @@ class LensBank:
             known,
         )
         return packed, lse, shard.vocab
+
+
+def _held(
+    unknown: np.ndarray | None, asked: np.ndarray | None, rows: int, targets: torch.Tensor
+) -> np.ndarray:
+    """Where in an instance's picked rows (``asked`` of the ``rows``, or all) the next token
+    is drawn after this read: from the step context's ``unknown`` (host), else from the
+    targets on the device (a sync; what callers without a context get)."""
+    if unknown is None:
+        return torch.nonzero(targets < 0).squeeze(1).cpu().numpy()
+    if asked is None or len(asked) == rows:
+        return unknown
+    return np.flatnonzero(np.isin(asked, unknown))
 
 
 def lens_bank(readout: Any, instances: Any, k: int, model: Any) -> LensBank:

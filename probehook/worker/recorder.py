@@ -21,6 +21,7 @@ This module knows nothing about vLLM; ``probehook.adapter`` feeds it plain array
 from __future__ import annotations
 
 import functools
+import inspect
 import time
 from collections.abc import Callable, Collection, Container, Iterable, Sequence
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ import numpy as np
 import torch
 
 from probehook.core.spans import OPEN, KeepPlan, Span
+from probehook.worker.step_context import StepContext
 
 MIN_CAPACITY = 16
 DEPARTED_SLACK = 256
@@ -308,6 +310,9 @@ class StepRecorder:
         self.buffers = list(buffers)
         self.layers = tuple(layers)
         self.transform = transform
+        self._takes_unknown = _accepts(transform, "unknown")
+        """The transform takes ``unknown`` (the step context's rows that wait for sampling:
+        the built-in banks); a third party's bank gets next tokens alone."""
         self.slots: tuple[Any, ...] = transform.slots if transform else self.layers
         """What export's ``layers`` argument names: layer indices, or the transform's slots."""
         self.row_width = transform.width if transform else int(buffers[0].shape[1])
@@ -343,7 +348,7 @@ class StepRecorder:
         query_start: np.ndarray,
         num_computed: np.ndarray,
         plan_for: Callable[[str], RequestPlan | None],
-        next_tokens: Callable[[np.ndarray], torch.Tensor] | None = None,
+        context: StepContext | None = None,
         defer: bool = False,
     ) -> None:
         """Keep this step's wanted rows.
@@ -353,9 +358,9 @@ class StepRecorder:
             query_start: ``[len(req_ids) + 1]`` row offsets of each request in the step.
             num_computed: ``[len(req_ids)]`` position of each request's first row.
             plan_for: builds the plan of a request seen for the first time (None: no capture).
-            next_tokens: for a transform that reads each row's next token
-                (``reads_next_token``): the step's rows (flat indices) -> their next tokens
-                on the device.
+            context: the step's context, for a transform that reads each row's next token
+                (``reads_next_token``): it gets the kept rows' next tokens on the device and,
+                on the host, which of them wait for this step's sampling (``unknown``).
             defer: hold the step's rows on the device until :meth:`complete` (the
                 transform fills what the step's sampling decides: a lens's target log-prob
                 of the token sampled from a request's newest row); :attr:`step_rows` are
@@ -393,8 +398,10 @@ class StepRecorder:
             )
             selective = getattr(self.transform, "selective", False)
             slot_rows = self._slot_rows(owners, count, out_offset) if selective else None
-            targets = next_tokens(index) if next_tokens is not None else None
-            device_rows = self._gather(index, slot_rows, targets)
+            targets = unknown = None
+            if context is not None:
+                targets, unknown = context.next_tokens(index), context.unknown(index)
+            device_rows = self._gather(index, slot_rows, targets, unknown)
             if self.keep_step_rows:
                 ends_step = (count > 0) & (last == n_sched)
                 self.step_rows = StepRows(
@@ -428,17 +435,18 @@ class StepRecorder:
                 self._ship(device_rows, writes)
         self.record_ns += time.perf_counter_ns() - started
 
-    def complete(self, next_tokens: Callable[[np.ndarray], torch.Tensor] | None) -> None:
+    def complete(self, context: StepContext | None) -> None:
         """Finish the step recorded with ``defer``: the transform fills its rows from each
-        row's next token, now that sampling drew them (``transform.complete``: rows of the
-        step's block -> their next tokens; None: not known, as when a step was never
-        sampled), then the rows go to their requests."""
+        row's next token, now that sampling drew them (``context``: the step after its
+        sampling; ``transform.complete`` gets rows of the step's block -> their next tokens;
+        None: not known, as when a step was never sampled), then the rows go to their
+        requests."""
         deferred, self._deferred = self._deferred, None
         if deferred is None:
             return
         started = time.perf_counter_ns()
         device_rows, index, writes = deferred
-        tokens = None if next_tokens is None else (lambda rows: next_tokens(index[rows]))
+        tokens = None if context is None else (lambda rows: context.next_tokens(index[rows]))
         self.transform.complete(device_rows, tokens)  # type: ignore[union-attr]
         self._ship(device_rows, writes)
         self.record_ns += time.perf_counter_ns() - started
@@ -531,15 +539,18 @@ class StepRecorder:
         index: np.ndarray,
         slot_rows: list[np.ndarray] | None = None,
         next_tokens: torch.Tensor | None = None,
+        unknown: np.ndarray | None = None,
     ) -> torch.Tensor:
         """Gather rows of every layer on the device (transformed, if so built; a selective
         transform computes each slot on ``slot_rows`` alone; ``next_tokens``: each gathered
-        row's next token, for a transform that reads them); the device rows."""
+        row's next token, for a transform that reads them, and ``unknown``, where in the
+        gathered rows it waits for sampling, on the host); the device rows."""
         transform: Any = self.transform
         if slot_rows is not None:
             transform = functools.partial(transform, slot_rows=slot_rows)
         if next_tokens is not None:
-            transform = functools.partial(transform, next_tokens=next_tokens)
+            held = {"unknown": unknown} if self._takes_unknown else {}
+            transform = functools.partial(transform, next_tokens=next_tokens, **held)
         buf0 = self.buffers[0]
         lo = int(index[0])
         # The index rises strictly (batch order, then position): one run when its ends say
@@ -831,3 +842,13 @@ def _wanted(keep: KeepPlan, cursor: int) -> tuple[int, int]:
     if keep.latest_from is not None:
         lo, hi = min(lo, max(keep.latest_from, cursor)), OPEN
     return lo, hi
+
+
+def _accepts(function: Any, name: str) -> bool:
+    """Whether ``function`` (a transform: a callable bank, or None) takes keyword ``name``."""
+    if function is None:
+        return False
+    try:
+        return name in inspect.signature(function).parameters
+    except (TypeError, ValueError):
+        return False

@@ -72,7 +72,10 @@ class TopKBank:
         staged: torch.Tensor | Sequence[torch.Tensor],
         slot_rows: Sequence[np.ndarray] | None = None,
         next_tokens: torch.Tensor | None = None,
+        unknown: np.ndarray | None = None,
     ) -> torch.Tensor:
+        """``unknown``: where in the rows the next token waits for this step's sampling (the
+        step context's, on the host; None: read from ``next_tokens`` on the device)."""
         rows = staged[0].shape[0]
         device = staged[0].device
         out = torch.empty((len(self.slots), rows, self.width), dtype=self.dtype, device=device)
@@ -82,18 +85,20 @@ class TopKBank:
             read_selected(out[slot], self.k, staged[layer_slot], asked, read, next_tokens)
         self._pending = None
         if next_tokens is not None:
-            self._hold_unknown(staged, slot_rows, next_tokens)
+            if unknown is None:  # no step context: asked of the device (one sync)
+                unknown = (next_tokens < 0).nonzero().squeeze(1).cpu().numpy()
+            self._hold_unknown(staged, slot_rows, unknown)
         return out
 
     def _hold_unknown(
         self,
         staged: torch.Tensor | Sequence[torch.Tensor],
         slot_rows: Sequence[np.ndarray] | None,
-        next_tokens: torch.Tensor,
+        unknown: np.ndarray,
     ) -> None:
-        """Keep (copies of) the rows read before their next token was drawn (a request's
-        newest position: -1), for :meth:`complete` to read again once sampling drew it."""
-        unknown = (next_tokens < 0).nonzero().squeeze(1).cpu().numpy()  # one sync a step
+        """Keep (copies of) the rows read before their next token was drawn (``unknown``: a
+        request's newest position), for :meth:`complete` to read again once sampling drew
+        it."""
         if not len(unknown):
             return
         where = torch.from_numpy(unknown).to(staged[0].device)

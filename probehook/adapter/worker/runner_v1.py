@@ -9,12 +9,10 @@ refuses anything else with a clear error instead of an ``AttributeError`` mid-ge
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import numpy as np
 import torch
 
 from probehook.capture_config import CaptureConfig
@@ -32,6 +30,7 @@ from probehook.worker.clamp_tables import ClampPlan, StepClamps
 from probehook.worker.readouts import READOUTS
 from probehook.worker.recorder import RequestPlan, StepRecorder
 from probehook.worker.steering_bank import Gate, RequestSteering, StepSteering, phase_range
+from probehook.worker.step_context import StepContext
 
 REQUIRED = ("input_batch", "requests", "query_start_loc")
 PlanFor = Callable[[str], RequestPlan | None]
@@ -60,30 +59,39 @@ def hand_hook_to_processors(runner: Any, hook: Any) -> None:
             processor.hook = hook
 
 
+def step_context(runner: Any, sampled: torch.Tensor | None = None) -> StepContext:
+    """This step's :class:`~probehook.worker.step_context.StepContext`, from the V1 runner's
+    batch (``sampled``: after sampling, the step's sampled tokens in batch order)."""
+    batch = runner.input_batch
+    num_reqs = batch.num_reqs
+    return StepContext(
+        tuple(batch.req_ids[:num_reqs]),
+        runner.query_start_loc.np[: num_reqs + 1],
+        batch.num_computed_tokens_cpu[:num_reqs],
+        batch.token_ids_cpu,
+        batch.num_tokens_no_spec[:num_reqs],
+        runner.device,
+        sampled,
+    )
+
+
 def record_step(
     runner: Any,
     recorders: Sequence[tuple[StepRecorder, PlanFor]],
     defer: bool = False,
 ) -> None:
     """Record this step's rows. Recorders whose transform ``reads_next_token`` get each row's
-    next token: the batch's known tokens, -1 at a request's newest position (its token is
-    drawn after this); with ``defer`` they hold the step's rows for :func:`complete_step`,
-    which fills those once sampling drew them (a pooling model samples nothing: not
-    deferred)."""
-    batch = runner.input_batch
-    num_reqs = batch.num_reqs
-    if num_reqs == 0:
+    next token from the step's context (the batch's known tokens, -1 at a request's newest
+    position, whose token is drawn after this); with ``defer`` they hold the step's rows for
+    :func:`complete_step`, which fills those once sampling drew them (a pooling model
+    samples nothing: not deferred)."""
+    if runner.input_batch.num_reqs == 0:
         return
-    req_ids = batch.req_ids[:num_reqs]
-    query_start = runner.query_start_loc.np[: num_reqs + 1]
-    computed = batch.num_computed_tokens_cpu[:num_reqs]
-    next_tokens = functools.partial(
-        _next_tokens, batch, query_start, computed, None, runner.device
-    )  # called only for the recorders that read them
+    context = step_context(runner)
     for recorder, plan_for in recorders:
         reads = getattr(recorder.transform, "reads_next_token", False)
-        recorder.record(req_ids, query_start, computed, plan_for,
-                        next_tokens if reads else None, defer=reads and defer)  # fmt: skip
+        recorder.record(context.req_ids, context.query_start, context.computed, plan_for,
+                        context if reads else None, defer=reads and defer)  # fmt: skip
 
 
 def complete_step(
@@ -91,39 +99,9 @@ def complete_step(
 ) -> None:
     """Complete the deferred step of each recorder (:func:`record_step`) with the step's
     sampled tokens (``[num_reqs, >= 1]`` in batch order)."""
-    batch = runner.input_batch
-    num_reqs = batch.num_reqs
-    query_start = runner.query_start_loc.np[: num_reqs + 1]
-    computed = batch.num_computed_tokens_cpu[:num_reqs]
-    next_tokens = functools.partial(
-        _next_tokens, batch, query_start, computed, sampled, runner.device
-    )
+    context = step_context(runner, sampled)
     for recorder, _ in recorders:
-        recorder.complete(next_tokens)
-
-
-def _next_tokens(
-    batch: Any,
-    query_start: np.ndarray,
-    computed: np.ndarray,
-    sampled: torch.Tensor | None,
-    device: torch.device,
-    index: np.ndarray,
-) -> torch.Tensor:
-    """The token after each of the step's rows ``index`` (flat, batch order), on the device:
-    a position the request already knows (a prompt token, or a token generated before this
-    step: the batch's token ids hold them) or, at a request's newest position, the token
-    sampled from it in this step (-1 when nothing was sampled)."""
-    req = np.searchsorted(query_start, index, side="right") - 1
-    after = computed[req] + (index - query_start[req]) + 1
-    known = after < batch.num_tokens_no_spec[req]
-    ids = batch.token_ids_cpu[req, np.minimum(after, batch.token_ids_cpu.shape[1] - 1)]
-    ids = np.where(known, ids, -1).astype(np.int64)
-    out = torch.from_numpy(ids).to(device)
-    if known.all() or sampled is None:
-        return out
-    drawn = sampled[torch.from_numpy(req).to(device), 0].to(torch.int64)
-    return torch.where(out >= 0, out, drawn)
+        recorder.complete(context)
 
 
 def prepare_steering(

@@ -78,6 +78,13 @@ def run_once(llm: object, prompts: list[dict], max_tokens: int, options: dict | 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument(
+        "--vocab",
+        type=int,
+        default=32000,
+        help="the model's vocabulary (512: the small-vocabulary case, where a readout's "
+        "fixed per-step costs show beside a cheap LM head)",
+    )
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--top-k", type=int, default=5)
     smoke.add_flag(parser)
@@ -89,11 +96,13 @@ def main() -> None:
     from probehook import LLM
 
     if args.smoke:
-        hidden, layers, inter, kv_dim, vocab = 128, 4, 256, 128, 32000
+        hidden, layers, inter, kv_dim, vocab = 128, 4, 256, 128, args.vocab
     else:
-        hidden, layers, inter, kv_dim, vocab = 1024, 8, 2816, 256, 32000
+        hidden, layers, inter, kv_dim, vocab = 1024, 8, 2816, 256, args.vocab
     work = Path(tempfile.mkdtemp())
-    model_dir = smoke.dummy_model(work / "llama-dummy", hidden=hidden, layers=layers)
+    model_dir = smoke.dummy_model(
+        work / "llama-dummy", hidden=hidden, layers=layers, vocab_size=vocab
+    )
     middle = layers // 2
     four = [(2 * i + 1) * layers // 8 for i in range(4)]  # 1, 3, 5, 7 of 8
     j_path = write_j_lens(work / "j.pt", hidden, sorted({middle, *four}))
@@ -111,7 +120,7 @@ def main() -> None:
     seeds = itertools.count(1)
 
     def prompts(length: int) -> list[dict]:
-        return token_prompts(args.prompts, length, 30000, seed=next(seeds))
+        return token_prompts(args.prompts, length, min(30000, vocab - 2), seed=next(seeds))
 
     decode_only = {"include_prefill": False}
     workloads = {"decode": (32, 64), "prefill": (256, 1)}
@@ -204,8 +213,9 @@ def main() -> None:
             )
     if not args.smoke:
         RESULTS.mkdir(exist_ok=True)
-        (RESULTS / "lenses.json").write_text(json.dumps(report, indent=2))
-        (RESULTS / "lenses.md").write_text("\n".join(lines) + "\n")
+        name = "lenses" if args.vocab == 32000 else f"lenses.vocab{args.vocab}"
+        (RESULTS / f"{name}.json").write_text(json.dumps(report, indent=2))
+        (RESULTS / f"{name}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     smoke.done(args)
 

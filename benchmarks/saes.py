@@ -173,6 +173,13 @@ def one_sae_per_request(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument(
+        "--vocab",
+        type=int,
+        default=32000,
+        help="the model's vocabulary (512: the small-vocabulary case, where a readout's "
+        "fixed per-step costs show beside a cheap LM head)",
+    )
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--d-sae", type=int, default=16384)
     parser.add_argument("--top-k", type=int, default=32)
@@ -191,12 +198,14 @@ def main() -> None:
     from probehook import LLM
 
     if args.smoke:  # smoke.dummy_model's shapes: heads of 64, MLP 2 x hidden
-        hidden, layers, inter, kv_dim, vocab = 128, 4, 256, 128, 32000
+        hidden, layers, inter, kv_dim, vocab = 128, 4, 256, 128, args.vocab
     else:
-        hidden, layers, inter, kv_dim, vocab = 1024, 8, 2816, 256, 32000
+        hidden, layers, inter, kv_dim, vocab = 1024, 8, 2816, 256, args.vocab
     everything = args.only is None
     work = Path(tempfile.mkdtemp())
-    model_dir = smoke.dummy_model(work / "llama-dummy", hidden=hidden, layers=layers)
+    model_dir = smoke.dummy_model(
+        work / "llama-dummy", hidden=hidden, layers=layers, vocab_size=vocab
+    )
     middle = layers // 2  # layer 4 of 8
     one = {f"res{middle}": write_sae(work / f"res{middle}", hidden, args.d_sae, middle, 0)}
     four = {
@@ -221,7 +230,7 @@ def main() -> None:
         # New prompts every call: plain vLLM would read repeated ones from its prefix cache,
         # while a request that asks for prompt features skips reading it (every prompt row
         # is computed), so repeated prompts would compare cached prefill with computed.
-        return token_prompts(args.prompts, length, 30000, seed=next(seeds))
+        return token_prompts(args.prompts, length, min(30000, vocab - 2), seed=next(seeds))
 
     decode_only = {"include_prefill": False}
     workloads = {"decode": (32, 64), "prefill": (256, 1)}
@@ -339,6 +348,8 @@ def main() -> None:
             )
     if not args.smoke:
         name = "saes" if everything else f"saes.{args.only}"
+        if args.vocab != 32000:
+            name += f".vocab{args.vocab}"
         RESULTS.mkdir(exist_ok=True)
         (RESULTS / f"{name}.json").write_text(json.dumps(report, indent=2))
         (RESULTS / f"{name}.md").write_text("\n".join(lines) + "\n")

@@ -25,6 +25,8 @@ from probehook.outputs.top_k import carried_indices, carry_indices, pad_indices
 
 LOGITS_TILE_BYTES = 64 * 2**20
 """Float32 logits one tile of rows may hold (the tile is at least one row)."""
+TOGETHER_ROWS = 256
+"""A step's instances whose rows number fewer go through the head in one tile (decode)."""
 
 
 class LensBank:
@@ -129,10 +131,14 @@ class LensBank:
             parts.append((slot, asked, self._map(h, matrix, bias), targets))
         if not parts:
             return out
-        packed, lse = self.read(
-            torch.cat([p[2] for p in parts]), torch.cat([p[3] for p in parts]), None, None
-        )
         sizes = [p[2].shape[0] for p in parts]
+        # A large step's tiles hold one instance's rows, as before (their logits stay in
+        # cache: four prefill instances together ran at 0.91 of the floor, apart at 0.99);
+        # a small step's instances (decode) go through as one tile.
+        packed, lse = self.read(
+            torch.cat([p[2] for p in parts]), torch.cat([p[3] for p in parts]), None, None,
+            tile_cap=max(max(sizes), TOGETHER_ROWS),
+        )  # fmt: skip
         for (slot, asked, mapped, targets), mine, mine_lse in zip(
             parts, packed.split(sizes), lse.split(sizes), strict=True
         ):
@@ -185,9 +191,11 @@ class LensBank:
         targets: torch.Tensor,
         matrix: torch.Tensor | None,
         bias: torch.Tensor | None,
+        tile_cap: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``rows`` ``[n, hidden]`` and their next tokens ``[n]`` (-1: not known) -> packed
-        ``[n, 2k + 1]`` and each row's log-sum-exp ``[n]``."""
+        ``[n, 2k + 1]`` and each row's log-sum-exp ``[n]``, in tiles of at most ``tile_cap``
+        rows (and of the logits :data:`LOGITS_TILE_BYTES` hold)."""
         n = rows.shape[0]
         out = torch.empty((n, self.width), dtype=torch.float32, device=rows.device)
         lse = torch.empty((n,), dtype=torch.float32, device=rows.device)
@@ -196,8 +204,9 @@ class LensBank:
             out[:1], lse[:1], self._vocab = self._one(rows[:1], targets[:1], matrix, bias)
             self._tile_rows = max(1, LOGITS_TILE_BYTES // (4 * self._vocab))
             start = 1
+        tile_rows = min(self._tile_rows, tile_cap or self._tile_rows)
         while start < n:
-            stop = min(n, start + self._tile_rows)
+            stop = min(n, start + tile_rows)
             tile = self._one(rows[start:stop], targets[start:stop], matrix, bias)
             out[start:stop], lse[start:stop] = tile[0], tile[1]
             start = stop

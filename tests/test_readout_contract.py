@@ -55,3 +55,18 @@ def test_sae_features_come_through_the_entry_point() -> None:
     params = front_end_signature([]).parameters
     for option in ("saes", "sae_top_k", "sae_clamping", "sae_dtype", "lenses", "lens_layers"):
         assert option in params, option
+
+
+def test_a_readout_the_engine_lacks_asked_for_nothing_is_accepted() -> None:
+    """``{"saes": False}`` (a client that sends it to every server) passes an engine without
+    SAEs, as it did before the port; asking for features there is refused, naming the engine
+    option; an engine that reads SAEs keeps the option for its own checks."""
+    from probehook.errors import CaptureConfigError
+    from probehook.frontend.readout_set import without_unread
+
+    asked = {"saes": False, "sae_top_k": None, "layers": [1]}
+    assert without_unread(asked, {"lens"}) == {"layers": [1]}
+    assert without_unread(asked, {"sae", "lens"}) is asked
+    with pytest.raises(CaptureConfigError, match=r"sets saes, .* build it with saes="):
+        without_unread({"saes": ["res3"]}, set())
+    assert without_unread(None, set()) is None

@@ -7,11 +7,12 @@ before it reaches the engine, and the worker's packed rows turned into
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from probehook.core.named import select_names
+from probehook.errors import CaptureConfigError
 from probehook.outputs.top_k import check_packed_indices
 
 
@@ -193,3 +194,30 @@ class ReadoutSet:
         """The clamp ops the workers' loader installs for this readout: ``[[source, instance,
         layer, key part], ...]``."""
         return [[self.source, *op] for op in self.readout.clamp_ops(self.instances)]
+
+
+def without_unread(options: Any, sources: Collection[str]) -> Any:
+    """A request's options without those of registered top-k readouts the engine does not
+    read (``sources``: the ones it does) where they ask for nothing (a picking option set to
+    False, as a client that sends it to every server does); one that asks for something is refused,
+    naming the engine option that would read it. Other options are
+    :meth:`RequestOptions.from_user`'s to check."""
+    if not isinstance(options, Mapping):
+        return options
+    from probehook.outputs import OUTPUT_PROCESSORS
+    from probehook.outputs.top_k_readout import top_k_readouts
+
+    dropped = []
+    for source, readout in top_k_readouts(OUTPUT_PROCESSORS).items():
+        if source in sources:
+            continue
+        names = (readout.request_option, readout.request_k_option, *readout.extra_request_options)
+        for option in (o for o in names if o in options):
+            if options[option] in (None, False, [], ()):
+                dropped.append(option)
+                continue
+            raise CaptureConfigError(
+                f"This request sets {option}, but the engine reads no {readout.name}; build "
+                f"it with {readout.engine_option}={{...}}."
+            )
+    return {k: v for k, v in options.items() if k not in dropped} if dropped else options

@@ -34,6 +34,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from probehook.core.request_options import RequestOptions, picking_options
+from probehook.frontend.readout_set import without_unread
 from probehook.outputs.array_codec import decode_array as decode_array
 from probehook.outputs.array_codec import encode_array as encode_array
 
@@ -58,7 +59,9 @@ def request_options(value: Any, readout_options: Mapping[str, str] | None = None
     off = {**OFF, **{o: False for s, o in picking.items() if s not in named}}
     if value is None:
         return off
-    RequestOptions.from_user(value, readout_options)  # the checks and words of every front end
+    # the checks and words of every front end (a readout this engine lacks, asked for
+    # nothing: accepted, as the session accepts it)
+    RequestOptions.from_user(without_unread(value, set(readout_options.values())), readout_options)
     return {**off, **value}
 
 

@@ -65,7 +65,7 @@ from probehook.frontend.fill import (
     source_attributes,
 )
 from probehook.frontend.probe_set import ProbeSet, RequestProbes
-from probehook.frontend.readout_set import ReadoutSet, RequestReadout
+from probehook.frontend.readout_set import ReadoutSet, RequestReadout, without_unread
 from probehook.frontend.sources import engine_sources
 from probehook.frontend.steering_set import RequestSteer, SteeringSet
 from probehook.frontend.tracked_request import TrackedRequest
@@ -187,8 +187,8 @@ class CaptureSession:
                 template.config is None or getattr(params, "prompt_logprob_token_ids", None) is None
             ):
                 return self._tag_from(template, params, field, extra)
-        _check_unread_readouts(extra.get(EXTRA_ARGS_KEY), self.readouts)
-        options = RequestOptions.from_user(extra.get(EXTRA_ARGS_KEY), self.readout_options)
+        asked = without_unread(extra.get(EXTRA_ARGS_KEY), self.readouts)
+        options = RequestOptions.from_user(asked, self.readout_options)
         if field == POOLING_EXTRA and (options.steered() or options.clamp):
             raise CaptureConfigError(
                 "This request sets steer or clamp, but it is a pooling request: probehook "
@@ -570,23 +570,6 @@ class CaptureSession:
 def _stops(probes: RequestProbes | None, readouts: Mapping[str, RequestReadout]) -> bool:
     """Whether a stop monitor (of a probe, an SAE feature or a lens) watches the request."""
     return (probes is not None and probes.stops) or any(r.stops for r in readouts.values())
-
-
-def _check_unread_readouts(options: Any, readouts: Mapping[str, ReadoutSet]) -> None:
-    """Refuse, naming the engine option, a request that asks a registered top-k readout
-    (SAE features, lenses) this engine does not read; other unknown options are
-    :meth:`RequestOptions.from_user`'s to refuse."""
-    if not isinstance(options, Mapping):
-        return
-    for source, readout in top_k_readouts(OUTPUT_PROCESSORS).items():
-        if source in readouts:
-            continue
-        asked = [o for o in (readout.request_option, readout.request_k_option) if o in options]
-        if asked and options.get(asked[0]) not in (None, False, [], ()):
-            raise CaptureConfigError(
-                f"This request sets {asked[0]}, but the engine reads no {readout.name}; build "
-                f"it with {readout.engine_option}={{...}}."
-            )
 
 
 def options_of(params: Any, readout_options: Mapping[str, str] | None = None) -> RequestOptions:

@@ -228,20 +228,13 @@ def front_end_signature(
     ]  # fmt: skip
     # Each registered top-k readout's engine options (lenses=..., SAEs'), taken by name.
     for readout in top_k_readouts(OUTPUT_PROCESSORS).values():
-        for name in readout_engine_options(readout):
+        for name in readout.engine_options:
             if name not in refused:
                 capture.append(
                     inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None)
                 )
     rest = inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD, annotation="Any")
     return inspect.Signature([*leading, *capture, rest])
-
-
-def readout_engine_options(readout: Any) -> tuple[str, ...]:
-    """A top-k readout's engine keyword arguments: its instances, its k, its further ones."""
-    if not readout.engine_option:
-        return ()
-    return (readout.engine_option, readout.k_option, *readout.extra_engine_options)
 
 
 def _check_capture_only(request: CaptureRequest) -> None:

@@ -96,8 +96,7 @@ class ReadoutSet:
     def request_options(self) -> tuple[str, ...]:
         """The request options that ask it: its picking option first, then its k, then its
         further ones."""
-        readout = self.readout
-        return (readout.request_option, readout.request_k_option, *readout.extra_request_options)
+        return self.readout.request_options
 
     def describe(self) -> dict[str, Any]:
         """What a request may ask of this readout (the server's ``GET /v1/probehook``), and
@@ -211,8 +210,7 @@ def without_unread(options: Any, sources: Collection[str]) -> Any:
     for source, readout in top_k_readouts(OUTPUT_PROCESSORS).items():
         if source in sources:
             continue
-        names = (readout.request_option, readout.request_k_option, *readout.extra_request_options)
-        for option in (o for o in names if o in options):
+        for option in (o for o in readout.request_options if o in options):
             if options[option] in (None, False, [], ()):
                 dropped.append(option)
                 continue

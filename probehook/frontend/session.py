@@ -137,6 +137,8 @@ class CaptureSession:
         self.config = config
         self.probes = probes
         self.readouts = dict(readouts or {})
+        self.clamped = next((r for r in self.readouts.values() if r.clamp_ops()), None)
+        """The readout whose entries requests may clamp (SAE features; None: none may)."""
         self.readout_options = {
             option: source for source, r in self.readouts.items() for option in r.request_options
         }
@@ -321,15 +323,10 @@ class CaptureSession:
         decode_scores = config is not None and config.include_decode
         return self.steering.for_request(options, monitors, decode_scores)
 
-    @property
-    def _clamped(self) -> ReadoutSet | None:
-        """The readout whose entries requests may clamp (SAE features; None: none may)."""
-        return next((r for r in self.readouts.values() if r.clamp_ops()), None)
-
     def _clamp(self, options: RequestOptions) -> tuple:
         if not options.clamp:
             return ()
-        clamped = self._clamped
+        clamped = self.clamped
         if clamped is None:
             switches = [
                 f"{r.engine_option}={{...}} and {r.clamp_switch}=True"
@@ -346,7 +343,7 @@ class CaptureSession:
     def cache_salt(self, params: Any) -> str | None:
         """The prefix-cache salt of a request tagged by :meth:`tag` (None: neither steered
         nor clamped): its KV must never be reused by, or reuse, a request's that was not."""
-        clamped = self._clamped
+        clamped = self.clamped
         if self.steering is None and clamped is None:
             return None
         wire = wire_of(params)

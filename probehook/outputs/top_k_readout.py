@@ -186,6 +186,20 @@ class TopKReadout(OutputProcessor):
         raise NotImplementedError
 
     @property
+    def engine_options(self) -> tuple[str, ...]:
+        """Its engine keyword arguments: its instances, its k, its further ones (none without
+        an engine option)."""
+        if not self.engine_option:
+            return ()
+        return (self.engine_option, self.k_option, *self.extra_engine_options)
+
+    @property
+    def request_options(self) -> tuple[str, ...]:
+        """The request options that ask it: its picking option first, then its k, then its
+        further ones."""
+        return (self.request_option, self.request_k_option, *self.extra_request_options)
+
+    @property
     def display_name(self) -> str:
         """:attr:`view_name`, or :attr:`name`."""
         return self.view_name or self.name

@@ -135,8 +135,10 @@ class LensBank:
         # A large step's tiles hold one instance's rows, as before (their logits stay in
         # cache: four prefill instances together ran at 0.91 of the floor, apart at 0.99);
         # a small step's instances (decode) go through as one tile.
+        mapped = parts[0][2] if len(parts) == 1 else torch.cat([p[2] for p in parts])
+        targets = parts[0][3] if len(parts) == 1 else torch.cat([p[3] for p in parts])
         packed, lse = self.read(
-            torch.cat([p[2] for p in parts]), torch.cat([p[3] for p in parts]), None, None,
+            mapped, targets, None, None,
             tile_cap=max(max(sizes), TOGETHER_ROWS),
         )  # fmt: skip
         for (slot, asked, mapped, targets), mine, mine_lse in zip(

@@ -232,8 +232,7 @@ def readout_flags() -> list[ReadoutFlag]:
     return [
         ReadoutFlag(readout, option)
         for readout in registered_readouts().values()
-        if readout.engine_option
-        for option in (readout.engine_option, readout.k_option, *readout.extra_engine_options)
+        for option in readout.engine_options
     ]
 
 

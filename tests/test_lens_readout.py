@@ -275,7 +275,7 @@ def test_lens_monitors_are_checked_against_the_engine_and_travel_on_the_wire() -
     # The value a monitor reads: the token's log-prob among the k, -inf outside.
     # ids 4, 7 (as the int32 bits packed rows carry); log-probs; target
     both = pack(torch.tensor([[4, 7], [7, 4]]), torch.tensor([[-0.2, -1.9], [-0.3, -1.2]]),
-                torch.tensor([-2.5, -2.5]))  # fmt: skip
+                torch.tensor([-2.5, -2.5]), LensRows)  # fmt: skip
     packed = both[0].numpy()
     assert top_k_value(packed, 7, watched.outside) == pytest.approx(-1.9)
     assert top_k_value(packed, 5, watched.outside) == float("-inf")
@@ -296,7 +296,7 @@ def test_rows_are_presented_by_lens_and_layer_and_flattened_back() -> None:
 
 def test_json_and_base64_forms_name_the_lens_columns_and_write_nan_as_null() -> None:
     packed = pack(torch.tensor([[3, 1], [2, 0]]), torch.tensor([[-0.5, -1.5], [-0.1, -2.0]]),
-                  torch.tensor([-2.25, float("nan")]))  # fmt: skip
+                  torch.tensor([-2.25, float("nan")]), LensRows)  # fmt: skip
     rows = LensRows.unpack(packed, 2)
     assert rows.target_logprob.dtype == torch.float32
     assert rows.to_dict() == {
@@ -315,7 +315,8 @@ def test_json_and_base64_forms_name_the_lens_columns_and_write_nan_as_null() -> 
 
 def test_a_cumulative_stream_decodes_lens_rows_once_with_float_targets() -> None:
     decoder = TopKDecoder(LensRows)
-    row = pack(torch.tensor([[1, 0]]), torch.tensor([[-0.5, -1.0]]), torch.tensor([-0.25]))
+    row = pack(torch.tensor([[1, 0]]), torch.tensor([[-0.5, -1.0]]), torch.tensor([-0.25]),
+               LensRows)  # fmt: skip
     buffer = row.repeat(6, 1)[None]  # [slots, n, 2k + 1]
     first = decoder.decode(buffer[:, :2], 0)[0]
     later = decoder.decode(buffer[:, :6], 0)[0]
@@ -340,7 +341,8 @@ def test_served_readings_carry_each_tokens_text_beside_its_id(compact: bool) -> 
             Tokenizer.calls += 1
             return f"<{ids[0]}>"
 
-    one = pack(torch.tensor([[3, 1]]), torch.tensor([[-0.5, -1.5]]), torch.tensor([-2.25]))
+    one = pack(torch.tensor([[3, 1]]), torch.tensor([[-0.5, -1.5]]), torch.tensor([-2.25]),
+               LensRows)  # fmt: skip
     rows = LensRows.unpack(one.repeat(2, 1), 2)
     fields = ChoiceFields([LensReadout(), SAEFeatureSets()], compact, TokenText(Tokenizer()))
     completion = SimpleNamespace(index=0, lens={"j": {1: rows}}, sae_features={"s": rows})

@@ -258,14 +258,17 @@ def _short(value: Any) -> str:
     return reprlib.repr(value)
 
 
-def top_k_value(packed: np.ndarray, entry: int, outside: float) -> float:
-    """The value of ``entry`` in one packed top-k row (``[2k + 1]``: ids as int32 bits, values,
-    scalar),
-    ``outside`` where it is not among the ``k``: what the worker's stop processor reads."""
-    k = (len(packed) - 1) // 2
-    ids = np.ascontiguousarray(packed[:k], dtype=np.float32).view(np.int32)  # int32 bits
+def top_k_value(
+    packed: np.ndarray, entry: int, outside: float, entries: int | None = None
+) -> float:
+    """The value of ``entry`` in one packed top-k row (``entries`` ids as int32 bits, as many
+    values, then the scalar and any further columns; None: the three-column ``[2k + 1]``),
+    ``outside`` where it is not among them: what the worker's stop processor reads. With lead
+    axes (a top-k per head), the largest of its values among them."""
+    n = (len(packed) - 1) // 2 if entries is None else entries
+    ids = np.ascontiguousarray(packed[:n], dtype=np.float32).view(np.int32)  # int32 bits
     hit = np.flatnonzero(ids == entry)
-    return float(packed[k + hit[0]]) if len(hit) else outside
+    return float(packed[n + hit].max()) if len(hit) else outside
 
 
 def crosses(values: np.ndarray, threshold: float, direction: str) -> np.ndarray:

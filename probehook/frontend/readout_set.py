@@ -166,19 +166,26 @@ class ReadoutSet:
         return asked
 
     def values(self, packed: Any, request: RequestReadout) -> Any:
-        """``[len(request.names), n, 2k + 1]`` packed rows -> the readout's value (rows per
+        """``[len(request.names), n, width]`` packed rows -> the readout's value (rows per
         instance, as the readout presents them)."""
         unpack = self.readout.row_type.unpack
         return self.readout.present(
             {
-                name: unpack(rows, request.k)
+                name: unpack(rows, request.k, self.sizes(name))
                 for name, rows in zip(request.names, packed, strict=True)
             }
         )
 
+    def sizes(self, name: str) -> dict[str, int]:
+        """Instance ``name``'s column axis sizes at the engine's k (``TopKReadout.
+        axis_sizes``)."""
+        return self.readout.axis_sizes(self.instances[name], self.k)
+
     def empty(self, request: RequestReadout) -> Any:
         empty = self.readout.row_type.empty
-        return self.readout.present({name: empty(request.k) for name in request.names})
+        return self.readout.present(
+            {name: empty(request.k, self.sizes(name)) for name in request.names}
+        )
 
     def store_description(self) -> dict[str, dict[str, Any]]:
         """What a store's run records of each instance, under its stored name

@@ -183,7 +183,9 @@ class TopKReadoutRows(CaptureSource):
         asked = self._of(request)
         decoder = state.get((self.name, key))
         if decoder is None:
-            decoder = state[(self.name, key)] = TopKDecoder(self.readouts.readout.row_type)
+            sizes = [self.readouts.sizes(name) for name in asked.names]
+            decoder = TopKDecoder(self.readouts.readout.row_type, sizes)
+            state[(self.name, key)] = decoder
         decoded = decoder.decode(rows, lo)
         return self.readouts.readout.present(
             {name: r.top(asked.k) for name, r in zip(asked.names, decoded, strict=True)}

@@ -13,11 +13,13 @@ on, so their bits arrive as they left. No vLLM, no torch.compile.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
+
+from probehook.outputs.columns import Column, named_axes, unpack_columns
 
 # How stores name top-k rows. The spellings date from format 1, when SAE features were the
 # only top-k readout; they stay so that every store written since reads unchanged.
@@ -54,6 +56,13 @@ def pad_indices(columns: torch.Tensor) -> None:
     columns.view(torch.int32).fill_(-1)
 
 
+def pad_top_k(out: torch.Tensor, k: int) -> None:
+    """Packed rows ``[n, 2k + 1]`` of the three-column layout as no reading (-1, 0, l0 0),
+    in place."""
+    pad_indices(out[:, :k])
+    out[:, k:] = 0
+
+
 def check_packed_indices(bound: int, what: str) -> None:
     """Refuse ``what`` (an SAE, a readout instance) whose ``bound`` indices the packed rows
     cannot carry exactly."""
@@ -75,6 +84,12 @@ class TopKRows:
     - ``values``: float32 ``[n, k]``, padded with 0; only non-zero values appear;
     - ``l0``: int64 ``[n]``, the non-zero entries of each token before the top-k cut.
 
+    A subclass names the three columns (:attr:`column_names`), may put axes before ``k``
+    (:attr:`lead_axes`: ``("heads",)`` gives ``[n, heads, k]`` entries and ``[n, heads]``
+    scalars) and may add columns (:attr:`extra_columns`, held in :attr:`extra` and read as
+    attributes): its column schema (:meth:`schema`, :mod:`probehook.outputs.columns`), from
+    which packing, the served forms and the store's datasets follow.
+
     ``watched`` is what monitors read: the same tokens at the engine's k (the worker watches
     those; a request that keeps fewer shows fewer). Itself when the request keeps them all.
     """
@@ -84,6 +99,8 @@ class TopKRows:
     l0: torch.Tensor
     engine: TopKRows | None = field(default=None, compare=False, repr=False)
     """The same tokens at the engine's k, when this request keeps fewer (see ``watched``)."""
+    extra: Mapping[str, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
+    """The :attr:`extra_columns`, by name (``[n, *shape]`` each)."""
 
     scalar_dtype: ClassVar[torch.dtype] = torch.int64
     """The dtype of the per-token scalar (the packed rows' last column): an SAE's ``l0``
@@ -91,13 +108,44 @@ class TopKRows:
     with float32."""
     column_names: ClassVar[tuple[str, str, str]] = ("indices", "values", "l0")
     """What the JSON forms call the three columns (a subclass names them for its readout)."""
+    lead_axes: ClassVar[tuple[str, ...]] = ()
+    """Axes before ``k`` of the entries (and of the scalar): instance settings naming their
+    sizes (``("heads",)``: a top-k per head)."""
+    extra_columns: ClassVar[tuple[Column, ...]] = ()
+    """Columns after the three (a second scalar, ``Column("mean")``; per-head values,
+    ``Column("entropy", ("heads",))``)."""
+
+    def __getattr__(self, name: str) -> torch.Tensor:
+        extra = self.__dict__.get("extra") or {}
+        if name in extra:
+            return extra[name]
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    @classmethod
+    def schema(cls) -> tuple[Column, ...]:
+        """Every column, in packed order: the entries' indices and values, the scalar, then
+        :attr:`extra_columns`."""
+        indices, values, scalar = cls.column_names
+        lead = cls.lead_axes
+        return (
+            Column(indices, (*lead, "k"), torch.int64),
+            Column(values, (*lead, "k"), torch.float32),
+            Column(scalar, lead, cls.scalar_dtype),
+            *cls.extra_columns,
+        )
+
+    @property
+    def columns(self) -> dict[str, torch.Tensor]:
+        """Every column by its name (the schema's order)."""
+        indices, values, scalar = self.column_names
+        return {indices: self.indices, values: self.values, scalar: self.l0, **self.extra}
 
     def __len__(self) -> int:
         return int(self.l0.shape[0])
 
     @property
     def k(self) -> int:
-        return int(self.indices.shape[1])
+        return int(self.indices.shape[-1])
 
     @property
     def watched(self) -> TopKRows:
@@ -106,85 +154,150 @@ class TopKRows:
         return self.engine if self.engine is not None else self
 
     def __getitem__(self, token: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Token ``token``'s entries, padding left out: ``(indices, values)``."""
+        """Token ``token``'s entries, padding left out: ``(indices, values)`` (of every lead
+        axis's top-k, flattened in order)."""
         on = self.indices[token] >= 0
         return self.indices[token][on], self.values[token][on]
 
     def dense(self, width: int) -> torch.Tensor:
-        """``[n, width]`` float32 with the kept values in place (zeros elsewhere: what the cut
-        dropped is not recovered)."""
-        out = torch.zeros((len(self), width), dtype=torch.float32)
+        """``[n, *lead, width]`` float32 with the kept values in place (zeros elsewhere: what
+        the cut dropped is not recovered)."""
+        out = torch.zeros((*self.indices.shape[:-1], width), dtype=torch.float32)
         on = self.indices >= 0
-        rows = torch.arange(len(self)).unsqueeze(1).expand_as(self.indices)
-        out[rows[on], self.indices[on]] = self.values[on]
-        return out
+        # a token's indices are distinct: adding into zeros places each value as it is
+        return out.scatter_add_(-1, self.indices.clamp(min=0), torch.where(on, self.values, 0.0))
 
     def activation(self, index: int) -> torch.Tensor:
-        """``[n]`` float32: entry ``index``'s value on each token (0 where it is not among
-        the kept ``k``)."""
-        return torch.where(self.indices == index, self.values, 0.0).sum(dim=1)
+        """``[n, *lead]`` float32: entry ``index``'s value on each token (0 where it is not
+        among the kept ``k``)."""
+        return torch.where(self.indices == index, self.values, 0.0).sum(dim=-1)
 
     def value_of(self, index: int, outside: float = 0.0) -> torch.Tensor:
         """``[n]`` float32: entry ``index``'s value on each token, ``outside`` where it is not
-        among the kept ``k`` (what a monitor of the readout watches)."""
-        hit = self.indices == index
-        inside = torch.where(hit, self.values, 0.0).sum(dim=1)
+        among the kept ``k`` (what a monitor of the readout watches; with lead axes, the
+        largest value of the entry among them, as the worker's monitors read)."""
+        hit = (self.indices == index).reshape(len(self), -1)
+        values = self.values.reshape(len(self), -1)
+        if not self.lead_axes:
+            inside = torch.where(hit, values, 0.0).sum(dim=1)
+        else:
+            inside = torch.where(hit, values, -math.inf).max(dim=1).values
         return torch.where(hit.any(dim=1), inside, torch.tensor(outside, dtype=inside.dtype))
 
     @classmethod
     def from_columns(cls, columns: Any) -> TopKRows:
         """Rows from a served response's columns (:func:`json_top_k`'s lists, nulls where a
         value was not finite, or :func:`compact_top_k`'s base64 arrays)."""
-        names = cls.column_names
-        missing = [name for name in names if name not in columns]
+        schema = cls.schema()
+        missing = [c.name for c in schema if c.name not in columns]
         if missing:
             raise ValueError(f"top-k columns {sorted(columns)} lack {missing}")
-        indices, values, scalar = (_column(columns[name]) for name in names)
-        n = len(scalar)
-        # a completion with no tokens is served as empty columns: zero rows of width 0
-        width = indices.numel() // n if n else 0
-        if indices.numel() != n * width or values.numel() != n * width:
+        n = _column(columns[schema[2].name]).shape[0]
+        got = {}
+        for column in schema:
+            value = _column(columns[column.name])
+            dims = 1 + len(column.axes)
+            if value.dim() != dims or value.shape[0] != n:
+                # a completion with no tokens is served as empty columns: zero rows
+                width = value.numel() // n if n else 0
+                if value.numel() != n * width or (dims != 2 and n):
+                    raise ValueError(
+                        f"top-k columns of {n} tokens hold {value.numel()} {column.name}: "
+                        f"not {n} rows of one width"
+                    )
+                value = value.reshape(n, *([width] if dims == 2 else [0] * (dims - 1)))
+            got[column.name] = value.to(column.dtype)
+        indices, values, scalar = (got.pop(c.name) for c in schema[:3])
+        if indices.shape != values.shape:
             raise ValueError(
                 f"top-k columns of {n} tokens hold {indices.numel()} indices and "
                 f"{values.numel()} values: not {n} rows of one width"
             )
-        return cls(
-            indices.to(torch.int64).reshape(n, width),
-            values.to(torch.float32).reshape(n, width),
-            scalar.to(cls.scalar_dtype),
-        )
+        return cls(indices, values, scalar, extra=got)
+
+    @classmethod
+    def from_parts(
+        cls,
+        indices: torch.Tensor,
+        values: torch.Tensor,
+        scalar: torch.Tensor,
+        extra: Mapping[str, torch.Tensor],
+    ) -> TopKRows:
+        """Rows from a store's columns (``probehook.store.features.from_storage``): each
+        further column of the schema reshaped to its axes and cast to its dtype (a per-token
+        scalar is stored ``[rows, 1]``); stored columns the schema lacks are left out."""
+        shaped = {}
+        for column in cls.schema()[3:]:
+            if column.name not in extra:
+                raise ValueError(
+                    f"stored {cls.__name__} rows lack column {column.name!r} (stored: "
+                    f"{sorted(extra)}); the readout that wrote them had another schema"
+                )
+            t = extra[column.name]
+            if t.dim() != 1 + len(column.axes):
+                t = t.reshape(t.shape[0], *t.shape[1 : 1 + len(column.axes)])
+            shaped[column.name] = t.to(column.dtype)
+        return cls(indices, values, scalar, extra=shaped)
+
+    def _with(self, columns: Mapping[str, torch.Tensor], engine: TopKRows | None) -> TopKRows:
+        """Rows of the same type from ``columns`` (by name, the schema's)."""
+        indices, values, scalar = self.column_names
+        extra = {c.name: columns[c.name] for c in self.extra_columns}
+        return type(self)(columns[indices], columns[values], columns[scalar], engine, extra)
 
     def top(self, k: int) -> TopKRows:
         """The first ``k`` entries of each token (rows are sorted, so this is the top ``k``);
         ``l0`` is unchanged; ``watched`` stays the engine's."""
         if k == self.k:
             return self
-        return type(self)(self.indices[:, :k], self.values[:, :k], self.l0, self.watched)
+        have = self.columns
+        cut = {
+            c.name: have[c.name][..., :k] if c.axes[-1:] == ("k",) else have[c.name]
+            for c in self.schema()
+        }
+        return self._with(cut, self.watched)
 
     def rows(self, lo: int, hi: int | None = None) -> TopKRows:
         """Tokens ``lo..hi`` (views)."""
         engine = self.engine.rows(lo, hi) if self.engine is not None else None
-        return type(self)(self.indices[lo:hi], self.values[lo:hi], self.l0[lo:hi], engine)
+        return self._with({name: t[lo:hi] for name, t in self.columns.items()}, engine)
 
     @classmethod
-    def unpack(cls, packed: torch.Tensor, k: int) -> TopKRows:
-        """From the worker's packed float32 rows ``[n, 2K + 1]`` (K the engine's k >= ``k``);
-        copies, so the packed tensor (an export's shared block) is not kept alive."""
-        engine_k = (packed.shape[1] - 1) // 2
-        full = cls(
-            carried_indices(packed[:, :engine_k]).to(torch.int64),
-            packed[:, engine_k : 2 * engine_k].clone(),
-            packed[:, 2 * engine_k].to(cls.scalar_dtype),
-        )
-        return full.top(k)
+    def sizes_of(cls, packed_width: int, sizes: Mapping[str, int] | None = None) -> dict:
+        """The axis sizes of packed rows: ``sizes`` (the instance's named axes, and the
+        engine's ``"k"``); without ``"k"``, the k that the three-column layout of
+        ``packed_width`` columns has (``[K, K, 1]``)."""
+        sizes = dict(sizes or {})
+        if "k" not in sizes:
+            if cls.lead_axes or cls.extra_columns:
+                raise ValueError(f"{cls.__name__} rows need their sizes (k, {cls.lead_axes})")
+            sizes["k"] = (packed_width - 1) // 2
+        return sizes
 
     @classmethod
-    def empty(cls, k: int) -> TopKRows:
-        return cls(
-            torch.empty((0, k), dtype=torch.int64),
-            torch.empty((0, k), dtype=torch.float32),
-            torch.empty(0, dtype=cls.scalar_dtype),
-        )
+    def unpack(
+        cls, packed: torch.Tensor, k: int, sizes: Mapping[str, int] | None = None
+    ) -> TopKRows:
+        """From the worker's packed float32 rows ``[n, width]`` (:func:`~probehook.outputs.
+        columns.pack_columns` of the schema, at the engine's K >= ``k``); ``sizes``: see
+        :meth:`sizes_of`. Copies, so the packed tensor (an export's shared block) is not kept
+        alive."""
+        schema = cls.schema()
+        views = unpack_columns(schema, packed, cls.sizes_of(packed.shape[-1], sizes))
+        got = {c.name: views[c.name].to(c.dtype) if c.integer else views[c.name].clone()
+               for c in schema}  # fmt: skip
+        indices, values, scalar = (got.pop(c.name) for c in schema[:3])
+        return cls(indices, values, scalar, extra=got).top(k)
+
+    @classmethod
+    def empty(cls, k: int, sizes: Mapping[str, int] | None = None) -> TopKRows:
+        """Zero tokens (``sizes``: the instance's named axes)."""
+        shapes = {**(sizes or {}), "k": k}
+        for axis in named_axes(cls.schema()):
+            shapes.setdefault(axis, 0)
+        got = {c.name: torch.empty((0, *c.shape(shapes)), dtype=c.dtype) for c in cls.schema()}
+        indices, values, scalar = (got.pop(c.name) for c in cls.schema()[:3])
+        return cls(indices, values, scalar, extra=got)
 
     @classmethod
     def cat(cls, pieces: Sequence[TopKRows]) -> TopKRows:
@@ -192,20 +305,15 @@ class TopKRows:
             return pieces[0]
         engines = [p.engine for p in pieces]
         engine = cls.cat(engines) if all(e is not None for e in engines) else None  # type: ignore[arg-type]
-        return cls(
-            torch.cat([p.indices for p in pieces]),
-            torch.cat([p.values for p in pieces]),
-            torch.cat([p.l0 for p in pieces]),
-            engine,
-        )
+        names = [c.name for c in cls.schema()]
+        joined = {name: torch.cat([p.columns[name] for p in pieces]) for name in names}
+        return pieces[0]._with(joined, engine)
 
     def to_dict(self) -> dict[str, list]:
         """JSON-ready lists (the server's form): every inf and NaN as None."""
-        indices, values, scalar = self.column_names
         return {
-            indices: self.indices.tolist(),
-            values: json_floats(self.values),
-            scalar: self.l0.tolist() if not self.l0.is_floating_point() else json_floats(self.l0),
+            name: json_floats(t) if t.is_floating_point() else t.tolist()
+            for name, t in self.columns.items()
         }
 
     def __repr__(self) -> str:
@@ -218,59 +326,78 @@ class TopKDecoder:
     decoded now (so a yield's cost does not grow with the tokens before it).
 
     Rows arrive as views of a growing, append-only buffer (the stream receiver's): positions
-    already written never change, so the values are handed out as views of it too; only the
-    int64 indices and l0 are converted, into buffers of their own.
+    already written never change, so the real columns are handed out as views of it too; only
+    the integer columns (indices, l0) are converted, into buffers of their own.
     """
 
-    def __init__(self, row_type: type[TopKRows] = TopKRows) -> None:
+    def __init__(
+        self,
+        row_type: type[TopKRows] = TopKRows,
+        sizes: Sequence[Mapping[str, int]] | None = None,
+    ) -> None:
+        """``sizes``: each slot's axis sizes (:meth:`TopKRows.sizes_of`; None: the
+        three-column layout's, from the packed width)."""
         self.row_type = row_type
+        self.schema = row_type.schema()
+        self.sizes = sizes
         self.base = self.done = -1
-        self._indices: torch.Tensor | None = None  # [slots, capacity, K]
-        self._l0: torch.Tensor | None = None  # [slots, capacity]
+        self._converted: list[dict[str, torch.Tensor]] | None = None  # per slot, by column
         self.converted = 0
         """Rows converted so far (the tests count them)."""
 
     def decode(self, packed: torch.Tensor, lo: int) -> list[TopKRows]:
-        """``packed``: ``[slots, n, 2K + 1]``, the rows of positions ``lo..lo + n`` (a view of
+        """``packed``: ``[slots, n, width]``, the rows of positions ``lo..lo + n`` (a view of
         the stream's buffer); one :class:`TopKRows` per slot at the engine's K, as views."""
         slots, n, width = packed.shape
-        engine_k = (width - 1) // 2
-        hi = lo + n
-        if self._indices is None or lo < self.base or lo > self.done:
-            self.base = self.done = lo  # a stream's spans start at its first position
-            self._indices = self._l0 = None
-        if hi > self.done:
-            self._grow(slots, hi - self.base, engine_k)
-            assert self._indices is not None and self._l0 is not None
-            new = packed[:, self.done - lo :]
-            at = slice(self.done - self.base, hi - self.base)
-            self._indices[:, at] = carried_indices(new[:, :, :engine_k])
-            self._l0[:, at] = new[:, :, 2 * engine_k]
-            self.converted += hi - self.done
-            self.done = hi
-        assert self._indices is not None and self._l0 is not None
-        at = slice(lo - self.base, hi - self.base)
-        return [
-            self.row_type(
-                self._indices[slot, at],
-                packed[slot, :, engine_k : 2 * engine_k],
-                self._l0[slot, at],
-            )
+        sizes = [
+            self.row_type.sizes_of(width, self.sizes[slot] if self.sizes else None)
             for slot in range(slots)
         ]
+        hi = lo + n
+        if self._converted is None or lo < self.base or lo > self.done:
+            self.base = self.done = lo  # a stream's spans start at its first position
+            self._converted = None
+        views = [unpack_columns(self.schema, packed[slot], sizes[slot]) for slot in range(slots)]
+        if hi > self.done:
+            self._grow(slots, hi - self.base, sizes)
+            assert self._converted is not None
+            new = slice(self.done - lo, None)
+            at = slice(self.done - self.base, hi - self.base)
+            for slot, buffers in enumerate(self._converted):
+                for name, buffer in buffers.items():
+                    buffer[at] = views[slot][name][new]
+            self.converted += hi - self.done
+            self.done = hi
+        assert self._converted is not None
+        at = slice(lo - self.base, hi - self.base)
+        out = []
+        for slot in range(slots):
+            got = {c.name: (self._converted[slot][c.name][at] if c.integer
+                            else views[slot][c.name]) for c in self.schema}  # fmt: skip
+            indices, values, scalar = (got.pop(c.name) for c in self.schema[:3])
+            out.append(self.row_type(indices, values, scalar, extra=got))
+        return out
 
-    def _grow(self, slots: int, end: int, engine_k: int) -> None:
-        if self._indices is not None and end <= self._indices.shape[1]:
+    def _grow(self, slots: int, end: int, sizes: Sequence[Mapping[str, int]]) -> None:
+        old = self._converted
+        have = next(iter(old[0].values())).shape[0] if old and old[0] else 0
+        if old is not None and end <= have:
             return
-        capacity = max(end, 2 * (self._indices.shape[1] if self._indices is not None else 0), 16)
-        indices = torch.empty((slots, capacity, engine_k), dtype=torch.int64)
-        l0 = torch.empty((slots, capacity), dtype=self.row_type.scalar_dtype)
-        if self._indices is not None and self._l0 is not None:
-            # Views handed out earlier keep the old buffers alive and unchanged.
-            kept = self.done - self.base
-            indices[:, :kept] = self._indices[:, :kept]
-            l0[:, :kept] = self._l0[:, :kept]
-        self._indices, self._l0 = indices, l0
+        capacity = max(end, 2 * have, 16)
+        grown = []
+        for slot in range(slots):
+            buffers = {
+                c.name: torch.empty((capacity, *c.shape(sizes[slot])), dtype=c.dtype)
+                for c in self.schema
+                if c.integer
+            }
+            if old is not None:
+                # Views handed out earlier keep the old buffers alive and unchanged.
+                kept = self.done - self.base
+                for name, buffer in buffers.items():
+                    buffer[:kept] = old[slot][name][:kept]
+            grown.append(buffers)
+        self._converted = grown
 
 
 # -- JSON forms (the server's) --------------------------------------------------------------
@@ -293,20 +420,16 @@ def json_floats(values: torch.Tensor) -> Any:
 
 
 def compact_top_k(value: dict[str, Any]) -> dict[str, Any]:
-    """Top-k rows by name as base64 arrays (``decode_array``): int32 indices, float32 values,
-    int32 l0 (about a third of the JSON lists' characters); ``non_finite`` as in
-    :func:`json_top_k`."""
+    """Top-k rows by name as base64 arrays (``decode_array``), every column of the schema:
+    integers as int32, reals as float32 (about a third of the JSON lists' characters);
+    ``non_finite`` as in :func:`json_top_k`."""
     from probehook.outputs.array_codec import encode_array
 
     out = {}
     for name, rows in value.items():
-        indices, values, scalar = rows.column_names
         out[name] = {
-            indices: encode_array(rows.indices.to(torch.int32)),
-            values: encode_array(rows.values),
-            scalar: encode_array(
-                rows.l0.to(torch.float32 if rows.l0.is_floating_point() else torch.int32)
-            ),
+            column: encode_array(t.to(torch.float32 if t.is_floating_point() else torch.int32))
+            for column, t in rows.columns.items()
         }
         bad = non_finite_tokens(rows)
         if bad:
@@ -325,11 +448,12 @@ def json_top_k(features: Any) -> dict[str, Any]:
 
 
 def non_finite_tokens(rows: Any) -> list[int]:
-    """The tokens whose values or scalar (a lens's target log-prob) hold an inf or a NaN:
-    every non-finite number a served form writes as null is named."""
-    bad = set(non_finite_rows(rows.values))
-    if rows.l0.is_floating_point():
-        bad.update(non_finite_rows(rows.l0))
+    """The tokens whose values, scalar (a lens's target log-prob) or further real columns
+    hold an inf or a NaN: every non-finite number a served form writes as null is named."""
+    bad: set[int] = set()
+    for column in rows.columns.values():
+        if column.is_floating_point():
+            bad.update(non_finite_rows(column))
     return sorted(bad)
 
 

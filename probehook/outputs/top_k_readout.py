@@ -22,14 +22,9 @@ from typing import Any, ClassVar
 import torch
 
 from probehook.errors import CaptureConfigError
+from probehook.outputs.columns import named_axes, pack_columns, packed_width, pad_packed
 from probehook.outputs.registry import OutputProcessor
-from probehook.outputs.top_k import (
-    PACKED_INDEX_LIMIT,
-    TopKRows,
-    carry_indices,
-    compact_top_k,
-    json_top_k,
-)
+from probehook.outputs.top_k import PACKED_INDEX_LIMIT, TopKRows, compact_top_k, json_top_k
 
 
 class TopKReadout(OutputProcessor):
@@ -274,10 +269,39 @@ class TopKReadout(OutputProcessor):
         construction (a token readout's is its model's vocabulary)."""
         return PACKED_INDEX_LIMIT
 
+    def axis_sizes(self, settings: Mapping[str, Any], k: int) -> dict[str, int]:
+        """The sizes of an instance's column axes: ``"k"`` (the engine's) and each named axis
+        of the row type's schema, from the instance's settings (``settings["heads"]``)."""
+        sizes = {"k": int(k)}
+        for axis in named_axes(self.row_type.schema()):
+            sizes[axis] = int(settings[axis])
+        return sizes
+
+    def packed_width(self, settings: Mapping[str, Any], k: int) -> int:
+        """An instance's packed row width (its column schema's at the engine's k)."""
+        return packed_width(self.row_type.schema(), self.axis_sizes(settings, k))
+
+    def pad_packed(self, out: torch.Tensor, settings: Mapping[str, Any], k: int) -> None:
+        """Packed rows ``out`` of an instance as no reading (indices -1, the rest 0)."""
+        schema = self.row_type.schema()
+        pad_packed(schema, out, self.axis_sizes(settings, k), schema[0].name)
+
+    def pack(
+        self,
+        indices: torch.Tensor,
+        values: torch.Tensor,
+        scalar: torch.Tensor,
+        **extra: torch.Tensor,
+    ) -> torch.Tensor:
+        """An instance's readings as packed rows: the row type's columns in schema order
+        (:func:`pack` for this readout's schema)."""
+        return pack(indices, values, scalar, row_type=self.row_type, **extra)
+
     def read(self, rows: torch.Tensor, settings: Mapping[str, Any], k: int) -> torch.Tensor:
         """In the worker: ``rows`` ``[n, hidden]`` of the instance's layer -> packed float32
-        ``[n, 2k + 1]`` (k indices, -1 padding, as int32 bits: build it with :func:`pack`;
-        k values, 0 padding; l0), on the rows' device. A readout that
+        ``[n, width]`` in the row type's column schema, on the rows' device: by default
+        ``[n, 2k + 1]`` (k indices, -1 padding; k values, 0 padding; l0): build it with
+        :meth:`pack` (integers travel as int32 bits). A readout that
         :attr:`reads_next_token` takes ``next_tokens`` too: int64 ``[n]``, each row's next
         token id (-1 where none came: a capture-only engine's last prompt row, a request that
         ended), on the rows' device."""
@@ -329,11 +353,25 @@ class TopKReadout(OutputProcessor):
             ]
 
 
-def pack(indices: torch.Tensor, values: torch.Tensor, l0: torch.Tensor) -> torch.Tensor:
-    """``[n, k]`` indices and values and ``[n]`` l0 as the worker's packed float32 rows
-    ``[n, 2k + 1]`` (what :meth:`TopKReadout.read` returns; the indices as int32 bits,
-    :func:`~probehook.outputs.top_k.carry_indices`)."""
-    return torch.cat([carry_indices(indices), values.float(), l0.float().unsqueeze(1)], dim=1)
+def pack(
+    indices: torch.Tensor,
+    values: torch.Tensor,
+    l0: torch.Tensor,
+    row_type: type[TopKRows] = TopKRows,
+    **extra: torch.Tensor,
+) -> torch.Tensor:
+    """``[n, *lead, k]`` indices and values, ``[n, *lead]`` scalars and ``row_type``'s further
+    columns by name as the worker's packed float32 rows (what :meth:`TopKReadout.read`
+    returns; by default ``[n, 2k + 1]``): every column flattened in schema order, integer
+    columns as int32 bits (:func:`~probehook.outputs.top_k.carry_indices`)."""
+    schema = row_type.schema()
+    missing = [c.name for c in schema[3:] if c.name not in extra]
+    if missing or len(extra) != len(schema) - 3:
+        raise ValueError(
+            f"{row_type.__name__} packs columns {[c.name for c in schema]}; given the three "
+            f"and {sorted(extra)}"
+        )
+    return pack_columns(schema, [indices, values, l0, *(extra[c.name] for c in schema[3:])])
 
 
 def top_k_readouts(processors: Any) -> dict[str, TopKReadout]:

@@ -191,7 +191,8 @@ def read_top_k(
 ) -> torch.Tensor:
     """The readout of every row of ``x`` (``[rows, d_in]``, any float dtype), packed as
     ``[rows, 2k + 1]`` float32: ``k`` feature indices (-1: none), their ``k`` values (0: none),
-    and ``l0``; the indices as int32 bits (``probehook.outputs.top_k.carry_indices``: exact).
+    and ``l0``; the indices and ``l0`` as int32 bits (``probehook.outputs.top_k.carry_indices``:
+    exact).
     Encoded in tiles of
     :data:`TILE_ROWS` rows; written into ``out`` when given."""
     rows = x.shape[0]
@@ -231,7 +232,7 @@ def _read_tile(weights: SAEWeights, x: torch.Tensor, k: int, out: torch.Tensor) 
     out[:, k : k + width] = torch.where(on, values, 0).to(torch.float32)
     pad_indices(out[:, width:k])
     out[:, k + width : 2 * k] = 0
-    out[:, 2 * k] = l0.to(torch.float32)
+    out[:, 2 * k] = carry_indices(l0)  # an integer column: its int32 bits, as the indices
 
 
 def _own_top_k(

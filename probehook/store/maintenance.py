@@ -27,10 +27,12 @@ from probehook.outputs.top_k import SEGMENT_NAME_KEY
 from probehook.store.appender import DatasetAppender
 from probehook.store.contents import read_meta
 from probehook.store.features import (
+    EXTRA_PREFIX,
     LAYOUT,
     PARTS,
     feature_dataset,
     layout_of,
+    layout_parts,
     segment_group,
 )
 from probehook.store.format import (
@@ -391,10 +393,10 @@ def _compact_lane(store_root: Path, lane: str, shard_bytes: int, progress: bool)
 
 
 def _datasets(segment: dict[str, Any]) -> list[str]:
-    """The datasets a segment's rows lie in (a top-k segment: its three, in step)."""
+    """The datasets a segment's rows lie in (a top-k segment: its layout's, in step)."""
     if SEGMENT_NAME_KEY in segment:
         group = segment_group(segment)
-        return [f"{group}/{part}" for part in PARTS]
+        return [f"{group}/{part}" for part in layout_parts(segment.get("layout"))]
     return [dataset_name(segment["phase"], segment["layer"])]
 
 
@@ -495,8 +497,8 @@ def _merge(
                             ) from e
                 target.close()
         for name in names:
-            for group in moved[name].layouts:
-                starts = {moved[name].offsets[f"{group}/{part}"] for part in PARTS}
+            for group, layout in moved[name].layouts.items():
+                starts = {moved[name].offsets[f"{group}/{p}"] for p in layout_parts(layout)}
                 if len(starts) != 1:  # a bug, not damage: refuse rather than misplace rows
                     raise StoreError(
                         f"Compacting shard {name}: SAE datasets of {group} would land at rows "
@@ -547,7 +549,11 @@ def _sae_destinations(
                 f"{group}, which lacks {missing}. Run `probehook store fsck` on the store. "
                 "Nothing was changed."
             )
-        parts = {p: f[f"{group}/{p}"] for p in PARTS}
+        mine = sorted(
+            part for g, _, part in (k.rpartition("/") for k in keys)
+            if g == group and part.startswith(EXTRA_PREFIX)
+        )  # fmt: skip
+        parts = {p: f[f"{group}/{p}"] for p in (*PARTS, *mine)}
         rows = {p: d.shape[0] for p, d in parts.items()}
         if len(set(rows.values())) != 1:
             raise StoreError(
@@ -555,7 +561,7 @@ def _sae_destinations(
                 f"of step ({rows} rows), so their rows cannot be moved together. Nothing was "
                 "changed; the shard may be damaged (`probehook store fsck`)."
             )
-        layout = layout_of(parts["indices"], parts["values"], parts["l0"])
+        layout = layout_of(parts)
         if recorded is not None and recorded != layout:
             raise StoreError(
                 f"Cannot compact shard {shard}: its records say SAE {sae!r}'s features in "
@@ -563,7 +569,7 @@ def _sae_destinations(
                 "was changed; the shard may be damaged."
             )
         moved.layouts[group] = layout
-        for p in PARTS:
+        for p in parts:
             dest = feature_dataset(phase, sae, p, layout)
             targets[f"{group}/{p}"] = dest
             owners[dest] = sae

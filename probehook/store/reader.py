@@ -22,7 +22,7 @@ import torch
 
 from probehook.errors import StoreError
 from probehook.store.contents import read_manifests, read_meta
-from probehook.store.features import PARTS, feature_dataset
+from probehook.store.features import feature_dataset, layout_parts
 from probehook.store.format import PHASES, ROOT_LANE, dataset_name, shard_path, split_shard_key
 from probehook.store.layer_matrix import LayerMatrix
 from probehook.store.manifest import run_layers
@@ -317,11 +317,14 @@ class StoreReader:
 
     def _read_features(
         self, shard: str, phase: str, sae: str, start: int, stop: int, layout: str | None = None
-    ) -> tuple[Any, ...]:
-        """The stored arrays of SAE ``sae``'s features of one layout (None: a store written
-        before layouts), rows ``start:stop`` (store/features)."""
+    ) -> dict[str, Any]:
+        """The stored arrays of top-k instance ``sae``'s rows of one layout (None: a store
+        written before layouts), rows ``start:stop``, by dataset name (store/features)."""
         f = self._shard_file(shard)
-        return tuple(f[feature_dataset(phase, sae, part, layout)][start:stop] for part in PARTS)
+        return {
+            part: f[feature_dataset(phase, sae, part, layout)][start:stop]
+            for part in layout_parts(layout)
+        }
 
     def close(self) -> None:
         """Close the shard files this reader holds open."""

@@ -131,7 +131,7 @@ class StoredRequest:
                 parts = self.store._read_features(
                     self.record["shard"], phase, stored, start, stop, seg.get("layout")
                 )
-                rows = row_type(*from_storage(*parts))
+                rows = row_type.from_parts(*from_storage(parts))
                 out[_instance(readout, source, stored)] = rows.top(seg.get("k", rows.k))
         return out
 

@@ -322,7 +322,7 @@ class ShardWriter:
             d_sae, k = request.sae_sizes[name]
             arrays = features_to_storage(block.features, d_sae, k, self.sae_values)
             # Runs of another d_sae, k or value type under this name get datasets of their own.
-            layout = layout_of(arrays["indices"], arrays["values"], arrays["l0"])
+            layout = layout_of(arrays)
             starts = {
                 self._append(feature_dataset(block.phase, name, part, layout), data)
                 for part, data in arrays.items()

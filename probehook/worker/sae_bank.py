@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from probehook.outputs.top_k import pad_top_k
 from probehook.saes.encode import SAEWeights, read_top_k
 from probehook.worker.top_k_bank import read_selected
 
@@ -75,7 +76,8 @@ class SAEBank:
                 read_top_k(weights, staged[layer_slot], self.k, out[slot])
                 continue
             read = functools.partial(read_top_k, weights, k=self.k)
-            read_selected(out[slot], self.k, staged[layer_slot], asked, read)
+            pad = functools.partial(pad_top_k, k=self.k)
+            read_selected(out[slot], pad, staged[layer_slot], asked, read)
         return out
 
 

@@ -1,6 +1,7 @@
 """The worker's generic bank of a top-k readout (:class:`~probehook.outputs.top_k_readout.
 TopKReadout`): its named instances, each read on the rows of the requests that asked for it
-(a selective recorder transform, as the SAE bank), packed ``[indices, values, l0]``.
+(a selective recorder transform, as the SAE bank), packed by its column schema
+(``[indices, values, l0]`` and any further columns).
 
 No vLLM imports.
 """
@@ -14,34 +15,37 @@ from typing import Any
 import numpy as np
 import torch
 
-from probehook.outputs.top_k import pad_indices
-
 
 def read_selected(
     out: torch.Tensor,
-    k: int,
+    pad: Callable[[torch.Tensor], None],
     rows: torch.Tensor,
     asked: np.ndarray | None,
     read: Callable[..., torch.Tensor],
     next_tokens: torch.Tensor | None = None,
 ) -> None:
-    """``out`` (``[n, 2k + 1]``) = ``read`` of the rows ``asked`` (None: of every row);
-    the other rows are padding (no entry: -1, 0, l0 0), which no request reads.
-    ``next_tokens`` (``[n]``, a readout that ``reads_next_token``): each row's next token,
-    handed to ``read`` with the rows it belongs to."""
+    r"""``out`` (``[n, width]``) = ``read`` of the rows ``asked`` (None: of every row); the
+    other rows are ``pad``\ ded (no entry: -1, 0, l0 0), which no request reads. A reading
+    narrower than ``out`` (an instance with fewer heads than another) fills its first
+    columns. ``next_tokens`` (``[n]``, a readout that ``reads_next_token``): each row's next
+    token, handed to ``read`` with the rows it belongs to."""
     if asked is None or len(asked) == rows.shape[0]:
-        out.copy_(read(rows) if next_tokens is None else read(rows, next_tokens=next_tokens))
+        got = read(rows) if next_tokens is None else read(rows, next_tokens=next_tokens)
+        if got.shape[1] < out.shape[1]:
+            out[:, got.shape[1] :] = 0
+        out[:, : got.shape[1]].copy_(got)
         return
-    pad_indices(out[:, :k])
-    out[:, k:] = 0
+    pad(out)
     if len(asked):
         where = torch.from_numpy(asked).to(rows.device, non_blocking=True)
         picked = rows.index_select(0, where)
         if next_tokens is None:
-            out.index_copy_(0, where, read(picked))
+            got = read(picked)
         else:
-            tokens = next_tokens.index_select(0, where.to(next_tokens.device))
-            out.index_copy_(0, where, read(picked, next_tokens=tokens))
+            got = read(
+                picked, next_tokens=next_tokens.index_select(0, where.to(next_tokens.device))
+            )
+        out[:, : got.shape[1]].index_copy_(0, where, got)
 
 
 class TopKBank:
@@ -59,13 +63,21 @@ class TopKBank:
         self.slots = tuple(instances)
         """The instance names, in the order of the output's first dimension."""
         self.k = int(k)
-        self.width = 2 * self.k + 1
+        self.width = max(readout.packed_width(s, self.k) for s in instances.values())
+        """The packed rows' width: the widest instance's (the column schema's)."""
         self.layers = tuple(sorted({int(s["layer"]) for s in instances.values()}))
         self._instances = [(self.layers.index(int(s["layer"])), s) for s in instances.values()]
+        schema = readout.row_type.schema()
+        self._entries = [schema[0].width(readout.axis_sizes(s, self.k)) for s in instances.values()]
         self._pending: tuple[np.ndarray, list[torch.Tensor], Any] | None = None
         self.reads_next_token = bool(readout.reads_next_token)
         """Its rows complete after the step's sampling, with each row's next token (the
         recorder defers them; :meth:`__call__` gets ``next_tokens``)."""
+
+    def entries(self, slot: int) -> int:
+        """How many entries (indices, then as many values) lead slot ``slot``'s packed rows:
+        ``k`` times its lead axes' sizes (what the stop processor reads)."""
+        return self._entries[slot]
 
     def __call__(
         self,
@@ -82,7 +94,8 @@ class TopKBank:
         for slot, (layer_slot, settings) in enumerate(self._instances):
             asked = None if slot_rows is None else slot_rows[slot]
             read = functools.partial(self.readout.read, settings=settings, k=self.k)
-            read_selected(out[slot], self.k, staged[layer_slot], asked, read, next_tokens)
+            pad = functools.partial(self.readout.pad_packed, settings=settings, k=self.k)
+            read_selected(out[slot], pad, staged[layer_slot], asked, read, next_tokens)
         self._pending = None
         if next_tokens is not None:
             if unknown is None:  # no step context: asked of the device (one sync)
@@ -128,7 +141,7 @@ class TopKBank:
                 next_tokens=tokens.index_select(0, at.to(tokens.device)),
             )  # fmt: skip
             where = torch.from_numpy(unknown[mine]).to(out.device)
-            out[slot].index_copy_(0, where, read)
+            out[slot, :, : read.shape[1]].index_copy_(0, where, read)
 
 
 def generic_bank(

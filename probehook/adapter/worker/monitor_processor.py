@@ -76,6 +76,10 @@ class _StepValues:
     def __init__(self, recorder: Any) -> None:
         self.step = recorder.step_rows if recorder is not None else None
         self._host: Any = None
+        entries = getattr(getattr(recorder, "transform", None), "entries", None)
+        self.entries = entries if callable(entries) else (lambda slot: None)
+        """A top-k bank's entries per row in a slot (its column schema's; None: the
+        three-column layout's)."""
 
     def row(self, index: int, slot: int) -> Any:
         """Batch entry ``index``'s last row in slot ``slot`` (None: not kept this step)."""
@@ -115,7 +119,7 @@ def _readout_crossed(
         packed = values.row(index, slot)
         if packed is None:
             continue
-        value = top_k_value(packed, monitor.entry, monitor.outside)
+        value = top_k_value(packed, monitor.entry, monitor.outside, values.entries(slot))
         if crosses(value, monitor.threshold, monitor.direction):
             return True
     return False

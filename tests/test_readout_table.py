@@ -1,9 +1,10 @@
-"""A readout is one entry of the readout table: the test-only toy readout of
-tests/toy_readout.py (each row's norm as a one-entry top-k), registered by one line and named
-nowhere in probehook, reaches offline outputs (prompt and generated rows, per-request picks),
-``AsyncLLM`` streams, ``probehook serve`` choices and chunks (on tests/test_server.py's server:
-``test_a_registered_readout_is_served_in_choices_and_chunks``), and the store, equal to the
-norm of the rows the same engine captures."""
+"""A readout is one entry of the readout table: the test-only toy readouts of
+tests/toy_readout.py (each row's norm as a one-entry top-k; a top-k per head with a second
+scalar column), registered by one line each and named nowhere in probehook, reach offline
+outputs (prompt and generated rows, per-request picks and k), ``AsyncLLM`` streams,
+``probehook serve`` choices and chunks (on tests/test_server.py's server:
+``test_a_registered_readout_is_served_in_choices_and_chunks``), the store and the viewer,
+equal to what the same rows the engine captures give."""
 
 from __future__ import annotations
 
@@ -27,14 +28,16 @@ ENGINE = dict(enforce_eager=True, max_model_len=64, seed=0, dtype="float32")
 def registered() -> Iterator[Any]:
     """The one registration line, in this process (the engines' other processes take the
     entry point below)."""
-    from toy_readout import RowNorm
+    from toy_readout import ChunkPeaks, RowNorm
 
     from probehook.outputs import OUTPUT_PROCESSORS
 
     list(OUTPUT_PROCESSORS)  # the entry points this process sees, loaded before (once)
     OUTPUT_PROCESSORS.register(RowNorm)
+    OUTPUT_PROCESSORS.register(ChunkPeaks)
     yield RowNorm
     OUTPUT_PROCESSORS.unregister(RowNorm.name)
+    OUTPUT_PROCESSORS.unregister(ChunkPeaks.name)
 
 
 def norm_of(rows: torch.Tensor) -> torch.Tensor:
@@ -46,17 +49,59 @@ def assert_norms(got: Any, rows: torch.Tensor) -> None:
     torch.testing.assert_close(got.values[:, 0], norm_of(rows), rtol=1e-5, atol=1e-5)
 
 
+HEADS = 4
+
+
+def assert_peaks(got: Any, rows: torch.Tensor, k: int) -> None:
+    """The per-head toy readout of ``rows``: each chunk's top ``k`` (offsets exact: the same
+    rows), its norm, and the row's mean (the second scalar)."""
+    chunks = rows.float().reshape(len(rows), HEADS, -1)
+    peaks, offsets = chunks.topk(k, dim=-1)
+    assert got.offsets.shape == (len(rows), HEADS, k) and torch.equal(got.offsets, offsets)
+    torch.testing.assert_close(got.peaks, peaks, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got.chunk_norms, chunks.norm(dim=-1), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got.mean, rows.float().mean(dim=1), rtol=1e-5, atol=1e-4)
+
+
+def halfway_below(values: torch.Tensor) -> float:
+    """A threshold just below ``values[0]``, above every smaller value, at least 1e-4 from
+    each (rows of another batch than these differ in the last bit)."""
+    lower = values[torch.isfinite(values) & (values < values[0] - 1e-3)]
+    below = float(lower.max()) if len(lower) else float(values[0]) - 1.0
+    return (float(values[0]) + below) / 2
+
+
+def discriminating_entry(peaks: Any) -> tuple[int, float]:
+    """An offset among decode row 0's peaks and a threshold just below its value there (the
+    largest among the heads), where reading the packed row as the three-column layout (the
+    stop processor without the schema's entry count) would not cross: a forced stop on row 0
+    then proves the worker reads the per-head layout."""
+    from toy_readout import PeakRows
+
+    from probehook.core.monitors import top_k_value
+    from probehook.outputs.top_k_readout import pack
+
+    first = peaks.rows(0, 1)
+    row = pack(first.offsets, first.peaks, first.chunk_norms, PeakRows, mean=first.mean)[0]
+    for offset in first.offsets.flatten().tolist():
+        above = halfway_below(peaks.value_of(offset, -math.inf))
+        if top_k_value(row.numpy(), offset, -math.inf) < above - 1e-3:
+            return int(offset), above
+    raise AssertionError("no peak tells the per-head layout from the three-column one")
+
+
 def test_offline_outputs_picks_and_the_store(registered, tmp_path: Path) -> None:
     """Also the readout's own monitor (``NormMonitor``, declared in the toy's module alone):
     an engine flag monitor, a request's flag monitor in dict form, and a request's stop
     monitor that the worker forces (the stop token) and the front end names."""
-    from toy_readout import NormMonitor
+    from toy_readout import NormMonitor, PeakMonitor
 
     from probehook import LLM, SamplingParams, tiny_model_path
     from probehook.store import ActivationStore
 
     llm = LLM(str(tiny_model_path()), layers=[1, 3], include_prefill=True,
               norms={"n1": 1, "n3": 3}, store=tmp_path / "store",
+              peaks={"p3": {"layer": 3, "heads": HEADS}}, peaks_top_k=3,
               monitors=[NormMonitor("n1", 0.0)], **ENGINE)  # fmt: skip
     try:
         params = [
@@ -65,10 +110,20 @@ def test_offline_outputs_picks_and_the_store(registered, tmp_path: Path) -> None
                 max_tokens=TOKENS,
                 temperature=0,
                 ignore_eos=True,
-                extra_args={"probehook": {"norms": ["n3"]}},
+                extra_args={"probehook": {"norms": ["n3"], "peaks_top_k": 1}},
             ),  # fmt: skip
         ]
         every, picked = llm.generate([PROMPT, PROMPT], params, use_tqdm=False)
+        # the per-head readout's monitors: an entry's largest value among the heads
+        offset, above = discriminating_entry(every.outputs[0].chunk_peaks["p3"])
+        peak_flag = {"peaks": "p3", "offset": offset, "threshold": above, "action": "flag"}
+        peak_flagged = llm.generate(PROMPT, SamplingParams(
+            max_tokens=TOKENS, temperature=0, ignore_eos=True,
+            extra_args={"probehook": {"monitors": [peak_flag]}}), use_tqdm=False)[0]  # fmt: skip
+        peak_stopped = llm.generate(PROMPT, SamplingParams(
+            max_tokens=TOKENS, temperature=0, ignore_eos=True,
+            extra_args={"probehook": {"monitors": [PeakMonitor("p3", offset, above, "stop")]}}),
+            use_tqdm=False)[0]  # fmt: skip
         norms = every.outputs[0].row_norms["n3"].values[:, 0]
         # halfway between two norms (rows of another batch than these differ in the last bit)
         ordered = norms.sort().values
@@ -112,6 +167,46 @@ def test_offline_outputs_picks_and_the_store(registered, tmp_path: Path) -> None
     assert stored.sae_features == {}  # the SAEs' own accessor sees SAEs only
     picked_stored = ActivationStore.open(tmp_path / "store")[picked.store_id]
     assert set(picked_stored.top_k("norm")) == {"n3"}
+    # The per-head readout with a second scalar: outputs, a request's k, flags, a forced stop
+    # and the store (every column; the request that kept 1 reads back 1, padded to the run's 3)
+    assert_peaks(every.outputs[0].chunk_peaks["p3"], every.outputs[0].hidden_states[3], 3)
+    assert_peaks(every.prefill_chunk_peaks["p3"], every.prefill_hidden_states[3], 3)
+    assert_peaks(picked.outputs[0].chunk_peaks["p3"], picked.outputs[0].hidden_states[3], 1)
+    crossed = peak_flagged.outputs[0].chunk_peaks["p3"].value_of(offset, -math.inf) > above
+    assert crossed[0] and peak_flagged.outputs[0].peak_flags == {
+        f"p3:{offset}": crossed.nonzero().flatten().tolist()
+    }
+    assert list(peak_stopped.outputs[0].token_ids) == [eos]  # crossed on decode row 0
+    assert peak_stopped.outputs[0].stop_reason == f"peaks:p3:{offset}"
+    for got, want in (
+        (stored.readout("peaks")["p3"], every.outputs[0].chunk_peaks["p3"]),
+        (stored.readout("peaks", "prefill")["p3"], every.prefill_chunk_peaks["p3"]),
+        (picked_stored.readout("peaks")["p3"], picked.outputs[0].chunk_peaks["p3"]),
+    ):
+        assert got.columns.keys() == want.columns.keys() == {
+            "offsets", "peaks", "chunk_norms", "mean"}  # fmt: skip
+        for name, column in want.columns.items():
+            assert torch.equal(got.columns[name], column), name
+    # ... and the viewer: a block and a norm series per head, the second scalar as a series,
+    # a labelled entry as a series of its own; the stored request shows the same
+    from probehook.viewer.tokens import request_data
+
+    last_prompt = len(every.prompt_token_ids) - 1  # where decode row 0 is painted
+    for output in (every, stored):
+        data = request_data(output, str, labels={"p3": {offset: "the peak"}})
+        blocks = {t["name"]: t for t in data["top_k"] if t["name"].startswith("chunk_peaks")}
+        assert sorted(blocks) == [f"chunk_peaks p3 h{h}" for h in range(HEADS)]
+        peaks = every.outputs[0].chunk_peaks["p3"]
+        for head in range(HEADS):
+            block = blocks[f"chunk_peaks p3 h{head}"]
+            assert [i for i, _ in block["rows"][last_prompt]] == peaks.offsets[0, head].tolist()
+            assert block["labels"] == {str(offset): "the peak"}
+        series = {s["name"]: s["values"] for s in data["series"]}
+        assert series["chunk_peaks p3 mean"][last_prompt] == pytest.approx(float(peaks.mean[0]))
+        assert series["chunk_peaks p3 h2 norm"][0] == pytest.approx(
+            float(every.prefill_chunk_peaks["p3"].chunk_norms[0, 2]))  # fmt: skip
+        hit = next(h for h in range(HEADS) if offset in peaks.offsets[0, h].tolist())
+        assert series[f"chunk_peaks p3 h{hit} #{offset} the peak"][last_prompt] > above
 
 
 def test_async_llm_streams_it(registered, entry_point_root: Path, monkeypatch) -> None:
@@ -125,7 +220,7 @@ def test_async_llm_streams_it(registered, entry_point_root: Path, monkeypatch) -
     monkeypatch.syspath_prepend(str(entry_point_root))
     engine = AsyncLLM(
         str(tiny_model_path()), layers=[3], norms={"n3": 3}, lenses={"l": "logit"},
-        lens_layers=[3], **ENGINE,
+        lens_layers=[3], peaks={"p3": {"layer": 3, "heads": HEADS}}, **ENGINE,
     )  # fmt: skip
     # A lens flag monitor on the stream: every yield flags the rows to date where token 10's
     # log-prob under the lens is above -1 (the tiny model's "6": "12+34=46").
@@ -141,6 +236,7 @@ def test_async_llm_streams_it(registered, entry_point_root: Path, monkeypatch) -
             c = out.outputs[0]
             seen.append((len(c.token_ids), c.row_norms["n3"], c.hidden_states[3],
                          c.lens["l"][3], c.logprobs))  # fmt: skip
+            assert_peaks(c.chunk_peaks["p3"], c.hidden_states[3], 2)  # the per-head one
             flagged = torch.nonzero(c.lens["l"][3].value_of(10, -math.inf) > -1.0).flatten()
             assert c.lens_flags == {"l@3:10": flagged.tolist()}
             flags.append(c.lens_flags["l@3:10"])

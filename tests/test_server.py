@@ -135,7 +135,7 @@ def server(
     # the toy readout (tests/toy_readout.py), known to the server's processes by its entry
     # point (test_a_registered_readout_is_served_in_choices_and_chunks), by the flag its
     # engine option generates
-    argv += ["--norms", "n3=3"]
+    argv += ["--norms", "n3=3", "--peaks", "p3=3:4"]  # the per-head toy readout too
     argv += ["--store", str(work / "store"), "--store-flush-interval", "0.5"]
     argv += ["--capture-default", json.dumps(DEFAULT)]
     argv += ["--chat-template", str(work / "chat.jinja"), "--served-model-name", "tiny"]
@@ -612,7 +612,7 @@ def test_malformed_options_storm(client, server, offline) -> None:
     options = {o: name for name, r in readouts.items() for o in r["options"]}
     assert options == {"lenses": "lenses", "lens_top_k": "lenses", "lens_layers": "lenses",
                        "norms": "norms", "norms_top_k": "norms", "saes": "saes",
-                       "sae_top_k": "saes"}  # fmt: skip
+                       "sae_top_k": "saes", "peaks": "peaks", "peaks_top_k": "peaks"}  # fmt: skip
     messages = []
     for value in objects:
         with pytest.raises(CaptureConfigError) as err:
@@ -698,17 +698,23 @@ def test_reserved_xargs_key_and_info_route(client, server) -> None:
               "layers": [0, 3],
               "k": 3, "name": "lens", "attribute": "lens", "served": served,
               "columns": ["token_ids", "logprobs", "target_logprob"], "tokens": True,
-              "series": ["target", "logprob"], "flags": "lens_flags"}  # fmt: skip
+              "series": ["target", "logprob"], "flags": "lens_flags",
+              "column_series": {}}  # fmt: skip
     norms = {"options": ["norms", "norms_top_k"], "names": ["n3"], "layers": [3], "k": 1,
              "name": "row_norms", "attribute": "row_norms", "columns": ["indices", "values", "l0"],
              "served": {"n3": ["n3"]}, "tokens": False, "series": None,
-             "flags": "norm_flags"}  # fmt: skip
+             "flags": "norm_flags", "column_series": {}}  # fmt: skip
+    peaks = {"options": ["peaks", "peaks_top_k"], "names": ["p3"], "layers": [3], "k": 2,
+             "name": "chunk_peaks", "attribute": "chunk_peaks",
+             "columns": ["offsets", "peaks", "chunk_norms"], "served": {"p3": ["p3"]},
+             "tokens": False, "series": ["norm", "activation"], "flags": "peak_flags",
+             "column_series": {"mean": "activation"}}  # fmt: skip
     saes = info["readouts"].pop("saes")  # SAE features: a readout as the others
     assert saes["options"] == ["saes", "sae_top_k"] and saes["names"] == ["res3"]
     assert (saes["name"], saes["attribute"], saes["flags"]) == ("sae", "sae_features",
                                                                 "feature_flags")  # fmt: skip
     assert saes["columns"] == ["indices", "values", "l0"] and saes["served"] == {"res3": ["res3"]}
-    assert info["readouts"] == {"lenses": lenses, "norms": norms}
+    assert info["readouts"] == {"lenses": lenses, "norms": norms, "peaks": peaks}
     assert info["saes"] == ["res3"] and info["lenses"] == ["j", "logit"]
     # The server is still serving after every refusal above.
     assert client.completions.create(prompt="1+1=", **greedy()).choices[0].text is not None
@@ -903,7 +909,8 @@ def test_the_live_page_paints_a_streamed_reply_per_token(client, server) -> None
 
     root = server.base_url.removesuffix("/v1")
     message = prompts(8)[3]
-    body = {"lenses": ["j"], "probes": ["truth"], "saes": ["res3"], "norms": ["n3"]}
+    body = {"lenses": ["j"], "probes": ["truth"], "saes": ["res3"], "norms": ["n3"],
+            "peaks": ["p3"]}  # fmt: skip
     want = client.chat.completions.create(
         messages=[{"role": "user", "content": message}], logprobs=True,
         extra_body={"probehook": body, "return_token_ids": True}, **{**greedy(), "max_tokens": 12},
@@ -919,7 +926,7 @@ def test_the_live_page_paints_a_streamed_reply_per_token(client, server) -> None
         for box in boxes.all():  # ask what the request above asked
             group, name = box.get_attribute("data-group"), box.get_attribute("value")
             wanted = {"probe": ["truth"], "sae": ["res3"], "lens": ["j"],
-                      "row_norms": ["n3"]}.get(group, [])  # fmt: skip
+                      "row_norms": ["n3"], "chunk_peaks": ["p3"]}.get(group, [])  # fmt: skip
             box.set_checked(name in wanted)
         page.fill("#ph-message", message)
         page.fill("#ph-max", "12")
@@ -947,6 +954,13 @@ def test_the_live_page_paints_a_streamed_reply_per_token(client, server) -> None
         norm = field(want)["row_norms"]["n3"]["values"][2][0]
         line = page.inner_text(".ph-top-k[data-name='row_norms n3']")
         assert line == f"row_norms n3: #0 {norm:.4f}", line
+        # the per-head toy readout: a block per head, its second scalar a series
+        peaks = field(want)["chunk_peaks"]["p3"]
+        offset, value = peaks["offsets"][2][1][0], peaks["peaks"][2][1][0]
+        line = page.inner_text(".ph-top-k[data-name='chunk_peaks p3 h1']")
+        assert line.startswith(f"chunk_peaks p3 h1: #{offset} {value:.4f}"), line
+        page.select_option("select.ph-series", label="chunk_peaks p3 mean")
+        page.select_option("select.ph-series", label="chunk_peaks p3 h3 norm")
         # Flags and a labelled feature: a truth flag monitor typed in as JSON (its threshold
         # between the reply's scores), a label for row 2's strongest feature.
         scores = field(want)["probe_scores"]["truth"]
@@ -1008,6 +1022,30 @@ def test_a_registered_readout_is_served_in_choices_and_chunks(client) -> None:
     assert joined == got["values"]
     plain = client.completions.create(prompt=prompt, extra_body=ignore_eos(), **greedy())
     assert "row_norms" not in field(plain.choices[0])  # opt-in
+    # The per-head toy readout (``--peaks p3=3:4``: a top-k per chunk of 4, a second scalar),
+    # at a request's k of 1: nested columns in the choice and, streamed, in its chunks
+    from toy_readout import PeakRows
+
+    body = {"ignore_eos": True, "probehook": {"peaks": ["p3"], "peaks_top_k": 1, "layers": [3]}}
+    choice = client.completions.create(
+        prompt=prompt, extra_body=body, **{**greedy(), "max_tokens": tokens}
+    ).choices[0]
+    rows = torch.from_numpy(decode_array(field(choice)["hidden_states"]["3"]).copy()).float()
+    got = PeakRows.from_columns(field(choice)["chunk_peaks"]["p3"])
+    chunks = rows.reshape(tokens, 4, -1)
+    peaks, offsets = chunks.topk(1, dim=-1)
+    assert torch.equal(got.offsets, offsets) and got.offsets.shape == (tokens, 4, 1)
+    torch.testing.assert_close(got.peaks, peaks)
+    torch.testing.assert_close(got.chunk_norms, chunks.norm(dim=-1))
+    torch.testing.assert_close(got.mean, rows.mean(dim=1))
+    streamed = client.completions.create(
+        prompt=prompt, extra_body=body, stream=True, **{**greedy(), "max_tokens": tokens}
+    )
+    joined = []
+    for chunk in streamed:
+        extra = chunk.choices[0].model_extra or {}
+        joined += extra.get("probehook", {}).get("chunk_peaks", {}).get("p3", {}).get("mean", [])
+    assert joined == field(choice)["chunk_peaks"]["p3"]["mean"]
 
 
 def test_probehook_view_draws_a_file_of_saved_responses(

@@ -115,6 +115,7 @@ class ReadoutSet:
             "served": {i: readout.served_path(i) for i in self.instances},
             "tokens": readout.entries_are_tokens,
             "series": list(readout.scalar_series) if readout.scalar_series else None,
+            "column_series": dict(readout.column_series),
             "flags": readout.flags_attribute,
         }
 

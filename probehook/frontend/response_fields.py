@@ -30,7 +30,7 @@ This module knows nothing about vLLM.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from probehook.core.request_options import RequestOptions, picking_options
@@ -73,12 +73,19 @@ def response_bytes_bound(rows: int, layers: int, hidden_size: int, itemsize: int
 FEATURE_JSON_BYTES = 34
 """The most JSON bytes one SAE feature of one token takes: an index (up to 10 digits), a
 float32 value as JSON writes it (up to 24 characters), separators."""
+NUMBER_JSON_BYTES = 26
+"""The most JSON bytes one further number of a token takes (a float32 and a separator)."""
 
 
-def features_bytes_bound(rows: int, instances: int, k: int) -> int:
-    """The most bytes ``instances`` top-k readings (SAEs, lens instances) of ``rows`` rows
-    can add to a response (JSON lists)."""
-    return rows * instances * (k * FEATURE_JSON_BYTES + 12)
+def features_bytes_bound(rows: int, instances: Sequence[tuple[int, int]]) -> int:
+    """The most bytes top-k readings (SAEs, lens instances, any readout's) of ``rows`` rows
+    can add to a response (JSON lists); ``instances``: each one's entries and packed width at
+    the request's k (``TopKReadout.entries``, ``packed_width``): the entries' pairs, a
+    scalar, and whatever further numbers its column schema holds."""
+    return rows * sum(
+        entries * FEATURE_JSON_BYTES + 12 + (width - 2 * entries - 1) * NUMBER_JSON_BYTES
+        for entries, width in instances
+    )
 
 
 # -- choices --------------------------------------------------------------------------------

@@ -116,9 +116,12 @@ class TopKRows:
     ``Column("entropy", ("heads",))``)."""
 
     def __getattr__(self, name: str) -> torch.Tensor:
+        """Every column by its schema name (``rows.offsets``, ``rows.mean``)."""
         extra = self.__dict__.get("extra") or {}
         if name in extra:
             return extra[name]
+        if name in self.column_names:
+            return self.__dict__[("indices", "values", "l0")[self.column_names.index(name)]]
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @classmethod
@@ -158,6 +161,16 @@ class TopKRows:
         axis's top-k, flattened in order)."""
         on = self.indices[token] >= 0
         return self.indices[token][on], self.values[token][on]
+
+    def lead_slices(self) -> list[TopKRows]:
+        """One plain top-k ``[n, k]`` per lead index (heads, flattened in order): what viewers
+        show as blocks of their own; ``[self]`` without lead axes."""
+        if self.indices.dim() == 2:
+            return [self]
+        n, k = len(self), self.k
+        ids, values = self.indices.reshape(n, -1, k), self.values.reshape(n, -1, k)
+        scalar = self.l0.reshape(n, -1)
+        return [TopKRows(ids[:, h], values[:, h], scalar[:, h]) for h in range(ids.shape[1])]
 
     def dense(self, width: int) -> torch.Tensor:
         """``[n, *lead, width]`` float32 with the kept values in place (zeros elsewhere: what

@@ -64,6 +64,9 @@ class TopKReadout(OutputProcessor):
     """How viewers show the per-token scalar column as a colour series: ``(label, scale)``,
     the scale one of the viewer's (``"probability"``, ``"logprob"``, ``"activation"``); a
     lens's target log-prob is ``("target", "logprob")``. None: not shown as a series."""
+    column_series: ClassVar[Mapping[str, str]] = {}
+    """Further per-token columns of the row type (``extra_columns`` without axes) viewers
+    show as colour series, by column name: the scale (``{"mean": "activation"}``)."""
     # ``monitor`` and ``flags_attribute`` (OutputProcessor's): its monitors' class, a
     # TopKMonitor subclass whose source is this readout's, and where their flags go; each
     # monitor is checked against the engine by :meth:`check_monitor`.
@@ -280,6 +283,11 @@ class TopKReadout(OutputProcessor):
     def packed_width(self, settings: Mapping[str, Any], k: int) -> int:
         """An instance's packed row width (its column schema's at the engine's k)."""
         return packed_width(self.row_type.schema(), self.axis_sizes(settings, k))
+
+    def entries(self, settings: Mapping[str, Any], k: int) -> int:
+        """How many entries (indices, and as many values) an instance's row holds at ``k``:
+        ``k`` times its lead axes' sizes."""
+        return self.row_type.schema()[0].width(self.axis_sizes(settings, k))
 
     def pad_packed(self, out: torch.Tensor, settings: Mapping[str, Any], k: int) -> None:
         """Packed rows ``out`` of an instance as no reading (indices -1, the rest 0)."""

@@ -46,7 +46,8 @@ class DatasetAppender:
         self._kind: tuple[np.dtype, tuple[int, ...]] | None = None  # dtype, row shape
 
     def append(self, data: np.ndarray) -> int:
-        """Queue ``data`` (``[rows, width]``, C-contiguous); return its first row's index.
+        """Queue ``data`` (``[rows, width]``, or ``[rows, *shape]``: a top-k per head;
+        C-contiguous); return its first row's index.
 
         Every append must have the first one's dtype and width: rows of another are refused
         with ``ValueError`` (a chunk buffer of the first dtype would cast them silently, e.g.
@@ -77,14 +78,15 @@ class DatasetAppender:
             self._write(final=True)
 
     def _create(self, sample: np.ndarray) -> h5py.Dataset:
-        width = sample.shape[1]
+        row = tuple(sample.shape[1:])
+        width = int(np.prod(row))
         self._chunk_rows = chunk_rows_for(width, sample.itemsize, self._pending_rows)
         return self.file.create_dataset(
             self.name,
-            shape=(0, width),
-            maxshape=(None, width),
+            shape=(0, *row),
+            maxshape=(None, *row),
             dtype=sample.dtype,
-            chunks=(self._chunk_rows, width),
+            chunks=(self._chunk_rows, *row),
             compression=self.compression,
         )
 
@@ -117,7 +119,8 @@ class DatasetAppender:
         end = min(start + n_chunks * rows, start + self._pending_rows)
         self._dataset.resize(end, axis=0)
         for offset in range(start, end, rows):
-            self._dataset.id.write_direct_chunk((offset, 0), self._take(rows))
+            origin = (offset,) + (0,) * (self._dataset.ndim - 1)
+            self._dataset.id.write_direct_chunk(origin, self._take(rows))
         self._pending_bytes = sum(a.nbytes for a in self._pending)
 
     def _take(self, rows: int) -> np.ndarray:
@@ -129,7 +132,7 @@ class DatasetAppender:
                 self._pending.pop(0)
             self._pending_rows -= rows
             return first[:rows]
-        chunk = np.zeros((rows, first.shape[1]), dtype=first.dtype)
+        chunk = np.zeros((rows, *first.shape[1:]), dtype=first.dtype)
         filled = 0
         while filled < rows and self._pending:
             part = self._pending[0]

@@ -54,26 +54,29 @@ def request_data(
     # every top-k readout: its rows per token, and a series of its scalar where it means one
     for readout, prefill_rows, decode_rows in _top_k_readouts(output, completion, stored):
         for instance in sorted({*prefill_rows, *decode_rows}):
-            rows = place.top_k(prefill_rows.get(instance), decode_rows.get(instance))
             shown = readout.display_name
-            name = f"{shown} {instance}"
-            entry = {"name": name, "tokens": readout.entries_are_tokens, "rows": rows,
-                     "labels": {}}  # fmt: skip
-            if readout.entries_are_tokens:
-                entry["texts"] = _entry_texts(rows, token_text)
-            series.extend(_labelled(entry, (labels or {}).get(instance, {}), name, shown))
-            top_k.append(entry)
-            if readout.scalar_series is not None:  # a lens's target log-prob
-                label, scale = readout.scalar_series
-                values = place.series(
-                    _scalar(prefill_rows.get(instance)), _scalar(decode_rows.get(instance))
-                )
-                name = f"{shown} {instance} {label}"
-                series.append(_series(name, shown, values, scale))
-                group, at, layer = instance.rpartition("@")  # "<name>@<layer>": one grid
-                if at and layer.isdigit():
-                    key = (f"{shown} {group}: {label} by layer", scale)
-                    by_layer.setdefault(key, {})[int(layer)] = values
+            before, after = prefill_rows.get(instance), decode_rows.get(instance)
+            heads = _lead_slices(before, after)
+            for head, (head_before, head_after) in enumerate(heads):
+                rows = place.top_k(head_before, head_after)
+                name = f"{shown} {instance}" + (f" h{head}" if len(heads) > 1 else "")
+                entry = {"name": name, "tokens": readout.entries_are_tokens, "rows": rows,
+                         "labels": {}}  # fmt: skip
+                if readout.entries_are_tokens:
+                    entry["texts"] = _entry_texts(rows, token_text)
+                series.extend(_labelled(entry, (labels or {}).get(instance, {}), name, shown))
+                top_k.append(entry)
+                if readout.scalar_series is not None:  # a lens's target log-prob
+                    label, scale = readout.scalar_series
+                    values = place.series(_scalar(head_before), _scalar(head_after))
+                    series.append(_series(f"{name} {label}", shown, values, scale))
+                    group, at, layer = instance.rpartition("@")  # "<name>@<layer>": one grid
+                    if at and layer.isdigit() and len(heads) == 1:
+                        key = (f"{shown} {group}: {label} by layer", scale)
+                        by_layer.setdefault(key, {})[int(layer)] = values
+            for column, scale in readout.column_series.items():  # further per-token columns
+                values = place.series(_extra(before, column), _extra(after, column))
+                series.append(_series(f"{shown} {instance} {column}", shown, values, scale))
     grids = [
         {
             "name": name,
@@ -190,6 +193,18 @@ def _finite(value: Any) -> float | None:
 
 def _scalar(rows: Any) -> Any:
     return None if rows is None else rows.l0.float()
+
+
+def _extra(rows: Any, column: str) -> Any:
+    return None if rows is None else rows.extra[column].float()
+
+
+def _lead_slices(before: Any, after: Any) -> list[tuple[Any, Any]]:
+    """The prompt's and the completion's rows of each lead index (a top-k per head: a block
+    each, ``" h<i>"``); one pair without lead axes."""
+    pieces = [r.lead_slices() if r is not None else None for r in (before, after)]
+    count = max(len(p) for p in pieces if p is not None)
+    return [tuple(p[i] if p is not None else None for p in pieces) for i in range(count)]  # type: ignore[misc]
 
 
 def _labelled(entry: dict[str, Any], known: Mapping[Any, str], name: str, kind: str) -> list[dict]:

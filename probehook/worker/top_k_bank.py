@@ -67,8 +67,7 @@ class TopKBank:
         """The packed rows' width: the widest instance's (the column schema's)."""
         self.layers = tuple(sorted({int(s["layer"]) for s in instances.values()}))
         self._instances = [(self.layers.index(int(s["layer"])), s) for s in instances.values()]
-        schema = readout.row_type.schema()
-        self._entries = [schema[0].width(readout.axis_sizes(s, self.k)) for s in instances.values()]
+        self._entries = [readout.entries(s, self.k) for s in instances.values()]
         self._pending: tuple[np.ndarray, list[torch.Tensor], Any] | None = None
         self.reads_next_token = bool(readout.reads_next_token)
         """Its rows complete after the step's sampling, with each row's next token (the

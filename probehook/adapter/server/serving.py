@@ -184,9 +184,12 @@ class CaptureServing:
         asked = [f"{len(config.layers)} layer(s)"]
         engine_readouts = self.engine_client.session.readouts  # type: ignore[attr-defined]
         for source, readout in (tracked.readouts or {}).items():  # SAE features, lenses, ...
-            entries = rows * completions * len(readout.names) * readout.k
-            bound += features_bytes_bound(rows * completions, len(readout.names), readout.k)
             kind = engine_readouts[source].readout
+            settings = [engine_readouts[source].instances[name] for name in readout.names]
+            shapes = [(kind.entries(s, readout.k), kind.packed_width(s, readout.k))
+                      for s in settings]  # fmt: skip
+            bound += features_bytes_bound(rows * completions, shapes)
+            entries = rows * completions * sum(n for n, _ in shapes)
             text = self._token_text() if kind.entries_are_tokens else None
             if text is not None:  # each entry's token text beside its id
                 bound += entries * text.json_bytes

@@ -134,25 +134,36 @@
         if (!columns) { return; }
         var ids = view.columns(columns[r.columns[0]]);
         var values = view.columns(columns[r.columns[1]]);
-        var name = r.name + " " + instance, labels = state.labels[instance] || {};
-        var t = topKOf(name, r.tokens, labels);
-        ids.forEach(function (row, i) {
-          t.rows[first + i] = [];
-          row.forEach(function (id, j) {
-            if (id < 0) { return; }  // padding
-            if (r.tokens) {
-              t.texts[String(id)] = columns.tokens ? columns.tokens[i][j] : "<" + id + ">";
+        var scalars = view.columns(columns[r.columns[2]]);
+        // a top-k per head (lead axes: [n, heads, k]): a block and a series per head
+        var heads = ids.length && Array.isArray(ids[0][0]) ? ids[0].length : 0;
+        var labels = state.labels[instance] || {};
+        (heads ? Array.from({ length: heads }, function (_, h) { return h; }) : [null])
+          .forEach(function (h) {
+            var name = r.name + " " + instance + (h === null ? "" : " h" + h);
+            var t = topKOf(name, r.tokens, labels);
+            ids.forEach(function (row, i) {
+              var mine = h === null ? row : row[h], vals = h === null ? values[i] : values[i][h];
+              t.rows[first + i] = [];
+              mine.forEach(function (id, j) {
+                if (id < 0) { return; }  // padding
+                if (r.tokens) {
+                  t.texts[String(id)] = columns.tokens ? columns.tokens[i][j] : "<" + id + ">";
+                }
+                t.rows[first + i].push([id, vals[j]]);
+              });
+              labelled(name, labels, t.rows[first + i], first + i);
+            });
+            if (r.series) {
+              var s = seriesOf(name + " " + r.series[0], r.series[1]);
+              scalars.forEach(function (v, i) { s.values[first + i] = h === null ? v : v[h]; });
             }
-            t.rows[first + i].push([id, values[i][j]]);
           });
-          labelled(name, labels, t.rows[first + i], first + i);
+        // further per-token columns the readout shows as series (a second scalar)
+        Object.keys(r.column_series || {}).forEach(function (column) {
+          var s = seriesOf(r.name + " " + instance + " " + column, r.column_series[column]);
+          view.columns(columns[column]).forEach(function (v, i) { s.values[first + i] = v; });
         });
-        if (r.series) {
-          var s = seriesOf(r.name + " " + instance + " " + r.series[0], r.series[1]);
-          view.columns(columns[r.columns[2]]).forEach(function (v, i) {
-            s.values[first + i] = v;
-          });
-        }
       });
     });
   }

@@ -1,14 +1,15 @@
 """Check probehook's worker ops on a GPU: eager, ``torch.compile`` and CUDA-graph replay agree,
 and what each op costs next to one ``[tokens, d_model] @ [d_model, d_model]`` matmul.
 
-The ops: the tap (``probehook::tap``), the steering op (``probehook::steer``), the SAE bank's
-encode and top-k readout (:class:`probehook.worker.sae_bank.SAEBank`, i.e.
-:func:`probehook.saes.encode.read_top_k`) and the clamp op (``probehook::clamp``, its tables
-written by :class:`probehook.worker.clamp_tables.StepClamps`). The hook ops run from forward
-hooks on a stand-in decoder layer, as ``probehook/adapter/worker/loader.py`` installs them
-(mirrored here: the loader belongs to the vLLM adapter). Each op runs eager, compiled, and as a
-CUDA graph of the compiled module replayed with new values in its static inputs and buffers
-before every replay; each result is compared to eager on the same values.
+The ops: the tap (``probehook::tap``), the write op's steering term (``probehook::write``
+``add``), the SAE bank's encode and top-k readout (:class:`probehook.worker.sae_bank.SAEBank`,
+i.e. :func:`probehook.saes.encode.read_top_k`) and the write op's clamp term
+(``probehook::write`` ``clamp``, its tables written by
+:class:`probehook.worker.clamp_tables.StepClamps`). The hook ops run from forward hooks on a
+stand-in decoder layer, as ``probehook/adapter/worker/loader.py`` installs them (mirrored here:
+the loader belongs to the vLLM adapter). Each op runs eager, compiled, and as a CUDA graph of
+the compiled module replayed with new values in its static inputs and buffers before every
+replay; each result is compared to eager on the same values.
 
 Needs only torch and ``probehook.worker`` (no vLLM; checked at the end). From the repo root:
 
@@ -47,11 +48,12 @@ from probehook.saes.encode import (  # noqa: E402
     activations_per_token,
     read_top_k,
 )
-from probehook.worker.clamp_op import TENSORS, clamp, sae_spec, sae_tensors  # noqa: E402
+from probehook.worker.clamp_op import CLAMP_TENSORS, TENSORS, sae_spec, sae_tensors  # noqa: E402
 from probehook.worker.clamp_tables import ClampBuffers, StepClamps  # noqa: E402
 from probehook.worker.sae_bank import SAEBank  # noqa: E402
-from probehook.worker.steer_op import steer  # noqa: E402
+from probehook.worker.steer_op import ADD_TENSORS  # noqa: E402
 from probehook.worker.tap_op import tap  # noqa: E402
+from probehook.worker.write_op import write, write_spec  # noqa: E402
 
 SMOKE_SHAPES = {"d_model": 64, "tokens": 16, "d_sae": 256, "k": 4}
 STEPS = (1, 2, 3)
@@ -116,7 +118,7 @@ class Block(nn.Module):
         return hidden, hidden + residual
 
 
-# The loader's hooks (_tap_hook, _steer_hook, _clamp_hook) for a layer returning
+# The loader's hooks (_tap_hook, and _write_hook with one term) for a layer returning
 # (hidden, residual): the op is called on the layer's output, its buffers are the layer's.
 
 
@@ -127,23 +129,22 @@ def _tap_hook(module: nn.Module, args: Any, output: Any) -> None:
 
 def _steer_hook(module: nn.Module, args: Any, output: Any) -> None:
     hidden, _ = output
-    steer(hidden, module.probehook_steer_index, module.probehook_steer_table)
+    tables = [module.probehook_steer_index, module.probehook_steer_table]
+    write(hidden, None, tables, write_spec([("add", ADD_TENSORS, "")]))
 
 
 def _clamp_hook(spec: str) -> Callable[[nn.Module, Any, Any], None]:
     # The SAE's tensors are the layer's buffers, as the loader's attach_clamped_sae makes them.
     def hook(module: nn.Module, args: Any, output: Any) -> None:
         hidden, residual = output
-        clamp(
-            hidden,
-            residual,
+        tensors = [
             module.probehook_clamp_index,
             module.probehook_clamp_features,
             module.probehook_clamp_values,
-            [getattr(module, f"probehook_clamp_sae_{name}") for name in TENSORS],
+            *(getattr(module, f"probehook_clamp_sae_{name}") for name in TENSORS),
             module.probehook_clamp_W_dec,
-            spec,
-        )
+        ]
+        write(hidden, residual, tensors, write_spec([("clamp", CLAMP_TENSORS, spec)]))
 
     return hook
 
@@ -291,7 +292,7 @@ def steer_case(shapes: Shapes) -> Case:
         compare_close({"hidden": hidden, "stream": hidden + residual}, results, "plain torch")
 
     return Case(
-        "probehook::steer",
+        "probehook::write add (steering)",
         f"[{shapes.tokens}, {shapes.d_model}], table [{slots}, {shapes.d_model}]",
         Block(layer),
         (x, residual),
@@ -411,7 +412,7 @@ def clamp_case(shapes: Shapes, arch: str) -> Case:
         )
 
     return Case(
-        f"probehook::clamp ({arch})",
+        f"probehook::write clamp ({arch})",
         f"[{shapes.tokens}, {shapes.d_model}], d_sae {shapes.d_sae}, <= {MAX_CLAMPED} clamped",
         Block(layer),
         (x, residual),

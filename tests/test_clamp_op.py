@@ -12,6 +12,7 @@ from probehook import SAE
 from probehook.core.request_options import MAX_CLAMPED
 from probehook.saes.encode import TILE_ROWS, activations_per_token
 from probehook.worker import clamp_op
+from probehook.worker.write_op import write_spec
 
 D_IN, D_SAE = 32, 96
 
@@ -83,7 +84,8 @@ def test_the_op_takes_its_sae_as_arguments(tmp_path) -> None:
         tensors, spec = clamp_op.sae_tensors(sae.weights), clamp_op.sae_spec(sae.weights)
         assert clamp_op.weights_of(tensors, spec).architecture == arch
         h = hidden.clone()
-        torch.ops.probehook.clamp(h, None, index, features, values, tensors, decoder, spec)
+        terms = write_spec([("clamp", clamp_op.CLAMP_TENSORS, spec)])
+        torch.ops.probehook.write(h, None, [index, features, values, *tensors, decoder], terms)
         want = hidden.clone()
         clamp_op._clamp_rows(sae.weights, decoder, want, None, torch.arange(tokens), index,
                              features, values, distinct_columns=False)  # fmt: skip

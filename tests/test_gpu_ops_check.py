@@ -16,11 +16,11 @@ OP_ROWS = (
     "matmul (reference)",
     "layer only (no op)",
     "probehook::tap",
-    "probehook::steer",
+    "probehook::write add (steering)",
     "SAEBank read_top_k (jumprelu)",
     "SAEBank read_top_k (topk)",
-    "probehook::clamp (jumprelu)",
-    "probehook::clamp (topk)",
+    "probehook::write clamp (jumprelu)",
+    "probehook::write clamp (topk)",
 )
 
 

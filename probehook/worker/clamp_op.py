@@ -1,15 +1,17 @@
-"""The clamp op: holds SAE features of the clamped requests' tokens at given values.
+"""SAE clamping's write kind ``"clamp"``: holds SAE features of the clamped requests' tokens
+at given values.
 
 On every token ``t`` of a clamped request, at the SAE's layer, the stream ``x`` becomes
 ``x + sum_f (v_f - a_f(x)) * W_dec[f]`` over the request's clamped features ``f``, where
 ``a_f(x)`` is the feature's activation there (SAELens's encode, 0 where it is off): clamping
-to 0 removes a feature, to a large value holds it on. Like the steering op it is a
-``torch.library.custom_op`` that stays one opaque call in vLLM's compiled graph and reads
-fixed buffers the worker writes before each forward pass: ``index`` (each token's row in the
-tables, 0: not clamped), ``features`` (``[rows, MAX_CLAMPED]`` feature ids, -1 unused; row 0
-all -1) and ``values``. The SAE's own tensors are arguments of the op too (buffers of the
-layer, :func:`sae_tensors`; its architecture and settings in ``spec``), so a compiled graph
-and a captured CUDA graph read this engine's SAE, never another's.
+to 0 removes a feature, to a large value holds it on. It runs inside the write op
+(``probehook.worker.write_op``: one opaque call in vLLM's compiled graph, after steering's
+additions) and reads fixed buffers the worker writes before each forward pass: ``index``
+(each token's row in the tables, 0: not clamped), ``features`` (``[rows, MAX_CLAMPED]``
+feature ids, -1 unused; row 0 all -1) and ``values``. The SAE's own tensors are buffers of
+the layer too (:func:`sae_tensors`; its architecture and settings are the term's settings,
+:func:`sae_spec`), so a compiled graph and a captured CUDA graph read this engine's SAE, never
+another's.
 
 On a CPU only the clamped tokens are encoded, and for every architecture but topk/abstopk only
 the distinct clamped features' encoder columns (a step without any clamped token is skipped
@@ -23,11 +25,12 @@ the step, and an unclamped token adds 0.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 
 import torch
 
 from probehook.saes.encode import TILE_ROWS, SAEWeights, activations_at, activations_per_token
-from probehook.worker.tap_op import OP_NAMESPACE
+from probehook.worker.write_op import write_kind
 
 TENSORS = ("W_enc", "b_enc", "b_dec", "threshold", "b_gate", "b_mag", "r_mag_exp",
            "decoder_norms")  # fmt: skip
@@ -62,7 +65,24 @@ def clamp_key(name: str, layer: int, fingerprint: str) -> str:
     return digest[:16]
 
 
-@torch.library.custom_op(f"{OP_NAMESPACE}::clamp", mutates_args=("hidden",))
+CLAMP_TENSORS = 3 + len(TENSORS) + 1
+"""The buffers a ``"clamp"`` term of the write op takes: the index, features and values
+tables, the SAE's :data:`TENSORS` and its decoder rows."""
+
+
+@write_kind("clamp")
+def clamp_term(
+    hidden: torch.Tensor,
+    residual: torch.Tensor | None,
+    tensors: Sequence[torch.Tensor],
+    spec: str,
+) -> None:
+    """The write op's ``"clamp"`` kind: :func:`clamp` with its buffers in order and the SAE's
+    :func:`sae_spec` as the term's settings."""
+    index, features, values = tensors[:3]
+    clamp(hidden, residual, index, features, values, list(tensors[3:-1]), tensors[-1], spec)
+
+
 def clamp(
     hidden: torch.Tensor,
     residual: torch.Tensor | None,
@@ -122,17 +142,3 @@ def _clamp_rows(
     directions = W_dec.index_select(0, ids.reshape(-1)).view(*ids.shape, -1).to(held.dtype)
     delta = torch.bmm(coefficient.unsqueeze(1), directions).squeeze(1)  # [n, d_in]
     hidden.index_add_(0, rows, delta.to(hidden.dtype))
-
-
-@clamp.register_fake
-def _(
-    hidden: torch.Tensor,
-    residual: torch.Tensor | None,
-    index: torch.Tensor,
-    features: torch.Tensor,
-    values: torch.Tensor,
-    sae: list[torch.Tensor],
-    W_dec: torch.Tensor,
-    spec: str,
-) -> None:
-    return None

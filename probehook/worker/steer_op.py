@@ -1,21 +1,21 @@
-"""The steering op: adds each token's steering vector to a layer's residual stream, in place.
+"""Steering's write kind ``"add"``: adds each token's steering vector to a layer's residual
+stream, in place, inside the write op (``probehook.worker.write_op``).
 
-Like the capture tap (``probehook.worker.tap_op``) it is a ``torch.library.custom_op``, so it
-stays in vLLM's compiled graph as one opaque call and reads only fixed buffers: ``index``
-(one slot per token of the step, 0 for "not steered") and ``table`` (one row per slot, row 0
-all zeros), both written by the worker before each forward pass. Neither the vectors nor the
-requests are part of the graph, so changing them never recompiles, and CUDA-graph replay adds
-whatever the buffers hold at replay time.
+It reads two fixed buffers: ``index`` (one slot per token of the step, 0 for "not steered")
+and ``table`` (one row per slot, row 0 all zeros), both written by the worker before each
+forward pass. Neither the vectors nor the requests are part of the graph, so changing them
+never recompiles, and CUDA-graph replay adds whatever the buffers hold at replay time.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
-from probehook.worker.tap_op import OP_NAMESPACE
+from probehook.worker.write_op import write_kind
 
 
-@torch.library.custom_op(f"{OP_NAMESPACE}::steer", mutates_args=("hidden",))
 def steer(hidden: torch.Tensor, index: torch.Tensor, table: torch.Tensor) -> None:
     """``hidden[t] += table[index[t]]`` for the step's tokens ``t < hidden.shape[0]``.
 
@@ -30,6 +30,13 @@ def steer(hidden: torch.Tensor, index: torch.Tensor, table: torch.Tensor) -> Non
     hidden.add_(table.index_select(0, slots).to(hidden.dtype))
 
 
-@steer.register_fake
-def _(hidden: torch.Tensor, index: torch.Tensor, table: torch.Tensor) -> None:
-    return None
+ADD_TENSORS = 2
+"""The buffers an ``"add"`` term takes: the index and the table."""
+
+
+@write_kind("add")
+def add(
+    hidden: torch.Tensor, residual: torch.Tensor | None, tensors: Sequence[torch.Tensor], _: str
+) -> None:
+    index, table = tensors
+    steer(hidden, index, table)

@@ -1,12 +1,12 @@
-"""Model surgery at load: where a vLLM model keeps its decoder layers, the taps, steering and
-clamp ops hooked onto them (before vLLM compiles the model, so they are traced into its
-graph), the logits/pooler hook that fires the step hook once per forward pass, and the early
-exit of capture-only engines."""
+"""Model surgery at load: where a vLLM model keeps its decoder layers, the taps and the write op
+(steering's additions, SAE clamps) hooked onto them (before vLLM compiles the model, so they
+are traced into its graph), the logits/pooler hook that fires the step hook once per forward
+pass, and the early exit of capture-only engines."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,10 +25,11 @@ from probehook.core.architectures import (  # noqa: F401 - importable from here,
 from probehook.core.request_options import MAX_CLAMPED
 from probehook.errors import UnsupportedModelError
 from probehook.worker.clamp_op import TENSORS as CLAMP_TENSORS
-from probehook.worker.clamp_op import clamp, sae_spec, sae_tensors
+from probehook.worker.clamp_op import sae_spec, sae_tensors
 from probehook.worker.clamp_tables import ClampBuffers
-from probehook.worker.steer_op import steer
+from probehook.worker.steer_op import ADD_TENSORS  # noqa: F401 - registers the "add" kind
 from probehook.worker.tap_op import tap
+from probehook.worker.write_op import write, write_spec
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +37,10 @@ RECORDER_ATTR = "probehook_step_hook"
 
 TAP_KIND_ATTR = "probehook_tap_kind"
 """Layer attribute: how to read the layer's output (see ``_tap_hook``)."""
+
+WRITE_TERMS_ATTR = "probehook_write_terms"
+"""Layer attribute: the terms its write op applies after the layer, in order: ``(kind, the
+names of its buffers on the layer, the layer attribute holding its settings or None)``."""
 
 
 FINAL_NORM_NAMES: tuple[str, ...] = ("norm", "final_layernorm", "final_layer_norm", "ln_f")
@@ -209,11 +214,11 @@ def install_taps(
             # Buffers of the module, like the tap's, so the compiled graph reads them as inputs.
             layer.register_buffer("probehook_steer_index", index, persistent=False)
             layer.register_buffer("probehook_steer_table", table, persistent=False)
-            layer.register_forward_hook(_steer_hook, prepend=True)
+            _add_write_term(layer, "add", ("probehook_steer_index", "probehook_steer_table"))
             tables[layer_index] = layer.probehook_steer_table
         steering = SteeringBuffers(index, tables)
     clamp_buffers = {}
-    for name, layer_index, key in clamps:  # after steering (prepended), before the taps
+    for name, layer_index, key in clamps:  # after steering, before the taps
         layer = layer_list[layer_index]
         buffers_of = ClampBuffers(
             torch.zeros(max_tokens, dtype=torch.int64, device=param.device),
@@ -225,7 +230,12 @@ def install_taps(
                 f"probehook_clamp{key}_{part}", getattr(buffers_of, part), persistent=False
             )
             setattr(buffers_of, part, getattr(layer, f"probehook_clamp{key}_{part}"))
-        layer.register_forward_hook(_clamp_hook(key))
+        # its SAE's tensors and spec are attached once the SAE bank is read
+        # (attach_clamped_sae), before the first forward pass
+        names = (*(f"probehook_clamp{key}_{part}" for part in ("index", "features", "values")),
+                 *(f"probehook_clamp{key}_sae_{n}" for n in CLAMP_TENSORS),
+                 f"probehook_clamp{key}_W_dec")  # fmt: skip
+        _add_write_term(layer, "clamp", names, f"probehook_clamp{key}_spec")
         clamp_buffers[name] = buffers_of
     buffers = {}
     for layer_index in tap_layers:
@@ -251,39 +261,33 @@ def install_taps(
     return hook
 
 
-def _steer_hook(module: nn.Module, args: Any, output: Any) -> None:
-    # In place, so the hook returns nothing and the layer's output objects stay as they are.
+def _add_write_term(
+    layer: nn.Module, kind: str, buffers: Sequence[str], settings: str | None = None
+) -> None:
+    """Append a term to the layer's write op (after the terms before it), installing the op's
+    hook with the first term: before every tap of the layer (taps read the written stream)."""
+    terms = getattr(layer, WRITE_TERMS_ATTR, None)
+    if terms is None:
+        terms = []
+        setattr(layer, WRITE_TERMS_ATTR, terms)
+        layer.register_forward_hook(_write_hook, prepend=True)
+    terms.append((kind, tuple(buffers), settings))
+
+
+def _write_hook(module: nn.Module, args: Any, output: Any) -> None:
+    """The layer's write op on its output, in place (so the hook returns nothing and the
+    layer's output objects stay as they are): its terms' buffers (the compiled graph reads them
+    as inputs) and their settings (constants of the traced graph)."""
+    terms = getattr(module, WRITE_TERMS_ATTR)
+    tensors = [getattr(module, name) for _, names, _ in terms for name in names]
+    spec = write_spec([(kind, len(names), getattr(module, settings) if settings else "")
+                       for kind, names, settings in terms])  # fmt: skip
     if getattr(module, TAP_KIND_ATTR, None) == "batched_stream":
         stream = output[0] if isinstance(output, tuple) else output
-        steer(_tokens_first(stream), module.probehook_steer_index, module.probehook_steer_table)
+        write(_tokens_first(stream), None, tensors, spec)
         return
-    hidden, _ = _split_layer_output(output)
-    steer(hidden, module.probehook_steer_index, module.probehook_steer_table)
-
-
-def _clamp_hook(key: str) -> Callable[[nn.Module, Any, Any], None]:
-    """The forward hook of clamp op ``key``: its tables and its SAE's tensors are the layer's
-    buffers, named by key (:func:`attach_clamped_sae`), so the compiled graph and a captured
-    CUDA graph read them as this engine's inputs."""
-    index_name, features_name, values_name = (
-        f"probehook_clamp{key}_{part}" for part in ("index", "features", "values")
-    )
-    tensor_names = [f"probehook_clamp{key}_sae_{name}" for name in CLAMP_TENSORS]
-    decoder_name, spec_name = f"probehook_clamp{key}_W_dec", f"probehook_clamp{key}_spec"
-
-    def hook(module: nn.Module, args: Any, output: Any) -> None:
-        buffers = (getattr(module, index_name), getattr(module, features_name),
-                   getattr(module, values_name))  # fmt: skip
-        sae = [getattr(module, name) for name in tensor_names]
-        decoder, spec = getattr(module, decoder_name), getattr(module, spec_name)
-        if getattr(module, TAP_KIND_ATTR, None) == "batched_stream":
-            stream = output[0] if isinstance(output, tuple) else output
-            clamp(_tokens_first(stream), None, *buffers, sae, decoder, spec)
-            return
-        hidden, residual = _split_layer_output(output)
-        clamp(hidden, residual, *buffers, sae, decoder, spec)
-
-    return hook
+    hidden, residual = _split_layer_output(output)
+    write(hidden, residual, tensors, spec)
 
 
 def attach_clamped_sae(

@@ -21,8 +21,7 @@ from probehook.core.steering_wire import DEFAULT_CAPACITY
 from probehook.errors import CaptureConfigError
 from probehook.frontend.probe_set import load_probes
 from probehook.frontend.steering_set import check_capacity
-from probehook.outputs import OUTPUT_PROCESSORS
-from probehook.outputs.top_k_readout import top_k_readouts
+from probehook.outputs.top_k_readout import registered_readouts
 from probehook.store.features import check_values
 
 
@@ -73,7 +72,7 @@ class CaptureRequest:
             self.include_decode = not self.capture_only
         if self.probes is not None:
             self.probes = load_probes(self.probes) or None  # bad paths fail before start-up
-        registered = top_k_readouts(OUTPUT_PROCESSORS)
+        registered = registered_readouts()
         if self.readouts:  # checked as given (an SAE folder's config read), before start-up
             self.readouts = {
                 source: registered[source].named_specs(specs) if source in registered else specs
@@ -129,7 +128,7 @@ class CaptureRequest:
 
     def worker_bytes(self) -> int:
         """What the engine's readouts will hold in each worker (SAEs: their encoders)."""
-        registered = top_k_readouts(OUTPUT_PROCESSORS)
+        registered = registered_readouts()
         return sum(
             registered[source].worker_bytes(specs)
             for source, specs in (self.readouts or {}).items()
@@ -150,7 +149,7 @@ class CaptureRequest:
 
 def _engine_option(source: str) -> str:
     """The engine option that gives readout ``source`` its instances, for messages."""
-    readout = top_k_readouts(OUTPUT_PROCESSORS).get(source)
+    readout = registered_readouts().get(source)
     if readout is None:
         return f"readouts={{{source!r}: {{...}}}}"
     extras = "".join(f" and {o}=[...]" for o in readout.extra_engine_options[:1])
@@ -159,7 +158,7 @@ def _engine_option(source: str) -> str:
 
 def _readout_options() -> str:
     """The registered top-k readouts' engine options, for messages (``lenses={...}``)."""
-    options = [f"{r.engine_option}={{...}}" for r in top_k_readouts(OUTPUT_PROCESSORS).values()]
+    options = [f"{r.engine_option}={{...}}" for r in registered_readouts().values()]
     return " or ".join(options) if options else "readouts={...}"
 
 
@@ -183,7 +182,7 @@ def take_capture_arguments(kwargs: dict[str, Any]) -> CaptureRequest:
     readouts = dict(given.pop("readouts", None) or {})
     top_k = dict(given.pop("readout_top_k", None) or {})
     extras = {s: dict(e) for s, e in (given.pop("readout_extras", None) or {}).items()}
-    registered = top_k_readouts(OUTPUT_PROCESSORS)
+    registered = registered_readouts()
     for source, readout in registered.items():
         if readout.engine_option in kwargs:  # a registered readout's own keyword
             readouts[source] = kwargs.pop(readout.engine_option)
@@ -227,7 +226,7 @@ def front_end_signature(
         if name not in refused
     ]  # fmt: skip
     # Each registered top-k readout's engine options (lenses=..., SAEs'), taken by name.
-    for readout in top_k_readouts(OUTPUT_PROCESSORS).values():
+    for readout in registered_readouts().values():
         for name in readout.engine_options:
             if name not in refused:
                 capture.append(

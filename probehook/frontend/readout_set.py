@@ -211,11 +211,10 @@ def without_unread(options: Any, sources: Collection[str]) -> Any:
     :meth:`RequestOptions.from_user`'s to check."""
     if not isinstance(options, Mapping):
         return options
-    from probehook.outputs import OUTPUT_PROCESSORS
-    from probehook.outputs.top_k_readout import top_k_readouts
+    from probehook.outputs.top_k_readout import registered_readouts
 
     dropped = []
-    for source, readout in top_k_readouts(OUTPUT_PROCESSORS).items():
+    for source, readout in registered_readouts().items():
         if source in sources:
             continue
         for option in (o for o in readout.request_options if o in options):

@@ -71,7 +71,7 @@ from probehook.frontend.steering_set import RequestSteer, SteeringSet
 from probehook.frontend.tracked_request import TrackedRequest
 from probehook.frontend.transport_reader import Spool, read_tensors
 from probehook.outputs import OUTPUT_PROCESSORS
-from probehook.outputs.top_k_readout import top_k_readouts
+from probehook.outputs.top_k_readout import registered_readouts
 from probehook.store.records import store_filled
 
 logger = logging.getLogger(__name__)
@@ -330,7 +330,7 @@ class CaptureSession:
         if clamped is None:
             switches = [
                 f"{r.engine_option}={{...}} and {r.clamp_switch}=True"
-                for r in top_k_readouts(OUTPUT_PROCESSORS).values()
+                for r in registered_readouts().values()
                 if r.clamp_switch
             ]
             raise CaptureConfigError(

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from probehook.outputs.top_k import SEGMENT_NAME_KEY, SEGMENT_SOURCE_KEY, UNSOURCED, TopKRows
+from probehook.outputs.top_k_readout import registered_readouts
 from probehook.store.features import from_storage
 from probehook.store.format import split_shard_key
 
@@ -119,7 +120,7 @@ class StoredRequest:
         SAE's features' included), by instance name: a completion's decode tokens
         (``phase="decode"``, ``completion``) or the prompt's (``phase="prefill"``)."""
         completion = completion if phase == "decode" else None
-        readout = _readouts().get(source)
+        readout = registered_readouts().get(source)
         row_type = readout.row_type if readout is not None else TopKRows
         out = {}
         for seg in self.record.get("sae_segments", ()):
@@ -140,7 +141,7 @@ class StoredRequest:
         ``{"j": {4: LensRows}}``, as ``out.lens`` (:meth:`top_k` has them by flat instance
         name, ``"j@4"``); a readout this process has not registered: by flat name."""
         flat = self.top_k(source, phase, completion)
-        readout = _readouts().get(source)
+        readout = registered_readouts().get(source)
         return readout.present(flat) if readout is not None else flat
 
     def completion_hidden_states(self, index: int) -> dict[int, torch.Tensor]:
@@ -162,13 +163,6 @@ class StoredRequest:
 
 def _score_tensors(scores: dict[str, list] | None) -> dict[str, torch.Tensor]:
     return {name: torch.tensor(v, dtype=torch.float32) for name, v in (scores or {}).items()}
-
-
-def _readouts() -> dict[str, Any]:
-    from probehook.outputs import OUTPUT_PROCESSORS
-    from probehook.outputs.top_k_readout import top_k_readouts
-
-    return top_k_readouts(OUTPUT_PROCESSORS)
 
 
 def _instance(readout: Any, source: str, stored: str) -> str:

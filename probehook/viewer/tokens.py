@@ -238,11 +238,10 @@ def _entry_texts(rows: list[Any], token_text: Callable[[int], str]) -> dict[str,
 def _top_k_readouts(output: Any, completion: Any, stored: bool) -> list[tuple[Any, dict, dict]]:
     """Every registered top-k readout the output has: ``(readout, prefill rows by instance,
     decode rows by instance)``."""
-    from probehook.outputs import OUTPUT_PROCESSORS
-    from probehook.outputs.top_k_readout import top_k_readouts
+    from probehook.outputs.top_k_readout import registered_readouts
 
     found = []
-    for source, readout in top_k_readouts(OUTPUT_PROCESSORS).items():
+    for source, readout in registered_readouts().items():
         if stored:
             prefill = output.top_k(source, phase="prefill")
             decode = output.top_k(source)

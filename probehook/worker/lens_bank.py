@@ -137,10 +137,7 @@ class LensBank:
         # a small step's instances (decode) go through as one tile.
         mapped = parts[0][2] if len(parts) == 1 else torch.cat([p[2] for p in parts])
         targets = parts[0][3] if len(parts) == 1 else torch.cat([p[3] for p in parts])
-        packed, lse = self.read(
-            mapped, targets, None, None,
-            tile_cap=max(max(sizes), TOGETHER_ROWS),
-        )  # fmt: skip
+        packed, lse = self.read(mapped, targets, tile_cap=max(max(sizes), TOGETHER_ROWS))
         for (slot, asked, mapped, targets), mine, mine_lse in zip(
             parts, packed.split(sizes), lse.split(sizes), strict=True
         ):
@@ -191,25 +188,23 @@ class LensBank:
         self,
         rows: torch.Tensor,
         targets: torch.Tensor,
-        matrix: torch.Tensor | None,
-        bias: torch.Tensor | None,
         tile_cap: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``rows`` ``[n, hidden]`` and their next tokens ``[n]`` (-1: not known) -> packed
-        ``[n, 2k + 1]`` and each row's log-sum-exp ``[n]``, in tiles of at most ``tile_cap``
-        rows (and of the logits :data:`LOGITS_TILE_BYTES` hold)."""
+        """``rows`` ``[n, hidden]`` (mapped by their lens: :meth:`_map`) and their next tokens
+        ``[n]`` (-1: not known) -> packed ``[n, 2k + 1]`` and each row's log-sum-exp ``[n]``, in
+        tiles of at most ``tile_cap`` rows (and of the logits :data:`LOGITS_TILE_BYTES` hold)."""
         n = rows.shape[0]
         out = torch.empty((n, self.width), dtype=torch.float32, device=rows.device)
         lse = torch.empty((n,), dtype=torch.float32, device=rows.device)
         start = 0
         if self._tile_rows is None:  # the vocabulary is known once one row went through
-            out[:1], lse[:1], self._vocab = self._one(rows[:1], targets[:1], matrix, bias)
+            out[:1], lse[:1], self._vocab = self._one(rows[:1], targets[:1])
             self._tile_rows = max(1, LOGITS_TILE_BYTES // (4 * self._vocab))
             start = 1
         tile_rows = min(self._tile_rows, tile_cap or self._tile_rows)
         while start < n:
             stop = min(n, start + tile_rows)
-            tile = self._one(rows[start:stop], targets[start:stop], matrix, bias)
+            tile = self._one(rows[start:stop], targets[start:stop])
             out[start:stop], lse[start:stop] = tile[0], tile[1]
             start = stop
         return out, lse
@@ -227,15 +222,12 @@ class LensBank:
         return x.to(rows.dtype)
 
     def _one(
-        self,
-        rows: torch.Tensor,
-        targets: torch.Tensor,
-        matrix: torch.Tensor | None,
-        bias: torch.Tensor | None,
+        self, rows: torch.Tensor, targets: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """One tile of mapped rows through the head: packed rows, log-sum-exps, vocabulary."""
         if self.shard is not None:
-            return self._one_shard(self._map(rows, matrix, bias), targets)
-        logits = self.head(self._map(rows, matrix, bias)).float()
+            return self._one_shard(rows, targets)
+        logits = self.head(rows).float()
         vocab = logits.shape[1]
         lse = torch.logsumexp(logits, dim=1, keepdim=True)
         top = torch.topk(logits, min(self.k, vocab), dim=1)

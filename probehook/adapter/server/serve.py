@@ -21,6 +21,7 @@ from typing import Any
 from probehook.adapter import vllm_names
 from probehook.core.monitors import ProbeMonitor
 from probehook.errors import CaptureConfigError
+from probehook.outputs.top_k_readout import registered_readouts
 
 MiB = 1 << 20
 
@@ -216,14 +217,6 @@ class ReadoutFlag:
             if self.option in readout.cli_choices:
                 out["choices"] = readout.cli_choices[self.option]
         return out
-
-
-def registered_readouts() -> dict[str, Any]:
-    """Every registered top-k readout, by source."""
-    from probehook.outputs import OUTPUT_PROCESSORS
-    from probehook.outputs.top_k_readout import top_k_readouts
-
-    return top_k_readouts(OUTPUT_PROCESSORS)
 
 
 def readout_flags() -> list[ReadoutFlag]:

@@ -139,6 +139,11 @@ def test_tensor_parallel_2_matches_tp_1(
             assert assert_scores_match_rows(g, tp2.probes.probes) > 0
             assert len(g.probe_scores["truth"]) == len(g.outputs[0].token_ids)
         assert on_rank_1 > 0, "no lens reading named a token of rank 1's shard"
+        # Each rank holds its half of every lens matrix (review 11-29, item 7: every rank held
+        # every J matrix), joined by one all-gather a step; the readings above are HF's.
+        whole = lens_matrix_bytes(llama_dir, llama_lenses, [2, 3])
+        assert whole > 0
+        assert [b["lens"] for b in tp2.collective_rpc("probehook_bank_bytes")] == [whole // 2] * 2
         # A stop monitor is forced on every rank alike: the request ends where it crosses.
         scores = got[1].outputs[0].probe_scores["size"]
         k = 1 if scores[1] > scores[0] + 1e-4 else 0  # a margin over last-bit differences
@@ -175,6 +180,21 @@ def test_tensor_parallel_2_matches_tp_1(
         _check_tp2_steering(tp2, want, up, llama_dir)
     finally:
         tp2.shutdown()
+
+
+def lens_matrix_bytes(llama_dir: Path, lenses: dict[str, str], layers: list[int]) -> int:
+    """The bytes of every lens instance's matrix and bias at ``layers`` (float32), whole."""
+    import json
+
+    from probehook.lenses.artifacts import lens_affine, load_lens
+
+    num_layers = json.loads((llama_dir / "config.json").read_text())["num_hidden_layers"]
+    total = 0
+    for path in (p for p in lenses.values() if p != "logit"):
+        for layer in layers:
+            matrix, bias = lens_affine(load_lens(path), layer, num_layers)
+            total += sum(4 * t.numel() for t in (matrix, bias) if t is not None)
+    return total
 
 
 def _check_tp2_steering(tp2, unsteered, up, llama_dir: Path) -> None:  # noqa: ANN001

@@ -68,7 +68,11 @@ class LensBank:
         """Rows a tile of logits holds (LOGITS_TILE_BYTES), set at the first read."""
         self.layers = tuple(sorted({int(s["layer"]) for s in instances.values()}))
         loaded: dict[str, Any] = {}
+        ranks = shard.ranks if shard is not None else 1
         self._instances: list[tuple[int, torch.Tensor | None, torch.Tensor | None]] = []
+        self._sharded: list[bool] = []
+        """Per instance: its matrix holds this rank's slice of the mapped row's columns (one
+        all-gather a step joins them), not the whole matrix on every rank."""
         for settings in instances.values():
             layer = int(settings["layer"])
             matrix = bias = None
@@ -82,7 +86,15 @@ class LensBank:
                 dtype = getattr(torch, settings.get("dtype") or "float32")  # lens_dtype
                 matrix = matrix.to(dtype) if matrix is not None else None
                 bias = bias.to(dtype) if bias is not None else None
+            sharded = ranks > 1 and matrix is not None and matrix.shape[0] % ranks == 0
+            if sharded:  # each rank keeps its rows of the matrix (output columns)
+                assert matrix is not None and shard is not None
+                part = matrix.shape[0] // ranks
+                at = slice(shard.rank * part, (shard.rank + 1) * part)
+                matrix = matrix[at].clone()  # a copy: the whole matrix is freed
+                bias = bias[at].clone() if bias is not None else None
             self._instances.append((self.layers.index(layer), matrix, bias))
+            self._sharded.append(sharded)
         self.device: torch.device | None = None
 
     def to(self, device: torch.device | str) -> LensBank:
@@ -128,7 +140,7 @@ class LensBank:
                     continue
                 where = torch.from_numpy(asked).to(device, non_blocking=True)
                 h, targets = h.index_select(0, where), next_tokens.index_select(0, where)
-            parts.append((slot, asked, self._map(h, matrix, bias), targets))
+            parts.append((slot, asked, self._map(h, matrix, bias, self._sharded[slot]), targets))
         if not parts:
             return out
         sizes = [p[2].shape[0] for p in parts]
@@ -209,17 +221,34 @@ class LensBank:
             start = stop
         return out, lse
 
-    @staticmethod
-    def _map(rows: torch.Tensor, matrix: torch.Tensor | None, bias: torch.Tensor | None
-             ) -> torch.Tensor:  # fmt: skip
+    def _map(
+        self,
+        rows: torch.Tensor,
+        matrix: torch.Tensor | None,
+        bias: torch.Tensor | None,
+        sharded: bool = False,
+    ) -> torch.Tensor:
         """The lens's affine map of ``rows``, in the map's dtype (``lens_dtype``; float32
-        unless asked), back in theirs."""
+        unless asked), back in theirs; ``sharded``: ``matrix`` is this rank's slice of the
+        output columns, joined across the ranks (every rank maps the same rows in step)."""
         if matrix is None:
             return rows
         x = rows.to(matrix.dtype) @ matrix.T
         if bias is not None:
             x = x + bias
+        if sharded:
+            x = self.shard.all_gather(x)
         return x.to(rows.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        """What the lens matrices and biases hold on this rank."""
+        return sum(
+            t.numel() * t.element_size()
+            for _, matrix, bias in self._instances
+            for t in (matrix, bias)
+            if t is not None
+        )
 
     def _one(
         self, rows: torch.Tensor, targets: torch.Tensor

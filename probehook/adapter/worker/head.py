@@ -55,6 +55,8 @@ class VocabShard:
     all_gather: Callable[[torch.Tensor], torch.Tensor]
     """``[n, m]`` -> ``[n, ranks * m]`` across the tensor-parallel group, in rank order."""
     ranks: int
+    rank: int = 0
+    """This rank's place in the group (its slice of a sharded lens matrix)."""
 
 
 def model_parts(
@@ -136,7 +138,8 @@ def _vocab_shard(model: nn.Module, norm: nn.Module) -> VocabShard | None:
         return tensor_model_parallel_all_gather(t.contiguous(), dim=-1)
 
     vocab = int(processor.org_vocab_size)
-    return VocabShard(logits, start, vocab, token_logits, all_gather, ranks)
+    rank = int(getattr(lm_head, "tp_rank", 0) or 0)
+    return VocabShard(logits, start, vocab, token_logits, all_gather, ranks, rank)
 
 
 def _token_logits(

@@ -287,6 +287,16 @@ class ProbehookWorkerExtension:
         not stop)."""
         return _hook(self).forced_stops
 
+    def probehook_bank_bytes(self) -> dict[str, int]:
+        """What each readout's bank holds in this rank's memory, by source (those that say:
+        a lens bank's matrices, sharded under tensor parallelism; a test asks every rank)."""
+        recording = _hook(self).recording
+        return {
+            source: int(recorder.transform.nbytes)
+            for source, recorder in recording.items()
+            if isinstance(getattr(recorder.transform, "nbytes", None), int)
+        }
+
     def probehook_stats(self) -> dict[str, int] | None:
         """Counters for tests, debugging and the benchmark."""
         hook = _hook(self)

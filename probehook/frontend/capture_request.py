@@ -21,7 +21,7 @@ from probehook.core.steering_wire import DEFAULT_CAPACITY
 from probehook.errors import CaptureConfigError
 from probehook.frontend.probe_set import load_probes
 from probehook.frontend.steering_set import check_capacity
-from probehook.outputs.top_k_readout import registered_readouts
+from probehook.outputs import registered_readouts
 from probehook.store.features import check_values
 
 

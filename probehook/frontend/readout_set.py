@@ -211,7 +211,7 @@ def without_unread(options: Any, sources: Collection[str]) -> Any:
     :meth:`RequestOptions.from_user`'s to check."""
     if not isinstance(options, Mapping):
         return options
-    from probehook.outputs.top_k_readout import registered_readouts
+    from probehook.outputs import registered_readouts
 
     dropped = []
     for source, readout in registered_readouts().items():

@@ -70,8 +70,7 @@ from probehook.frontend.sources import engine_sources
 from probehook.frontend.steering_set import RequestSteer, SteeringSet
 from probehook.frontend.tracked_request import TrackedRequest
 from probehook.frontend.transport_reader import Spool, read_tensors
-from probehook.outputs import OUTPUT_PROCESSORS
-from probehook.outputs.top_k_readout import registered_readouts
+from probehook.outputs import OUTPUT_PROCESSORS, registered_readouts
 from probehook.store.records import store_filled
 
 logger = logging.getLogger(__name__)

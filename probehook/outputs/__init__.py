@@ -21,6 +21,7 @@ from probehook.outputs.registry import (
     OutputProcessorError,
     OutputProcessorRegistry,
 )
+from probehook.outputs.top_k_readout import TopKReadout, top_k_readouts
 
 OUTPUT_PROCESSORS = OutputProcessorRegistry()
 # A monitor's dict form is parsed by its class, which its readout registers: the registry's
@@ -29,6 +30,12 @@ load_top_k_monitors_with(OUTPUT_PROCESSORS.names)
 for _processor in BUILTIN:
     OUTPUT_PROCESSORS.register(_processor)
 OUTPUT_PROCESSORS.register(LensReadout)  # lenses: a top-k readout like any other
+
+
+def registered_readouts() -> dict[str, TopKReadout]:
+    """Every top-k readout ``OUTPUT_PROCESSORS`` holds (its entry points loaded), by source."""
+    return top_k_readouts(OUTPUT_PROCESSORS)
+
 
 __all__ = [
     "ENTRY_POINT_GROUP",
@@ -40,4 +47,5 @@ __all__ = [
     "OutputProcessorRegistry",
     "ProbeFlags",
     "ProbeScores",
+    "registered_readouts",
 ]

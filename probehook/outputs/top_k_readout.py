@@ -385,10 +385,3 @@ def pack(
 def top_k_readouts(processors: Any) -> dict[str, TopKReadout]:
     """The registered top-k readouts by source (``processors``: ``OUTPUT_PROCESSORS``)."""
     return {p.source: p for p in processors if isinstance(p, TopKReadout) and p.source}
-
-
-def registered_readouts() -> dict[str, TopKReadout]:
-    """Every top-k readout ``OUTPUT_PROCESSORS`` holds (its entry points loaded), by source."""
-    from probehook.outputs import OUTPUT_PROCESSORS
-
-    return top_k_readouts(OUTPUT_PROCESSORS)

@@ -7,8 +7,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from probehook.outputs import registered_readouts
 from probehook.outputs.top_k import SEGMENT_NAME_KEY, SEGMENT_SOURCE_KEY, UNSOURCED, TopKRows
-from probehook.outputs.top_k_readout import registered_readouts
 from probehook.store.features import from_storage
 from probehook.store.format import split_shard_key
 

@@ -238,7 +238,7 @@ def _entry_texts(rows: list[Any], token_text: Callable[[int], str]) -> dict[str,
 def _top_k_readouts(output: Any, completion: Any, stored: bool) -> list[tuple[Any, dict, dict]]:
     """Every registered top-k readout the output has: ``(readout, prefill rows by instance,
     decode rows by instance)``."""
-    from probehook.outputs.top_k_readout import registered_readouts
+    from probehook.outputs import registered_readouts
 
     found = []
     for source, readout in registered_readouts().items():

@@ -21,7 +21,7 @@ from typing import Any
 from probehook.adapter import vllm_names
 from probehook.core.monitors import ProbeMonitor
 from probehook.errors import CaptureConfigError
-from probehook.outputs.top_k_readout import registered_readouts
+from probehook.outputs import registered_readouts
 
 MiB = 1 << 20
 

@@ -5,11 +5,13 @@ The ops: the tap (``probehook::tap``), the write op's steering term (``probehook
 ``add``), the SAE bank's encode and top-k readout (:class:`probehook.worker.sae_bank.SAEBank`,
 i.e. :func:`probehook.saes.encode.read_top_k`) and the write op's clamp term
 (``probehook::write`` ``clamp``, its tables written by
-:class:`probehook.worker.clamp_tables.StepClamps`). The hook ops run from forward hooks on a
-stand-in decoder layer, as ``probehook/adapter/worker/loader.py`` installs them (mirrored here:
-the loader belongs to the vLLM adapter). Each op runs eager, compiled, and as a CUDA graph of
-the compiled module replayed with new values in its static inputs and buffers before every
-replay; each result is compared to eager on the same values.
+:class:`probehook.worker.clamp_tables.StepClamps`), and the lens bank's read (the logit lens
+through a stand-in head, eager only: the worker runs it after the forward, never compiled). The
+hook ops run from forward hooks on a stand-in decoder layer, as
+``probehook/adapter/worker/loader.py`` installs them (mirrored here: the loader belongs to the
+vLLM adapter). Each op runs eager, compiled, and as a CUDA graph of the compiled module
+replayed with new values in its static inputs and buffers before every replay; each result is
+compared to eager on the same values.
 
 Needs only torch and ``probehook.worker`` (no vLLM; checked at the end). From the repo root:
 
@@ -50,6 +52,7 @@ from probehook.saes.encode import (  # noqa: E402
 )
 from probehook.worker.clamp_op import CLAMP_TENSORS, TENSORS, sae_spec, sae_tensors  # noqa: E402
 from probehook.worker.clamp_tables import ClampBuffers, StepClamps  # noqa: E402
+from probehook.worker.lens_bank import LensBank  # noqa: E402
 from probehook.worker.sae_bank import SAEBank  # noqa: E402
 from probehook.worker.steer_op import ADD_TENSORS  # noqa: E402
 from probehook.worker.tap_op import tap  # noqa: E402
@@ -183,6 +186,10 @@ class Case:
     )
     dynamic_tokens: bool = True
     """Compile with a dynamic token count, as vLLM compiles its model."""
+    compiled: bool = True
+    """Whether vLLM runs it in its compiled graph (the hook ops) or eagerly in the recorder
+    window (the lens bank: host logic between its kernels): eager-only cases are timed and
+    verified eager, with the host-sync check, and never compiled or captured."""
     verify: Callable[[dict[str, torch.Tensor]], None] | None = None
     """Checks eager results against plain torch on the step's values (raises AssertionError),
     so that eager itself is right and the step exercised the op (some tokens steered, some
@@ -349,6 +356,63 @@ def sae_case(shapes: Shapes, arch: str) -> Case:
         compare=lambda ref, got, label: compare_readout(ref, got, label, k),
         # The bank is not in vLLM's compiled model; its tile loop unrolls over a fixed count.
         dynamic_tokens=False,
+    )
+
+
+class LensRead(nn.Module):
+    """The lens bank on one layer's staged rows and their next tokens (none drawn this step:
+    the step context's host list of waiting rows is empty)."""
+
+    def __init__(self, bank: LensBank) -> None:
+        super().__init__()
+        self.bank = bank
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        import numpy as np
+
+        return self.bank([x], next_tokens=targets, unknown=np.empty(0, dtype=np.int64))
+
+
+def lens_case(shapes: Shapes) -> Case:
+    """The logit lens (the model's head: here a ``[vocab, d_model]`` matmul, ``vocab`` the
+    ``--d-sae`` width) on a step's rows, eagerly, as the worker reads it after the forward."""
+    vocab, k = shapes.d_sae, shapes.k
+    weight = _randn((vocab, shapes.d_model), 21, shapes, shapes.dtype) / shapes.d_model**0.5
+    bank = LensBank({"logit@0": {"layer": 0, "kind": "logit"}}, k, lambda rows: rows @ weight.T)
+    bank.to(shapes.device)
+    x = _rows(shapes)
+    targets = torch.empty(shapes.tokens, dtype=torch.int64, device=shapes.device)
+
+    def write(seed: int) -> None:
+        x.copy_(_randn(x.shape, 1000 * seed + 5, shapes, x.dtype))
+        g = _generator(1000 * seed + 6, shapes.device)
+        targets.copy_(torch.randint(0, vocab, targets.shape, generator=g, device=shapes.device))
+        targets[::3] = -1  # rows whose next token is not known: NaN targets
+
+    def verify(results: dict[str, torch.Tensor]) -> None:
+        packed = results["readout"]
+        logits = (x @ weight.T).float()
+        lse = torch.logsumexp(logits, dim=1, keepdim=True)
+        ids = packed[:, :k].contiguous().view(torch.int32).long()
+        rtol, atol = TOLERANCES[torch.float32]
+        want = logits.topk(k, dim=1).values - lse  # ids may swap among tied values
+        torch.testing.assert_close(packed[:, k : 2 * k], want, rtol=rtol, atol=1e-4)
+        torch.testing.assert_close(packed[:, k : 2 * k], logits.gather(1, ids) - lse,
+                                   rtol=rtol, atol=1e-4)  # fmt: skip
+        known = targets >= 0
+        target = (logits.gather(1, targets.clamp(min=0).unsqueeze(1)) - lse).squeeze(1)
+        torch.testing.assert_close(packed[known, 2 * k], target[known], rtol=rtol, atol=1e-4)
+        assert bool(packed[~known, 2 * k].isnan().all()), "unknown targets are not NaN"
+
+    return Case(
+        "LensBank read (logit lens, eager)",
+        f"[{shapes.tokens}, {shapes.d_model}] x [{shapes.d_model}, {vocab}], k {k}",
+        LensRead(bank),
+        (x, targets),
+        write,
+        lambda output: {"readout": output[0]},
+        compiled=False,
+        verify=verify,
     )
 
 
@@ -602,6 +666,8 @@ class Row:
     graph_ms: float | None = None
     error: float | None = None
     failures: list[str] = field(default_factory=list)
+    eager_only: bool = False
+    """A case vLLM never compiles (checked eager against plain torch, timed eager)."""
 
 
 def run_case(case: Case, iters: int, cuda: bool) -> Row:
@@ -637,6 +703,9 @@ def run_case(case: Case, iters: int, cuda: bool) -> Row:
         except RuntimeError as e:
             row.failures.append(f"{case.name} eager: host sync: {str(e).splitlines()[0][:300]}")
     row.eager_ms = median_ms(eager, iters, cuda)
+    if not case.compiled:
+        row.eager_only = True
+        return row
 
     compiled_module = torch.compile(
         case.module, fullgraph=True, dynamic=None if case.dynamic_tokens else False
@@ -708,7 +777,8 @@ def table(rows: Sequence[Row], matmul_ms: float, cuda: bool, shapes: Shapes) -> 
         base = row.graph_ms if cuda else row.compiled_ms
         ratio = (base if base is not None else row.eager_ms) / matmul_ms
         error = "-" if row.error is None else f"{row.error:.3g}"
-        check = "FAIL" if row.failures else ("ok" if row.compiled_ms is not None else "-")
+        checked = row.compiled_ms is not None or row.eager_only
+        check = "FAIL" if row.failures else ("ok" if checked else "-")
         lines.append(
             f"| {row.op} | {row.shape} | {_ms(row.eager_ms)} | {_ms(row.compiled_ms)} "
             f"| {_ms(row.graph_ms)} | {ratio:.3f} | {error} | {check} |"
@@ -717,7 +787,9 @@ def table(rows: Sequence[Row], matmul_ms: float, cuda: bool, shapes: Shapes) -> 
         "",
         f"ratio: {'graph-replay' if cuda else 'compiled'} ms / matmul ms. Hook ops' times "
         "include the stand-in layer (the 'layer only' row). max abs error: compiled and "
-        "graph replays vs eager on the same inputs, over every step.",
+        "graph replays vs eager on the same inputs, over every step. Eager-only rows (the lens "
+        "bank, which the worker runs after the forward): eager ms / matmul ms, checked against "
+        "plain torch and, on a GPU, for host syncs.",
     ]
     return "\n".join(lines)
 
@@ -781,6 +853,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ("steer", lambda: steer_case(shapes)),
         *((f"SAE {arch}", lambda arch=arch: sae_case(shapes, arch)) for arch in args.arch),
         *((f"clamp {arch}", lambda arch=arch: clamp_case(shapes, arch)) for arch in args.arch),
+        ("lens", lambda: lens_case(shapes)),
     ]
     # vLLM runs its model under inference mode; the ops must work there.
     with torch.inference_mode():

@@ -21,6 +21,7 @@ OP_ROWS = (
     "SAEBank read_top_k (topk)",
     "probehook::write clamp (jumprelu)",
     "probehook::write clamp (topk)",
+    "LensBank read (logit lens, eager)",
 )
 
 

@@ -12,6 +12,7 @@ on, so their bits arrive as they left. No vLLM, no torch.compile.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -127,15 +128,17 @@ class TopKRows:
     @classmethod
     def schema(cls) -> tuple[Column, ...]:
         """Every column, in packed order: the entries' indices and values, the scalar, then
-        :attr:`extra_columns`."""
+        :attr:`extra_columns` (built once a class: every unpack, cut and join reads it)."""
+        return _schema_of(cls)
+
+    @classmethod
+    def of_columns(
+        cls, columns: Mapping[str, torch.Tensor], engine: TopKRows | None = None
+    ) -> TopKRows:
+        """Rows from every schema column by name (others in ``columns`` are left out)."""
         indices, values, scalar = cls.column_names
-        lead = cls.lead_axes
-        return (
-            Column(indices, (*lead, "k"), torch.int64),
-            Column(values, (*lead, "k"), torch.float32),
-            Column(scalar, lead, cls.scalar_dtype),
-            *cls.extra_columns,
-        )
+        extra = {c.name: columns[c.name] for c in cls.extra_columns}
+        return cls(columns[indices], columns[values], columns[scalar], engine, extra)
 
     @property
     def columns(self) -> dict[str, torch.Tensor]:
@@ -205,10 +208,11 @@ class TopKRows:
         missing = [c.name for c in schema if c.name not in columns]
         if missing:
             raise ValueError(f"top-k columns {sorted(columns)} lack {missing}")
-        n = _column(columns[schema[2].name]).shape[0]
+        decoded = {c.name: _column(columns[c.name]) for c in schema}
+        n = decoded[schema[2].name].shape[0]
         got = {}
         for column in schema:
-            value = _column(columns[column.name])
+            value = decoded[column.name]
             dims = 1 + len(column.axes)
             if value.dim() != dims or value.shape[0] != n:
                 # a completion with no tokens is served as empty columns: zero rows
@@ -220,13 +224,13 @@ class TopKRows:
                     )
                 value = value.reshape(n, *([width] if dims == 2 else [0] * (dims - 1)))
             got[column.name] = value.to(column.dtype)
-        indices, values, scalar = (got.pop(c.name) for c in schema[:3])
+        indices, values = got[schema[0].name], got[schema[1].name]
         if indices.shape != values.shape:
             raise ValueError(
                 f"top-k columns of {n} tokens hold {indices.numel()} indices and "
                 f"{values.numel()} values: not {n} rows of one width"
             )
-        return cls(indices, values, scalar, extra=got)
+        return cls.of_columns(got)
 
     @classmethod
     def from_parts(
@@ -252,12 +256,6 @@ class TopKRows:
             shaped[column.name] = t.to(column.dtype)
         return cls(indices, values, scalar, extra=shaped)
 
-    def _with(self, columns: Mapping[str, torch.Tensor], engine: TopKRows | None) -> TopKRows:
-        """Rows of the same type from ``columns`` (by name, the schema's)."""
-        indices, values, scalar = self.column_names
-        extra = {c.name: columns[c.name] for c in self.extra_columns}
-        return type(self)(columns[indices], columns[values], columns[scalar], engine, extra)
-
     def top(self, k: int) -> TopKRows:
         """The first ``k`` entries of each token (rows are sorted, so this is the top ``k``);
         ``l0`` is unchanged; ``watched`` stays the engine's."""
@@ -268,12 +266,12 @@ class TopKRows:
             c.name: have[c.name][..., :k] if c.axes[-1:] == ("k",) else have[c.name]
             for c in self.schema()
         }
-        return self._with(cut, self.watched)
+        return type(self).of_columns(cut, self.watched)
 
     def rows(self, lo: int, hi: int | None = None) -> TopKRows:
         """Tokens ``lo..hi`` (views)."""
         engine = self.engine.rows(lo, hi) if self.engine is not None else None
-        return self._with({name: t[lo:hi] for name, t in self.columns.items()}, engine)
+        return type(self).of_columns({name: t[lo:hi] for name, t in self.columns.items()}, engine)
 
     @classmethod
     def sizes_of(cls, packed_width: int, sizes: Mapping[str, int] | None = None) -> dict:
@@ -299,8 +297,7 @@ class TopKRows:
         views = unpack_columns(schema, packed, cls.sizes_of(packed.shape[-1], sizes))
         got = {c.name: views[c.name].to(c.dtype) if c.integer else views[c.name].clone()
                for c in schema}  # fmt: skip
-        indices, values, scalar = (got.pop(c.name) for c in schema[:3])
-        return cls(indices, values, scalar, extra=got).top(k)
+        return cls.of_columns(got).top(k)
 
     @classmethod
     def empty(cls, k: int, sizes: Mapping[str, int] | None = None) -> TopKRows:
@@ -308,9 +305,9 @@ class TopKRows:
         shapes = {**(sizes or {}), "k": k}
         for axis in named_axes(cls.schema()):
             shapes.setdefault(axis, 0)
-        got = {c.name: torch.empty((0, *c.shape(shapes)), dtype=c.dtype) for c in cls.schema()}
-        indices, values, scalar = (got.pop(c.name) for c in cls.schema()[:3])
-        return cls(indices, values, scalar, extra=got)
+        return cls.of_columns(
+            {c.name: torch.empty((0, *c.shape(shapes)), dtype=c.dtype) for c in cls.schema()}
+        )
 
     @classmethod
     def cat(cls, pieces: Sequence[TopKRows]) -> TopKRows:
@@ -320,7 +317,7 @@ class TopKRows:
         engine = cls.cat(engines) if all(e is not None for e in engines) else None  # type: ignore[arg-type]
         names = [c.name for c in cls.schema()]
         joined = {name: torch.cat([p.columns[name] for p in pieces]) for name in names}
-        return pieces[0]._with(joined, engine)
+        return type(pieces[0]).of_columns(joined, engine)
 
     def to_dict(self) -> dict[str, list]:
         """JSON-ready lists (the server's form): every inf and NaN as None."""
@@ -331,6 +328,18 @@ class TopKRows:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(tokens={len(self)}, k={self.k})"
+
+
+@functools.cache
+def _schema_of(rows: type[TopKRows]) -> tuple[Column, ...]:
+    indices, values, scalar = rows.column_names
+    lead = rows.lead_axes
+    return (
+        Column(indices, (*lead, "k"), torch.int64),
+        Column(values, (*lead, "k"), torch.float32),
+        Column(scalar, lead, rows.scalar_dtype),
+        *rows.extra_columns,
+    )
 
 
 class TopKDecoder:
@@ -387,8 +396,7 @@ class TopKDecoder:
         for slot in range(slots):
             got = {c.name: (self._converted[slot][c.name][at] if c.integer
                             else views[slot][c.name]) for c in self.schema}  # fmt: skip
-            indices, values, scalar = (got.pop(c.name) for c in self.schema[:3])
-            out.append(self.row_type(indices, values, scalar, extra=got))
+            out.append(self.row_type.of_columns(got))
         return out
 
     def _grow(self, slots: int, end: int, sizes: Sequence[Mapping[str, int]]) -> None:

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from probehook.outputs.top_k import carried_indices, carry_indices, pad_indices
+from probehook.outputs.top_k import carried_indices, carry_indices, pad_indices, pad_top_k
 
 LOGITS_TILE_BYTES = 64 * 2**20
 """Float32 logits one tile of rows may hold (the tile is at least one row)."""
@@ -135,8 +135,7 @@ class LensBank:
             h, targets = staged[layer_slot], next_tokens
             if asked is not None:
                 if not len(asked):  # nobody asked: padding, which no request reads
-                    pad_indices(out[slot, :, : self.k])
-                    out[slot, :, self.k :] = 0
+                    pad_top_k(out[slot], self.k)
                     continue
                 where = torch.from_numpy(asked).to(device, non_blocking=True)
                 h, targets = h.index_select(0, where), next_tokens.index_select(0, where)
@@ -156,8 +155,7 @@ class LensBank:
             if asked is None:
                 out[slot].copy_(mine)
             else:
-                pad_indices(out[slot, :, : self.k])
-                out[slot, :, self.k :] = 0
+                pad_top_k(out[slot], self.k)
                 out[slot].index_copy_(0, torch.from_numpy(asked).to(device), mine)
             held = _held(unknown, asked, rows, targets)  # drawn after this: on the host
             if len(held):

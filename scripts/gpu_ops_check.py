@@ -5,7 +5,8 @@ The ops: the tap (``probehook::tap``), the write op's steering term (``probehook
 ``add``), the SAE bank's encode and top-k readout (:class:`probehook.worker.sae_bank.SAEBank`,
 i.e. :func:`probehook.saes.encode.read_top_k`) and the write op's clamp term
 (``probehook::write`` ``clamp``, its tables written by
-:class:`probehook.worker.clamp_tables.StepClamps`), and the lens bank's read (the logit lens
+:class:`probehook.worker.write_table.StepWrites` from a
+:class:`probehook.worker.clamp_op.ClampWriter`), and the lens bank's read (the logit lens
 through a stand-in head, eager only: the worker runs it after the forward, never compiled). The
 hook ops run from forward hooks on a stand-in decoder layer, as
 ``probehook/adapter/worker/loader.py`` installs them (mirrored here: the loader belongs to the
@@ -50,13 +51,13 @@ from probehook.saes.encode import (  # noqa: E402
     activations_per_token,
     read_top_k,
 )
-from probehook.worker.clamp_op import CLAMP_TENSORS, TENSORS, sae_spec, sae_tensors  # noqa: E402
-from probehook.worker.clamp_tables import ClampBuffers, StepClamps  # noqa: E402
+from probehook.worker.clamp_op import CLAMP_TENSORS, ClampWriter  # noqa: E402
 from probehook.worker.lens_bank import LensBank  # noqa: E402
 from probehook.worker.sae_bank import SAEBank  # noqa: E402
 from probehook.worker.steer_op import ADD_TENSORS  # noqa: E402
 from probehook.worker.tap_op import tap  # noqa: E402
 from probehook.worker.write_op import write, write_spec  # noqa: E402
+from probehook.worker.write_table import StepWrites  # noqa: E402
 
 SMOKE_SHAPES = {"d_model": 64, "tokens": 16, "d_sae": 256, "k": 4}
 STEPS = (1, 2, 3)
@@ -136,17 +137,11 @@ def _steer_hook(module: nn.Module, args: Any, output: Any) -> None:
     write(hidden, None, tables, write_spec([("add", ADD_TENSORS, "")]))
 
 
-def _clamp_hook(spec: str) -> Callable[[nn.Module, Any, Any], None]:
-    # The SAE's tensors are the layer's buffers, as the loader's attach_clamped_sae makes them.
+def _clamp_hook(names: list[str], spec: str) -> Callable[[nn.Module, Any, Any], None]:
+    # The writer's index and buffers are the layer's, as the loader's install_writes makes them.
     def hook(module: nn.Module, args: Any, output: Any) -> None:
         hidden, residual = output
-        tensors = [
-            module.probehook_clamp_index,
-            module.probehook_clamp_features,
-            module.probehook_clamp_values,
-            *(getattr(module, f"probehook_clamp_sae_{name}") for name in TENSORS),
-            module.probehook_clamp_W_dec,
-        ]
+        tensors = [getattr(module, name) for name in names]
         write(hidden, residual, tensors, write_spec([("clamp", CLAMP_TENSORS, spec)]))
 
     return hook
@@ -420,19 +415,13 @@ def clamp_case(shapes: Shapes, arch: str) -> Case:
     x, residual = _hidden_inputs(shapes)
     weights, W_dec = random_sae(arch, shapes, seed=12)
     layer = Layer(shapes)
-    for name, tensor in zip(TENSORS, sae_tensors(weights), strict=True):
-        layer.register_buffer(f"probehook_clamp_sae_{name}", tensor, persistent=False)
-    layer.register_buffer("probehook_clamp_W_dec", W_dec, persistent=False)
-    slots = MAX_NUM_SEQS + 1
-    buffers = ClampBuffers(
-        torch.zeros(shapes.max_tokens, dtype=torch.int64, device=shapes.device),
-        torch.full((slots, MAX_CLAMPED), -1, dtype=torch.int64, device=shapes.device),
-        torch.zeros((slots, MAX_CLAMPED), dtype=torch.float32, device=shapes.device),
-    )
-    for part in ("index", "features", "values"):
-        layer.register_buffer(f"probehook_clamp_{part}", getattr(buffers, part), persistent=False)
-    layer.register_forward_hook(_clamp_hook(sae_spec(weights)))
-    writer = StepClamps({"sae": buffers})
+    buffers = ClampWriter(0, weights, W_dec, MAX_NUM_SEQS + 1)
+    buffers.index = torch.zeros(shapes.max_tokens, dtype=torch.int64, device=shapes.device)
+    named = {"index": buffers.index, **buffers.buffers}
+    for name, tensor in named.items():
+        layer.register_buffer(f"probehook_w0_{name}", tensor, persistent=False)
+    layer.register_forward_hook(_clamp_hook([f"probehook_w0_{n}" for n in named], buffers.settings))
+    writer = StepWrites({("clamp", "sae"): buffers})
 
     def write(seed: int) -> None:
         _write_hidden(x, residual, seed, shapes)
@@ -449,10 +438,10 @@ def clamp_case(shapes: Shapes, arch: str) -> Case:
             on = active[position][active[position] >= 0].cpu()
             rand = torch.randint(0, shapes.d_sae, (MAX_CLAMPED,), generator=g)
             ids = list(dict.fromkeys([*on.tolist(), *rand.tolist()]))[:MAX_CLAMPED]
-            features = torch.tensor(ids, dtype=torch.int64)
-            values = torch.rand(len(features), generator=g) * 8
-            values[torch.rand(len(features), generator=g) < 0.3] = 0.0  # removes the feature
-            plans[f"step{seed}-req{position}"] = {"sae": (features, values)}
+            values = torch.rand(len(ids), generator=g) * 8
+            values[torch.rand(len(ids), generator=g) < 0.3] = 0.0  # removes the feature
+            terms = [[f, float(v)] for f, v in zip(ids, values, strict=True)]
+            plans[f"step{seed}-req{position}"] = {"clamp": {"sae": terms}}
         req_ids = [f"step{seed}-req{position}" for position in range(len(starts) - 1)]
         writer.prepare(req_ids, starts, plans.get)  # type: ignore[arg-type]
 
@@ -491,7 +480,7 @@ def clamp_reference(
     W_dec: torch.Tensor,
     x: torch.Tensor,
     residual: torch.Tensor,
-    buffers: ClampBuffers,
+    buffers: ClampWriter,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The layer's hidden after clamping, from the op's formula written out (``hidden +=
     sum_f (value_f - a_f) * W_dec[f]`` over each token's row of the tables, none for row 0),
@@ -505,7 +494,7 @@ def clamp_reference(
     tokens = x.shape[0]
     stream = x + residual
     slots = buffers.index[:tokens]
-    features, values = buffers.features[slots], buffers.values[slots]
+    features, values = buffers.buffers["features"][slots], buffers.buffers["values"][slots]
     ids = features.clamp(min=0)
     held = torch.cat(
         [

@@ -92,5 +92,19 @@ def test_the_op_takes_its_sae_as_arguments(tmp_path) -> None:
         torch.testing.assert_close(h, want, rtol=1e-5, atol=1e-5)
         results.append(h)
     assert not torch.equal(results[0], results[1])
-    one = clamp_op.clamp_key("s", 3, "fingerprint-a")
-    assert one == clamp_op.clamp_key("s", 3, "fingerprint-a") != clamp_op.clamp_key("s", 3, "b")
+
+
+def test_the_clamp_writer_writes_a_request_s_whole_row(tmp_path) -> None:
+    """A row a longer clamp used before holds only the new request's features after
+    (the write table reuses rows step to step)."""
+    sae = _sae("standard", tmp_path)
+    writer = clamp_op.ClampWriter(3, sae.weights, torch.zeros(D_SAE, D_IN), slots=3)
+    writer.write_row(1, writer.plan([[1, 2.0], [4, 0.5], [6, 1.0]]))
+    writer.write_row(1, writer.plan([[5, 3.0]]))
+    assert writer.buffers["features"][1].tolist() == [5] + [-1] * (MAX_CLAMPED - 1)
+    assert writer.buffers["values"][1, 0] == 3.0
+    assert writer.buffers["features"][2].tolist() == [-1] * MAX_CLAMPED  # untouched
+    assert list(writer.buffers)[:2] == ["features", "values"]  # the kind's order after index
+    assert writer.buffers["W_dec"].shape == (D_SAE, D_IN) and writer.settings == clamp_op.sae_spec(
+        sae.weights
+    )

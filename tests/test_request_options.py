@@ -11,6 +11,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+
+from probehook.saes.clamp import SAEClamp
 from malformed_options import CORRUPTIONS, FLAGS, malformed
 
 from probehook.capture_config import CaptureConfig
@@ -276,7 +278,7 @@ def test_clamp_feature_keys_are_ascii_digits_named_once(held: Any, match: str) -
     with pytest.raises(CaptureConfigError, match=match):
         clamp_terms({"res3": held}, "clamp")
     with pytest.raises(CaptureConfigError, match=r"^probehook option clamp\['res3'\]"):
-        RequestOptions.from_user({"clamp": {"res3": held}})
+        SAEClamp().check_terms({"res3": held}, {"res3": {"d_sae": 100}})
 
 
 def test_clamp_terms_read_the_pair_form_and_leading_zeros() -> None:

@@ -1,7 +1,8 @@
 """The write op (probehook/worker/write_op.py): one op per site applies its terms of
 registered kinds in order, each on its own buffers, eager and under ``torch.compile``; a kind
-registers with no edit in the op (a test-only ``"scale"`` here: the stream times ``c``, the
-toy intervention of issue 50)."""
+registers with no edit in the op (the toy intervention's ``"scale"``, tests/toy_intervention.py:
+the stream times ``c``); and the op at a layer's input (``resid_pre``: a forward pre-hook on the
+layer's ``hidden_states`` and ``residual`` arguments, as the model surgery installs it)."""
 
 from __future__ import annotations
 
@@ -9,27 +10,13 @@ from collections.abc import Sequence
 
 import pytest
 import torch
+import toy_intervention  # noqa: F401 - registers the "scale" kind
 from torch import nn
 
+from probehook.adapter.worker.surgery import _add_write_term
+from probehook.errors import UnsupportedModelError
 from probehook.worker.steer_op import ADD_TENSORS
-from probehook.worker.write_op import WRITE_KINDS, read_spec, write, write_kind, write_spec
-
-
-@pytest.fixture(scope="module", autouse=True)
-def scale_kind() -> None:
-    """``hidden[t] += (c - 1) * stream[t]`` with ``c = table[index[t]]`` (row 0: 1): the stream
-    scaled by each token's ``c``."""
-
-    @write_kind("scale")
-    def scale(hidden: torch.Tensor, residual: torch.Tensor | None,
-              tensors: Sequence[torch.Tensor], _: str) -> None:  # fmt: skip
-        index, table = tensors
-        stream = hidden if residual is None else hidden + residual
-        c = table.index_select(0, index[: hidden.shape[0]]).unsqueeze(1)
-        hidden.add_((c - 1) * stream)
-
-    yield
-    del WRITE_KINDS["scale"]
+from probehook.worker.write_op import read_spec, write, write_spec
 
 
 class Layer(nn.Module):
@@ -81,3 +68,54 @@ def test_the_spec_round_trips_and_an_unknown_kind_is_named() -> None:
         write_spec([("add", 2, "a;b")])
     with pytest.raises(ValueError, match=r"no write kind 'ablate' is registered .*'add'"):
         write(torch.zeros(2, 4), None, [], write_spec([("ablate", 0, "")]))
+
+
+class VllmLayer(nn.Module):
+    """A vLLM-style decoder layer: ``(positions, hidden_states, residual)`` in, the residual
+    add deferred (``residual`` None on layer 0, whose input is the embeddings)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(width, width)
+
+    def forward(
+        self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        stream = hidden_states if residual is None else hidden_states + residual
+        return self.proj(stream), stream
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("keywords", [False, True], ids=["positional", "keywords"])
+def test_a_term_at_the_layer_input_scales_the_stream_it_reads(compiled, keywords) -> None:
+    torch.manual_seed(0)
+    layer = VllmLayer(8)
+    layer.register_buffer("w_index", torch.zeros(16, dtype=torch.int64), persistent=False)
+    layer.register_buffer("w_factors", torch.tensor([1.0, 3.0]), persistent=False)
+    _add_write_term(layer, "scale", ("w_index", "w_factors"), site="resid_pre")
+    layer.w_index[1:3] = 1
+    run = torch.compile(layer, fullgraph=True) if compiled else layer
+    positions = torch.arange(5)
+    for residual in (None, torch.randn(5, 8)):  # layer 0, a later layer
+        hidden = torch.randn(5, 8)
+        stream = hidden if residual is None else hidden + residual
+        want = stream.clone()
+        want[1:3] *= 3
+        with torch.no_grad():
+            if keywords:
+                out, seen = run(
+                    positions=positions, hidden_states=hidden.clone(), residual=residual
+                )
+            else:
+                out, seen = run(positions, hidden.clone(), residual)
+        torch.testing.assert_close(seen, want)
+        torch.testing.assert_close(out, layer.proj(want))
+
+
+def test_a_layer_without_hidden_states_is_refused_by_name() -> None:
+    class Odd(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x
+
+    with pytest.raises(UnsupportedModelError, match=r"Odd.forward\('x',\) takes no hidden_states"):
+        _add_write_term(Odd(), "scale", (), site="resid_pre")

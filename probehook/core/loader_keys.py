@@ -16,10 +16,11 @@ key; the vectors are not)."""
 EXIT_AFTER_KEY = "exit_after"
 """Key in the capture settings: a capture-only engine's deepest tapped layer, after which the
 model stops (part of the compile-cache key; None: every layer runs)."""
-CLAMP_KEY = "clamp_saes"
-"""Key in the capture settings: ``[[source, instance, layer, key part], ...]``, the readout
-instances (SAEs) whose layers get a clamp op (part of the compile-cache key, as the steered
-layers are)."""
+WRITES_KEY = "writes"
+"""Key in the capture settings: the write table's entries, ``{request option: {instance:
+settings}}`` (``probehook.outputs.intervention``), whose layers get their terms (part of the
+compile-cache key, as the steered layers are: a graph traced with one instance's term is never
+replayed for another's)."""
 BANKS_KEY = "probehook_banks"
 """Key in ``model_loader_extra_config``: the engine's banks (probes, first steering vectors,
 steering capacity), encoded inline (``probehook.core.bank_file``: no path on the user's

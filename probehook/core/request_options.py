@@ -17,7 +17,7 @@ No vLLM imports.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -50,12 +50,11 @@ CAPTURE_KEYS = (
 )
 PROBE_KEYS = ("probes", "monitors")
 STEER_KEYS = ("steer", "steer_phase")
-WRITE_KEYS = ("clamp",)
 PLAN_KEY = "plan"
 """A wire key the front end sets on every request tagged from one template: wires with the
 same value differ only in their tag, so the worker reads one of them and reuses its plan."""
 STEER_PHASES = ("both", "prefill", "decode")
-USER_KEYS = CAPTURE_KEYS + PROBE_KEYS + STEER_KEYS + WRITE_KEYS
+USER_KEYS = CAPTURE_KEYS + PROBE_KEYS + STEER_KEYS
 """Every key a user may set; anything else is refused."""
 FLAG_KEYS = CAPTURE_KEYS[1:]
 Monitor = ProbeMonitor | TopKMonitor
@@ -100,10 +99,10 @@ class RequestOptions:
     """Steering vector names and scales, as sorted ``(name, scale)`` pairs."""
     steer_phase: str | None = None
     """``"both"`` (None), ``"prefill"`` or ``"decode"``."""
-    clamp: tuple[tuple[str, tuple[tuple[int, float], ...]], ...] | None = None
-    """Entries of a readout's instances (SAE features) held at values on every token:
-    ``(instance, ((feature, value), ...))`` pairs, sorted (a hashable, canonical form of
-    ``{instance: {feature: value}}``)."""
+    writes: tuple[tuple[str, Any], ...] = ()
+    """The write table's request options set (``clamp``, a registered intervention's):
+    ``(option, value)`` as given, lists as tuples; checked by the intervention
+    (``Intervention.check_terms``)."""
     readouts: tuple[tuple[str, tuple[str, ...] | bool], ...] = ()
     """Top-k readouts picked by their request options: ``(source, names or True/False)``."""
     readout_extras: tuple[tuple[str, str, Any], ...] = ()
@@ -112,13 +111,17 @@ class RequestOptions:
 
     @classmethod
     def from_user(
-        cls, value: Any, readout_options: Mapping[str, str] | None = None
+        cls,
+        value: Any,
+        readout_options: Mapping[str, str] | None = None,
+        write_options: Collection[str] = (),
     ) -> RequestOptions:
         """Check the types of a user's options object (None: no options). Engine-dependent
         checks (which layers and probes exist, narrowing) come after, with the engine.
         ``readout_options``: the request options of each top-k readout the engine has
         (option -> source; a source's first option picks its instances, the others are its
-        further options), accepted beside the built-in keys."""
+        further options); ``write_options``: each registered intervention's; both accepted
+        beside the built-in keys."""
         if value is None:
             return cls()
         if isinstance(value, RequestOptions):
@@ -129,12 +132,13 @@ class RequestOptions:
                 f"{_show(value)}; valid keys are {list(USER_KEYS)}."
             )
         extra = dict(readout_options or {})
-        unknown = [k for k in value if k not in USER_KEYS and k not in extra]
+        unknown = [k for k in value if k not in USER_KEYS and k not in extra
+                   and k not in write_options]  # fmt: skip
         if unknown:
             raise CaptureConfigError(
                 f"Unknown probehook option(s) {', '.join(sorted(map(repr, unknown)))}; valid "
                 f"options are "
-                f"{[*USER_KEYS, *extra]}."
+                f"{[*USER_KEYS, *extra, *write_options]}."
             )
         parsed: dict[str, Any] = {}
         picking = picking_options(extra)
@@ -166,8 +170,9 @@ class RequestOptions:
             parsed["probes"] = _user_probes(value["probes"])
         if value.get("monitors") is not None:
             parsed["monitors"] = _user_monitors(value["monitors"])
-        if value.get("clamp") is not None:
-            parsed["clamp"] = clamp_terms(value["clamp"], "probehook option clamp")
+        writes = [(o, _hashable(value[o])) for o in write_options if value.get(o) is not None]
+        if writes:
+            parsed["writes"] = tuple(writes)
         if value.get("steer") is not None:
             parsed["steer"] = steer_terms(value["steer"], "probehook option steer")
         if value.get("steer_phase") is not None:
@@ -340,9 +345,9 @@ class RequestWire:
     steer: tuple[tuple[str, float], ...] = ()
     """Steering vector names and scales applied from the start of the phase."""
     steer_phase: str = "both"
-    clamp: tuple[tuple[str, tuple[tuple[int, float], ...]], ...] = ()
-    """Entries of readout instances (SAE features) held at values on every token of the
-    request (:func:`clamp_terms`)."""
+    writes: Mapping[str, Mapping[str, Any]] | None = None
+    """The write table's terms, ``{request option: {instance: terms}}`` (JSON, as the
+    intervention's ``check_terms`` gave them)."""
     readouts: tuple[tuple[str, tuple[str, ...]], ...] = ()
     """The top-k readouts the request gets: ``(source, instance names)``."""
     readout_top_k: tuple[tuple[str, int], ...] = ()
@@ -371,8 +376,8 @@ class RequestWire:
         if self.steer:
             wire["steer"] = dict(self.steer)
             wire["steer_phase"] = self.steer_phase
-        if self.clamp:
-            wire["clamp"] = {name: [[f, v] for f, v in terms] for name, terms in self.clamp}
+        if self.writes:
+            wire["writes"] = {o: dict(t) for o, t in self.writes.items()}
         if self.readouts:
             wire["readouts"] = {source: list(names) for source, names in self.readouts}
         if self.readout_top_k:
@@ -396,7 +401,7 @@ class RequestWire:
         if not isinstance(value, Mapping) or "tag" not in value:
             return None
         known = {"tag", "n", "stream", "probes", "monitors", "stop_token", "record", PLAN_KEY}
-        known.update(WRITE_KEYS)
+        known.add("writes")
         known.add("readouts")
         known.add("readout_top_k")
         known.add("readout_monitors")
@@ -473,6 +478,12 @@ class RequestWire:
                 readout_monitors.append((kind(**fields_), slot))
             except TypeError as e:
                 raise CaptureConfigError(f"readout monitor {_show(m)}: {e}") from None
+        writes = value.get("writes")
+        if writes is not None and not (
+            isinstance(writes, Mapping)
+            and all(isinstance(o, str) and isinstance(t, Mapping) for o, t in writes.items())
+        ):
+            raise CaptureConfigError(f"writes={_show(writes)} is not a dict of dicts")
         steer = steer_terms(value["steer"], "steer") if "steer" in value else ()
         phase = value.get("steer_phase", "both")
         if phase not in STEER_PHASES:
@@ -488,7 +499,7 @@ class RequestWire:
             record,
             steer,
             phase,
-            clamp_terms(value["clamp"], "clamp") if "clamp" in value else (),
+            writes or None,
             tuple((source, tuple(names)) for source, names in readouts.items() if names),
             tuple(sorted((source, int(k)) for source, k in readout_top_k.items())),
             tuple(readout_monitors),

@@ -21,7 +21,8 @@ from probehook.core.steering_wire import DEFAULT_CAPACITY
 from probehook.errors import CaptureConfigError
 from probehook.frontend.probe_set import load_probes
 from probehook.frontend.steering_set import check_capacity
-from probehook.outputs import registered_readouts
+from probehook.outputs import OUTPUT_PROCESSORS, registered_readouts
+from probehook.outputs.intervention import interventions
 from probehook.store.features import check_values
 
 
@@ -54,6 +55,9 @@ class CaptureRequest:
     """Entries kept per token, by source (each readout's ``<option>_top_k``)."""
     readout_extras: dict[str, dict[str, Any]] | None = None
     """Each readout's further engine options, by source (a lens's ``lens_layers``)."""
+    writes: dict[str, Any] | None = None
+    """The write table's entries, by request option: each registered intervention's engine
+    option as given (``sae_clamping=True`` lands here as ``{"clamp": True}``)."""
 
     def __post_init__(self) -> None:
         # Checked at once, so that a plain engine is built without probehook's runner choice.
@@ -143,7 +147,11 @@ class CaptureRequest:
     def captures(self) -> bool:
         """False: the front end is plain vLLM."""
         return (
-            self.layers is not None or self.probes is not None or bool(self.readouts) or self.steers
+            self.layers is not None
+            or self.probes is not None
+            or bool(self.readouts)
+            or self.steers
+            or bool(self.writes)
         )
 
 
@@ -182,6 +190,11 @@ def take_capture_arguments(kwargs: dict[str, Any]) -> CaptureRequest:
     readouts = dict(given.pop("readouts", None) or {})
     top_k = dict(given.pop("readout_top_k", None) or {})
     extras = {s: dict(e) for s, e in (given.pop("readout_extras", None) or {}).items()}
+    writes = dict(given.pop("writes", None) or {})
+    for option, entry in interventions(OUTPUT_PROCESSORS).items():
+        value = kwargs.pop(entry.engine_option, None)
+        if value is not None and value is not False:  # False: the entry is not installed
+            writes[option] = value
     registered = registered_readouts()
     for source, readout in registered.items():
         if readout.engine_option in kwargs:  # a registered readout's own keyword
@@ -208,7 +221,7 @@ def take_capture_arguments(kwargs: dict[str, Any]) -> CaptureRequest:
             )
     return CaptureRequest(
         **given, readouts=readouts or None, readout_top_k=top_k or None,
-        readout_extras=extras or None,
+        readout_extras=extras or None, writes=writes or None,
     )  # fmt: skip
 
 
@@ -225,8 +238,10 @@ def front_end_signature(
         for name in CAPTURE_ARGUMENTS
         if name not in refused
     ]  # fmt: skip
-    # Each registered top-k readout's engine options (lenses=..., SAEs'), taken by name.
-    for readout in registered_readouts().values():
+    # Each registered top-k readout's engine options (lenses=..., SAEs') and each registered
+    # intervention's (sae_clamping=...), taken by name.
+    entries = interventions(OUTPUT_PROCESSORS).values()
+    for readout in [*registered_readouts().values(), *entries]:
         for name in readout.engine_options:
             if name not in refused:
                 capture.append(
@@ -249,6 +264,7 @@ def _check_capture_only(request: CaptureRequest) -> None:
         (request.include_prefill is False, "include_prefill=False"),
         (bool(request.monitors), "monitors="),
         (request.steers, "steering= / steering_layers="),
+        (bool(request.writes), " and ".join(f"{o!r} interventions" for o in request.writes or ())),
     ]
     for bad, name in refused:
         if bad:

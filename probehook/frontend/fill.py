@@ -37,6 +37,7 @@ from probehook.core.monitors import crossings
 from probehook.core.spans import completion_spans
 from probehook.frontend.sources import Sources
 from probehook.outputs import OUTPUT_PROCESSORS
+from probehook.outputs.intervention import interventions
 from probehook.outputs.shapes import FailedCapture, completions, is_pooled
 
 if TYPE_CHECKING:
@@ -131,8 +132,8 @@ def reset(
     """Start filling ``output``: every probehook attribute empty (:func:`clear_outputs`), and
     the steering of a steered request noted on each completion."""
     clear_outputs(output, processors)
-    if request is not None and (request.steering is not None or request.clamp):
-        note_steering(output, request.steering, request.clamp)
+    if request is not None and (request.steering is not None or request.writes):
+        note_steering(output, request.steering, request.writes)
 
 
 def plan(
@@ -504,18 +505,23 @@ def ended_on_stop_token(request: TrackedRequest, completion: Any) -> bool:
     )
 
 
-def note_steering(output: Any, steer: RequestSteer | None, clamp: Sequence[Any] = ()) -> None:
+def note_steering(
+    output: Any, steer: RequestSteer | None, writes: Mapping[str, Mapping[str, Any]] | None = None
+) -> None:
     """Each completion's ``steering``: the vectors, scales and phase, and ``start``, the first
-    steered position (None while a gate has not crossed; :func:`apply` fills it in); and
-    ``clamp``, the SAE features held (``{sae: {"feature": value}}``, every token)."""
+    steered position (None while a gate has not crossed; :func:`apply` fills it in); and under
+    each write-table entry's request option what it applied on every token (``clamp``: the SAE
+    features held, ``{sae: {"feature": value}}``; ``Intervention.applied``)."""
     prompt_len = len(output.prompt_token_ids or [])
     if steer is not None:
         start = None if steer.gates else (prompt_len if steer.phase == "decode" else 0)
         described = {**steer.describe(), "start": start}
     else:  # clamped only: every token, prompt and generated
         described = {"vectors": {}, "phase": "both", "start": 0}
-    if clamp:
-        described["clamp"] = {name: {str(f): v for f, v in terms} for name, terms in clamp}
+    if writes:
+        entries = interventions(OUTPUT_PROCESSORS)
+        for option, terms in writes.items():
+            described[option] = entries[option].applied(terms)
     for completion in output.outputs:
         completion.steering = dict(described)
 

@@ -197,11 +197,6 @@ class ReadoutSet:
             for name, settings in self.instances.items()
         }
 
-    def clamp_ops(self) -> list[list[Any]]:
-        """The clamp ops the workers' loader installs for this readout: ``[[source, instance,
-        layer, key part], ...]``."""
-        return [[self.source, *op] for op in self.readout.clamp_ops(self.instances)]
-
 
 def without_unread(options: Any, sources: Collection[str]) -> Any:
     """A request's options without those of registered top-k readouts the engine does not

@@ -70,7 +70,9 @@ from probehook.frontend.sources import engine_sources
 from probehook.frontend.steering_set import RequestSteer, SteeringSet
 from probehook.frontend.tracked_request import TrackedRequest
 from probehook.frontend.transport_reader import Spool, read_tensors
-from probehook.outputs import OUTPUT_PROCESSORS, registered_readouts
+from probehook.frontend.write_set import WriteSet
+from probehook.outputs import OUTPUT_PROCESSORS
+from probehook.outputs.intervention import interventions
 from probehook.store.records import store_filled
 
 logger = logging.getLogger(__name__)
@@ -121,6 +123,7 @@ class CaptureSession:
         stop_token: int | None = None,
         steering: SteeringSet | None = None,
         readouts: Mapping[str, ReadoutSet] | None = None,
+        writes: Mapping[str, WriteSet] | None = None,
     ) -> None:
         """
         Args:
@@ -132,12 +135,15 @@ class CaptureSession:
             stop_token: the token a stop monitor forces (the model's EOS).
             steering: the engine's steering vectors, if it steers.
             readouts: the engine's top-k readouts (SAE features, lenses, ...), by source.
+            writes: the engine's write-table entries (SAE clamps, ...), by request option.
         """
         self.config = config
         self.probes = probes
         self.readouts = dict(readouts or {})
-        self.clamped = next((r for r in self.readouts.values() if r.clamp_ops()), None)
-        """The readout whose entries requests may clamp (SAE features; None: none may)."""
+        self.writes = dict(writes or {})
+        self.write_options = tuple(interventions(OUTPUT_PROCESSORS))
+        """Every registered intervention's request option (accepted in a request; one the
+        engine did not install is refused by name, with the engine option that installs it)."""
         self.readout_options = {
             option: source for source, r in self.readouts.items() for option in r.request_options
         }
@@ -189,11 +195,13 @@ class CaptureSession:
             ):
                 return self._tag_from(template, params, field, extra)
         asked = without_unread(extra.get(EXTRA_ARGS_KEY), self.readouts)
-        options = RequestOptions.from_user(asked, self.readout_options)
-        if field == POOLING_EXTRA and (options.steered() or options.clamp):
+        options = RequestOptions.from_user(asked, self.readout_options, self.write_options)
+        if field == POOLING_EXTRA and (options.steered() or options.writes):
+            asked_writes = [o for o, _ in options.writes]
             raise CaptureConfigError(
-                "This request sets steer or clamp, but it is a pooling request: probehook "
-                "steers generative models only (and clamps them only). Drop them."
+                f"This request sets {' and '.join(['steer'] * options.steered() + asked_writes)},"
+                " but it is a pooling request: probehook steers and writes generative models "
+                "only. Drop them."
             )
         if field == POOLING_EXTRA and options.monitors:
             raise CaptureConfigError(
@@ -233,9 +241,9 @@ class CaptureSession:
                 "or build an LLM with layers=None."
             )
         steer = self._steer(options, probes, config)  # a gate without decode scores: refused
-        clamp = self._clamp(options)
+        writes = self._writes(options)
         tagged = copy.copy(params)
-        if config is not None or steer is not None or clamp:
+        if config is not None or steer is not None or writes:
             record = extra.pop(RECORD_KEY, None)
             wire = RequestWire(
                 tag=next(self._tags),
@@ -251,7 +259,7 @@ class CaptureSession:
                 record=record,
                 steer=steer.terms if steer is not None else (),
                 steer_phase=steer.phase if steer is not None else "both",
-                clamp=clamp,
+                writes=writes or None,
                 readouts=tuple((s, r.names) for s, r in readouts.items())
                 if config is not None
                 else (),
@@ -268,7 +276,7 @@ class CaptureSession:
             if config is not None and config.include_prefill:
                 # Cached prompt blocks are never recomputed, so their rows would be missing.
                 tagged.skip_reading_prefix_cache = True
-        if memo is not None and steer is None and not clamp:
+        if memo is not None and steer is None and not writes:
             wired = extra.get(EXTRA_ARGS_KEY) if config is not None else None
             if wired is not None:  # lets the worker read one wire of the template, not each
                 wired[PLAN_KEY] = f"{self._prefix}-plan{next(self._plans)}"
@@ -322,34 +330,32 @@ class CaptureSession:
         decode_scores = config is not None and config.include_decode
         return self.steering.for_request(options, monitors, decode_scores)
 
-    def _clamp(self, options: RequestOptions) -> tuple:
-        if not options.clamp:
-            return ()
-        clamped = self.clamped
-        if clamped is None:
-            switches = [
-                f"{r.engine_option}={{...}} and {r.clamp_switch}=True"
-                for r in registered_readouts().values()
-                if r.clamp_switch
-            ]
-            raise CaptureConfigError(
-                "This request sets clamp, but the engine was built without clamping (the clamp "
-                "op is part of the compiled model); build it with "
-                f"{' or '.join(switches) or 'a readout that clamps'}."
-            )
-        return clamped.readout.check_clamp(clamped.instances, options.clamp)
+    def _writes(self, options: RequestOptions) -> dict[str, dict[str, Any]]:
+        """The request's write terms, each checked by its intervention, by request option."""
+        writes = {}
+        for option, value in options.writes:
+            installed = self.writes.get(option)
+            if installed is None:
+                entry = interventions(OUTPUT_PROCESSORS)[option]
+                raise entry.instance_error(
+                    f"This request sets {option}, but the engine was built without it (its "
+                    "terms are part of the compiled model); build it with "
+                    f"{entry.engine_option}=... ({entry.name})."
+                )
+            writes[option] = installed.check(value)
+        return writes
 
     def cache_salt(self, params: Any) -> str | None:
-        """The prefix-cache salt of a request tagged by :meth:`tag` (None: neither steered
-        nor clamped): its KV must never be reused by, or reuse, a request's that was not."""
-        clamped = self.clamped
-        if self.steering is None and clamped is None:
+        """The prefix-cache salt of a request tagged by :meth:`tag` (None: it neither steers
+        nor writes): its KV must never be reused by, or reuse, a request's that did not, or
+        did otherwise."""
+        if self.steering is None and not self.writes:
             return None
         wire = wire_of(params)
         steer = self._steering_of(wire)
         salts = [steer.salt] if steer is not None else []
-        if wire is not None and wire.clamp and clamped is not None:
-            salts.append(clamped.readout.clamp_salt(clamped.instances, wire.clamp))
+        for option, terms in sorted((wire.writes or {}).items() if wire is not None else ()):
+            salts.append(self.writes[option].entry.salt(terms))
         return "|".join(salts) or None
 
     def _steering_of(self, wire: RequestWire | None) -> RequestSteer | None:
@@ -443,7 +449,7 @@ class CaptureSession:
             dict(wire.record) if wire.record is not None else None,
             self._steering_of(wire),
             readouts or None,
-            wire.clamp,
+            wire.writes,
         )
 
     def _sampling(self, params: Any, names: Sequence[str]) -> dict[str, Any]:

@@ -3,6 +3,7 @@ is filled (the session's pending requests, a stream's request)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,5 +29,5 @@ class TrackedRequest:
     """The request's steering (None: not steered)."""
     readouts: dict[str, RequestReadout] | None = None
     """The top-k readouts it gets, by source (None: none)."""
-    clamp: tuple[tuple[str, tuple[tuple[int, float], ...]], ...] = ()
-    """The SAE features it holds at values (``RequestWire.clamp``; empty: none)."""
+    writes: Mapping[str, Mapping[str, Any]] | None = None
+    """The write table's terms it applies (``RequestWire.writes``; None: none)."""

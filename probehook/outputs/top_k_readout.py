@@ -164,25 +164,6 @@ class TopKReadout(OutputProcessor):
             "settings": dict(settings),
         }
 
-    # -- the write side (the clamps of SAE features: the first entry of the write table) --
-
-    clamp_switch: ClassVar[str] = ""
-    """The engine option that lets requests clamp its entries (``"sae_clamping"``; empty:
-    requests cannot)."""
-
-    def clamp_ops(self, instances: Mapping[str, Mapping[str, Any]]) -> list[list[Any]]:
-        """The clamp ops the loader installs, ``[[instance, layer, key part], ...]`` (none:
-        requests cannot clamp this readout's entries)."""
-        return []
-
-    def check_clamp(self, instances: Mapping[str, Mapping[str, Any]], terms: Any) -> Any:
-        """A request's clamp terms checked against the instances."""
-        raise self.instance_error(f"the {self.name} readout takes no clamp.")
-
-    def clamp_salt(self, instances: Mapping[str, Mapping[str, Any]], terms: Any) -> str:
-        """The prefix-cache salt of a request's clamp terms."""
-        raise NotImplementedError
-
     @property
     def engine_options(self) -> tuple[str, ...]:
         """Its engine keyword arguments: its instances, its k, its further ones (none without

@@ -3,16 +3,15 @@ request reads, an ordinary :class:`~probehook.outputs.top_k_readout.TopKReadout`
 through the ``probehook.output_processors`` entry point, as a third party's readout would be.
 
 What it declares is all the engine knows of SAEs: the engine options (``saes=``,
-``sae_top_k=``, ``sae_clamping=``, ``sae_dtype=``, and ``probehook serve``'s ``--sae`` flags
-generated from them), the request options (``saes``, ``sae_top_k``), the monitor
-(:class:`FeatureMonitor`, flags on ``feature_flags``), the worker's bank
-(:func:`probehook.worker.sae_bank.sae_bank`), what a store records of each SAE, and the
-clamps requests may set (the write side: each SAE's clamp op). No vLLM.
+``sae_top_k=``, ``sae_dtype=``, and ``probehook serve``'s ``--sae`` flags generated from them),
+the request options (``saes``, ``sae_top_k``), the monitor (:class:`FeatureMonitor`, flags on
+``feature_flags``), the worker's bank (:func:`probehook.worker.sae_bank.sae_bank`) and what a
+store records of each SAE. Clamping is an entry of the write table
+(:mod:`probehook.saes.clamp`). No vLLM.
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -91,8 +90,9 @@ class FeatureMonitor(TopKMonitor):
 
 
 class SAEReadout(TopKReadout):
-    """The ``saes={name: SAE or folder}`` engine option (``sae_top_k=k``, ``sae_clamping``,
-    ``sae_dtype``) and the ``saes`` / ``sae_top_k`` request options; outputs'
+    """The ``saes={name: SAE or folder}`` engine option (``sae_top_k=k``, ``sae_dtype``;
+    ``sae_clamping`` is the write table's entry :class:`~probehook.saes.clamp.SAEClamp`)
+    and the ``saes`` / ``sae_top_k`` request options; outputs'
     ``sae_features`` and ``prefill_sae_features``."""
 
     name = "sae_features"
@@ -102,7 +102,7 @@ class SAEReadout(TopKReadout):
     completion_attributes = ("sae_features",)
     engine_option = "saes"
     request_option = "saes"
-    extra_engine_options = ("sae_clamping", "sae_dtype")
+    extra_engine_options = ("sae_dtype",)
     default_k = DEFAULT_TOP_K
     max_k = 4096
     monitor = FeatureMonitor
@@ -122,12 +122,8 @@ class SAEReadout(TopKReadout):
         "sae_top_k": f"the most SAE features a token returns (default {DEFAULT_TOP_K}; a request "
         "may ask fewer)",
         "sae_dtype": "the SAE encoder GEMM's dtype in the worker (default: each SAE's own)",
-        "sae_clamping": 'let requests hold SAE features at values ("probehook": {"clamp": '
-        '{"NAME": {"FEATURE": VALUE}}}): a clamp op on each SAE\'s layer',
     }
     cli_choices = {"sae_dtype": tuple(d for d in ENCODER_DTYPES if d is not None)}
-    cli_switches = ("sae_clamping",)
-    clamp_switch = "sae_clamping"
 
     @property
     def k_option(self) -> str:
@@ -157,9 +153,6 @@ class SAEReadout(TopKReadout):
                 f"sae_dtype={dtype!r} is not an encoder dtype; choose one of {ENCODER_DTYPES} "
                 "(None: each SAE's own)."
             )
-        clamping = extras.get("sae_clamping", False)
-        if not isinstance(clamping, bool):
-            raise CaptureConfigError(f"sae_clamping={clamping!r} is not valid: pass True or False.")
         out = {}
         for name, sae in load_saes(specs).items():
             sae.check_model(hidden_size, num_layers, name)
@@ -172,7 +165,6 @@ class SAEReadout(TopKReadout):
                 "layer": sae.layer,
                 "path": os.fspath(sae.path),
                 "dtype": dtype,
-                "clamping": clamping,
                 "fingerprint": sae.fingerprint,
                 "hook_name": sae.hook_name,
                 "d_in": sae.d_in,
@@ -210,49 +202,6 @@ class SAEReadout(TopKReadout):
             "k": k,
             "settings": settings["settings"],
         }
-
-    # -- the write side: clamps -----------------------------------------------------------
-
-    def clamp_ops(self, instances: Mapping[str, Mapping[str, Any]]) -> list[list[Any]]:
-        """The clamp ops the loader installs: ``[[name, layer, fingerprint], ...]`` (in the
-        compile-cache key: a graph traced with one SAE's clamp is never replayed for
-        another's)."""
-        return [
-            [name, int(s["layer"]), str(s["fingerprint"])]
-            for name, s in instances.items()
-            if s.get("clamping")
-        ]
-
-    def check_clamp(self, instances: Mapping[str, Mapping[str, Any]], terms: Any) -> Any:
-        """A request's ``clamp`` (parsed by :func:`~probehook.core.request_options.clamp_terms`)
-        against this engine's SAEs."""
-        if not self.clamp_ops(instances):
-            raise SAEError(
-                "This request sets clamp, but the engine was built without sae_clamping=True "
-                "(the clamp op is part of the compiled model); build it with sae_clamping=True."
-            )
-        for name, held in terms:
-            settings = instances.get(name)
-            if settings is None:
-                raise SAEError(
-                    f"clamp names SAE {name!r}, which this engine does not have; its SAEs are "
-                    f"{sorted(instances)}."
-                )
-            d_sae = int(settings["d_sae"])
-            wide = [f for f, _ in held if f >= d_sae]
-            if wide:
-                raise SAEError(
-                    f"clamp[{name!r}] names feature(s) {wide}, out of range: the SAE has "
-                    f"{d_sae} features."
-                )
-        return terms
-
-    def clamp_salt(self, instances: Mapping[str, Mapping[str, Any]], terms: Any) -> str:
-        """The prefix-cache salt of a clamp: equal for equal clamps of the same SAEs."""
-        digest = hashlib.sha256()
-        for name, held in terms:
-            digest.update(f"{instances[name]['fingerprint']}:{held!r};".encode())
-        return "clamp-" + digest.hexdigest()[:32]
 
 
 def load_saes(saes: Any) -> dict[str, SAE]:

@@ -185,9 +185,7 @@ def _marks_text(marks: dict[str, Any]) -> str:
     if marks.get("steered"):
         vectors = ", ".join(f"{k} x{v:g}" for k, v in marks["steered"]["vectors"].items())
         parts.append(f"steered by {vectors} from position {marks['steered']['from']}")
-    for sae, held in (marks.get("clamp") or {}).items():
-        features = ", ".join(f"#{k}={v:g}" for k, v in held.items())
-        parts.append(f"clamped {sae} {features} on every token")
+    parts.extend((marks.get("writes") or {}).values())
     return "; ".join(parts)
 
 

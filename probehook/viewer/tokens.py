@@ -1,7 +1,7 @@
 """What the viewer shows of one request, as JSON-able data: its tokens (prompt, then the first
 completion's), each token's scores (probe scores, a lens's target log-prob, ...), each token's
 top-k entries of every top-k readout (SAE features, a lens's next tokens), layer x token grids,
-and the marks (flags, the stop, steering, clamping).
+and the marks (flags, the stop, steering, the write table's entries: SAE clamps, ...).
 
 Rows are placed by position (docs/capture.md): prefill row ``p`` and decode row ``i`` (at
 position ``n_prompt - 1 + i``) paint the token at that position, the input the row was
@@ -12,11 +12,15 @@ one but to label it. No vLLM.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+
+from probehook.outputs import OUTPUT_PROCESSORS
+from probehook.outputs.intervention import STEERING_KEYS, interventions
 
 Labels = Mapping[str, Mapping[int, str]]
 """Labels of top-k entries by instance name: an SAE's (``{"res3": {320: "false
@@ -256,7 +260,8 @@ def _top_k_readouts(output: Any, completion: Any, stored: bool) -> list[tuple[An
 
 
 def _marks(output: Any, completion: Any, stored: bool, place: _Placer) -> dict[str, Any]:
-    """Flags (positions of the rows that crossed), the stop, steering and clamping."""
+    """Flags (positions of the rows that crossed), the stop, steering, and what each write-table
+    entry applied (on every token; its own words, ``Intervention.mark``)."""
     d0 = place.n_prompt - 1
     flags: dict[str, list[int]] = {}
     if completion is not None:
@@ -281,14 +286,26 @@ def _marks(output: Any, completion: Any, stored: bool, place: _Placer) -> dict[s
         "steering": steering,
         # the rows computed at positions from ``start`` on were steered (None: none were)
         "steered": {"from": start, "vectors": vectors} if vectors and start is not None else None,
-        "clamp": (steering or {}).get("clamp") or None,  # held on every token
+        "writes": _write_marks(steering or {}),
     }
+
+
+def _write_marks(steering: dict[str, Any]) -> dict[str, str]:
+    """Each write-table entry's mark, by request option, in its intervention's words (where
+    this process registers it; else its JSON)."""
+    entries = interventions(OUTPUT_PROCESSORS)
+    marks = {}
+    for option, applied in steering.items():
+        if option in STEERING_KEYS or not applied:
+            continue
+        entry = entries.get(option)
+        marks[option] = entry.mark(applied) if entry is not None else json.dumps(applied)
+    return marks
 
 
 def _flag_attributes() -> list[str]:
     """Where flags are: the probe monitors', and those of every processor whose values
     monitors watch (SAE features, lenses, any registered readout's)."""
-    from probehook.outputs import OUTPUT_PROCESSORS
     from probehook.outputs.registry import MonitorFlags
 
     return [p.name for p in OUTPUT_PROCESSORS if isinstance(p, MonitorFlags)]

@@ -24,13 +24,15 @@ the step, and an unclamped token adds 0.
 
 from __future__ import annotations
 
-import hashlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
+from probehook.core.request_options import MAX_CLAMPED
 from probehook.saes.encode import TILE_ROWS, SAEWeights, activations_at, activations_per_token
 from probehook.worker.write_op import write_kind
+from probehook.worker.write_table import InstanceWriter, WriterContext
 
 TENSORS = ("W_enc", "b_enc", "b_dec", "threshold", "b_gate", "b_mag", "r_mag_exp",
            "decoder_norms")  # fmt: skip
@@ -56,13 +58,6 @@ def weights_of(tensors: list[torch.Tensor], spec: str) -> SAEWeights:
     return SAEWeights(architecture=architecture, apply_b_dec_to_input=apply_b_dec == "1",
                       normalize_activations=normalization, k=int(k) or None,
                       **named)  # type: ignore[arg-type]  # fmt: skip
-
-
-def clamp_key(name: str, layer: int, fingerprint: str) -> str:
-    """A clamp op's key (its buffers' names on the layer), from what vLLM's compile-cache key
-    holds of it."""
-    digest = hashlib.sha256(f"{name}|{layer}|{fingerprint}".encode()).hexdigest()
-    return digest[:16]
 
 
 CLAMP_TENSORS = 3 + len(TENSORS) + 1
@@ -142,3 +137,50 @@ def _clamp_rows(
     directions = W_dec.index_select(0, ids.reshape(-1)).view(*ids.shape, -1).to(held.dtype)
     delta = torch.bmm(coefficient.unsqueeze(1), directions).squeeze(1)  # [n, d_in]
     hidden.index_add_(0, rows, delta.to(hidden.dtype))
+
+
+class ClampWriter(InstanceWriter):
+    """One clamped SAE's term after its layer: its ``features`` and ``values`` tables (one row
+    per request of the step), its SAE's tensors and decoder rows."""
+
+    kind = "clamp"
+    site = "resid_post"
+
+    def __init__(self, layer: int, weights: SAEWeights, W_dec: torch.Tensor, slots: int) -> None:
+        self.layer = layer
+        self.settings = sae_spec(weights)
+        device = W_dec.device
+        self.buffers = {
+            "features": torch.full((slots, MAX_CLAMPED), -1, dtype=torch.int64, device=device),
+            "values": torch.zeros((slots, MAX_CLAMPED), dtype=torch.float32, device=device),
+            **dict(zip(TENSORS, sae_tensors(weights), strict=True)),
+            "W_dec": W_dec,
+        }
+
+    def plan(self, terms: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[[feature, value], ...]`` as the rows' tensors."""
+        return (
+            torch.tensor([int(f) for f, _ in terms], dtype=torch.int64),
+            torch.tensor([float(v) for _, v in terms], dtype=torch.float32),
+        )
+
+    def write_row(self, row: int, plan: tuple[torch.Tensor, torch.Tensor]) -> None:
+        features, values = plan
+        n = len(features)
+        self.buffers["features"][row].fill_(-1)  # the whole row: a previous request's may be longer
+        self.buffers["features"][row, :n] = features
+        self.buffers["values"][row, :n] = values
+
+
+def clamp_writers(
+    entry: Any, instances: Mapping[str, Mapping[str, Any]], context: WriterContext
+) -> dict[str, ClampWriter]:
+    """``SAEClamp.worker_writer``: each clamped SAE's writer, with the weights its readout's
+    bank read (``context.banks[source]``)."""
+    out = {}
+    for name, settings in instances.items():
+        bank = context.banks[settings["source"]]
+        out[name] = ClampWriter(
+            int(settings["layer"]), bank.weights_of(name), bank.decoder_of(name), context.slots
+        )
+    return out

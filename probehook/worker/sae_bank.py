@@ -15,7 +15,7 @@ No vLLM imports: the loader builds the bank through the readout's ``worker_bank`
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -36,7 +36,7 @@ class SAEBank:
         self,
         saes: Mapping[str, tuple[int, SAEWeights]],
         k: int,
-        decoders: Mapping[str, torch.Tensor] | None = None,
+        decoders: Mapping[str, torch.Tensor | Callable[[], torch.Tensor]] | None = None,
     ) -> None:
         if not saes:
             raise ValueError("an SAEBank needs at least one SAE")
@@ -52,8 +52,12 @@ class SAEBank:
         return self._saes[self.slots.index(name)][1]
 
     def decoder_of(self, name: str) -> torch.Tensor:
-        """A clamped SAE's decoder rows (its clamp op writes with them)."""
-        return self._decoders[name]
+        """An SAE's decoder rows (a clamp term writes with them), read from its folder the
+        first time a clamp asks (a bank without clamps never holds them)."""
+        decoder = self._decoders[name]
+        if callable(decoder):
+            decoder = self._decoders[name] = decoder()
+        return decoder
 
     selective = True
     """The recorder hands it each SAE's rows (``slot_rows``): an SAE runs only on the rows of
@@ -86,7 +90,7 @@ def sae_bank(
 ) -> SAEBank:
     """``SAEReadout.worker_bank``: each SAE read from its folder (``instances[name]["path"]``)
     onto the model's device (``model.device``), its encoder in the instance's ``dtype`` (None:
-    its own); a clamped SAE's decoder rows are kept too (its clamp op writes with them)."""
+    its own); an SAE's decoder rows are read when a clamp asks for them (``decoder_of``)."""
     from probehook.saes import SAE
 
     saes = {}
@@ -96,7 +100,13 @@ def sae_bank(
         dtype = settings.get("dtype")
         weights = sae.weights.to(model.device, getattr(torch, dtype) if dtype else None)
         saes[name] = (sae.layer, weights)
-        if settings.get("clamping"):
-            assert sae.W_dec is not None
-            decoders[name] = sae.W_dec.to(model.device)
+        decoders[name] = functools.partial(_decoder, settings, model.device)
     return SAEBank(saes, int(k), decoders)
+
+
+def _decoder(settings: Mapping[str, Any], device: torch.device) -> torch.Tensor:
+    from probehook.saes import SAE
+
+    sae = SAE.load(settings["path"], layer=int(settings["layer"]))
+    assert sae.W_dec is not None
+    return sae.W_dec.to(device)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from probehook.adapter import plugin
@@ -317,7 +317,7 @@ def capture_engine_kwargs(
     steer_layers: tuple[int, ...] = (),
     exit_after: int | None = None,
     monitored: bool | None = None,
-    clamps: Sequence[Sequence[Any]] = (),
+    writes: Mapping[str, Any] | None = None,
     banks: str | None = None,
     readouts: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
@@ -325,8 +325,8 @@ def capture_engine_kwargs(
     ``probe_layers`` (the layers probes and readouts read) are tapped too; with probes
     (``monitored``; None: whenever ``probe_layers`` are given) the monitor logits processor is
     added; with ``steer_layers``, those layers get the steering op; with ``exit_after`` (a
-    capture-only engine), the model stops after that layer; ``clamps``: the clamp ops
-    (``[[source, instance, layer, key part], ...]``); ``banks``: the probes and first
+    capture-only engine), the model stops after that layer; ``writes``: the write table's
+    instances, by request option; ``banks``: the probes and first
     steering vectors, encoded (``WorkerBanks.encode``);
     ``readouts``: each top-k readout's loader settings, by source."""
     kwargs = dict(kwargs)
@@ -371,10 +371,8 @@ def capture_engine_kwargs(
         loader_keys.STEER_LAYERS_KEY: sorted(steer_layers),
         loader_keys.EXIT_AFTER_KEY: exit_after,
     }
-    if clamps:  # the clamp ops are part of the graph: in the compile-cache key
-        additional[loader_keys.ADDITIONAL_CONFIG_KEY][loader_keys.CLAMP_KEY] = [
-            list(c) for c in clamps
-        ]
+    if writes:  # their terms are part of the graph: in the compile-cache key
+        additional[loader_keys.ADDITIONAL_CONFIG_KEY][loader_keys.WRITES_KEY] = dict(writes)
     kwargs["additional_config"] = additional
     kwargs["worker_extension_cls"] = WORKER_EXTENSION
     if monitored is None:

@@ -30,7 +30,9 @@ from probehook.frontend.probe_set import ProbeSet
 from probehook.frontend.readout_set import ReadoutSet
 from probehook.frontend.session import CaptureSession, Rpc
 from probehook.frontend.steering_set import SteeringSet
+from probehook.frontend.write_set import WriteSet
 from probehook.outputs import OUTPUT_PROCESSORS
+from probehook.outputs.intervention import EngineFacts, check_site, interventions
 from probehook.outputs.top_k import RUN_TOP_K_KEY
 from probehook.outputs.top_k_readout import top_k_readouts
 from probehook.store import ActivationStore
@@ -58,6 +60,8 @@ class CaptureSetup:
     (:meth:`WorkerBanks.encode`; inline in the engine's config: no file)."""
     readouts: dict[str, ReadoutSet] = dataclasses.field(default_factory=dict)
     """The engine's top-k readouts, by source."""
+    writes: dict[str, WriteSet] = dataclasses.field(default_factory=dict)
+    """The engine's write-table entries, by request option."""
 
     def recording_args(self) -> tuple[int]:
         """Arguments of the workers' ``probehook_start_recording`` (the banks came at load)."""
@@ -109,6 +113,10 @@ def prepare(
         _check_pooling(request, resolved.model_config.architectures)
     converted = getattr(resolved.model_config, "convert_type", "none") not in (None, "none")
     _check_readouts(readouts, pooling, converted, resolved.parallel_config.tensor_parallel_size)
+    writes = _write_sets(
+        request.writes or {},
+        EngineFacts(num_layers, resolved.model_config.get_hidden_size(), readouts),
+    )
     steering = None
     if request.steers:
         steer_layers = {layer for v in request.steering.values() for layer in v.layers}
@@ -161,7 +169,7 @@ def prepare(
         exit_after=max((*config.layers, *read_layers)) if request.capture_only else None,
         banks=banks,
         readouts={source: r.loader_settings() for source, r in readouts.items()} or None,
-        clamps=[op for r in readouts.values() for op in r.clamp_ops()],
+        writes={option: w.instances for option, w in writes.items()} or None,
         # Requests may bring their own monitors: whenever probes or readouts can be watched.
         monitored=probe_set is not None
         or any(r.readout.flags_attribute for r in readouts.values()),
@@ -186,7 +194,23 @@ def prepare(
         steering,
         banks,
         readouts,
+        writes,
     )
+
+
+def _write_sets(given: dict[str, Any], engine: EngineFacts) -> dict[str, WriteSet]:
+    """The engine's write-table entries: each intervention's instances checked against the
+    model (their sites and layers too); an entry with none installs nothing."""
+    entries = interventions(OUTPUT_PROCESSORS)
+    sets = {}
+    for option, value in given.items():
+        entry = entries[option]
+        instances = entry.instances(value, engine)
+        for name, settings in instances.items():
+            check_site(entry, name, settings, engine.num_layers)
+        if instances:
+            sets[option] = WriteSet(entry, instances)
+    return sets
 
 
 def _readout_sets(
@@ -277,6 +301,7 @@ def start(
         stop_token=stop_token if _monitorable(setup) else None,
         steering=setup.steering,
         readouts=setup.readouts,
+        writes=setup.writes,
     )
     session.row_format = (int(infos[0]["hidden_size"]), _torch_dtype(infos[0]["dtype"]))
     store = None
@@ -376,6 +401,12 @@ def _check_pooling(request: CaptureRequest, architectures: Any) -> None:
         raise CaptureConfigError(
             f"steering= is not supported on {model}, a pooling model: probehook steers "
             "generative models only. Drop steering= and steering_layers=."
+        )
+    entries = interventions(OUTPUT_PROCESSORS)
+    for option in request.writes or {}:
+        raise CaptureConfigError(
+            f"{entries[option].engine_option}= is not supported on {model}, a pooling model: "
+            f"probehook writes ({entries[option].name}) in generative models only. Drop it."
         )
 
 

@@ -21,7 +21,8 @@ from typing import Any
 from probehook.adapter import vllm_names
 from probehook.core.monitors import ProbeMonitor
 from probehook.errors import CaptureConfigError
-from probehook.outputs import registered_readouts
+from probehook.outputs import OUTPUT_PROCESSORS, registered_readouts
+from probehook.outputs.intervention import interventions
 
 MiB = 1 << 20
 
@@ -115,6 +116,8 @@ def add_capture_args(parser: Any) -> None:
     )
     for flag in readout_flags():
         group.add_argument(flag.flag, **flag.argparse())
+    for entry in interventions(OUTPUT_PROCESSORS).values():
+        group.add_argument(write_flag(entry), **_write_argparse(entry))
     group.add_argument(
         "--readout",
         action="append",
@@ -160,6 +163,7 @@ def capture_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     )
     return dict(
         **_readout_options(args),
+        **_write_options(args),
         layers=layers,
         probes=probes or None,
         monitors=monitors or None,
@@ -254,6 +258,34 @@ def _readout_options(args: argparse.Namespace) -> dict[str, Any]:
         items = getattr(args, flag.dest, None) or []
         if items:
             out[flag.option] = _named_paths(flag.flag, items, "NAME=SPEC")
+    return out
+
+
+def write_flag(entry: Any) -> str:
+    """The flag ``probehook serve`` generates from a registered intervention's engine option
+    (``--sae-clamping``, a third party's ``--scale-layers``)."""
+    return "--" + (entry.cli_flag or entry.engine_option).replace("_", "-")
+
+
+def _write_argparse(entry: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "help": entry.cli_help or f"the {entry.name} intervention's engine option",
+        "dest": write_flag(entry)[2:].replace("-", "_"),
+    }
+    if entry.cli_switch:
+        out.update(action="store_true", default=None)
+    else:
+        out.update(default=None, metavar="VALUE")
+    return out
+
+
+def _write_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine options of the interventions whose flags were given."""
+    out = {}
+    for entry in interventions(OUTPUT_PROCESSORS).values():
+        given = getattr(args, write_flag(entry)[2:].replace("-", "_"), None)
+        if given is not None and given is not False:
+            out[entry.engine_option] = entry.cli_value(given)
     return out
 
 

@@ -19,9 +19,9 @@ from torch import nn
 
 from probehook.adapter.worker.head import ModelParts, model_parts
 from probehook.adapter.worker.surgery import (
-    attach_clamped_sae,
     exit_early,
     install_taps,
+    install_writes,
     locate_layers,
 )
 from probehook.capture_config import CaptureConfig
@@ -29,19 +29,20 @@ from probehook.core.bank_file import WorkerBanks
 from probehook.core.loader_keys import (
     ADDITIONAL_CONFIG_KEY,
     BANKS_KEY,
-    CLAMP_KEY,
     EXIT_AFTER_KEY,
     LOAD_FORMAT,
     LOADER_EXTRA_KEY,
     READOUTS_KEY,
     STEER_LAYERS_KEY,
     TAP_LAYERS_KEY,
+    WRITES_KEY,
 )
 from probehook.errors import UnsupportedModelError
 from probehook.outputs import OUTPUT_PROCESSORS
+from probehook.outputs.intervention import interventions
 from probehook.outputs.top_k_readout import top_k_readouts
-from probehook.worker.clamp_op import clamp_key
 from probehook.worker.readouts import top_k_bank
+from probehook.worker.write_table import WriterContext, build_writers
 
 
 def register_loader() -> None:
@@ -98,12 +99,6 @@ def _make_loader_class() -> type:
                 {k: v for k, v in settings.items() if k not in _NOT_CAPTURE_CONFIG}
             )
             scheduler = vllm_config.scheduler_config
-            # Each clamp op's buffers are named by a key made of what the compile-cache key
-            # holds (instance, layer, fingerprint).
-            clamped = [(str(source), str(name), int(layer), str(part))
-                       for source, name, layer, part in settings.get(CLAMP_KEY) or ()]  # fmt: skip
-            clamps = [(name, layer, clamp_key(name, layer, part))
-                      for _, name, layer, part in clamped]  # fmt: skip
             hook = install_taps(
                 model,
                 config,
@@ -113,7 +108,6 @@ def _make_loader_class() -> type:
                 steer_layers=tuple(settings.get(STEER_LAYERS_KEY) or ()),
                 # One table row per request the batch can hold, plus row 0 (no steering).
                 steer_slots=scheduler.max_num_seqs + 1,
-                clamps=clamps,
             )
             # The readouts' banks, here, inside vLLM's memory profiling: the KV cache is sized
             # around what they hold (an SAE's encoder).
@@ -136,9 +130,11 @@ def _make_loader_class() -> type:
                     readout, entry["instances"], entry["k"], parts
                 )
                 hook.top_k_ranks[source] = readout.ranks
-            for (source, name, layer, _), (_, _, key) in zip(clamped, clamps, strict=True):
-                bank = hook.top_k_banks[source]  # a clamp writes with its instance's weights
-                attach_clamped_sae(model, layer, key, bank.weights_of(name), bank.decoder_of(name))
+            # The write table's terms, after the banks (an SAE clamp writes with its SAE's
+            # weights) and after steering's terms at each layer.
+            hook.writers = _writers(settings.get(WRITES_KEY) or {}, model, hook, model_config,
+                                    scheduler)  # fmt: skip
+            install_writes(model, hook.writers, scheduler.max_num_batched_tokens)
             # Probes and steering vectors too, from the banks the front end encoded.
             banks = WorkerBanks.decode(self.banks) if self.banks else WorkerBanks()
             hook.allocate_banks(banks)
@@ -149,6 +145,29 @@ def _make_loader_class() -> type:
             return model
 
     return ProbehookModelLoader
+
+
+def _writers(
+    writes: dict[str, Any], model: nn.Module, hook: Any, model_config: Any, scheduler: Any
+) -> dict[tuple[str, str], Any]:
+    """Each write-table instance's writer, by ``(request option, instance)``, from its
+    intervention (registered in this process too, as a top-k readout is)."""
+    registered = interventions(OUTPUT_PROCESSORS)
+    param = next(model.parameters())
+    context = WriterContext(param.device, param.dtype, model_config.get_hidden_size(),
+                            scheduler.max_num_seqs + 1, hook.top_k_banks)  # fmt: skip
+    writers = {}
+    for option, instances in writes.items():
+        entry = registered.get(option)
+        if entry is None:
+            raise UnsupportedModelError(
+                f"The engine writes with intervention {option!r}, which is not registered in "
+                "this worker's process: register it through the entry-point group "
+                "'probehook.output_processors' so every process knows it."
+            )
+        for instance, writer in build_writers(entry, instances, context).items():
+            writers[(option, instance)] = writer
+    return writers
 
 
 def _unembedding(loader: Any, model_config: Any) -> Any:
@@ -172,6 +191,6 @@ def _unembedding(loader: Any, model_config: Any) -> Any:
     return None
 
 
-_NOT_CAPTURE_CONFIG = (TAP_LAYERS_KEY, STEER_LAYERS_KEY, EXIT_AFTER_KEY, CLAMP_KEY)
+_NOT_CAPTURE_CONFIG = (TAP_LAYERS_KEY, STEER_LAYERS_KEY, EXIT_AFTER_KEY, WRITES_KEY)
 
 # The final norm of each family (vLLM's attribute names): a capture-only engine skips it.

@@ -32,11 +32,11 @@ from probehook.core.export_wire import (
 from probehook.core.spans import Span
 from probehook.core.steering_wire import vectors_from_wire
 from probehook.core.stream_frames import encode
-from probehook.worker.clamp_tables import StepClamps
 from probehook.worker.recorder import StepRecorder
 from probehook.worker.steering_bank import StepSteering
 from probehook.worker.stream_publisher import Publisher
 from probehook.worker.transport_writer import write_tensors_with_fallback
+from probehook.worker.write_table import StepWrites
 
 MAX_MISSING_REPORTED = 8
 
@@ -109,8 +109,8 @@ class ProbehookWorkerExtension:
         if getattr(self, "_probehook_publisher", None) is None:
             self._probehook_publisher = Publisher(None)  # until a stream connects
 
-        clamps = StepClamps(hook.clamp_buffers) if hook.clamp_buffers else None
-        self._probehook_clamps = clamps
+        writes = StepWrites(hook.writers) if hook.writers else None
+        self._probehook_writes = writes
         before_forward = on_schedule = None
         if steer is not None:
             steer_plan = runner_v1.steering_factory(runner, steerable)
@@ -118,14 +118,14 @@ class ProbehookWorkerExtension:
             def on_schedule(scheduled: Any) -> None:
                 steer.finish(getattr(scheduled, "finished_req_ids", None) or ())
 
-        if steer is not None or clamps is not None:
-            clamp_plan = runner_v1.clamp_factory(runner, tuple(hook.clamp_buffers))
+        if steer is not None or writes is not None:
+            terms_for = runner_v1.writes_factory(runner)
 
             def before_forward(scheduled: Any) -> None:
                 if steer is not None:
                     runner_v1.prepare_steering(runner, steer, steer_plan)
-                if clamps is not None:
-                    runner_v1.prepare_clamps(runner, clamps, clamp_plan)
+                if writes is not None:
+                    runner_v1.prepare_writes(runner, writes, terms_for)
 
         scorer = hook.scorer
         # Readouts that read each row's next token record with the rest (monitors read them
@@ -144,13 +144,17 @@ class ProbehookWorkerExtension:
                 for req_id, reason in steer.take_failed().items():
                     for recorder, _ in recorders:
                         recorder.fail_request(req_id, f"probehook could not steer it ({reason})")
+            if writes is not None and writes.failed:
+                for req_id, reason in writes.take_failed().items():
+                    for recorder, _ in recorders:
+                        recorder.fail_request(req_id, f"probehook could not write it ({reason})")
             if steer is not None and scorer is not None and scorer.step_rows is not None:
                 steer.check_gates(scorer.step_rows.rows, scorer.step_rows.last_row)
             for recorder, _ in now:
                 _publish(recorder, self._probehook_publisher, runner.requests)
                 recorder.bound(runner.requests)
-            if clamps is not None:
-                clamps.bound(runner.requests)
+            if writes is not None:
+                writes.bound(runner.requests)
 
         after_sample = None
         if late:
@@ -332,7 +336,7 @@ class ProbehookWorkerExtension:
             # requests that ran unsteered because no row could be given (never expected).
             "steering_slots_reclaimed": getattr(steer, "reclaimed", 0),
             "steering_failures": getattr(steer, "failures", 0),
-            "steps_clamped": getattr(getattr(self, "_probehook_clamps", None), "steps_clamped", 0),
+            "steps_written": getattr(getattr(self, "_probehook_writes", None), "steps_written", 0),
             **_compilations(),
             "forwards": hook.forwards,
             "step_ns": hook.step_ns,

@@ -26,11 +26,11 @@ from probehook.core.spans import OPEN, KeepPlan, keep_plan, readout_config, scor
 from probehook.errors import CaptureConfigError
 from probehook.outputs import OUTPUT_PROCESSORS
 from probehook.outputs.top_k_readout import top_k_readouts
-from probehook.worker.clamp_tables import ClampPlan, StepClamps
 from probehook.worker.readouts import READOUTS
 from probehook.worker.recorder import RequestPlan, StepRecorder
 from probehook.worker.steering_bank import Gate, RequestSteering, StepSteering, phase_range
 from probehook.worker.step_context import StepContext
+from probehook.worker.write_table import StepWrites
 
 REQUIRED = ("input_batch", "requests", "query_start_loc")
 PlanFor = Callable[[str], RequestPlan | None]
@@ -120,43 +120,28 @@ def prepare_steering(
     )
 
 
-def prepare_clamps(
-    runner: Any, clamps: StepClamps, plan_for: Callable[[str], ClampPlan | None]
+def prepare_writes(
+    runner: Any, writes: StepWrites, terms_for: Callable[[str], Mapping[str, Any] | None]
 ) -> None:
-    """Write this step's clamp tables (called right before the forward pass)."""
+    """Write this step's write-table indexes and rows (called right before the forward
+    pass)."""
     batch = runner.input_batch
     num_reqs = batch.num_reqs
     if num_reqs == 0:
         return
-    clamps.prepare(batch.req_ids[:num_reqs], runner.query_start_loc.np[: num_reqs + 1], plan_for)
+    writes.prepare(batch.req_ids[:num_reqs], runner.query_start_loc.np[: num_reqs + 1], terms_for)
 
 
-def clamp_factory(runner: Any, clamped: tuple[str, ...]) -> Callable[[str], ClampPlan | None]:
-    """Reads a request's clamped features the first time the worker sees it. Never raises
-    (it runs in the step): a request whose clamp cannot be read runs unclamped, with a
-    warning (the front end checked it, so only a wire that skipped it gets here)."""
+def writes_factory(runner: Any) -> Callable[[str], Mapping[str, Any] | None]:
+    """Reads a request's write terms (``RequestWire.writes``) the first time the worker sees
+    it; raises on a wire it cannot read (:class:`StepWrites` fails that request alone)."""
 
-    def plan_for(req_id: str) -> ClampPlan | None:
-        try:
-            state = runner.requests.get(req_id)
-            wire = RequestWire.from_wire(extra_options(request_params(state)).get(EXTRA_ARGS_KEY))
-            if wire is None or not wire.clamp:
-                return None
-            unknown = [name for name, _ in wire.clamp if name not in clamped]
-            if unknown:
-                raise CaptureConfigError(f"it clamps SAE(s) {unknown}, which are not clamped here")
-            return {
-                name: (
-                    torch.tensor([f for f, _ in terms], dtype=torch.int64),
-                    torch.tensor([v for _, v in terms], dtype=torch.float32),
-                )
-                for name, terms in wire.clamp
-            }
-        except Exception as e:  # noqa: BLE001 - one bad request must not end the engine
-            logger.warning("probehook: not clamping request %s: %s", req_id, e)
-            return None
+    def terms_for(req_id: str) -> Mapping[str, Any] | None:
+        state = runner.requests.get(req_id)
+        wire = RequestWire.from_wire(extra_options(request_params(state)).get(EXTRA_ARGS_KEY))
+        return wire.writes if wire is not None else None
 
-    return plan_for
+    return terms_for
 
 
 def steering_factory(

@@ -49,8 +49,9 @@ class StepHook:
         self.recording: dict[str, StepRecorder] = {}
         """The recorder of each source this engine records, in the readout table's order
         (built at load by :meth:`allocate_banks`)."""
-        self.clamp_buffers: dict[str, Any] = {}
-        """Each clamped instance's op buffers (an SAE's), by name (:class:`ClampBuffers`)."""
+        self.writers: dict[tuple[str, str], Any] = {}
+        """The write table's instances' writers, by ``(request option, instance)``
+        (:class:`~probehook.worker.write_table.InstanceWriter`)."""
         self.top_k_banks: dict[str, Any] = {}
         """Each top-k readout's bank (SAE features', lenses', the generic
         :class:`~probehook.worker.top_k_bank.TopKBank`), by source, built at load."""

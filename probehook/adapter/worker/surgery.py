@@ -5,6 +5,7 @@ pass, and the early exit of capture-only engines."""
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -22,14 +23,11 @@ from probehook.core.architectures import (  # noqa: F401 - importable from here,
     declared_layer_path,
     supported_message,
 )
-from probehook.core.request_options import MAX_CLAMPED
 from probehook.errors import UnsupportedModelError
-from probehook.worker.clamp_op import TENSORS as CLAMP_TENSORS
-from probehook.worker.clamp_op import sae_spec, sae_tensors
-from probehook.worker.clamp_tables import ClampBuffers
 from probehook.worker.steer_op import ADD_TENSORS  # noqa: F401 - registers the "add" kind
 from probehook.worker.tap_op import tap
 from probehook.worker.write_op import write, write_spec
+from probehook.worker.write_table import InstanceWriter
 
 logger = logging.getLogger(__name__)
 
@@ -38,9 +36,15 @@ RECORDER_ATTR = "probehook_step_hook"
 TAP_KIND_ATTR = "probehook_tap_kind"
 """Layer attribute: how to read the layer's output (see ``_tap_hook``)."""
 
-WRITE_TERMS_ATTR = "probehook_write_terms"
-"""Layer attribute: the terms its write op applies after the layer, in order: ``(kind, the
-names of its buffers on the layer, the layer attribute holding its settings or None)``."""
+WRITE_TERMS_ATTR = {"resid_post": "probehook_write_terms", "resid_pre": "probehook_write_pre"}
+"""Layer attributes, by site: the terms its write op applies after the layer (on its output)
+or before it (on its input), in order: ``(kind, the names of its buffers on the layer, the
+layer attribute holding its settings or None)``."""
+
+INPUT_AT_ATTR = "probehook_input_at"
+"""Layer attribute: where its forward takes the stream, ``((position, "hidden_states"),
+(position, "residual") or None)``, read from its signature when a ``resid_pre`` term is
+installed."""
 
 
 FINAL_NORM_NAMES: tuple[str, ...] = ("norm", "final_layernorm", "final_layer_norm", "ln_f")
@@ -186,7 +190,6 @@ def install_taps(
     hidden_size: int | None = None,
     steer_layers: tuple[int, ...] = (),
     steer_slots: int = 0,
-    clamps: Sequence[tuple[str, int, str]] = (),
 ) -> Any:
     """Add a tap after each layer in ``tap_layers``, a steering op after each layer in
     ``steer_layers`` (before that layer's tap: taps read the steered stream), and a per-step
@@ -217,26 +220,6 @@ def install_taps(
             _add_write_term(layer, "add", ("probehook_steer_index", "probehook_steer_table"))
             tables[layer_index] = layer.probehook_steer_table
         steering = SteeringBuffers(index, tables)
-    clamp_buffers = {}
-    for name, layer_index, key in clamps:  # after steering, before the taps
-        layer = layer_list[layer_index]
-        buffers_of = ClampBuffers(
-            torch.zeros(max_tokens, dtype=torch.int64, device=param.device),
-            torch.full((steer_slots, MAX_CLAMPED), -1, dtype=torch.int64, device=param.device),
-            torch.zeros((steer_slots, MAX_CLAMPED), dtype=torch.float32, device=param.device),
-        )
-        for part in ("index", "features", "values"):
-            layer.register_buffer(
-                f"probehook_clamp{key}_{part}", getattr(buffers_of, part), persistent=False
-            )
-            setattr(buffers_of, part, getattr(layer, f"probehook_clamp{key}_{part}"))
-        # its SAE's tensors and spec are attached once the SAE bank is read
-        # (attach_clamped_sae), before the first forward pass
-        names = (*(f"probehook_clamp{key}_{part}" for part in ("index", "features", "values")),
-                 *(f"probehook_clamp{key}_sae_{n}" for n in CLAMP_TENSORS),
-                 f"probehook_clamp{key}_W_dec")  # fmt: skip
-        _add_write_term(layer, "clamp", names, f"probehook_clamp{key}_spec")
-        clamp_buffers[name] = buffers_of
     buffers = {}
     for layer_index in tap_layers:
         layer = layer_list[layer_index]
@@ -248,7 +231,6 @@ def install_taps(
     from probehook.adapter.worker.step_hook import StepHook
 
     hook = StepHook(buffers, config, steering, hidden_size, param.dtype, param.device)
-    hook.clamp_buffers = clamp_buffers
     setattr(model, RECORDER_ATTR, hook)
     _install_logits_hook(model)
     logger.info(
@@ -261,27 +243,90 @@ def install_taps(
     return hook
 
 
-def _add_write_term(
-    layer: nn.Module, kind: str, buffers: Sequence[str], settings: str | None = None
+def install_writes(
+    model: nn.Module, writers: dict[tuple[str, str], InstanceWriter], max_tokens: int
 ) -> None:
-    """Append a term to the layer's write op (after the terms before it), installing the op's
-    hook with the first term: before every tap of the layer (taps read the written stream)."""
-    terms = getattr(layer, WRITE_TERMS_ATTR, None)
+    """Add each intervention instance's term to its layer's write op at its site, after the
+    terms there before it (steering's, at ``resid_post``): its per-token index (allocated
+    here, the writer's ``index``) and its buffers become buffers of the layer (the compiled
+    graph reads them as inputs), its settings a constant of the traced graph."""
+    _, layer_list = locate_layers(model)
+    for number, ((option, instance), writer) in enumerate(writers.items()):
+        if not 0 <= writer.layer < len(layer_list):
+            raise UnsupportedModelError(
+                f"{option}[{instance!r}] writes at layer {writer.layer}, but the model has "
+                f"{len(layer_list)} decoder layers in this worker."
+            )
+        layer = layer_list[writer.layer]
+        device = next(iter(writer.buffers.values()), next(model.parameters())).device
+        prefix = f"probehook_w{number}_"
+        named = {"index": torch.zeros(max_tokens, dtype=torch.int64, device=device),
+                 **writer.buffers}  # fmt: skip
+        for name, tensor in named.items():
+            layer.register_buffer(prefix + name, tensor, persistent=False)
+        writer.index = getattr(layer, prefix + "index")
+        setattr(layer, prefix + "settings", writer.settings)
+        _add_write_term(layer, writer.kind, [prefix + n for n in named], prefix + "settings",
+                        site=writer.site)  # fmt: skip
+        logger.info("probehook: %s[%r] writes at %s(%d)", option, instance, writer.site,
+                    writer.layer)  # fmt: skip
+
+
+def _add_write_term(
+    layer: nn.Module,
+    kind: str,
+    buffers: Sequence[str],
+    settings: str | None = None,
+    site: str = "resid_post",
+) -> None:
+    """Append a term to the layer's write op at ``site`` (after the terms before it),
+    installing the op's hook with the first term: after the layer, before every tap of it
+    (taps read the written stream); before the layer, on its input."""
+    attribute = WRITE_TERMS_ATTR[site]
+    terms = getattr(layer, attribute, None)
     if terms is None:
         terms = []
-        setattr(layer, WRITE_TERMS_ATTR, terms)
-        layer.register_forward_hook(_write_hook, prepend=True)
+        setattr(layer, attribute, terms)
+        if site == "resid_post":
+            layer.register_forward_hook(_write_hook, prepend=True)
+        else:
+            setattr(layer, INPUT_AT_ATTR, _input_at(layer))
+            layer.register_forward_pre_hook(_write_pre_hook, with_kwargs=True)
     terms.append((kind, tuple(buffers), settings))
+
+
+def _input_at(layer: nn.Module) -> tuple[tuple[int, str], tuple[int, str] | None]:
+    """Where ``layer.forward`` takes the stream: its ``hidden_states`` argument and, for layers
+    that defer the residual add, its ``residual`` (positions counted without ``self``)."""
+    names = list(inspect.signature(layer.forward).parameters)
+    if "hidden_states" not in names:
+        raise UnsupportedModelError(
+            f"{type(layer).__name__}.forward{tuple(names)} takes no hidden_states argument: "
+            "probehook cannot write at its input (resid_pre). Write at the previous layer's "
+            "output (resid_post) instead."
+        )
+    residual = (names.index("residual"), "residual") if "residual" in names else None
+    return (names.index("hidden_states"), "hidden_states"), residual
+
+
+def _argument(args: tuple, kwargs: dict, at: tuple[int, str]) -> Any:
+    return args[at[0]] if len(args) > at[0] else kwargs.get(at[1])
+
+
+def _op_arguments(module: nn.Module, attribute: str) -> tuple[list[torch.Tensor], str]:
+    """A site's terms' buffers (the compiled graph reads them as inputs) and their spec (a
+    constant of the traced graph)."""
+    terms = getattr(module, attribute)
+    tensors = [getattr(module, name) for _, names, _ in terms for name in names]
+    spec = write_spec([(kind, len(names), getattr(module, settings) if settings else "")
+                       for kind, names, settings in terms])  # fmt: skip
+    return tensors, spec
 
 
 def _write_hook(module: nn.Module, args: Any, output: Any) -> None:
     """The layer's write op on its output, in place (so the hook returns nothing and the
-    layer's output objects stay as they are): its terms' buffers (the compiled graph reads them
-    as inputs) and their settings (constants of the traced graph)."""
-    terms = getattr(module, WRITE_TERMS_ATTR)
-    tensors = [getattr(module, name) for _, names, _ in terms for name in names]
-    spec = write_spec([(kind, len(names), getattr(module, settings) if settings else "")
-                       for kind, names, settings in terms])  # fmt: skip
+    layer's output objects stay as they are)."""
+    tensors, spec = _op_arguments(module, WRITE_TERMS_ATTR["resid_post"])
     if getattr(module, TAP_KIND_ATTR, None) == "batched_stream":
         stream = output[0] if isinstance(output, tuple) else output
         write(_tokens_first(stream), None, tensors, spec)
@@ -290,17 +335,14 @@ def _write_hook(module: nn.Module, args: Any, output: Any) -> None:
     write(hidden, residual, tensors, spec)
 
 
-def attach_clamped_sae(
-    model: nn.Module, layer_index: int, key: str, weights: Any, W_dec: torch.Tensor
-) -> None:
-    """Give clamp op ``key`` on layer ``layer_index`` its SAE: the encoder's tensors and the
-    decoder rows as non-persistent buffers of the layer (after the SAE bank is read at load,
-    before the first forward pass), its settings as the op's constant ``spec``."""
-    layer = locate_layers(model)[1][layer_index]
-    for name, tensor in zip(CLAMP_TENSORS, sae_tensors(weights), strict=True):
-        layer.register_buffer(f"probehook_clamp{key}_sae_{name}", tensor, persistent=False)
-    layer.register_buffer(f"probehook_clamp{key}_W_dec", W_dec, persistent=False)
-    setattr(layer, f"probehook_clamp{key}_spec", sae_spec(weights))
+def _write_pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    """The layer's write op on its input, in place: the stream is ``hidden_states`` (plus the
+    deferred ``residual`` where the layer takes one; layer 0's is None: the embeddings)."""
+    tensors, spec = _op_arguments(module, WRITE_TERMS_ATTR["resid_pre"])
+    hidden_at, residual_at = getattr(module, INPUT_AT_ATTR)
+    residual = _argument(args, kwargs, residual_at) if residual_at is not None else None
+    write(_tokens_first(_argument(args, kwargs, hidden_at)),
+          None if residual is None else _tokens_first(residual), tensors, spec)  # fmt: skip
 
 
 @dataclass

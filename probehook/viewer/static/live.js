@@ -14,6 +14,8 @@
   var panel = root.querySelector(".ph-panel");
   var select = root.querySelector("select.ph-series");
   var info = null, model = null, data = null;
+  // a completion's steering keys that are steering's own (outputs/intervention.py)
+  var STEERING_KEYS = ["vectors", "phase", "gate", "start"];
 
   function readouts() { return (info && info.readouts) || {}; }
 
@@ -37,7 +39,7 @@
 
   function fresh() {
     return { tokens: ["\u23ce"], ids: [null], n_prompt: 1, series: [], top_k: [],
-             marks: { flags: {}, stop: null, steered: null, clamp: null }, named: {} };
+             marks: { flags: {}, stop: null, steered: null, writes: {} }, named: {} };
   }
 
   // A text box's JSON object ({} when empty); throws with the box named when it is not one.
@@ -111,7 +113,12 @@
         var from = state.nPrompt ? Math.max(0, steering.start - (state.nPrompt - 1)) : 0;
         data.marks.steered = { from: from, vectors: vectors };
       }
-      if (steering.clamp) { data.marks.clamp = steering.clamp; }
+      // what each write-table entry applied (clamp, ...), on every token
+      Object.keys(steering).forEach(function (option) {
+        if (STEERING_KEYS.indexOf(option) < 0 && steering[option]) {
+          data.marks.writes[option] = option + " " + JSON.stringify(steering[option]);
+        }
+      });
     }
     // one series per probe, one per class of a multi-class probe (as the notebook view)
     Object.keys(readings.probe_scores || {}).forEach(function (name) {

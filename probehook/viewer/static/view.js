@@ -116,11 +116,8 @@
         return name + " x" + steered.vectors[name];
       }).join(", ")]);
     }
-    Object.keys(data.marks.clamp || {}).forEach(function (sae) {
-      var held = data.marks.clamp[sae];
-      row(table, ["clamped", sae + " " + Object.keys(held).map(function (f) {
-        return "#" + f + "=" + held[f];
-      }).join(", ")]);
+    Object.keys(data.marks.writes || {}).forEach(function (option) {
+      row(table, [option, data.marks.writes[option]]);
     });
     panel.appendChild(table);
     data.top_k.forEach(function (entry) {

@@ -16,9 +16,12 @@ SAEs of 16,384 features (float32, SAELens layout written here) read at top-32:
 
 Decode: 16 prompts of 32 tokens -> 64 new tokens. Prefill: 16 prompts of 256 tokens -> 1
 token, prompt features asked. As in steering.py, each configuration's run is bracketed by two
-baseline runs and the report quotes the median bracketed ratio. The floor is the encode GEMM:
-``f`` = the SAE's FLOPs per token over the model's (2 x parameters), so the best ratio one SAE
-can reach is 1 / (1 + f).
+baseline runs and the report quotes the median bracketed ratio. The floor is the encode GEMM,
+counted as the phase is bound: ``f`` = the SAE's FLOPs per token over the model's (2 x
+parameters). Prefill is compute-bound: the best ratio one SAE can reach is 1 / (1 + f). Decode
+is memory-bound (a step of 16 tokens reads every weight once): the floor counts bytes read per
+step in each one's dtype, the model's bfloat16 weights against the encoder's ``W_enc`` in the
+GEMM's dtype, ``b = f x itemsize / 2`` (float32: 2f; bfloat16: f), so 1 / (1 + b).
 
 Writes benchmarks/results/saes.json and saes.md (``--only``: saes.one-sae-per-request.*).
 ``--smoke``: a few seconds' check that it still runs (benchmarks/smoke.py: hidden 128, 4
@@ -263,6 +266,12 @@ def main() -> None:
         "prefill": sae_flops / model_flops_per_token(hidden, layers, inter, kv_dim, vocab, False),
     }
     report["sae_flops_fraction"] = {k: round(v, 4) for k, v in fractions.items()}
+
+    def floor(phase: str, saes: int, itemsize: int) -> float:
+        """The best ratio ``saes`` SAEs of a GEMM dtype of ``itemsize`` bytes can reach."""
+        f = fractions[phase]
+        return 1 / (1 + saes * (f * itemsize / 2 if phase == "decode" else f))
+
     for phase, (length, max_tokens) in workloads.items() if everything else ():
         run_once(base, prompts(length), max_tokens, None)  # warm-up
         for llm, options in configs[phase].values():
@@ -305,15 +314,21 @@ def main() -> None:
         f"{args.rounds} interleaved rounds.",
         "",
         "SAE FLOPs per token over the model's (f; a prompt token computes no LM head): "
-        + "; ".join(
-            f"{phase} f = {f:.4f}, floor of one SAE 1 / (1 + f) = {1 / (1 + f):.3f}, of four "
-            f"{1 / (1 + 4 * f):.3f}"
-            for phase, f in fractions.items()
+        + "; ".join(f"{phase} f = {f:.4f}" for phase, f in fractions.items())
+        + ". Floors: prefill (compute-bound) 1 / (1 + f) per SAE; decode (memory-bound) "
+        "1 / (1 + b), b = f x the GEMM dtype's bytes / 2 (the model's weights are bfloat16): "
+        + ", ".join(
+            f"{what} {floor(phase, saes, itemsize):.3f}"
+            for phase in fractions
+            for saes, itemsize, what in (
+                (1, 4, f"{phase} 1 SAE float32"),
+                (1, 2, f"{phase} 1 SAE bf16"),
+                (4, 4, f"{phase} 4 float32"),
+            )  # fmt: skip
         )
         + ".",
     ]
     for phase, rows in report["phases"].items():
-        f = fractions[phase]
         unit = "generated" if phase == "decode" else "prompt"
         lines += [
             "",
@@ -325,7 +340,8 @@ def main() -> None:
         for r in rows:
             saes = 4 if r["config"].startswith("4 SAEs") else 1
             asks = "no request" not in r["config"] and r["config"] != BASELINE
-            bound = 1 / (1 + saes * f) if asks else 1.0
+            itemsize = 2 if "bf16" in r["config"] else 4
+            bound = floor(phase, saes, itemsize) if asks else 1.0
             lines.append(
                 f"| {r['config']} | {r['median_tok_s']} | {r['median_bracketed_ratio']} | "
                 f"{r['median_bracketed_ratio'] / bound:.3f} |"

@@ -354,15 +354,16 @@ def background(
 
 @pytest.fixture(scope="session")
 def entry_point_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A distribution that declares the toy readouts' entry points (tests/toy_readout.py), as
-    a package of a readout would in its pyproject."""
+    """A distribution that declares the toy readouts' and the toy intervention's entry points
+    (tests/toy_readout.py, tests/toy_intervention.py), as a package of one would in its
+    pyproject."""
     root = tmp_path_factory.mktemp("entry_point")
     info = root / "toy_readout-0.0.dist-info"
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: toy-readout\nVersion: 0.0\n")
     (info / "entry_points.txt").write_text(
         "[probehook.output_processors]\nrow_norms = toy_readout:RowNorm\n"
-        "chunk_peaks = toy_readout:ChunkPeaks\n"
+        "chunk_peaks = toy_readout:ChunkPeaks\nrow_scale = toy_intervention:RowScale\n"
     )
     return root
 

@@ -378,3 +378,12 @@ def write_random_lenses(
         params[f"{i}.bias"] = 0.1 * torch.randn(d, generator=g)
     torch.save(params, tuned / "params.pt")
     return {"j": str(j_path), "tuned": str(tuned)}
+
+
+def write_options() -> tuple[str, ...]:
+    """The request options of the interventions registered in this process, which every front
+    end accepts beside the built-in keys (and lists in an unknown option's error)."""
+    from probehook.outputs import OUTPUT_PROCESSORS
+    from probehook.outputs.intervention import interventions
+
+    return tuple(interventions(OUTPUT_PROCESSORS))

@@ -448,7 +448,9 @@ def test_malformed_options_storm(engine, offline, loop) -> None:
         except VLLMValidationError:
             continue  # vLLM's SamplingParams refuses it itself (an int over 64 bits)
         with pytest.raises(CaptureConfigError) as err:
-            RequestOptions.from_user(value, engine.session.readout_options)
+            RequestOptions.from_user(
+                value, engine.session.readout_options, engine.session.write_options
+            )
         wanted.append(str(err.value))
     assert len(params) >= 100
 

@@ -106,6 +106,7 @@ def _params(value: object, **kwargs: object) -> object:
 def test_malformed_options_storm(eager_llm) -> None:
     """Every malformed option object is refused before the engine with the parser's own
     words; the engine then serves a normal request exactly as before the storm."""
+    from helpers import write_options
     from malformed_options import malformed
 
     from probehook.core.request_options import RequestOptions
@@ -117,7 +118,7 @@ def test_malformed_options_storm(eager_llm) -> None:
     sent = 0
     for value in malformed():
         with pytest.raises(CaptureConfigError) as want:
-            RequestOptions.from_user(value)
+            RequestOptions.from_user(value, None, write_options())
         try:
             params = _params(value)
         except VLLMValidationError:

@@ -85,7 +85,7 @@ ALONE = [
     (("steering",), None),
     (("steering_layers",), None),
     (("saes",), None),
-    (("sae_clamping",), r"sae_clamping=True configures the sae_features readout, .* pass saes="),
+    (("sae_clamping",), r"sae_clamping=True clamps the engine's SAEs, but it has none: pass saes="),
     (("sae_dtype",), r"sae_dtype='bfloat16' configures the sae_features readout, .* pass saes="),
     (("sae_top_k",), r"sae_top_k=4 configures the sae_features readout, .* pass saes="),
     (("store",), "needs something to store"),

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import build_random_bert_classifier
+from helpers import build_random_bert_classifier, write_options
 
 from probehook.errors import CaptureConfigError
 from probehook.probes import LinearProbe
@@ -178,7 +178,7 @@ def test_malformed_options_storm(minilm: Any) -> None:
         except ValueError:
             continue  # vLLM refuses it itself
         with pytest.raises(CaptureConfigError) as want:
-            RequestOptions.from_user(value)
+            RequestOptions.from_user(value, None, write_options())
         with pytest.raises(CaptureConfigError) as got:
             minilm.embed(TEXTS[:1], pooling_params=params, use_tqdm=False)
         # (vLLM copies the params, so an object() differs in its address only)

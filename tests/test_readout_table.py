@@ -4,7 +4,13 @@ scalar column), registered by one line each and named nowhere in probehook, reac
 outputs (prompt and generated rows, per-request picks and k), ``AsyncLLM`` streams,
 ``probehook serve`` choices and chunks (on tests/test_server.py's server:
 ``test_a_registered_readout_is_served_in_choices_and_chunks``), the store and the viewer,
-equal to what the same rows the engine captures give."""
+equal to what the same rows the engine captures give.
+
+An intervention is one entry of the write table: the test-only toy intervention of
+tests/toy_intervention.py (the stream at a layer's input scaled by a request's factor), on the
+same engines, equals Hugging Face with the same scale at the same layer's input, leaves the
+other requests of its batch alone, and what it applied reaches outputs, streams, the server
+(``test_a_registered_intervention_is_served``), the store and the viewer."""
 
 from __future__ import annotations
 
@@ -28,6 +34,7 @@ ENGINE = dict(enforce_eager=True, max_model_len=64, seed=0, dtype="float32")
 def registered() -> Iterator[Any]:
     """The one registration line, in this process (the engines' other processes take the
     entry point below)."""
+    from toy_intervention import RowScale
     from toy_readout import ChunkPeaks, RowNorm
 
     from probehook.outputs import OUTPUT_PROCESSORS
@@ -35,9 +42,11 @@ def registered() -> Iterator[Any]:
     list(OUTPUT_PROCESSORS)  # the entry points this process sees, loaded before (once)
     OUTPUT_PROCESSORS.register(RowNorm)
     OUTPUT_PROCESSORS.register(ChunkPeaks)
+    OUTPUT_PROCESSORS.register(RowScale)
     yield RowNorm
     OUTPUT_PROCESSORS.unregister(RowNorm.name)
     OUTPUT_PROCESSORS.unregister(ChunkPeaks.name)
+    OUTPUT_PROCESSORS.unregister(RowScale.name)
 
 
 def norm_of(rows: torch.Tensor) -> torch.Tensor:
@@ -101,7 +110,7 @@ def test_offline_outputs_picks_and_the_store(registered, tmp_path: Path) -> None
 
     llm = LLM(str(tiny_model_path()), layers=[1, 3], include_prefill=True,
               norms={"n1": 1, "n3": 3}, store=tmp_path / "store",
-              peaks={"p3": {"layer": 3, "heads": HEADS}}, peaks_top_k=3,
+              peaks={"p3": {"layer": 3, "heads": HEADS}}, peaks_top_k=3, scale_layers=[0, 2],
               monitors=[NormMonitor("n1", 0.0)], **ENGINE)  # fmt: skip
     try:
         params = [
@@ -140,8 +149,27 @@ def test_offline_outputs_picks_and_the_store(registered, tmp_path: Path) -> None
             max_tokens=TOKENS, temperature=0, ignore_eos=True,
             extra_args={"probehook": {"monitors": [stop]}}), use_tqdm=False)[0]  # fmt: skip
         eos = llm.get_tokenizer().eos_token_id
+        # the toy intervention, beside a request that writes nothing (one batch)
+        scaled, beside = llm.generate([PROMPT, PROMPT], [
+            SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True,
+                           extra_args={"probehook": {"scale": {"L2": 0.25}}}),
+            params[0]], use_tqdm=False)  # fmt: skip
+        embeddings_scaled = llm.generate(PROMPT, SamplingParams(
+            max_tokens=TOKENS, temperature=0, ignore_eos=True,
+            extra_args={"probehook": {"scale": {"L0": 3.0}}}), use_tqdm=False)[0]  # fmt: skip
+        with pytest.raises(Exception, match=r"scale names 'L1'; this engine scales \['L0', 'L2'\]"):
+            llm.generate(PROMPT, SamplingParams(extra_args={"probehook": {"scale": {"L1": 2}}}))
     finally:
         llm.shutdown()
+    assert_scaled_like_hf(scaled, 2, 0.25)
+    assert_scaled_like_hf(embeddings_scaled, 0, 3.0)
+    for got, want in ((beside, every), (beside, scaled)):  # untouched, and not what it did
+        same = torch.allclose(got.outputs[0].hidden_states[3], want.outputs[0].hidden_states[3],
+                              rtol=1e-4, atol=1e-4)  # fmt: skip
+        assert same is (want is every)
+    assert scaled.outputs[0].steering == {
+        "vectors": {}, "phase": "both", "start": 0, "scale": {"L2": 0.25}}  # fmt: skip
+    assert every.outputs[0].steering is None
     # The engine's monitor flags every row (a norm is above 0); the request's replaces it.
     assert every.outputs[0].norm_flags == {"n1": list(range(TOKENS))}
     assert flagged.outputs[0].norm_flags == {
@@ -166,6 +194,15 @@ def test_offline_outputs_picks_and_the_store(registered, tmp_path: Path) -> None
             assert torch.equal(got.values, want.values)
     assert stored.sae_features == {}  # the SAEs' own accessor sees SAEs only
     picked_stored = ActivationStore.open(tmp_path / "store")[picked.store_id]
+    # what the toy intervention applied: stored, and marked in the viewer in its own words
+    from probehook.viewer.tokens import request_data
+
+    stored_scaled = ActivationStore.open(tmp_path / "store")[scaled.store_id]
+    assert stored_scaled.steering == scaled.outputs[0].steering
+    for output in (scaled, stored_scaled):
+        marks = request_data(output, str)["marks"]
+        assert marks["writes"] == {"scale": "scaled the input of L2 by 0.25"}
+    assert request_data(every, str)["marks"]["writes"] == {}
     assert set(picked_stored.top_k("norm")) == {"n3"}
     # The per-head readout with a second scalar: outputs, a request's k, flags, a forced stop
     # and the store (every column; the request that kept 1 reads back 1, padded to the run's 3)
@@ -209,9 +246,37 @@ def test_offline_outputs_picks_and_the_store(registered, tmp_path: Path) -> None
         assert series[f"chunk_peaks p3 h{hit} #{offset} the peak"][last_prompt] > above
 
 
+def assert_scaled_like_hf(output: Any, layer: int, factor: float) -> None:
+    """``output``'s rows (prompt and generated, layers 1 and 3) equal a Hugging Face forward
+    of the same tokens whose layer ``layer`` input is scaled by ``factor``."""
+    from probehook import tiny_model_path
+    from probehook.testing import _hf_model, hf_residual_stream
+
+    model = _hf_model(str(tiny_model_path()), torch.float32)
+
+    def scale(_module: Any, args: tuple, kwargs: dict) -> tuple:
+        if args:
+            return (args[0] * factor, *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": kwargs["hidden_states"] * factor}
+
+    handle = model.model.layers[layer].register_forward_pre_hook(scale, with_kwargs=True)
+    try:
+        completion = output.outputs[0]
+        ids = [*output.prompt_token_ids, *completion.token_ids[:-1]]
+        want = hf_residual_stream(tiny_model_path(), ids)
+    finally:
+        handle.remove()
+    n = len(output.prompt_token_ids)
+    for at in (1, 3):
+        got = torch.cat([output.prefill_hidden_states[at], completion.hidden_states[at][1:]])
+        torch.testing.assert_close(got, want[at], rtol=1e-4, atol=1e-4)
+    assert len(completion.hidden_states[1]) == TOKENS and n + TOKENS - 1 == len(ids)
+
+
 def test_async_llm_streams_it(registered, entry_point_root: Path, monkeypatch) -> None:
     """Every cumulative yield holds every token's norm to date; the engine core (a process of
-    its own, spawned with this process's sys.path) knows the readout by its entry point. A
+    its own, spawned with this process's sys.path) knows the readout by its entry point (and
+    the toy intervention: every yield of a scaled request says what it applied). A
     built-in top-k readout beside it (the logit lens at the last layer) streams the same way:
     every yield holds every token's reading to date, each token's target log-prob vLLM's own
     log-prob of the sampled token."""
@@ -220,7 +285,7 @@ def test_async_llm_streams_it(registered, entry_point_root: Path, monkeypatch) -
     monkeypatch.syspath_prepend(str(entry_point_root))
     engine = AsyncLLM(
         str(tiny_model_path()), layers=[3], norms={"n3": 3}, lenses={"l": "logit"},
-        lens_layers=[3], peaks={"p3": {"layer": 3, "heads": HEADS}}, **ENGINE,
+        lens_layers=[3], peaks={"p3": {"layer": 3, "heads": HEADS}}, scale_layers=[1], **ENGINE,
     )  # fmt: skip
     # A lens flag monitor on the stream: every yield flags the rows to date where token 10's
     # log-prob under the lens is above -1 (the tiny model's "6": "12+34=46").
@@ -229,6 +294,7 @@ def test_async_llm_streams_it(registered, entry_point_root: Path, monkeypatch) -
                             extra_args={"probehook": {"monitors": [watch]}})  # fmt: skip
 
     flags: list[list[int]] = []
+    applied: list[Any] = []
 
     async def main() -> list[tuple[int, Any, Any, Any, Any]]:
         seen = []
@@ -240,6 +306,10 @@ def test_async_llm_streams_it(registered, entry_point_root: Path, monkeypatch) -
             flagged = torch.nonzero(c.lens["l"][3].value_of(10, -math.inf) > -1.0).flatten()
             assert c.lens_flags == {"l@3:10": flagged.tolist()}
             flags.append(c.lens_flags["l@3:10"])
+        scaled = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True,
+                                extra_args={"probehook": {"scale": 0.5}})  # fmt: skip
+        async for out in engine.generate(PROMPT, scaled, "scaled"):  # the toy intervention
+            applied.append(out.outputs[0].steering)
         return seen
 
     try:
@@ -248,6 +318,7 @@ def test_async_llm_streams_it(registered, entry_point_root: Path, monkeypatch) -
         engine.shutdown()
     assert seen and seen[-1][0] == TOKENS
     assert flags[-1] == [1]  # "6", the second token
+    assert applied and all(a["scale"] == {"L1": 0.5} for a in applied)
     for tokens, norms, rows, lens, _ in seen:
         assert len(norms) == tokens == len(lens)
         assert_norms(norms, rows)
@@ -283,3 +354,43 @@ def test_a_readout_that_reads_next_tokens_gets_them_from_the_generic_bank() -> N
     assert decode.indices[:, 0].tolist() == generated[: len(decode)]
     prompt = out.prefill_next_tokens["t"]
     assert prompt.indices[:, 0].tolist() == list(out.prompt_token_ids[1:]) + generated[:1]
+
+
+def test_an_intervention_alone_writes_on_an_engine_that_captures_nothing(registered) -> None:
+    """``scale_layers=`` is the engine's only probehook option: the scaled request's greedy
+    tokens are Hugging Face's with the same scale at layer 1's input, a request beside it
+    gets the plain model's, and what it applied is on its completion."""
+    from probehook import LLM, SamplingParams, tiny_model_path
+    from probehook.testing import _hf_model
+
+    llm = LLM(str(tiny_model_path()), scale_layers=[1], **ENGINE)
+    try:
+        greedy = dict(max_tokens=TOKENS, temperature=0, ignore_eos=True)
+        plain, scaled = llm.generate([PROMPT, PROMPT], [
+            SamplingParams(**greedy),
+            SamplingParams(**greedy, extra_args={"probehook": {"scale": -0.5}})],
+            use_tqdm=False)  # fmt: skip
+    finally:
+        llm.shutdown()
+    model = _hf_model(str(tiny_model_path()), torch.float32)
+
+    def hf_greedy(factor: float) -> list[int]:
+        def scale(_module: Any, args: tuple, kwargs: dict) -> tuple:
+            if args:
+                return (args[0] * factor, *args[1:]), kwargs
+            return args, {**kwargs, "hidden_states": kwargs["hidden_states"] * factor}
+
+        handle = model.model.layers[1].register_forward_pre_hook(scale, with_kwargs=True)
+        ids = list(plain.prompt_token_ids)
+        try:
+            with torch.no_grad():
+                for _ in range(TOKENS):
+                    ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+        finally:
+            handle.remove()
+        return ids[len(plain.prompt_token_ids) :]
+
+    assert list(scaled.outputs[0].token_ids) == hf_greedy(-0.5)
+    assert list(plain.outputs[0].token_ids) == hf_greedy(1.0)
+    assert scaled.outputs[0].token_ids != plain.outputs[0].token_ids  # it did something
+    assert scaled.outputs[0].steering["scale"] == {"L1": -0.5}

@@ -11,8 +11,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-
-from probehook.saes.clamp import SAEClamp
 from malformed_options import CORRUPTIONS, FLAGS, malformed
 
 from probehook.capture_config import CaptureConfig
@@ -26,6 +24,7 @@ from probehook.core.request_options import (
     clamp_terms,
 )
 from probehook.errors import CaptureConfigError
+from probehook.saes.clamp import SAEClamp
 from probehook.saes.readout import FeatureMonitor
 
 MALFORMED = malformed()

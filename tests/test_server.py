@@ -136,6 +136,7 @@ def server(
     # point (test_a_registered_readout_is_served_in_choices_and_chunks), by the flag its
     # engine option generates
     argv += ["--norms", "n3=3", "--peaks", "p3=3:4"]  # the per-head toy readout too
+    argv += ["--scale-layers", "[1]"]  # the toy intervention (tests/toy_intervention.py)
     argv += ["--store", str(work / "store"), "--store-flush-interval", "0.5"]
     argv += ["--capture-default", json.dumps(DEFAULT)]
     argv += ["--chat-template", str(work / "chat.jinja"), "--served-model-name", "tiny"]
@@ -613,10 +614,13 @@ def test_malformed_options_storm(client, server, offline) -> None:
     assert options == {"lenses": "lenses", "lens_top_k": "lenses", "lens_layers": "lenses",
                        "norms": "norms", "norms_top_k": "norms", "saes": "saes",
                        "sae_top_k": "saes", "peaks": "peaks", "peaks_top_k": "peaks"}  # fmt: skip
+    with urllib.request.urlopen(f"{server.base_url}/probehook") as reply:
+        writes = list(json.load(reply)["writes"])  # the write table's entries' options too
+    assert writes == ["clamp", "scale"]
     messages = []
     for value in objects:
         with pytest.raises(CaptureConfigError) as err:
-            RequestOptions.from_user(value, options)
+            RequestOptions.from_user(value, options, writes)
         messages.append(str(err.value))
     chat = {"messages": [{"role": "user", "content": "1+1="}]}
     bodies = [
@@ -693,6 +697,13 @@ def test_reserved_xargs_key_and_info_route(client, server) -> None:
     assert info["capture_default"] == DEFAULT
     assert info["steering"]["layers"] == [2] and list(info["steering"]["vectors"]) == ["up"]
     assert info["steering"]["capacity"] == 64
+    # the write table's entries: SAE clamping and the toy intervention, by request option
+    scale = {"layer": 1, "site": "resid_pre"}
+    want = {"engine_option": "scale_layers", "name": "row_scale", "instances": {"L1": scale}}
+    assert info["writes"]["scale"] == want
+    clamp = info["writes"]["clamp"]
+    assert clamp["engine_option"] == "sae_clamping" and list(clamp["instances"]) == ["res3"]
+    assert clamp["instances"]["res3"]["layer"] == 3
     served = {f"{lens}@{layer}": [lens, str(layer)] for lens in ("logit", "j") for layer in (0, 3)}
     lenses = {"options": ["lenses", "lens_top_k", "lens_layers"], "names": ["logit", "j"],
               "layers": [0, 3],
@@ -969,7 +980,8 @@ def test_the_live_page_paints_a_streamed_reply_per_token(client, server) -> None
         middle = (ordered[gap - 1] + ordered[gap]) / 2
         feature = field(want)["sae_features"]["res3"]["indices"][2][0]
         flag = {"probe": "truth", "threshold": middle, "action": "flag"}
-        send(page, {"monitors": [flag]}, {"res3": {str(feature): "a name"}})
+        # (with the toy intervention at a scale of 1: the same reply, marked as written)
+        send(page, {"monitors": [flag], "scale": 1.0}, {"res3": {str(feature): "a name"}})
         classes = spans.evaluate_all("es => es.map(e => e.className)")
         assert spans.all_inner_texts()[1:] == tokens
         assert [p for p, c in enumerate(classes) if "ph-flag" in c] == [
@@ -978,6 +990,7 @@ def test_the_live_page_paints_a_streamed_reply_per_token(client, server) -> None
         page.select_option("select.ph-series", label=f"sae res3 #{feature} a name")
         spans.nth(2).hover()
         assert f"#{feature} (a name)" in page.inner_text(".ph-top-k[data-name='sae res3']")
+        assert 'scale\tscale {"L1":1}' in page.inner_text(".ph-panel")
         # A stop monitor at the first row that tops every row before it, with steering at
         # scale 0 (the same reply, marked as steered from its first position).
         row = next(i for i in range(1, len(scores)) if scores[i] > max(scores[:i]) + 1e-4)
@@ -1046,6 +1059,40 @@ def test_a_registered_readout_is_served_in_choices_and_chunks(client) -> None:
         extra = chunk.choices[0].model_extra or {}
         joined += extra.get("probehook", {}).get("chunk_peaks", {}).get("p3", {}).get("mean", [])
     assert joined == field(choice)["chunk_peaks"]["p3"]["mean"]
+
+
+def test_a_registered_intervention_is_served(client) -> None:
+    """The toy intervention (``--scale-layers [1]``, a flag its engine option generates; known
+    to the server's processes by its entry point): a request's ``scale`` scales the stream at
+    layer 1's input, so the rows after layer 0 are unchanged and those after layer 3 are not;
+    what it applied is the choice's ``steering["scale"]``, streamed too; a bad one is a 400
+    naming the instances."""
+    import openai
+
+    prompt = "12+34="
+    body = {"ignore_eos": True, "probehook": {"layers": [0, 3], "scale": 0.5}}
+    plain_body = {"ignore_eos": True, "probehook": {"layers": [0, 3]}}
+    scaled, plain = (
+        field(client.completions.create(prompt=prompt, extra_body=b, **greedy()).choices[0])
+        for b in (body, plain_body)
+    )
+    assert scaled["steering"] == {"vectors": {}, "phase": "both", "start": 0, "scale": {"L1": 0.5}}
+    assert plain.get("steering") is None
+
+    def rows(f: dict, layer: int) -> torch.Tensor:
+        return torch.from_numpy(decode_array(f["prefill_hidden_states"][str(layer)]).copy())
+
+    torch.testing.assert_close(rows(scaled, 0), rows(plain, 0), rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(rows(scaled, 3), rows(plain, 3), rtol=1e-3, atol=1e-3)
+    streamed = client.completions.create(prompt=prompt, extra_body=body, stream=True, **greedy())
+    marks = [
+        (c.choices[0].model_extra or {}).get("probehook", {}).get("steering") for c in streamed
+    ]
+    assert {"vectors": {}, "phase": "both", "start": 0, "scale": {"L1": 0.5}} in marks
+    with pytest.raises(openai.BadRequestError, match=r"scale names 'L2'; this engine scales"):
+        client.completions.create(
+            prompt=prompt, extra_body={"probehook": {"scale": {"L2": 2.0}}}, **greedy()
+        )
 
 
 def test_probehook_view_draws_a_file_of_saved_responses(

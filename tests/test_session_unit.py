@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -440,3 +441,46 @@ def test_a_feature_stop_below_the_requests_k_names_its_reason() -> None:
     asyncio.run(flags.fill(output))
     # Decode row i is position 3 + i; feature 9 is in the top 4 at positions 6..9 (rows 3..6).
     assert output.outputs[0].feature_flags == {"s:9": [0, 1, 2]}
+
+
+@pytest.fixture
+def row_scale() -> Iterator[object]:
+    """The toy intervention (tests/toy_intervention.py), registered in this process."""
+    from toy_intervention import RowScale
+
+    from probehook.outputs import OUTPUT_PROCESSORS
+
+    list(OUTPUT_PROCESSORS)
+    OUTPUT_PROCESSORS.register(RowScale)
+    yield RowScale()
+    OUTPUT_PROCESSORS.unregister(RowScale.name)
+
+
+def test_a_write_option_on_an_engine_without_it_names_the_engine_option(row_scale) -> None:
+    with pytest.raises(CaptureConfigError, match=r"sets scale, but the engine was built without it"
+                       r".*build it with scale_layers=\.\.\. \(row_scale\)"):  # fmt: skip
+        session().tag(Params(scale=0.5))
+    with pytest.raises(CaptureConfigError, match=r"Unknown probehook option\(s\) 'scales'"):
+        session().tag(Params(scales=0.5))
+
+
+def test_write_terms_are_checked_salted_and_carried_on_the_wire(row_scale) -> None:
+    from probehook.frontend.write_set import WriteSet
+
+    config = CaptureConfig(layers=(0, 3), include_prefill=False, include_decode=True)
+    writes = {"scale": WriteSet(row_scale, {"L1": {"layer": 1, "site": "resid_pre"},
+                                            "L2": {"layer": 2, "site": "resid_pre"}})}  # fmt: skip
+    capture = CaptureSession(config, rpc=lambda method, args: [], abort=lambda ids: None,
+                             writes=writes)  # fmt: skip
+    every = capture.tag(Params(scale=0.5))
+    assert every.extra_args["probehook"]["writes"] == {"scale": {"L1": 0.5, "L2": 0.5}}
+    # equal asks, equal salts (the canonical terms); other terms, another salt; none, none
+    same = capture.tag(Params(scale={"L2": 0.5, "L1": 0.5}))
+    other = capture.tag(Params(scale={"L1": 0.5}))
+    assert capture.cache_salt(every) == capture.cache_salt(same) != capture.cache_salt(other)
+    assert capture.cache_salt(other) is not None
+    assert capture.cache_salt(capture.tag(Params(layers=[3]))) is None
+    with pytest.raises(CaptureConfigError, match=r"scale\['L1'\]=inf is not finite"):
+        capture.tag(Params(scale={"L1": float("inf")}))
+    described = capture.describe(every)
+    assert described is not None and described.writes == {"scale": {"L1": 0.5, "L2": 0.5}}

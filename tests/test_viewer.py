@@ -112,7 +112,7 @@ def test_steering_and_clamping_are_marked(engine_outputs, browser, tmp_path) -> 
     marks = shown.requests[0]["marks"]
     n = len(steered.prompt_token_ids)
     assert marks["steered"] == {"from": n, "vectors": {"push": 2.0}}
-    assert marks["clamp"] == {"s": {"7": 0.0}}
+    assert marks["writes"] == {"clamp": "clamped s #7=0 on every token"}  # the entry's words
     stored = ActivationStore.open(engine_outputs["out"].store_root)[steered.store_id]
     assert stored.steering["clamp"] == {"s": {"7": 0.0}}  # the store keeps what was held
     assert view(stored, engine_outputs["tokenizer"]).requests[0]["marks"] == marks
@@ -124,7 +124,7 @@ def test_steering_and_clamping_are_marked(engine_outputs, browser, tmp_path) -> 
     assert "clamped s #7=0 on every token" in line
     page.hover(f".ph-token[data-i='{n}']")
     panel = page.inner_text(".ph-panel")
-    assert "steered\tpush x2" in panel and "clamped\ts #7=0" in panel
+    assert "steered\tpush x2" in panel and "clamp\tclamped s #7=0 on every token" in panel
     page.hover(f".ph-token[data-i='{n - 1}']")
     assert "steered" not in page.inner_text(".ph-panel")
     assert errors == []

@@ -35,8 +35,10 @@ from typing import Any
 
 from probehook.core.request_options import RequestOptions, picking_options
 from probehook.frontend.readout_set import without_unread
+from probehook.outputs import OUTPUT_PROCESSORS
 from probehook.outputs.array_codec import decode_array as decode_array
 from probehook.outputs.array_codec import encode_array as encode_array
+from probehook.outputs.intervention import interventions
 
 FIELD = "probehook"
 # Key, inside the field, naming output processors whose ``fill`` raised on this output.
@@ -61,7 +63,11 @@ def request_options(value: Any, readout_options: Mapping[str, str] | None = None
         return off
     # the checks and words of every front end (a readout this engine lacks, asked for
     # nothing: accepted, as the session accepts it)
-    RequestOptions.from_user(without_unread(value, set(readout_options.values())), readout_options)
+    RequestOptions.from_user(
+        without_unread(value, set(readout_options.values())),
+        readout_options,
+        tuple(interventions(OUTPUT_PROCESSORS)),  # refused by name where the engine lacks one
+    )
     return {**off, **value}
 
 

@@ -578,7 +578,9 @@ def options_of(params: Any, readout_options: Mapping[str, str] | None = None) ->
     """The user's probehook options ``params`` carry (``extra_args`` of SamplingParams,
     ``extra_kwargs`` of PoolingParams), checked; empty when none."""
     return RequestOptions.from_user(
-        (getattr(params, extra_field(params), None) or {}).get(EXTRA_ARGS_KEY), readout_options
+        (getattr(params, extra_field(params), None) or {}).get(EXTRA_ARGS_KEY),
+        readout_options,
+        tuple(interventions(OUTPUT_PROCESSORS)),
     )
 
 

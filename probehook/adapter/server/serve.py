@@ -568,6 +568,15 @@ def _describe(engine: Any, limit: int, default: dict[str, Any] | None = None) ->
             for s, r in registered_readouts().items()
             if r.engine_option not in ("readouts", "layers", "probes", "monitors")
         },
+        # Each write-table entry by its request option: its engine option and instances.
+        "writes": {
+            option: {
+                "engine_option": w.entry.engine_option,
+                "name": w.entry.name,
+                "instances": w.instances,
+            }  # fmt: skip
+            for option, w in (session.writes if session is not None else {}).items()
+        },
         "hidden_size": info.get("hidden_size"),
         "dtype": str(info.get("dtype", "")).removeprefix("torch.") or None,
         "max_capture_response_bytes": limit,

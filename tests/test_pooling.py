@@ -295,7 +295,7 @@ def test_server_embeddings_carry_rows_and_scores(minilm: Any, tmp_path: Path) ->
 
         for value in malformed(json_only=True):
             with pytest.raises(CaptureConfigError) as want:
-                RequestOptions.from_user(value)
+                RequestOptions.from_user(value, None, write_options())
             body = {"model": "minilm", "input": TEXTS[:1], "probehook": value}
             status, answer = post_json(server.port, "/v1/embeddings", body)
             assert status == 400 and answer["error"]["message"] == str(want.value), answer

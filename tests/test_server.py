@@ -1070,8 +1070,9 @@ def test_a_registered_intervention_is_served(client) -> None:
     import openai
 
     prompt = "12+34="
-    body = {"ignore_eos": True, "probehook": {"layers": [0, 3], "scale": 0.5}}
-    plain_body = {"ignore_eos": True, "probehook": {"layers": [0, 3]}}
+    asked = {"layers": [0, 3], "include_prefill": True}
+    body = {"ignore_eos": True, "probehook": {**asked, "scale": 0.5}}
+    plain_body = {"ignore_eos": True, "probehook": asked}
     scaled, plain = (
         field(client.completions.create(prompt=prompt, extra_body=b, **greedy()).choices[0])
         for b in (body, plain_body)

@@ -200,8 +200,8 @@ class CaptureSession:
             asked_writes = [o for o, _ in options.writes]
             raise CaptureConfigError(
                 f"This request sets {' and '.join(['steer'] * options.steered() + asked_writes)},"
-                " but it is a pooling request: probehook steers and writes generative models "
-                "only. Drop them."
+                " but it is a pooling request: probehook steers generative models only (and "
+                "writes into them only). Drop them."
             )
         if field == POOLING_EXTRA and options.monitors:
             raise CaptureConfigError(

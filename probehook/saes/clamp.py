@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from probehook.core.request_options import clamp_terms
+from probehook.errors import CaptureConfigError
 from probehook.outputs.intervention import EngineFacts, Intervention
 from probehook.saes.sae import SAEError
 
@@ -35,12 +36,12 @@ class SAEClamp(Intervention):
     def instances(self, value: Any, engine: EngineFacts) -> dict[str, dict[str, Any]]:
         """Each of the engine's SAEs, clamped after its layer (``sae_clamping=True``)."""
         if not isinstance(value, bool):
-            raise SAEError(f"sae_clamping={value!r} is not valid: pass True or False.")
+            raise CaptureConfigError(f"sae_clamping={value!r} is not valid: pass True or False.")
         if not value:
             return {}
         saes = engine.readouts.get(SAE_SOURCE)
         if saes is None:
-            raise SAEError(
+            raise CaptureConfigError(
                 "sae_clamping=True clamps the engine's SAEs, but it has none: pass "
                 "saes={name: SAE or folder} too (or drop sae_clamping)."
             )

@@ -43,7 +43,7 @@ from torch import nn
 # with its extras).
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from probehook.core.request_options import MAX_CLAMPED  # noqa: E402
+from probehook.saes.clamp import MAX_CLAMPED  # noqa: E402
 from probehook.saes.encode import (  # noqa: E402
     ARCHITECTURES,
     TILE_ROWS,

@@ -9,7 +9,7 @@ import torch
 from sae_oracle import ARCHITECTURES, make_saelens_sae
 
 from probehook import SAE
-from probehook.core.request_options import MAX_CLAMPED
+from probehook.saes.clamp import MAX_CLAMPED
 from probehook.saes.encode import TILE_ROWS, activations_per_token
 from probehook.worker import clamp_op
 from probehook.worker.write_op import write_spec

@@ -16,15 +16,13 @@ from malformed_options import CORRUPTIONS, FLAGS, malformed
 from probehook.capture_config import CaptureConfig
 from probehook.core.monitors import ProbeMonitor
 from probehook.core.request_options import (
-    MAX_CLAMPED,
     USER_KEYS,
     RequestOptions,
     RequestWire,
     WireMonitor,
-    clamp_terms,
 )
 from probehook.errors import CaptureConfigError
-from probehook.saes.clamp import SAEClamp
+from probehook.saes.clamp import MAX_CLAMPED, SAEClamp, clamp_terms
 from probehook.saes.readout import FeatureMonitor
 
 MALFORMED = malformed()

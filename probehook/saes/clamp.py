@@ -9,12 +9,16 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from probehook.core.request_options import clamp_terms
+from probehook.capture_config import as_int
+from probehook.core.monitors import finite_number
+from probehook.core.request_options import _is_list, _show
 from probehook.errors import CaptureConfigError
 from probehook.outputs.intervention import EngineFacts, Intervention
 from probehook.saes.sae import SAEError
 
 SAE_SOURCE = "sae"
+MAX_CLAMPED = 16
+"""Features one request may clamp per SAE (the worker's clamp table width)."""
 
 
 class SAEClamp(Intervention):
@@ -80,3 +84,77 @@ class SAEClamp(Intervention):
             f"clamped {sae} {', '.join(f'#{k}={v:g}' for k, v in held.items())} on every token"
             for sae, held in applied.items()
         )
+
+
+def clamp_terms(value: Any, what: str) -> tuple[tuple[str, tuple[tuple[int, float], ...]], ...]:
+    """``{instance: {feature: value}}`` checked; returned as sorted pairs. A feature is an int
+    or a string of ASCII digits (as JSON keys are; ``"²"`` or ``"٣"`` are not feature ids),
+    named once per SAE (``"5"`` and ``"05"`` are one feature: refused, not summed); values
+    are finite numbers; at most :data:`MAX_CLAMPED` features per SAE. The pair form the wire
+    carries, ``{instance: [[feature, value], ...]}``, is read alike."""
+    example = '{"res3": {"123": 0.0}}'
+    if not isinstance(value, Mapping) or not value:
+        raise CaptureConfigError(
+            f"{what}={_show(value)} is not valid: pass a non-empty dict of SAE names to "
+            f"{{feature: value}}, such as {example}."
+        )
+    out = []
+    for name, held in value.items():
+        if not isinstance(name, str) or not name:
+            raise CaptureConfigError(f"{what}: {_show(name)} is not an SAE name; e.g. {example}.")
+        items = _clamp_items(held)
+        if items is None or not items:
+            raise CaptureConfigError(
+                f"{what}[{name!r}]={_show(held)} is not valid: pass {{feature: value}}, "
+                f"such as {example}."
+            )
+        if len(items) > MAX_CLAMPED:
+            raise CaptureConfigError(
+                f"{what}[{name!r}] clamps {len(items)} features; at most {MAX_CLAMPED} per SAE."
+            )
+        terms: dict[int, float] = {}
+        keys: dict[int, Any] = {}
+        for feature, target in items:
+            index = _feature_index(feature)
+            if index is None:
+                raise CaptureConfigError(
+                    f"{what}[{name!r}]: {_show(feature)} is not a feature index (an int >= 0, "
+                    f"or a string of ASCII digits); e.g. {example}."
+                )
+            if index in terms:
+                raise CaptureConfigError(
+                    f"{what}[{name!r}]: keys {keys[index]!r} and {feature!r} both name feature "
+                    f"{index}; give each feature once, with the one value to hold it at."
+                )
+            terms[index] = finite_number(
+                target,
+                f"{what}[{name!r}][{feature!r}]",
+                f"hold a feature at a value, e.g. {example}",
+            )
+            keys[index] = feature
+        out.append((name, tuple(sorted(terms.items()))))
+    return tuple(sorted(out))
+
+
+def _clamp_items(held: Any) -> list[tuple[Any, Any]] | None:
+    """The ``(feature, value)`` items of one SAE's clamp, a dict or a list of pairs (every
+    pair kept, so a feature given twice is seen); None for anything else."""
+    if isinstance(held, Mapping):
+        return list(held.items())
+    if not _is_list(held):
+        return None
+    items = []
+    for pair in held:
+        if not _is_list(pair) or len(pair) != 2:
+            return None
+        items.append((pair[0], pair[1]))
+    return items
+
+
+def _feature_index(feature: Any) -> int | None:
+    """A clamp key as a feature index: a non-negative int (numpy's too) or a string of ASCII
+    decimal digits; else None."""
+    if isinstance(feature, str):
+        return int(feature) if feature.isascii() and feature.isdigit() else None
+    index = as_int(feature)
+    return index if index is not None and index >= 0 else None

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from probehook.core.request_options import MAX_CLAMPED
+from probehook.saes.clamp import MAX_CLAMPED
 from probehook.saes.encode import TILE_ROWS, SAEWeights, activations_at, activations_per_token
 from probehook.worker.write_op import write_kind
 from probehook.worker.write_table import InstanceWriter, WriterContext

@@ -1,0 +1,72 @@
+"""Which key layout a vLLM attention layer's paged cache has (``probehook.worker.paged_keys``),
+checked once against vLLM's own cache write: a layout probehook has not classified, or a build
+of vLLM whose packing moved, is refused by name before a single key is read (the C++ kernels'
+packing is not part of vLLM's Python API).
+
+vLLM 0.32's CPU backend (``CPUAttentionBackendImpl``) packs keys by the layer's ISA
+(``layer.isa``): ``vec``/``vec16`` column-major (float32, float16 and bfloat16 without AMX),
+``amx`` in 16-token groups (bfloat16 on AMX); other ISAs (``neon``, ``vxe``, ``vsx``, ``rvv``)
+are refused until checked. CUDA's FlashAttention keeps each token's key then value
+(``token_major``; not checked here: no device in the tests).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from probehook.errors import UnsupportedModelError
+from probehook.worker.paged_keys import read_keys
+
+CPU_ISA_LAYOUTS = {"vec": "vec", "vec16": "vec", "amx": "amx"}
+"""The CPU kernel's ISAs probehook reads keys of, by the layout their cache has."""
+
+
+def key_layout(layer: Any) -> str:
+    """The key layout of vLLM attention layer ``layer``'s cache, or a refusal naming what it
+    is (the backend, the ISA)."""
+    impl = type(getattr(layer, "impl", None)).__name__
+    if impl == "CPUAttentionBackendImpl":
+        isa = getattr(layer, "isa", None)
+        if isa not in CPU_ISA_LAYOUTS:
+            raise UnsupportedModelError(
+                f"vLLM's CPU attention runs layer {getattr(layer, 'layer_name', '?')!r} with "
+                f"the {isa!r} kernel, whose key cache layout probehook has not checked (it "
+                f"reads {sorted(CPU_ISA_LAYOUTS)}); attention cannot be read on this CPU."
+            )
+        return CPU_ISA_LAYOUTS[isa]
+    if impl == "FlashAttentionImpl":
+        return "token_major"
+    raise UnsupportedModelError(
+        f"Attention layer {getattr(layer, 'layer_name', '?')!r} runs vLLM's {impl}, whose key "
+        "cache probehook has not classified; attention can be read with vLLM's CPU backend "
+        "or FlashAttention."
+    )
+
+
+def check_cpu_layout(isa: str, dtype: torch.dtype, kv_heads: int, head_size: int,
+                     block_size: int) -> None:  # fmt: skip
+    """Write random keys with vLLM's CPU cache write for ``isa`` into a scratch cache of two
+    blocks and read them back: a refusal unless every key comes back bit-equal."""
+    from vllm import _custom_ops as ops
+
+    layout = CPU_ISA_LAYOUTS.get(isa)
+    if layout is None:
+        raise UnsupportedModelError(f"no key layout is known for vLLM's CPU ISA {isa!r}")
+    generator = torch.Generator().manual_seed(0)
+    cache = torch.zeros(2, kv_heads, block_size, 2 * head_size, dtype=dtype)
+    key_cache, value_cache = cache.view(2, kv_heads, 2 * block_size, head_size).chunk(2, dim=2)
+    slots = torch.randperm(2 * block_size, generator=generator)[: block_size + 3]
+    keys = torch.randn(len(slots), kv_heads, head_size, generator=generator).to(dtype)
+    values = torch.randn(len(slots), kv_heads, head_size, generator=generator).to(dtype)
+    ops.cpu_attn_reshape_and_cache(keys, values, key_cache, value_cache, slots, isa)
+    got = read_keys(cache, layout, slots // block_size, slots % block_size)
+    if not torch.equal(got, keys):
+        wrong = int((got != keys).any(dim=(1, 2)).sum())
+        raise UnsupportedModelError(
+            f"vLLM's CPU cache write for ISA {isa!r} ({dtype}, {kv_heads} KV heads of "
+            f"{head_size}, blocks of {block_size}) does not store keys in the {layout!r} "
+            f"layout probehook reads ({wrong} of {len(slots)} keys read back wrong): this "
+            "vLLM build packs them otherwise; attention cannot be read."
+        )

@@ -1,0 +1,83 @@
+"""Keys read back from a layer's paged KV cache (probehook/worker/paged_keys.py; issue 51's
+attention readout reads the keys a query sees from the cache after the forward pass): every
+layout vLLM's CPU kernel writes, written by vLLM's own cache write and read back bit-equal;
+a layout probehook has not classified, or one whose packing moved, refused by name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from probehook.adapter.worker import kv_cache
+from probehook.adapter.worker.kv_cache import check_cpu_layout, key_layout
+from probehook.errors import UnsupportedModelError
+from probehook.worker.paged_keys import key_slots, read_keys
+
+CASES = [
+    ("vec", torch.float32, 4, 64, 128),  # the tiny model's: float32, blocks of 128
+    ("vec", torch.float16, 2, 128, 32),
+    ("vec", torch.bfloat16, 1, 64, 64),  # bfloat16 where the CPU has no AMX
+    ("vec16", torch.float32, 2, 48, 32),  # a head size of 16 x odd
+    ("amx", torch.bfloat16, 2, 64, 128),  # bfloat16 with AMX: the write is plain C++
+]
+
+
+@pytest.mark.parametrize(("isa", "dtype", "heads", "head_size", "block_size"), CASES)
+def test_vllm_s_cpu_cache_write_reads_back_bit_equal(isa, dtype, heads, head_size, block_size):
+    check_cpu_layout(isa, dtype, heads, head_size, block_size)
+
+
+def test_a_layout_that_reads_wrong_is_refused_by_name(monkeypatch) -> None:
+    """The check is what stands between a moved packing and wrong attention: read the AMX
+    cache as the column-major one and it refuses."""
+    monkeypatch.setitem(kv_cache.CPU_ISA_LAYOUTS, "amx", "vec")
+    with pytest.raises(UnsupportedModelError, match=r"ISA 'amx' .* does not store keys in the "
+                       r"'vec' layout .* keys read back wrong"):  # fmt: skip
+        check_cpu_layout("amx", torch.bfloat16, 2, 64, 128)
+
+
+def _layer(impl: str, **fields: object) -> object:
+    layer = type("Attention", (), {"layer_name": "model.layers.3.self_attn.attn", **fields})()
+    layer.impl = type(impl, (), {})()
+    return layer
+
+
+def test_each_backend_and_isa_is_classified_or_refused() -> None:
+    assert key_layout(_layer("CPUAttentionBackendImpl", isa="vec16")) == "vec"
+    assert key_layout(_layer("CPUAttentionBackendImpl", isa="amx")) == "amx"
+    assert key_layout(_layer("FlashAttentionImpl")) == "token_major"
+    with pytest.raises(UnsupportedModelError, match=r"with the 'neon' kernel, whose key cache"):
+        key_layout(_layer("CPUAttentionBackendImpl", isa="neon"))
+    with pytest.raises(UnsupportedModelError, match=r"runs vLLM's FlashInferImpl, whose key"):
+        key_layout(_layer("FlashInferImpl"))
+
+
+def test_the_token_major_layout_reads_each_token_s_key() -> None:
+    """FlashAttention's pages: each token's key, then its value."""
+    cache = torch.randn(3, 2, 16, 2 * 8)
+    blocks, offsets = torch.tensor([2, 0, 2]), torch.tensor([5, 15, 0])
+    got = read_keys(cache, "token_major", blocks, offsets)
+    assert got.shape == (3, 2, 8)
+    for i in range(3):
+        assert torch.equal(got[i], cache[blocks[i], :, offsets[i], :8])
+    with pytest.raises(ValueError, match=r"unknown key layout 'nhd'; the layouts are"):
+        read_keys(cache, "nhd", blocks, offsets)
+
+
+@pytest.mark.parametrize("kernel_block_size", [16, 8])
+def test_key_slots_follow_the_block_table(kernel_block_size: int) -> None:
+    """A request's keys written through vLLM's slot mapping (block id x block size + offset)
+    are read back at its positions, whole blocks or split into kernel blocks."""
+    block_size, heads, dim = 16, 2, 32
+    row = torch.tensor([5, 2, 7])  # the request's blocks, in position order
+    positions = torch.arange(40)
+    ratio = block_size // kernel_block_size
+    cache = torch.zeros(8 * ratio, heads, kernel_block_size, 2 * dim)
+    keys = torch.randn(len(positions), heads, dim)
+    for p in positions.tolist():  # as a token-major kernel writes its kernel blocks
+        block = int(row[p // block_size]) * ratio + (p % block_size) // kernel_block_size
+        cache[block, :, p % kernel_block_size, :dim] = keys[p]
+    blocks, offsets = key_slots(row, positions, block_size, kernel_block_size)
+    assert torch.equal(read_keys(cache, "token_major", blocks, offsets), keys)
+    with pytest.raises(ValueError, match="do not split into kernel blocks of 12"):
+        key_slots(row, positions, block_size, 12)

@@ -1,0 +1,128 @@
+"""Attention per head from query rows and keys (probehook/worker/attention_rows.py; issue 51):
+Hugging Face's eager ``output_attentions`` on the tiny model is the oracle (the post-RoPE
+queries and keys rebuilt from its own modules); each kernel term (soft-cap, sliding window,
+sinks, grouped-query heads, min_p, spans) against the formula written out."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from probehook.worker.attention_rows import AttentionTerms, head_readings
+
+K = 4
+
+
+def assert_readings_match(got, probs: torch.Tensor, spans: list[tuple[int, int]]) -> None:
+    """``got`` against a reference ``probs`` ``[rows, heads, keys]`` (keys at positions
+    0..keys-1): top-k sets where the probabilities are more than 1e-5 apart, probabilities,
+    entropy and span masses within 1e-4."""
+    top, at = probs.topk(min(K, probs.shape[-1]), dim=-1)
+    torch.testing.assert_close(got.probs[..., : top.shape[-1]], top, rtol=0, atol=1e-4)
+    for r, h in zip(*torch.where(torch.ones(probs.shape[:2], dtype=torch.bool)), strict=True):
+        wanted = {int(p) for p, v in zip(at[r, h], top[r, h], strict=True) if v > 1e-5}
+        read = {int(p) for p in got.positions[r, h] if p >= 0}
+        # ties may swap: every position read is within 1e-5 of the k-th probability or above
+        assert wanted - read <= {
+            int(p) for p in at[r, h] if abs(probs[r, h, p] - top[r, h, -1]) < 1e-5
+        }
+        assert all(probs[r, h, p] >= top[r, h, -1] - 1e-5 for p in read)
+    logp = probs.clamp_min(1e-30).log()
+    entropy = -(probs * torch.where(probs > 0, logp, 0.0)).sum(-1)
+    torch.testing.assert_close(got.entropy, entropy, rtol=0, atol=1e-4)
+    for s, (lo, hi) in enumerate(spans):
+        torch.testing.assert_close(got.spans[..., s], probs[..., lo:hi].sum(-1), rtol=0, atol=1e-4)
+
+
+def test_equal_to_hugging_face_eager_attention_on_the_tiny_model() -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    from probehook import tiny_model_path
+
+    path = str(tiny_model_path())
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                 attn_implementation="eager")  # fmt: skip
+    ids = AutoTokenizer.from_pretrained(path)("12+34=46", return_tensors="pt").input_ids
+    n = ids.shape[1]
+    with torch.no_grad():
+        out = model(ids, output_hidden_states=True, output_attentions=True)
+        positions = torch.arange(n)
+        spans = [(0, 2), (3, n)]
+        for index, layer in enumerate(model.model.layers):
+            x = layer.input_layernorm(out.hidden_states[index])
+            attn = layer.self_attn
+            d = attn.head_dim
+            q = attn.q_proj(x).view(1, n, -1, d).transpose(1, 2)
+            k = attn.k_proj(x).view(1, n, -1, d).transpose(1, 2)
+            cos, sin = model.model.rotary_emb(x, positions[None])
+            q, k = apply_rotary_pos_emb(q, k, cos, sin)
+            got = head_readings(q[0].transpose(0, 1), positions, k[0].transpose(0, 1), positions,
+                                AttentionTerms(scale=attn.scaling), K,
+                                spans=torch.tensor(spans))  # fmt: skip
+            assert_readings_match(got, out.attentions[index][0].transpose(0, 1), spans)
+
+
+def naive(q, qpos, keys, kpos, scale, cap=None, window=None, sinks=None) -> torch.Tensor:
+    """The formula written out, one row and head at a time: ``[rows, heads, keys]``."""
+    rows, heads, _ = q.shape
+    group = heads // keys.shape[1]
+    out = torch.zeros(rows, heads, len(kpos))
+    for r in range(rows):
+        for h in range(heads):
+            logits = []
+            for j in range(len(kpos)):
+                x = float(q[r, h] @ keys[j, h // group]) * scale
+                if cap:
+                    x = cap * math.tanh(x / cap)
+                seen = kpos[j] <= qpos[r] and (window is None or qpos[r] - kpos[j] < window)
+                logits.append(x if seen else -math.inf)
+            if sinks is not None:
+                logits.append(float(sinks[h]))
+            p = torch.tensor(logits).softmax(0)
+            out[r, h] = p[: len(kpos)]
+    return out
+
+
+@pytest.mark.parametrize(
+    "terms",
+    [dict(), dict(cap=2.0), dict(window=3), dict(sinks=torch.tensor([0.5, -1.0, 2.0, 0.0]))],
+    ids=["plain", "soft-cap", "window", "sinks"],
+)
+def test_each_kernel_term_with_grouped_query_heads(terms: dict) -> None:
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(5, 4, 8, generator=g)  # 4 query heads over 2 KV heads
+    keys = torch.randn(9, 2, 8, generator=g)
+    kpos = torch.tensor([3, 0, 8, 1, 2, 4, 6, 5, 7])  # any order
+    qpos = torch.tensor([0, 2, 4, 7, 8])
+    scale = 8**-0.5
+    got = head_readings(q, qpos, keys, kpos, AttentionTerms(scale, terms.get("cap"),
+                        terms.get("window"), terms.get("sinks")), K,
+                        spans=torch.tensor([[0, 3], [5, 9]]))  # fmt: skip
+    want = naive(q, qpos.tolist(), keys, kpos.tolist(), scale, **terms)
+    order = kpos.argsort()
+    probs = want[..., order]  # by position: the helper's keys at positions 0..8
+    if "sinks" not in terms:
+        assert_readings_match(got, probs, [(0, 3), (5, 9)])
+    else:  # the sink's share joins the entropy; the keys' sum is below 1
+        sink = 1 - probs.sum(-1)
+        assert (sink > 0).all()
+        whole = torch.cat([probs, sink[..., None]], -1)
+        entropy = -(whole * torch.where(whole > 0, whole.clamp_min(1e-30).log(), 0.0)).sum(-1)
+        torch.testing.assert_close(got.entropy, entropy, rtol=0, atol=1e-4)
+        torch.testing.assert_close(got.probs, probs.topk(K, -1).values, rtol=0, atol=1e-4)
+    # row 0 sees the key at position 0 alone: one position, then -1
+    assert got.positions[0, :, 1:].eq(-1).all() and got.positions[0, :, 0].eq(0).all()
+
+
+def test_min_p_keeps_only_keys_that_likely() -> None:
+    g = torch.Generator().manual_seed(1)
+    q, keys = torch.randn(3, 2, 8, generator=g) * 3, torch.randn(6, 2, 8, generator=g) * 3
+    positions = torch.arange(6)
+    every = head_readings(q, positions[3:], keys, positions, AttentionTerms(1.0), K)
+    kept = head_readings(q, positions[3:], keys, positions, AttentionTerms(1.0), K, min_p=0.2)
+    assert ((kept.positions >= 0) == (every.probs >= 0.2)).all()
+    assert torch.equal(kept.positions[kept.positions >= 0], every.positions[every.probs >= 0.2])
+    assert (kept.probs[kept.positions < 0] == 0).all()

@@ -462,6 +462,11 @@ def test_a_write_option_on_an_engine_without_it_names_the_engine_option(row_scal
         session().tag(Params(scale=0.5))
     with pytest.raises(CaptureConfigError, match=r"Unknown probehook option\(s\) 'scales'"):
         session().tag(Params(scales=0.5))
+    from probehook.saes import SAEError  # SAE clamping: the same path, the SAEs' error class
+
+    with pytest.raises(SAEError, match=r"sets clamp, but the engine was built without it .*"
+                       r"build it with sae_clamping=\.\.\. \(sae_clamp\)"):  # fmt: skip
+        session().tag(Params(clamp={"s": {"1": 0.0}}))
 
 
 def test_write_terms_are_checked_salted_and_carried_on_the_wire(row_scale) -> None:

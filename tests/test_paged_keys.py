@@ -81,3 +81,60 @@ def test_key_slots_follow_the_block_table(kernel_block_size: int) -> None:
     assert torch.equal(read_keys(cache, "token_major", blocks, offsets), keys)
     with pytest.raises(ValueError, match="do not split into kernel blocks of 12"):
         key_slots(row, positions, block_size, 12)
+
+
+@pytest.mark.engine
+def test_a_running_engine_s_keys_read_back_equal_hugging_face_s(monkeypatch) -> None:
+    """In the recorder window of every step (the worker's, in this process), each request's
+    keys of every position computed so far, read from every layer's paged cache through its
+    block table, equal Hugging Face's post-RoPE keys of the same tokens: two requests of
+    different lengths in one batch, prompt and generated positions, blocks of 32 so that a
+    request spans several."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    from probehook import LLM, SamplingParams, tiny_model_path
+    from probehook.adapter.worker import runner_v1
+    from probehook.adapter.worker.kv_cache import attention_of, request_keys
+    from probehook.adapter.worker.surgery import locate_layers
+    from probehook.testing import _hf_model
+
+    seen: dict[str, list[torch.Tensor]] = {}
+    record_step = runner_v1.record_step
+
+    def reading(runner, recorders, defer=False):  # noqa: ANN001, ANN202
+        batch = runner.input_batch
+        starts = runner.query_start_loc.np
+        layers = locate_layers(runner.get_model())[1]
+        for i, req_id in enumerate(batch.req_ids[: batch.num_reqs]):
+            end = int(batch.num_computed_tokens_cpu[i]) + int(starts[i + 1] - starts[i])
+            seen[req_id] = [request_keys(runner, attention_of(layer), i, torch.arange(end))
+                            for layer in layers]  # fmt: skip
+        return record_step(runner, recorders, defer)
+
+    monkeypatch.setattr(runner_v1, "record_step", reading)
+    llm = LLM(str(tiny_model_path()), layers=[1], block_size=32, enforce_eager=True,
+              max_model_len=64, seed=0, dtype="float32")  # fmt: skip
+    try:
+        params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+        outs = llm.generate(["12+34=", "1+2+3+4+5+6+7+8+9+10="], params, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    model = _hf_model(str(tiny_model_path()), torch.float32)
+    assert len(seen) == 2
+    for out in outs:
+        ids = [*out.prompt_token_ids, *out.outputs[0].token_ids[:-1]]
+        # the request's last step read every position fed, over more than one block
+        keys = next(k for k in seen.values() if len(k[0]) == len(ids))
+        assert len(ids) > 32
+        with torch.no_grad():
+            hf = model(torch.tensor([ids]), output_hidden_states=True)
+            positions = torch.arange(len(ids))[None]
+            for index, layer in enumerate(model.model.layers):
+                x = layer.input_layernorm(hf.hidden_states[index])
+                attn = layer.self_attn
+                k = attn.k_proj(x).view(1, len(ids), -1, attn.head_dim).transpose(1, 2)
+                q = torch.zeros_like(k)
+                cos, sin = model.model.rotary_emb(x, positions)
+                _, k = apply_rotary_pos_emb(q, k, cos, sin)
+                torch.testing.assert_close(keys[index].float(), k[0].transpose(0, 1),
+                                           rtol=1e-4, atol=1e-4)  # fmt: skip

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from probehook.errors import UnsupportedModelError
-from probehook.worker.paged_keys import read_keys
+from probehook.worker.paged_keys import key_slots, read_keys
 
 CPU_ISA_LAYOUTS = {"vec": "vec", "vec16": "vec", "amx": "amx"}
 """The CPU kernel's ISAs probehook reads keys of, by the layout their cache has."""
@@ -70,3 +70,38 @@ def check_cpu_layout(isa: str, dtype: torch.dtype, kv_heads: int, head_size: int
             f"layout probehook reads ({wrong} of {len(slots)} keys read back wrong): this "
             "vLLM build packs them otherwise; attention cannot be read."
         )
+
+
+def attention_of(decoder_layer: Any) -> Any:
+    """The vLLM ``Attention`` module of a decoder layer (a Llama layer's ``self_attn.attn``):
+    the one module of its class in the layer, or a refusal naming what was found."""
+    from vllm.model_executor.layers.attention import Attention
+
+    found = [m for m in decoder_layer.modules() if isinstance(m, Attention)]
+    if len(found) != 1:
+        raise UnsupportedModelError(
+            f"{type(decoder_layer).__name__} holds {len(found)} vLLM Attention modules; "
+            "probehook reads attention of layers that hold exactly one (self-attention)."
+        )
+    return found[0]
+
+
+def request_keys(
+    runner: Any, attention: Any, batch_row: int, positions: torch.Tensor
+) -> torch.Tensor:
+    """The keys at ``positions`` of the request at ``batch_row`` of the V1 runner's batch, as
+    ``attention``'s cache holds them (``[n, kv_heads, head_size]``, the cache's dtype), through
+    the request's row of its KV-cache group's block table. Read in the step's recorder window:
+    the keys of every position the step computed are written, those of prefix-cache hits
+    too."""
+    groups = runner.kv_cache_config.kv_cache_groups
+    group = next(
+        (g for g, spec in enumerate(groups) if attention.layer_name in spec.layer_names), None
+    )
+    if group is None:
+        raise UnsupportedModelError(f"no KV-cache group holds layer {attention.layer_name!r}")
+    table = runner.input_batch.block_table[group]
+    row = torch.from_numpy(table.block_table.np[batch_row]).long()
+    cache = attention.kv_cache
+    blocks, offsets = key_slots(row, positions, table.block_size, cache.shape[2])
+    return read_keys(cache, key_layout(attention), blocks, offsets)

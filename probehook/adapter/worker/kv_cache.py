@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from probehook.errors import UnsupportedModelError
+from probehook.worker.attention_rows import AttentionTerms
 from probehook.worker.paged_keys import key_slots, read_keys
 
 CPU_ISA_LAYOUTS = {"vec": "vec", "vec16": "vec", "amx": "amx"}
@@ -105,3 +106,27 @@ def request_keys(
     cache = attention.kv_cache
     blocks, offsets = key_slots(row, positions, table.block_size, cache.shape[2])
     return read_keys(cache, key_layout(attention), blocks, offsets)
+
+
+def attention_terms(attention: Any) -> AttentionTerms:
+    """What ``attention``'s kernel applies to ``q . k``, from its vLLM impl (what the kernel
+    uses, not the Hugging Face config): the scale, the logit soft-cap, the sliding window and
+    the sinks. ALiBi is refused (not read yet), as is any impl probehook has not classified."""
+    impl = attention.impl
+    key_layout(attention)  # a backend probehook has not classified is refused first
+    if getattr(impl, "alibi_slopes", None) is not None:
+        raise UnsupportedModelError(
+            f"Attention layer {attention.layer_name!r} uses ALiBi slopes, which probehook does "
+            "not read yet; attention cannot be read on this model."
+        )
+    window = getattr(impl, "sliding_window", None)
+    if isinstance(window, tuple):  # FlashAttention: (left, right) = (window - 1, 0)
+        window = None if window[0] < 0 else window[0] + 1
+    elif window is not None and window < 0:  # the CPU impl's "none"
+        window = None
+    return AttentionTerms(
+        scale=float(impl.scale),
+        soft_cap=float(impl.logits_soft_cap) if impl.logits_soft_cap else None,
+        window=window,
+        sinks=getattr(impl, "sinks", None),
+    )

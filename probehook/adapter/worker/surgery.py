@@ -243,6 +243,36 @@ def install_taps(
     return hook
 
 
+QUERY_BUFFER = "probehook_query"
+"""The buffer of an attention module whose query is tapped (``[max tokens, heads x head
+size]``, the step's post-RoPE query rows)."""
+
+
+def install_query_taps(model: nn.Module, layers: Sequence[int], max_tokens: int) -> dict:
+    """Tap the query at the input of each of ``layers``' attention op (the ``attn_q`` site:
+    after RoPE and any QK norm, as the kernel reads it): a forward pre-hook on the layer's
+    vLLM ``Attention`` module, traced into the compiled graph like the residual taps. Returns
+    each layer's buffer."""
+    from probehook.adapter.worker.kv_cache import attention_of
+
+    _, layer_list = locate_layers(model)
+    param = next(model.parameters())
+    buffers = {}
+    for index in layers:
+        attention = attention_of(layer_list[index])
+        width = attention.num_heads * attention.head_size
+        buffer = torch.zeros((max_tokens, width), dtype=param.dtype, device=param.device)
+        attention.register_buffer(QUERY_BUFFER, buffer, persistent=False)
+        attention.register_forward_pre_hook(_query_hook, with_kwargs=True)
+        buffers[index] = getattr(attention, QUERY_BUFFER)
+    return buffers
+
+
+def _query_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    query = args[0] if args else kwargs["query"]
+    tap(query.flatten(1) if query.dim() == 3 else query, None, getattr(module, QUERY_BUFFER))
+
+
 def install_writes(
     model: nn.Module, writers: dict[tuple[str, str], InstanceWriter], max_tokens: int
 ) -> None:

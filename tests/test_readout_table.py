@@ -399,3 +399,41 @@ def test_an_intervention_alone_writes_on_an_engine_that_captures_nothing(registe
     assert_greedy_under_hf(plain, 1.0)
     assert scaled.outputs[0].token_ids != plain.outputs[0].token_ids  # it did something
     assert scaled.outputs[0].steering["scale"] == {"L1": -0.5}
+
+
+@pytest.mark.parametrize("option", ["norms", "peaks"])
+def test_each_toy_readout_alone_equals_its_reading_of_hugging_face_s_rows(
+    registered, option: str
+) -> None:
+    """Each toy readout's engine option as the engine's only probehook option (no layers
+    captured): its prompt and generated rows equal the readout applied to Hugging Face's
+    stream after layer 3 for the same tokens (within 1e-4: another batch shape)."""
+    from probehook import LLM, SamplingParams, tiny_model_path
+    from probehook.testing import hf_residual_stream
+
+    given = {"norms": {"n3": 3}, "peaks": {"p3": {"layer": 3, "heads": HEADS}}}[option]
+    llm = LLM(str(tiny_model_path()), include_prefill=True, **{option: given}, **ENGINE)
+    try:
+        params = SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True)
+        out = llm.generate(PROMPT, params, use_tqdm=False)[0]
+    finally:
+        llm.shutdown()
+    ids = [*out.prompt_token_ids, *out.outputs[0].token_ids[:-1]]
+    rows = hf_residual_stream(tiny_model_path(), ids)[3]
+    n = len(out.prompt_token_ids)
+    if option == "norms":
+        got = [
+            out.prefill_row_norms["n3"].values[:, 0],
+            out.outputs[0].row_norms["n3"].values[:, 0],
+        ]
+        want = norm_of(rows)
+    else:
+        peaks = (out.prefill_chunk_peaks["p3"], out.outputs[0].chunk_peaks["p3"])
+        got = [p.chunk_norms for p in peaks]
+        want = rows.reshape(len(rows), HEADS, -1).norm(dim=-1)
+        top = rows.reshape(len(rows), HEADS, -1).topk(2, dim=-1).values  # values: ties may swap
+        torch.testing.assert_close(peaks[0].peaks, top[:n], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(peaks[1].peaks, top[n - 1 :], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got[0], want[:n], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got[1], want[n - 1 :], rtol=1e-4, atol=1e-4)
+    assert out.outputs[0].hidden_states == {}  # nothing else captured

@@ -36,9 +36,11 @@ def test_a_layout_that_reads_wrong_is_refused_by_name(monkeypatch) -> None:
         check_cpu_layout("amx", torch.bfloat16, 2, 64, 128)
 
 
-def _layer(impl: str, **fields: object) -> object:
+def _layer(impl: str, isa: str | None = None, **fields: object) -> object:
     layer = type("Attention", (), {"layer_name": "model.layers.3.self_attn.attn", **fields})()
     layer.impl = type(impl, (), {})()
+    if isa is not None:
+        layer.isa = isa
     return layer
 
 
@@ -138,3 +140,29 @@ def test_a_running_engine_s_keys_read_back_equal_hugging_face_s(monkeypatch) -> 
                 _, k = apply_rotary_pos_emb(q, k, cos, sin)
                 torch.testing.assert_close(keys[index].float(), k[0].transpose(0, 1),
                                            rtol=1e-4, atol=1e-4)  # fmt: skip
+
+
+def test_the_kernel_s_terms_come_from_vllm_s_impl() -> None:
+    """What the kernel applies (vLLM's impl: the CPU impl's -1 and 0 mean none, FlashAttention
+    keeps its window as (window - 1, 0)); ALiBi and anything but a decoder's self-attention
+    refused by name."""
+    from probehook.adapter.worker.kv_cache import attention_terms
+
+    def layer(impl: str, attn_type: str = "decoder", isa: str | None = None,
+              **terms: object) -> object:  # fmt: skip
+        made = _layer(impl, isa, attn_type=attn_type)
+        made.impl.__dict__.update({"scale": 0.125, "logits_soft_cap": 0, "sliding_window": -1,
+                                   "alibi_slopes": None, "sinks": None, **terms})  # fmt: skip
+        return made
+
+    plain = attention_terms(layer("CPUAttentionBackendImpl", isa="vec"))
+    assert (plain.scale, plain.soft_cap, plain.window, plain.sinks) == (0.125, None, None, None)
+    capped = attention_terms(layer("CPUAttentionBackendImpl", isa="vec", logits_soft_cap=50.0,
+                                   sliding_window=4096))  # fmt: skip
+    assert (capped.soft_cap, capped.window) == (50.0, 4096)
+    assert attention_terms(layer("FlashAttentionImpl", sliding_window=(4095, 0))).window == 4096
+    assert attention_terms(layer("FlashAttentionImpl", sliding_window=(-1, -1))).window is None
+    with pytest.raises(UnsupportedModelError, match=r"uses ALiBi slopes, which probehook"):
+        attention_terms(layer("FlashAttentionImpl", alibi_slopes=torch.ones(4)))
+    with pytest.raises(UnsupportedModelError, match=r"is encoder_decoder attention; probehook"):
+        attention_terms(layer("FlashAttentionImpl", attn_type="AttentionType.ENCODER_DECODER"))

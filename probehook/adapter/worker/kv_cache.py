@@ -12,6 +12,7 @@ are refused until checked. CUDA's FlashAttention keeps each token's key then val
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -104,8 +105,18 @@ def request_keys(
     table = runner.input_batch.block_table[group]
     row = torch.from_numpy(table.block_table.np[batch_row]).long()
     cache = attention.kv_cache
+    layout = key_layout(attention)
+    if layout != "token_major":  # vLLM's CPU kernel: its packing checked once per shape
+        _checked_cpu_layout(attention.isa, cache.dtype, cache.shape[1], cache.shape[3] // 2,
+                            cache.shape[2])  # fmt: skip
     blocks, offsets = key_slots(row, positions, table.block_size, cache.shape[2])
-    return read_keys(cache, key_layout(attention), blocks, offsets)
+    return read_keys(cache, layout, blocks, offsets)
+
+
+@functools.cache
+def _checked_cpu_layout(isa: str, dtype: torch.dtype, kv_heads: int, head_size: int,
+                        block_size: int) -> None:  # fmt: skip
+    check_cpu_layout(isa, dtype, kv_heads, head_size, block_size)
 
 
 def attention_terms(attention: Any) -> AttentionTerms:
@@ -114,6 +125,12 @@ def attention_terms(attention: Any) -> AttentionTerms:
     the sinks. ALiBi is refused (not read yet), as is any impl probehook has not classified."""
     impl = attention.impl
     key_layout(attention)  # a backend probehook has not classified is refused first
+    kind = str(getattr(attention, "attn_type", "decoder")).rsplit(".", 1)[-1].lower()
+    if kind != "decoder":
+        raise UnsupportedModelError(
+            f"Attention layer {attention.layer_name!r} is {kind} attention; probehook reads a "
+            "decoder's self-attention only (the keys of its own tokens)."
+        )
     if getattr(impl, "alibi_slopes", None) is not None:
         raise UnsupportedModelError(
             f"Attention layer {attention.layer_name!r} uses ALiBi slopes, which probehook does "

@@ -81,3 +81,61 @@ def test_every_row_s_attention_equals_hugging_face_s(monkeypatch, eager: bool) -
         for index, per_step in enumerate(steps):  # the steps' rows joined, in order
             got = type(per_step[0])(*(torch.cat([getattr(s, f) for s in per_step]) for f in fields))
             assert_readings_match(got, want[index][0].transpose(0, 1), [(0, 3)])
+
+
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "compiled"])
+def test_the_attention_readout_equals_hugging_face_offline(eager: bool) -> None:
+    """``LLM(attention_layers=[0, 3], attention_top_k=4, include_prefill=True)``: every prompt
+    and generated row's ``attention[layer]`` (positions, probs, entropy per head) equals
+    Hugging Face's eager ``output_attentions`` of the same tokens; a request that narrows to
+    one layer gets that layer; ``"attention": False`` gets none; a layer the engine does not
+    read is refused by name, the engine alive."""
+    from transformers import AutoModelForCausalLM
+
+    from probehook import LLM, SamplingParams, tiny_model_path
+    from probehook.errors import CaptureConfigError
+
+    llm = LLM(str(tiny_model_path()), attention_layers=[0, 3], attention_top_k=K,
+              include_prefill=True, block_size=32, enforce_eager=eager, max_model_len=64,
+              seed=0, dtype="float32")  # fmt: skip
+    greedy = dict(max_tokens=30, temperature=0, ignore_eos=True)
+    try:
+        outs = llm.generate(["12+34=", "1+2+3+4+5+6+7+8+9+10="], SamplingParams(**greedy),
+                            use_tqdm=False)  # fmt: skip
+        narrowed, off = llm.generate(["12+34="] * 2, [
+            SamplingParams(**greedy, extra_args={"probehook": {"attention_layers": [3]}}),
+            SamplingParams(**greedy, extra_args={"probehook": {"attention": False}})],
+            use_tqdm=False)  # fmt: skip
+        with pytest.raises(CaptureConfigError, match=r"names layer\(s\) \[1\], whose attention"):
+            llm.generate(
+                "1+1=", SamplingParams(extra_args={"probehook": {"attention_layers": [1]}})
+            )
+        assert llm.generate("1+1=", SamplingParams(max_tokens=1))[0].outputs[0].text is not None
+    finally:
+        llm.shutdown()
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_model_path()), dtype=torch.float32,
+                                              attn_implementation="eager")  # fmt: skip
+    for out in [*outs, narrowed]:
+        ids = [*out.prompt_token_ids, *out.outputs[0].token_ids[:-1]]
+        n = len(out.prompt_token_ids)
+        with torch.no_grad():
+            want = hf(torch.tensor([ids]), output_attentions=True).attentions
+        layers = [3] if out is narrowed else [0, 3]
+        assert (
+            sorted(out.outputs[0].attention) == layers and out.attention is out.outputs[0].attention
+        )
+        for layer in layers:
+            probs = want[layer][0].transpose(0, 1)  # [rows, heads, keys]
+            prompt, decode = out.prefill_attention[layer], out.outputs[0].attention[layer]
+            assert prompt.positions.shape == (n, 4, K) and decode.heads == (0, 1, 2, 3)
+            assert_readings_match(_readings(prompt), probs[:n], [])
+            assert_readings_match(_readings(decode), probs[n - 1 :], [])
+    assert off.outputs[0].attention == {} and off.prefill_attention == {}
+
+
+def _readings(rows: Any) -> Any:
+    """The readout's rows as ``head_readings`` gives them (no spans yet)."""
+    from probehook.worker.attention_rows import HeadReadings
+
+    return HeadReadings(rows.positions, rows.probs, rows.entropy,
+                        torch.zeros(*rows.entropy.shape, 0))  # fmt: skip

@@ -315,6 +315,12 @@ def test_a_registered_readout_gets_its_flags_with_no_edit_in_probehook() -> None
             parser.parse_args(["--lens", "l=logit", "--lens-dtype", "int8"])
         lens = capture_kwargs(parser.parse_args(["--lens", "l=logit", "--lens-layers", "1,2"]))
         assert lens["lenses"] == {"l": "logit"} and lens["lens_layers"] == [1, 2]
+        # a readout whose instances' flag takes one value (attention's layers, not NAME=SPEC)
+        attention = capture_kwargs(parser.parse_args(["--attention-layers", "0,3",
+                                                      "--attention-top-k", "4"]))  # fmt: skip
+        assert attention["attention_layers"] == [0, 3] and attention["attention_top_k"] == 4
+        with pytest.raises(SystemExit, match="--attention-top-k needs --attention-layers"):
+            capture_kwargs(parser.parse_args(["--attention-top-k", "4"]))
     finally:
         if registered:
             OUTPUT_PROCESSORS.unregister(RowNorm.name)

@@ -10,6 +10,9 @@ ADDITIONAL_CONFIG_KEY = "probehook"
 """Key in ``additional_config`` holding the engine's CaptureConfig."""
 TAP_LAYERS_KEY = "tap_layers"
 """Key in the capture settings: every tapped layer (captured layers plus probes' layers)."""
+QUERY_LAYERS_KEY = "query_layers"
+"""Key in the capture settings: the layers whose attention op's query is tapped (``attn_q``
+readouts; part of the compile-cache key, as the tapped layers are)."""
 STEER_LAYERS_KEY = "steer_layers"
 """Key in the capture settings: the layers that get a steering op (part of the compile-cache
 key; the vectors are not)."""

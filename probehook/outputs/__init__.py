@@ -12,6 +12,7 @@ party's readout would. See docs/outputs.md.
 from __future__ import annotations
 
 from probehook.core.monitors import load_top_k_monitors_with
+from probehook.outputs.attention import AttentionReadout
 from probehook.outputs.captures import BUILTIN, HiddenStates, ProbeFlags, ProbeScores
 from probehook.outputs.lens import LensReadout
 from probehook.outputs.registry import (
@@ -30,6 +31,7 @@ load_top_k_monitors_with(OUTPUT_PROCESSORS.names)
 for _processor in BUILTIN:
     OUTPUT_PROCESSORS.register(_processor)
 OUTPUT_PROCESSORS.register(LensReadout)  # lenses: a top-k readout like any other
+OUTPUT_PROCESSORS.register(AttentionReadout)  # attention per head: one more
 
 
 def registered_readouts() -> dict[str, TopKReadout]:

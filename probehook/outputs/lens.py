@@ -222,7 +222,7 @@ class LensReadout(TopKReadout):
                 f"lens_dtype={dtype!r} is not valid; choose one of {list(MAP_DTYPES)} (the dtype "
                 "of a J-lens or tuned lens's map in the worker; None: float32)."
             )
-        layers = _layers(extras.get("lens_layers"), num_layers, "lens_layers")
+        layers = user_layers(extras.get("lens_layers"), num_layers, "lens_layers")
         if not layers:
             raise CaptureConfigError(
                 "lenses={...} needs lens_layers=[...]: the layers whose rows the lenses read "
@@ -295,7 +295,7 @@ class LensReadout(TopKReadout):
             layers = engine_layers
         else:  # as the engine option: negative from the end
             num_layers = int(next(iter(instances.values()))["num_layers"])
-            layers = _layers(asked, num_layers, "probehook option lens_layers")
+            layers = user_layers(asked, num_layers, "probehook option lens_layers")
             missing = [layer for layer in layers if layer not in engine_layers]
             if missing:
                 raise CaptureConfigError(
@@ -348,7 +348,7 @@ class LensReadout(TopKReadout):
         }
 
 
-def _layers(value: Any, num_layers: int | None, option: str) -> list[int]:
+def user_layers(value: Any, num_layers: int | None, option: str) -> list[int]:
     """Layer indices from a user's list (None: [])."""
     if value is None:
         return []

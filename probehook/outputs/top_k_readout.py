@@ -71,6 +71,14 @@ class TopKReadout(OutputProcessor):
     # TopKMonitor subclass whose source is this readout's, and where their flags go; each
     # monitor is checked against the engine by :meth:`check_monitor`.
 
+    site: ClassVar[str] = "resid_post"
+    """Where its rows are read: ``"resid_post"`` (the stream after each instance's layer) or
+    ``"attn_q"`` (the post-RoPE query at the layer's attention op: ``[heads x head size]``
+    rows, tapped only for readouts that ask)."""
+    reads_step: ClassVar[bool] = False
+    """Its bank reads each row's request and position and what the adapter hands over
+    (``StepContext.parts``): the recorder gives it the step's context and the rows' flat
+    indices."""
     ranks: ClassVar[str] = "rank 0"
     """Which tensor-parallel ranks read it: ``"rank 0"`` (the rank that answers exports; the
     others hold the same rows), ``"every rank"`` (each rank reads in step, as a lens whose
@@ -101,6 +109,9 @@ class TopKReadout(OutputProcessor):
     """``probehook serve``'s flag naming instances, ``--<cli_flag> NAME=SPEC`` (repeatable);
     default: the engine option's name with dashes (``--norms``). Its other engine options
     get flags of their own names with dashes (``--lens-layers``, ``--lens-top-k``)."""
+    cli_named: ClassVar[bool] = True
+    """Its instances' flag takes ``NAME=SPEC`` (repeatable); False: one value, read by
+    :meth:`cli_value` (attention's ``--attention-layers 2,5``)."""
     cli_help: ClassVar[Mapping[str, str]] = {}
     """Each engine option's flag help, by option name (the instances', the k's, the extras')."""
     cli_choices: ClassVar[Mapping[str, tuple[str, ...]]] = {}

@@ -110,5 +110,8 @@ def _top_k(source: str, hook: Any, banks: Any) -> StepRecorder | None:
     bank = hook.top_k_banks.get(source)
     if bank is None:
         return None
-    buffers = [hook.buffers[layer] for layer in bank.layers]
+    # The site its rows are read at: the stream after each layer (the residual taps), or the
+    # query at the layer's attention op (the query taps, ``attn_q``).
+    taps = hook.query_buffers if getattr(bank, "site", "resid_post") == "attn_q" else hook.buffers
+    buffers = [taps[layer] for layer in bank.layers]
     return StepRecorder(buffers, bank.layers, transform=bank, source=source)

@@ -311,6 +311,10 @@ class StepRecorder:
         self.layers = tuple(layers)
         self.transform = transform
         self._takes_unknown = _accepts(transform, "unknown")
+        self._reads_step = bool(getattr(transform, "reads_step", False))
+        """The transform reads each row's request and position, and what the adapter hands
+        over (``StepContext.parts``: an attention layer's keys): it gets the step's context
+        and the gathered rows' flat indices."""
         """The transform takes ``unknown`` (the step context's rows that wait for sampling:
         the built-in banks); a third party's bank gets next tokens alone."""
         self.slots: tuple[Any, ...] = transform.slots if transform else self.layers
@@ -399,9 +403,10 @@ class StepRecorder:
             selective = getattr(self.transform, "selective", False)
             slot_rows = self._slot_rows(owners, count, out_offset) if selective else None
             targets = unknown = None
-            if context is not None:
+            if context is not None and getattr(self.transform, "reads_next_token", False):
                 targets, unknown = context.next_tokens(index), context.unknown(index)
-            device_rows = self._gather(index, slot_rows, targets, unknown)
+            step = (context, index) if context is not None and self._reads_step else None
+            device_rows = self._gather(index, slot_rows, targets, unknown, step)
             if self.keep_step_rows:
                 ends_step = (count > 0) & (last == n_sched)
                 self.step_rows = StepRows(
@@ -540,14 +545,19 @@ class StepRecorder:
         slot_rows: list[np.ndarray] | None = None,
         next_tokens: torch.Tensor | None = None,
         unknown: np.ndarray | None = None,
+        step: tuple[StepContext, np.ndarray] | None = None,
     ) -> torch.Tensor:
         """Gather rows of every layer on the device (transformed, if so built; a selective
         transform computes each slot on ``slot_rows`` alone; ``next_tokens``: each gathered
         row's next token, for a transform that reads them, and ``unknown``, where in the
-        gathered rows it waits for sampling, on the host); the device rows."""
+        gathered rows it waits for sampling, on the host; ``step``: the step's context and
+        the gathered rows' flat indices, for a transform that ``reads_step``); the device
+        rows."""
         transform: Any = self.transform
         if slot_rows is not None:
             transform = functools.partial(transform, slot_rows=slot_rows)
+        if step is not None:
+            transform = functools.partial(transform, context=step[0], step_rows=step[1])
         if next_tokens is not None:
             held = {"unknown": unknown} if self._takes_unknown else {}
             transform = functools.partial(transform, next_tokens=next_tokens, **held)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from probehook.adapter import plugin
@@ -319,6 +319,7 @@ def capture_engine_kwargs(
     monitored: bool | None = None,
     writes: Mapping[str, Any] | None = None,
     banks: str | None = None,
+    query_layers: Sequence[int] = (),
     readouts: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Return ``kwargs`` for ``vllm.LLM`` with probehook's loader, extension and config;
@@ -326,7 +327,8 @@ def capture_engine_kwargs(
     (``monitored``; None: whenever ``probe_layers`` are given) the monitor logits processor is
     added; with ``steer_layers``, those layers get the steering op; with ``exit_after`` (a
     capture-only engine), the model stops after that layer; ``writes``: the write table's
-    instances, by request option; ``banks``: the probes and first
+    instances, by request option; ``query_layers``: the layers whose attention query is
+    tapped; ``banks``: the probes and first
     steering vectors, encoded (``WorkerBanks.encode``);
     ``readouts``: each top-k readout's loader settings, by source."""
     kwargs = dict(kwargs)
@@ -369,6 +371,7 @@ def capture_engine_kwargs(
         **capture.to_dict(),
         loader_keys.TAP_LAYERS_KEY: tap_layers,
         loader_keys.STEER_LAYERS_KEY: sorted(steer_layers),
+        loader_keys.QUERY_LAYERS_KEY: sorted(query_layers),
         loader_keys.EXIT_AFTER_KEY: exit_after,
     }
     if writes:  # their terms are part of the graph: in the compile-cache key

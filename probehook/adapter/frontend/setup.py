@@ -154,9 +154,18 @@ def prepare(
         sorted(
             {
                 *(probe_set.layers if probe_set else ()),
-                *(layer for r in readouts.values() for layer in r.layers),
+                *(
+                    layer
+                    for r in readouts.values()
+                    if r.readout.site == "resid_post"
+                    for layer in r.layers
+                ),  # fmt: skip
             }
         )
+    )
+    # Readouts of the attention op's query read query taps instead.
+    query_layers = sorted(
+        {layer for r in readouts.values() if r.readout.site == "attn_q" for layer in r.layers}
     )
     banks = _banks(probe_set, steering)
     engine_kwargs = engine_config.capture_engine_kwargs(
@@ -166,7 +175,10 @@ def prepare(
         pooling,
         steering.layers if steering is not None else (),
         # Capture-only: nothing after the deepest tapped layer is computed.
-        exit_after=max((*config.layers, *read_layers)) if request.capture_only else None,
+        exit_after=max((*config.layers, *read_layers, *query_layers))
+        if request.capture_only
+        else None,
+        query_layers=query_layers,
         banks=banks,
         readouts={source: r.loader_settings() for source, r in readouts.items()} or None,
         writes={option: w.instances for option, w in writes.items()} or None,

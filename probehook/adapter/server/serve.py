@@ -212,8 +212,10 @@ class ReadoutFlag:
             else f"the {readout.name} readout's {self.option} engine option"
         )
         out: dict[str, Any] = {"help": readout.cli_help.get(self.option, default_help)}
-        if self.instances:
+        if self.instances and readout.cli_named:
             out.update(action="append", default=[], metavar="NAME=SPEC")
+        elif self.instances:  # one value (attention's "2,5")
+            out.update(default=None, metavar="VALUE")
         elif self.option in readout.cli_switches:
             out.update(action="store_true", default=None)
         else:
@@ -256,7 +258,12 @@ def _readout_options(args: argparse.Namespace) -> dict[str, Any]:
             raise SystemExit(f"error: {flag.flag} {given!r}: {e}") from None
     for flag in named.values():
         items = getattr(args, flag.dest, None) or []
-        if items:
+        if items and not flag.readout.cli_named:
+            try:
+                out[flag.option] = flag.readout.cli_value(flag.option, items)
+            except ValueError as e:
+                raise SystemExit(f"error: {flag.flag} {items!r}: {e}") from None
+        elif items:
             out[flag.option] = _named_paths(flag.flag, items, "NAME=SPEC")
     return out
 

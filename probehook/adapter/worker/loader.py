@@ -20,6 +20,7 @@ from torch import nn
 from probehook.adapter.worker.head import ModelParts, model_parts
 from probehook.adapter.worker.surgery import (
     exit_early,
+    install_query_taps,
     install_taps,
     install_writes,
     locate_layers,
@@ -32,6 +33,7 @@ from probehook.core.loader_keys import (
     EXIT_AFTER_KEY,
     LOAD_FORMAT,
     LOADER_EXTRA_KEY,
+    QUERY_LAYERS_KEY,
     READOUTS_KEY,
     STEER_LAYERS_KEY,
     TAP_LAYERS_KEY,
@@ -109,6 +111,12 @@ def _make_loader_class() -> type:
                 # One table row per request the batch can hold, plus row 0 (no steering).
                 steer_slots=scheduler.max_num_seqs + 1,
             )
+            # The query taps of readouts read at the attention op's input (attn_q).
+            query_layers = [int(layer) for layer in settings.get(QUERY_LAYERS_KEY) or ()]
+            if query_layers:
+                hook.query_buffers = install_query_taps(
+                    model, query_layers, scheduler.max_num_batched_tokens
+                )
             # The readouts' banks, here, inside vLLM's memory profiling: the KV cache is sized
             # around what they hold (an SAE's encoder).
             for source, entry in (self.readouts or {}).items():
@@ -191,6 +199,12 @@ def _unembedding(loader: Any, model_config: Any) -> Any:
     return None
 
 
-_NOT_CAPTURE_CONFIG = (TAP_LAYERS_KEY, STEER_LAYERS_KEY, EXIT_AFTER_KEY, WRITES_KEY)
+_NOT_CAPTURE_CONFIG = (
+    TAP_LAYERS_KEY,
+    STEER_LAYERS_KEY,
+    EXIT_AFTER_KEY,
+    WRITES_KEY,
+    QUERY_LAYERS_KEY,
+)
 
 # The final norm of each family (vLLM's attribute names): a capture-only engine skips it.

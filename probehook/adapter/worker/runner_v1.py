@@ -72,7 +72,38 @@ def step_context(runner: Any, sampled: torch.Tensor | None = None) -> StepContex
         batch.num_tokens_no_spec[:num_reqs],
         runner.device,
         sampled,
+        {"attention": AttentionReader(runner)},
     )
+
+
+class AttentionReader:
+    """``StepContext.parts["attention"]``: what an attention readout reads of decoder layer
+    ``layer`` beyond its query rows, from the runner: a batch request's keys from the layer's
+    paged cache (``keys``) and the kernel's terms (``terms``). The layers' attention modules
+    are found once per runner."""
+
+    def __init__(self, runner: Any) -> None:
+        self.runner = runner
+
+    def attention(self, layer: int) -> Any:
+        found = getattr(self.runner, "_probehook_attention", None)
+        if found is None:
+            from probehook.adapter.worker.kv_cache import attention_of
+            from probehook.adapter.worker.surgery import locate_layers
+
+            found = [attention_of(m) for m in locate_layers(self.runner.get_model())[1]]
+            self.runner._probehook_attention = found
+        return found[layer]
+
+    def keys(self, layer: int, batch_row: int, positions: torch.Tensor) -> torch.Tensor:
+        from probehook.adapter.worker.kv_cache import request_keys
+
+        return request_keys(self.runner, self.attention(layer), batch_row, positions)
+
+    def terms(self, layer: int) -> Any:
+        from probehook.adapter.worker.kv_cache import attention_terms
+
+        return attention_terms(self.attention(layer))
 
 
 def record_step(
@@ -90,8 +121,9 @@ def record_step(
     context = step_context(runner)
     for recorder, plan_for in recorders:
         reads = getattr(recorder.transform, "reads_next_token", False)
+        steps = reads or getattr(recorder.transform, "reads_step", False)
         recorder.record(context.req_ids, context.query_start, context.computed, plan_for,
-                        context if reads else None, defer=reads and defer)  # fmt: skip
+                        context if steps else None, defer=reads and defer)  # fmt: skip
 
 
 def complete_step(

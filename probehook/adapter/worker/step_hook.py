@@ -49,6 +49,9 @@ class StepHook:
         self.recording: dict[str, StepRecorder] = {}
         """The recorder of each source this engine records, in the readout table's order
         (built at load by :meth:`allocate_banks`)."""
+        self.query_buffers: dict[int, torch.Tensor] = {}
+        """Each query-tapped layer's buffer (``attn_q``: the post-RoPE query rows of the
+        step, read by readouts at that site)."""
         self.writers: dict[tuple[str, str], Any] = {}
         """The write table's instances' writers, by ``(request option, instance)``
         (:class:`~probehook.worker.write_table.InstanceWriter`)."""

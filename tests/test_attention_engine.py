@@ -84,12 +84,13 @@ def test_every_row_s_attention_equals_hugging_face_s(monkeypatch, eager: bool) -
 
 
 @pytest.mark.parametrize("eager", [True, False], ids=["eager", "compiled"])
-def test_the_attention_readout_equals_hugging_face_offline(eager: bool) -> None:
+def test_the_attention_readout_equals_hugging_face_offline(eager: bool, tmp_path) -> None:
     """``LLM(attention_layers=[0, 3], attention_top_k=4, include_prefill=True)``: every prompt
     and generated row's ``attention[layer]`` (positions, probs, entropy per head) equals
     Hugging Face's eager ``output_attentions`` of the same tokens; a request that narrows to
     one layer gets that layer; ``"attention": False`` gets none; a layer the engine does not
-    read is refused by name, the engine alive."""
+    read is refused by name, the engine alive. The store keeps every column bit-equal and the
+    viewer shows a block per head with its top keys."""
     from transformers import AutoModelForCausalLM
 
     from probehook import LLM, SamplingParams, tiny_model_path
@@ -97,7 +98,7 @@ def test_the_attention_readout_equals_hugging_face_offline(eager: bool) -> None:
 
     llm = LLM(str(tiny_model_path()), attention_layers=[0, 3], attention_top_k=K,
               include_prefill=True, block_size=32, enforce_eager=eager, max_model_len=64,
-              seed=0, dtype="float32")  # fmt: skip
+              seed=0, dtype="float32", store=tmp_path / "store")  # fmt: skip
     greedy = dict(max_tokens=30, temperature=0, ignore_eos=True)
     try:
         outs = llm.generate(["12+34=", "1+2+3+4+5+6+7+8+9+10="], SamplingParams(**greedy),
@@ -131,6 +132,23 @@ def test_the_attention_readout_equals_hugging_face_offline(eager: bool) -> None:
             assert_readings_match(_readings(prompt), probs[:n], [])
             assert_readings_match(_readings(decode), probs[n - 1 :], [])
     assert off.outputs[0].attention == {} and off.prefill_attention == {}
+    from probehook.store import ActivationStore
+    from probehook.viewer.tokens import request_data
+
+    stored = ActivationStore.open(tmp_path / "store")[outs[0].store_id]
+    for got, want in (
+        (stored.readout("attention")[3], outs[0].outputs[0].attention[3]),
+        (stored.readout("attention", "prefill")[0], outs[0].prefill_attention[0]),
+    ):
+        for name, column in want.columns.items():
+            assert torch.equal(got.columns[name], column), name  # fmt: skip
+    data = request_data(outs[0], str)
+    blocks = {t["name"]: t for t in data["top_k"] if t["name"].startswith("attention")}
+    assert sorted(blocks) == [f"attention {layer} h{h}" for layer in (0, 3) for h in range(4)]
+    n = len(outs[0].prompt_token_ids)
+    first = outs[0].outputs[0].attention[3]
+    assert [p for p, _ in blocks["attention 3 h2"]["rows"][n - 1]] == [
+        p for p in first.positions[0, 2].tolist() if p >= 0]  # fmt: skip
 
 
 def _readings(rows: Any) -> Any:

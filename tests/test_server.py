@@ -137,6 +137,7 @@ def server(
     # engine option generates
     argv += ["--norms", "n3=3", "--peaks", "p3=3:4"]  # the per-head toy readout too
     argv += ["--scale-layers", "[1]"]  # the toy intervention (tests/toy_intervention.py)
+    argv += ["--attention-layers", "3", "--attention-top-k", "4"]  # (test_attention_is_served)
     argv += ["--store", str(work / "store"), "--store-flush-interval", "0.5"]
     argv += ["--capture-default", json.dumps(DEFAULT)]
     argv += ["--chat-template", str(work / "chat.jinja"), "--served-model-name", "tiny"]
@@ -613,7 +614,9 @@ def test_malformed_options_storm(client, server, offline) -> None:
     options = {o: name for name, r in readouts.items() for o in r["options"]}
     assert options == {"lenses": "lenses", "lens_top_k": "lenses", "lens_layers": "lenses",
                        "norms": "norms", "norms_top_k": "norms", "saes": "saes",
-                       "sae_top_k": "saes", "peaks": "peaks", "peaks_top_k": "peaks"}  # fmt: skip
+                       "sae_top_k": "saes", "peaks": "peaks", "peaks_top_k": "peaks",
+                       "attention": "attention_layers", "attention_top_k": "attention_layers",
+                       "attention_layers": "attention_layers"}  # fmt: skip
     with urllib.request.urlopen(f"{server.base_url}/probehook") as reply:
         writes = list(json.load(reply)["writes"])  # the write table's entries' options too
     assert writes == ["clamp", "scale"]
@@ -725,6 +728,10 @@ def test_reserved_xargs_key_and_info_route(client, server) -> None:
     assert (saes["name"], saes["attribute"], saes["flags"]) == ("sae", "sae_features",
                                                                 "feature_flags")  # fmt: skip
     assert saes["columns"] == ["indices", "values", "l0"] and saes["served"] == {"res3": ["res3"]}
+    attention = info["readouts"].pop("attention_layers")  # attention per head (issue 51)
+    assert attention["options"] == ["attention", "attention_top_k", "attention_layers"]
+    assert (attention["names"], attention["layers"], attention["k"]) == (["attention"], [3], 4)
+    assert attention["columns"] == ["positions", "probs", "entropy"]
     assert info["readouts"] == {"lenses": lenses, "norms": norms, "peaks": peaks}
     assert info["saes"] == ["res3"] and info["lenses"] == ["j", "logit"]
     # The server is still serving after every refusal above.
@@ -1059,6 +1066,47 @@ def test_a_registered_readout_is_served_in_choices_and_chunks(client) -> None:
         extra = chunk.choices[0].model_extra or {}
         joined += extra.get("probehook", {}).get("chunk_peaks", {}).get("p3", {}).get("mean", [])
     assert joined == field(choice)["chunk_peaks"]["p3"]["mean"]
+
+
+def test_attention_is_served(client, llama_dir: Path) -> None:
+    """``--attention-layers 3``: a request's ``"attention": true`` gets each prompt and
+    generated token's attention per head in its choice (``attention`` and
+    ``prefill_attention``, by layer), equal to Hugging Face's eager attention on the tokens the
+    server returned alongside; streamed chunks carry the same rows; unasked, none."""
+    from transformers import AutoModelForCausalLM
+
+    from probehook.outputs.attention import AttentionRows
+
+    options = {"attention": True, "include_prefill": True}
+    body = {**ignore_eos(options), "return_token_ids": True}
+    choice = client.completions.create(prompt=prompts(8)[1], extra_body=body, **greedy()).choices[0]
+    got = field(choice)
+    assert sorted(got) == ["attention", "prefill_attention"]
+    prompt_ids, token_ids = choice.model_extra["prompt_token_ids"], choice.model_extra["token_ids"]
+    hf = AutoModelForCausalLM.from_pretrained(str(llama_dir), dtype=torch.float32,
+                                              attn_implementation="eager")  # fmt: skip
+    with torch.no_grad():
+        want = hf(torch.tensor([[*prompt_ids, *token_ids[:-1]]]), output_attentions=True)
+    probs = want.attentions[3][0].transpose(0, 1)  # [rows, heads, keys]
+    n = len(prompt_ids)
+    for rows, expected in ((got["prefill_attention"]["3"], probs[:n]),
+                           (got["attention"]["3"], probs[n - 1 :])):  # fmt: skip
+        read = AttentionRows.from_columns(rows)
+        top = expected.topk(4, dim=-1).values
+        torch.testing.assert_close(read.probs, top, rtol=0, atol=1e-4)
+        taken = expected.gather(-1, read.positions.clamp(min=0))  # each position's probability
+        torch.testing.assert_close(taken, read.probs, rtol=0, atol=1e-4)
+        entropy = -(expected * expected.clamp_min(1e-30).log()).sum(-1)
+        torch.testing.assert_close(read.entropy, entropy, rtol=0, atol=1e-4)
+    streamed = client.completions.create(prompt=prompts(8)[1], extra_body=body, stream=True,
+                                         **greedy())  # fmt: skip
+    joined = []
+    for chunk in streamed:
+        extra = (chunk.choices[0].model_extra or {}).get("probehook", {})
+        joined += extra.get("attention", {}).get("3", {}).get("entropy", [])
+    assert joined == got["attention"]["3"]["entropy"]
+    plain = client.completions.create(prompt=prompts(8)[1], extra_body=ignore_eos(), **greedy())
+    assert "attention" not in field(plain.choices[0])  # opt-in
 
 
 def test_a_registered_intervention_is_served(client) -> None:

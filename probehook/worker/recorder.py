@@ -364,7 +364,9 @@ class StepRecorder:
             plan_for: builds the plan of a request seen for the first time (None: no capture).
             context: the step's context, for a transform that reads each row's next token
                 (``reads_next_token``): it gets the kept rows' next tokens on the device and,
-                on the host, which of them wait for this step's sampling (``unknown``).
+                on the host, which of them wait for this step's sampling (``unknown``); or
+                that reads the step (``reads_step``): it gets the context and the kept rows'
+                flat indices.
             defer: hold the step's rows on the device until :meth:`complete` (the
                 transform fills what the step's sampling decides: a lens's target log-prob
                 of the token sampled from a request's newest row); :attr:`step_rows` are

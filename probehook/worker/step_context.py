@@ -7,9 +7,9 @@ which request and position each row is, the token that came after it (known befo
 for a prompt row or an older position; drawn by this step's sampling for a request's newest
 row) and, on the host, which rows wait for that draw, so a bank never asks the device which
 rows those are (a host sync a step on a GPU). The phases: :meth:`StepContext.with_sampled`
-is the same step after sampling. What the next readouts read lives here too, as the adapter
-provides it (``parts``: the attention layers' KV caches and block tables, the tensor-parallel
-rank), so a readout that needs them declares it and the table hands them over.
+is the same step after sampling. What a readout reads beyond its rows lives here too, as the
+adapter provides it (``parts``: the attention readout's reader of keys from the paged KV cache),
+so a readout that needs it declares it (``reads_step``) and the table hands it over.
 
 No vLLM imports.
 """
@@ -44,8 +44,9 @@ class StepContext:
     """``[len(req_ids), >= 1]``: this step's sampled tokens (None: before sampling, or a step
     that samples nothing)."""
     parts: Mapping[str, Any] = field(default_factory=dict)
-    """What else the adapter hands the readouts that declare they need it (by name: the
-    attention layers' ``"kv_caches"``, the requests' ``"block_table"``, ``"tp_rank"``)."""
+    """What else the adapter hands the readouts that read the step (``reads_step``), by name:
+    ``"attention"``, the reader of a batch request's keys from a layer's paged cache and of
+    the layer's kernel terms (``probehook.adapter.worker.runner_v1.AttentionReader``)."""
 
     def request_of(self, rows: np.ndarray) -> np.ndarray:
         """Each row's request, as its batch index."""

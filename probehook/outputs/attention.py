@@ -63,6 +63,7 @@ class AttentionReadout(TopKReadout):
     extra_request_options = ("attention_layers",)
     default_k = DEFAULT_TOP_K
     max_k = MAX_TOP_K
+    top_k_option = "attention_top_k"
     row_type = AttentionRows
     site = "attn_q"
     reads_step = True
@@ -75,14 +76,6 @@ class AttentionReadout(TopKReadout):
         '{"attention": true}): "2,5" or "all"',
         "attention_top_k": f"key positions a head keeps per token (default {DEFAULT_TOP_K})",
     }
-
-    @property
-    def k_option(self) -> str:
-        return "attention_top_k"
-
-    @property
-    def request_k_option(self) -> str:
-        return "attention_top_k"
 
     def cli_value(self, option: str, text: str) -> Any:
         if option == self.engine_option:

@@ -163,6 +163,7 @@ class LensReadout(TopKReadout):
     extra_request_options = ("lens_layers",)
     default_k = 5
     max_k = MAX_LENS_TOP_K
+    top_k_option = "lens_top_k"
     row_type = LensRows
     reads_next_token = True
     entries_are_tokens = True
@@ -184,14 +185,6 @@ class LensReadout(TopKReadout):
         "runs in the model's)",
     }
     cli_choices = {"lens_dtype": tuple(d for d in MAP_DTYPES if d is not None)}
-
-    @property
-    def k_option(self) -> str:
-        return "lens_top_k"
-
-    @property
-    def request_k_option(self) -> str:
-        return "lens_top_k"
 
     def cli_value(self, option: str, text: str) -> Any:
         if option == "lens_layers":

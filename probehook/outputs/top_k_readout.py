@@ -43,6 +43,9 @@ class TopKReadout(OutputProcessor):
     :meth:`instances`."""
     extra_request_options: ClassVar[tuple[str, ...]] = ()
     """Further per-request options (a lens's ``lens_layers``), handed to :meth:`pick`."""
+    top_k_option: ClassVar[str] = ""
+    """The one name of k's engine and request options (``lens_top_k``, ``sae_top_k``,
+    ``attention_top_k``); empty: ``<engine_option>_top_k`` and ``<request_option>_top_k``."""
     default_k: ClassVar[int] = 8
     """Entries kept per token (the engine's ``<engine_option>_top_k`` may change it)."""
     max_k: ClassVar[int] = 256
@@ -196,14 +199,15 @@ class TopKReadout(OutputProcessor):
 
     @property
     def k_option(self) -> str:
-        """The engine keyword argument for k: ``<engine_option>_top_k``."""
-        return f"{self.engine_option}_top_k"
+        """The engine keyword argument for k: :attr:`top_k_option`, else
+        ``<engine_option>_top_k``."""
+        return self.top_k_option or f"{self.engine_option}_top_k"
 
     @property
     def request_k_option(self) -> str:
         """The per-request option for k (at most the engine's: the first k of its rows):
-        ``<request_option>_top_k`` (a lens's ``lens_top_k``, as its engine option)."""
-        return f"{self.request_option}_top_k"
+        :attr:`top_k_option`, else ``<request_option>_top_k``."""
+        return self.top_k_option or f"{self.request_option}_top_k"
 
     def instances(
         self,

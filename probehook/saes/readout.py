@@ -105,6 +105,7 @@ class SAEReadout(TopKReadout):
     extra_engine_options = ("sae_dtype",)
     default_k = DEFAULT_TOP_K
     max_k = 4096
+    top_k_option = "sae_top_k"
     monitor = FeatureMonitor
     flags_attribute = "feature_flags"
     # Rank 0 reads every row; the others read only the rows a stop monitor watches (every
@@ -124,14 +125,6 @@ class SAEReadout(TopKReadout):
         "sae_dtype": "the SAE encoder GEMM's dtype in the worker (default: each SAE's own)",
     }
     cli_choices = {"sae_dtype": tuple(d for d in ENCODER_DTYPES if d is not None)}
-
-    @property
-    def k_option(self) -> str:
-        return "sae_top_k"
-
-    @property
-    def request_k_option(self) -> str:
-        return "sae_top_k"
 
     def named_specs(self, value: Any) -> dict[str, Any]:
         """``saes=`` as given: a dict name -> SAE (or its folder), or a list of named SAEs;

@@ -166,35 +166,47 @@ class ServerProcess:
         program: str = "probehook",
     ):
         import os
+        import sys
+
+        self.log = Path(log)
+        self._env = {"VLLM_CPU_KVCACHE_SPACE": "1", **os.environ, **(env or {})}
+        if program == "probehook":
+            self._command = [sys.executable, "-m", "probehook.cli", "serve", *argv]
+        else:  # vLLM's server module: the `vllm` command looks up a "vllm" distribution,
+            # and the CPU build's is "vllm-cpu"
+            entry = "vllm.entrypoints.launchers.api_server.entry"
+            self._command = [sys.executable, "-m", entry, "--model", argv[0], *argv[1:]]
+        self._start()
+
+    def _start(self) -> None:
+        """Launch on a port free a moment ago (another process may take it before the server
+        binds it: :meth:`wait` starts it again on another)."""
         import socket
         import subprocess
-        import sys
 
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.base_url = f"http://127.0.0.1:{self.port}/v1"
-        self.log = Path(log)
-        full_env = {"VLLM_CPU_KVCACHE_SPACE": "1", **os.environ, **(env or {})}
-        if program == "probehook":
-            command = [sys.executable, "-m", "probehook.cli", "serve", *argv]
-        else:  # vLLM's server module: the `vllm` command looks up a "vllm" distribution,
-            # and the CPU build's is "vllm-cpu"
-            entry = "vllm.entrypoints.launchers.api_server.entry"
-            command = [sys.executable, "-m", entry, "--model", argv[0], *argv[1:]]
-        command += ["--host", "127.0.0.1", "--port", str(self.port)]
+        command = [*self._command, "--host", "127.0.0.1", "--port", str(self.port)]
         with open(self.log, "wb") as out:
             self.process = subprocess.Popen(  # its own process group: see kill()
-                command, stdout=out, stderr=subprocess.STDOUT, env=full_env, start_new_session=True
-            )
+                command, stdout=out, stderr=subprocess.STDOUT, env=self._env,
+                start_new_session=True,
+            )  # fmt: skip
 
     def wait(self, timeout: float = 600.0) -> ServerProcess:
         import time
         import urllib.request
 
         deadline = time.monotonic() + timeout
+        restarts = 0
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
+                if "Address already in use" in self.tail() and restarts < 3:
+                    restarts += 1  # its port was taken between choosing and binding
+                    self._start()
+                    continue
                 raise RuntimeError(f"probehook serve exited:\n{self.tail()}")
             try:
                 with urllib.request.urlopen(f"{self.base_url}/models", timeout=5):

@@ -85,63 +85,92 @@ def test_every_row_s_attention_equals_hugging_face_s(monkeypatch, eager: bool) -
 
 @pytest.mark.parametrize("eager", [True, False], ids=["eager", "compiled"])
 def test_the_attention_readout_equals_hugging_face_offline(eager: bool, tmp_path) -> None:
-    """``LLM(attention_layers=[0, 3], attention_top_k=4, include_prefill=True)``: every prompt
-    and generated row's ``attention[layer]`` (positions, probs, entropy per head) equals
-    Hugging Face's eager ``output_attentions`` of the same tokens; a request that narrows to
-    one layer gets that layer; ``"attention": False`` gets none; a layer the engine does not
-    read is refused by name, the engine alive. The store keeps every column bit-equal and the
-    viewer shows a block per head with its top keys."""
+    """``LLM(attention_layers=[0, 3], attention_top_k=4, include_prefill=True)`` (compiled:
+    with ``attention_min_p=0.05``): every prompt and generated row's ``attention[layer]``
+    (positions, probs, entropy per head) equals Hugging Face's eager ``output_attentions`` of
+    the same tokens; a request that narrows to one layer gets that layer, one that names heads
+    gets those (a list: every layer; ``{layer: heads}``: that layer), one that names spans gets
+    their masses; ``"attention": False`` gets none; each bad option is refused by name, the
+    engine alive. The store keeps every column, heads and spans bit-equal and the viewer
+    shows a block per head with its top keys."""
     from transformers import AutoModelForCausalLM
 
     from probehook import LLM, SamplingParams, tiny_model_path
     from probehook.errors import CaptureConfigError
 
+    min_p = 0.0 if eager else 0.05
     llm = LLM(str(tiny_model_path()), attention_layers=[0, 3], attention_top_k=K,
               include_prefill=True, block_size=32, enforce_eager=eager, max_model_len=64,
-              seed=0, dtype="float32", store=tmp_path / "store")  # fmt: skip
+              seed=0, dtype="float32", store=tmp_path / "store",
+              **({} if eager else {"attention_min_p": min_p}))  # fmt: skip
     greedy = dict(max_tokens=30, temperature=0, ignore_eos=True)
+
+    def asking(**options: Any) -> Any:
+        return SamplingParams(**greedy, extra_args={"probehook": options})
+
+    spans = {"head": [0, 3], "tail": [5, 40]}
     try:
         outs = llm.generate(["12+34=", "1+2+3+4+5+6+7+8+9+10="], SamplingParams(**greedy),
                             use_tqdm=False)  # fmt: skip
-        narrowed, off = llm.generate(["12+34="] * 2, [
-            SamplingParams(**greedy, extra_args={"probehook": {"attention_layers": [3]}}),
-            SamplingParams(**greedy, extra_args={"probehook": {"attention": False}})],
-            use_tqdm=False)  # fmt: skip
-        with pytest.raises(CaptureConfigError, match=r"names layer\(s\) \[1\], whose attention"):
-            llm.generate(
-                "1+1=", SamplingParams(extra_args={"probehook": {"attention_layers": [1]}})
-            )
+        narrowed, off, by_layer, listed = llm.generate(["12+34="] * 4, [
+            asking(attention_layers=[3]), asking(attention=False),
+            asking(attention_heads={3: [3, 1]}, attention_spans=spans),
+            asking(attention_heads=[2])], use_tqdm=False)  # fmt: skip
+        for options, match in [
+            ({"attention_layers": [1]}, r"names layer\(s\) \[1\], whose attention"),
+            ({"attention_heads": [4]}, r"head\(s\) \[4\] of layer 0, which has 4 query heads"),
+            ({"attention_heads": {1: [0]}}, r"names layer 1, whose attention this request"),
+            ({"attention_heads": []}, r"non-empty list of distinct query heads in 0\.\.3"),
+            ({"attention_spans": {"s": [5, 5]}}, r"'s': \[5, 5\] is not a span"),
+            ({"attention_spans": {"s": [0, 2.5]}}, r"'s': \[0, 2\.5\] is not a span"),
+            ({"attention_spans": {f"s{i}": [0, 1] for i in range(17)}}, r"17 spans; at most 16"),
+            ({"attention_top_k": K + 1}, rf"attention_top_k={K + 1} is not valid: .*1\.\.{K}"),
+        ]:
+            with pytest.raises(CaptureConfigError, match=match):
+                llm.generate("1+1=", asking(**options))
         assert llm.generate("1+1=", SamplingParams(max_tokens=1))[0].outputs[0].text is not None
     finally:
         llm.shutdown()
     hf = AutoModelForCausalLM.from_pretrained(str(tiny_model_path()), dtype=torch.float32,
                                               attn_implementation="eager")  # fmt: skip
-    for out in [*outs, narrowed]:
+    heads_of = {
+        id(narrowed): {3: (0, 1, 2, 3)},
+        id(by_layer): {0: (0, 1, 2, 3), 3: (1, 3)},
+        id(listed): {0: (2,), 3: (2,)},
+    }
+    for out in [*outs, narrowed, by_layer, listed]:
         ids = [*out.prompt_token_ids, *out.outputs[0].token_ids[:-1]]
         n = len(out.prompt_token_ids)
         with torch.no_grad():
             want = hf(torch.tensor([ids]), output_attentions=True).attentions
-        layers = [3] if out is narrowed else [0, 3]
+        heads = heads_of.get(id(out), {0: (0, 1, 2, 3), 3: (0, 1, 2, 3)})
+        named = list(spans) if out is by_layer else []
         assert (
-            sorted(out.outputs[0].attention) == layers and out.attention is out.outputs[0].attention
+            sorted(out.outputs[0].attention) == sorted(heads)
+            and out.attention is out.outputs[0].attention
         )
-        for layer in layers:
-            probs = want[layer][0].transpose(0, 1)  # [rows, heads, keys]
+        for layer, chosen in heads.items():
+            probs = want[layer][0].transpose(0, 1)[:, list(chosen)]  # [rows, heads, keys]
             prompt, decode = out.prefill_attention[layer], out.outputs[0].attention[layer]
-            assert prompt.positions.shape == (n, 4, K) and decode.heads == (0, 1, 2, 3)
-            assert_readings_match(_readings(prompt), probs[:n], [])
-            assert_readings_match(_readings(decode), probs[n - 1 :], [])
+            assert prompt.positions.shape == (n, len(chosen), K) and decode.heads == chosen
+            assert list(decode.spans) == named and list(prompt.spans) == named
+            bounds = [tuple(spans[name]) for name in named]
+            assert_readings_match(_readings(prompt), probs[:n], bounds, min_p)
+            assert_readings_match(_readings(decode), probs[n - 1 :], bounds, min_p)
     assert off.outputs[0].attention == {} and off.prefill_attention == {}
     from probehook.store import ActivationStore
     from probehook.viewer.tokens import request_data
 
-    stored = ActivationStore.open(tmp_path / "store")[outs[0].store_id]
-    for got, want in (
-        (stored.readout("attention")[3], outs[0].outputs[0].attention[3]),
-        (stored.readout("attention", "prefill")[0], outs[0].prefill_attention[0]),
-    ):
-        for name, column in want.columns.items():
-            assert torch.equal(got.columns[name], column), name  # fmt: skip
+    store = ActivationStore.open(tmp_path / "store")
+    for out, layer in ((outs[0], 3), (by_layer, 3), (by_layer, 0)):
+        stored = store[out.store_id]
+        for got, want in (
+            (stored.readout("attention")[layer], out.outputs[0].attention[layer]),
+            (stored.readout("attention", "prefill")[layer], out.prefill_attention[layer]),
+        ):
+            assert got.heads == want.heads and list(got.spans) == list(want.spans)
+            for name, column in want.columns.items():
+                assert torch.equal(got.columns[name], column), name  # fmt: skip
     data = request_data(outs[0], str)
     blocks = {t["name"]: t for t in data["top_k"] if t["name"].startswith("attention")}
     assert sorted(blocks) == [f"attention {layer} h{h}" for layer in (0, 3) for h in range(4)]
@@ -152,8 +181,7 @@ def test_the_attention_readout_equals_hugging_face_offline(eager: bool, tmp_path
 
 
 def _readings(rows: Any) -> Any:
-    """The readout's rows as ``head_readings`` gives them (no spans yet)."""
+    """The readout's rows as ``head_readings`` gives them."""
     from probehook.worker.attention_rows import HeadReadings
 
-    return HeadReadings(rows.positions, rows.probs, rows.entropy,
-                        torch.zeros(*rows.entropy.shape, 0))  # fmt: skip
+    return HeadReadings(rows.positions, rows.probs, rows.entropy, rows.span_mass)

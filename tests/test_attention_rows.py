@@ -15,15 +15,20 @@ from probehook.worker.attention_rows import AttentionTerms, head_readings
 K = 4
 
 
-def assert_readings_match(got, probs: torch.Tensor, spans: list[tuple[int, int]]) -> None:
+def assert_readings_match(
+    got, probs: torch.Tensor, spans: list[tuple[int, int]], min_p: float = 0.0
+) -> None:
     """``got`` against a reference ``probs`` ``[rows, heads, keys]`` (keys at positions
-    0..keys-1): top-k sets where the probabilities are more than 1e-5 apart, probabilities,
-    entropy and span masses within 1e-4."""
+    0..keys-1): top-k sets where the probabilities are more than 1e-5 apart (those under
+    ``min_p`` left out), probabilities, entropy and span masses within 1e-4."""
     top, at = probs.topk(min(K, probs.shape[-1]), dim=-1)
-    torch.testing.assert_close(got.probs[..., : top.shape[-1]], top, rtol=0, atol=1e-4)
+    kept = torch.where(top >= min_p, top, 0.0)
+    torch.testing.assert_close(got.probs[..., : top.shape[-1]], kept, rtol=0, atol=1e-4)
     for r, h in zip(*torch.where(torch.ones(probs.shape[:2], dtype=torch.bool)), strict=True):
-        wanted = {int(p) for p, v in zip(at[r, h], top[r, h], strict=True) if v > 1e-5}
+        wanted = {int(p) for p, v in zip(at[r, h], top[r, h], strict=True)
+                  if v > 1e-5 and v > min_p + 1e-5}  # fmt: skip
         read = {int(p) for p in got.positions[r, h] if p >= 0}
+        assert all(probs[r, h, p] >= min_p - 1e-5 for p in read)
         # ties may swap: every position read is within 1e-5 of the k-th probability or above
         assert wanted - read <= {
             int(p) for p in at[r, h] if abs(probs[r, h, p] - top[r, h, -1]) < 1e-5
@@ -126,3 +131,49 @@ def test_min_p_keeps_only_keys_that_likely() -> None:
     assert ((kept.positions >= 0) == (every.probs >= 0.2)).all()
     assert torch.equal(kept.positions[kept.positions >= 0], every.positions[every.probs >= 0.2])
     assert (kept.probs[kept.positions < 0] == 0).all()
+
+
+def test_a_request_s_heads_and_spans_keep_their_labels_in_every_form() -> None:
+    """The rows the worker reads (every head, every span slot) cut to a request's heads and
+    spans (``AttentionReadout.view``) carry which heads and spans they are through a cut of
+    tokens, a join, the served JSON and base64 forms and back."""
+    from probehook.outputs.attention import MAX_SPANS, AttentionReadout, AttentionRows
+    from probehook.outputs.top_k import compact_top_k, json_top_k
+
+    n, heads = 5, 4
+    generator = torch.Generator().manual_seed(0)
+    full = AttentionRows.of_columns({
+        "positions": torch.randint(0, 9, (n, heads, K), generator=generator),
+        "probs": torch.rand(n, heads, K, generator=generator),
+        "entropy": torch.rand(n, heads, generator=generator),
+        "span_mass": torch.rand(n, heads, MAX_SPANS, generator=generator)})  # fmt: skip
+    readout = AttentionReadout()
+    terms = readout.request_terms(
+        ["3"],
+        {"attention_heads": {3: [3, 1]}, "attention_spans": {"a": [0, 2], "b": [1, 9]}},
+        {"3": {"layer": 3, "heads": heads, "spans": MAX_SPANS, "num_layers": 4}},
+    )
+    rows = readout.view(full, {"layer": 3}, terms)
+    assert rows.heads == (1, 3) and list(rows.spans) == ["a", "b"]
+    assert torch.equal(rows.spans["b"], full.span_mass[:, [1, 3], 1])
+    assert torch.equal(rows.positions, full.positions[:, [1, 3]])
+    for same in (
+        AttentionRows.cat([rows.rows(0, 2), rows.rows(2)]),
+        AttentionRows.from_columns(json_top_k(rows)),
+        AttentionRows.from_columns(compact_top_k({"3": rows})["3"]),
+    ):
+        assert same.heads == (1, 3) and list(same.spans) == ["a", "b"]
+        for name, column in rows.columns.items():
+            torch.testing.assert_close(same.columns[name], column, rtol=0, atol=0)
+    plain = readout.view(full, {"layer": 3}, None)  # no terms: every head, no span
+    assert plain.heads == (0, 1, 2, 3) and plain.spans == {} and plain.span_mass.shape == (n, 4, 0)
+
+
+@pytest.mark.parametrize("min_p", [1.0, -0.1, "0.1", True])
+def test_a_bad_min_p_is_refused_by_name(min_p) -> None:
+    from probehook.errors import CaptureConfigError
+    from probehook.outputs.attention import AttentionReadout
+
+    with pytest.raises(CaptureConfigError, match=r"attention_min_p=.* is not valid: .*\[0, 1\)"):
+        AttentionReadout().instances({"layers": [0]}, {"attention_min_p": min_p}, num_layers=4,
+                                     hidden_size=8, model_name=None)  # fmt: skip

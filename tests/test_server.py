@@ -616,7 +616,9 @@ def test_malformed_options_storm(client, server, offline) -> None:
                        "norms": "norms", "norms_top_k": "norms", "saes": "saes",
                        "sae_top_k": "saes", "peaks": "peaks", "peaks_top_k": "peaks",
                        "attention": "attention_layers", "attention_top_k": "attention_layers",
-                       "attention_layers": "attention_layers"}  # fmt: skip
+                       "attention_layers": "attention_layers",
+                       "attention_heads": "attention_layers",
+                       "attention_spans": "attention_layers"}  # fmt: skip
     with urllib.request.urlopen(f"{server.base_url}/probehook") as reply:
         writes = list(json.load(reply)["writes"])  # the write table's entries' options too
     assert writes == ["clamp", "scale"]
@@ -729,7 +731,8 @@ def test_reserved_xargs_key_and_info_route(client, server) -> None:
                                                                 "feature_flags")  # fmt: skip
     assert saes["columns"] == ["indices", "values", "l0"] and saes["served"] == {"res3": ["res3"]}
     attention = info["readouts"].pop("attention_layers")  # attention per head (issue 51)
-    assert attention["options"] == ["attention", "attention_top_k", "attention_layers"]
+    assert attention["options"] == ["attention", "attention_top_k", "attention_layers",
+                                    "attention_heads", "attention_spans"]  # fmt: skip
     assert (attention["names"], attention["layers"], attention["k"]) == (["attention"], [3], 4)
     assert attention["columns"] == ["positions", "probs", "entropy"]
     assert info["readouts"] == {"lenses": lenses, "norms": norms, "peaks": peaks}
@@ -1071,13 +1074,17 @@ def test_a_registered_readout_is_served_in_choices_and_chunks(client) -> None:
 def test_attention_is_served(client, llama_dir: Path) -> None:
     """``--attention-layers 3``: a request's ``"attention": true`` gets each prompt and
     generated token's attention per head in its choice (``attention`` and
-    ``prefill_attention``, by layer), equal to Hugging Face's eager attention on the tokens the
-    server returned alongside; streamed chunks carry the same rows; unasked, none."""
+    ``prefill_attention``, by layer), of the heads it names (``{"3": [1]}``, a JSON key) with
+    the mass on the spans it names, equal to Hugging Face's eager attention on the tokens the
+    server returned alongside; streamed chunks carry the same rows; a bad span is a 400
+    naming it; unasked, none."""
+    import openai
     from transformers import AutoModelForCausalLM
 
     from probehook.outputs.attention import AttentionRows
 
-    options = {"attention": True, "include_prefill": True}
+    options = {"attention": True, "include_prefill": True, "attention_heads": {"3": [1]},
+               "attention_spans": {"start": [0, 2], "rest": [2, 60]}}  # fmt: skip
     body = {**ignore_eos(options), "return_token_ids": True}
     choice = client.completions.create(prompt=prompts(8)[1], extra_body=body, **greedy()).choices[0]
     got = field(choice)
@@ -1087,11 +1094,15 @@ def test_attention_is_served(client, llama_dir: Path) -> None:
                                               attn_implementation="eager")  # fmt: skip
     with torch.no_grad():
         want = hf(torch.tensor([[*prompt_ids, *token_ids[:-1]]]), output_attentions=True)
-    probs = want.attentions[3][0].transpose(0, 1)  # [rows, heads, keys]
+    probs = want.attentions[3][0].transpose(0, 1)[:, [1]]  # [rows, heads, keys]
     n = len(prompt_ids)
     for rows, expected in ((got["prefill_attention"]["3"], probs[:n]),
                            (got["attention"]["3"], probs[n - 1 :])):  # fmt: skip
         read = AttentionRows.from_columns(rows)
+        assert read.heads == (1,) and list(read.spans) == ["start", "rest"]
+        for name, (lo, hi) in options["attention_spans"].items():
+            torch.testing.assert_close(read.spans[name], expected[..., lo:hi].sum(-1),
+                                       rtol=0, atol=1e-4)  # fmt: skip
         top = expected.topk(4, dim=-1).values
         torch.testing.assert_close(read.probs, top, rtol=0, atol=1e-4)
         taken = expected.gather(-1, read.positions.clamp(min=0))  # each position's probability
@@ -1106,6 +1117,9 @@ def test_attention_is_served(client, llama_dir: Path) -> None:
         extra = (chunk.choices[0].model_extra or {}).get("probehook", {})
         joined += extra.get("attention", {}).get("3", {}).get("entropy", [])
     assert joined == got["attention"]["3"]["entropy"]
+    bad = {**options, "attention_spans": {"start": [4, 2]}}
+    with pytest.raises(openai.BadRequestError, match=r"'start': \[4, 2\] is not a span"):
+        client.completions.create(prompt="1+1=", extra_body=ignore_eos(bad), **greedy())
     plain = client.completions.create(prompt=prompts(8)[1], extra_body=ignore_eos(), **greedy())
     assert "attention" not in field(plain.choices[0])  # opt-in
 

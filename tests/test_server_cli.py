@@ -317,8 +317,10 @@ def test_a_registered_readout_gets_its_flags_with_no_edit_in_probehook() -> None
         assert lens["lenses"] == {"l": "logit"} and lens["lens_layers"] == [1, 2]
         # a readout whose instances' flag takes one value (attention's layers, not NAME=SPEC)
         attention = capture_kwargs(parser.parse_args(["--attention-layers", "0,3",
-                                                      "--attention-top-k", "4"]))  # fmt: skip
+                                                      "--attention-top-k", "4",
+                                                      "--attention-min-p", "0.005"]))  # fmt: skip
         assert attention["attention_layers"] == [0, 3] and attention["attention_top_k"] == 4
+        assert attention["attention_min_p"] == 0.005
         with pytest.raises(SystemExit, match="--attention-top-k needs --attention-layers"):
             capture_kwargs(parser.parse_args(["--attention-top-k", "4"]))
     finally:

@@ -204,12 +204,23 @@ class RequestOptions:
 
 
 def _hashable(value: Any) -> Any:
-    """A JSON-like value with its lists (and arrays) as tuples: options are hashed."""
+    """A JSON-like value with its lists (and arrays) as tuples and its dicts as
+    :class:`FrozenDict`: options are hashed."""
     if hasattr(value, "tolist") and not isinstance(value, str):
         value = value.tolist()
     if isinstance(value, (list, tuple)):
         return tuple(_hashable(v) for v in value)
+    if isinstance(value, Mapping):
+        return FrozenDict({k: _hashable(v) for k, v in value.items()})
     return value
+
+
+class FrozenDict(dict):
+    """A dict of a request's options (``attention_spans``) that hashes, by its items in
+    order: equal options memoise alike."""
+
+    def __hash__(self) -> int:  # type: ignore[override]
+        return hash(tuple(self.items()))
 
 
 def _user_layers(value: Any) -> tuple[int, ...] | str:
@@ -356,6 +367,9 @@ class RequestWire:
     """Monitors of the top-k rows the request reads (feature monitors, lens monitors), each
     with its instance's slot in the worker's bank of that source (where the stop processor
     finds the watched value)."""
+    readout_terms: Mapping[str, Mapping[str, Any]] | None = None
+    """What the request's further readout options ask of the rows, ``{source: terms}`` (JSON,
+    as ``TopKReadout.request_terms`` gave them: attention's heads and spans)."""
 
     def to_wire(self) -> WireDict:
         wire = WireDict(
@@ -386,6 +400,8 @@ class RequestWire:
                 {"source": m.source, **m.to_dict(), "slot": slot}
                 for m, slot in self.readout_monitors
             ]
+        if self.readout_terms:
+            wire["readout_terms"] = {s: dict(t) for s, t in self.readout_terms.items()}
         return wire
 
     def readout(self, source: str) -> tuple[str, ...]:
@@ -404,6 +420,7 @@ class RequestWire:
         known.add("readouts")
         known.add("readout_top_k")
         known.add("readout_monitors")
+        known.add("readout_terms")
         known.update(STEER_KEYS)
         unknown = [k for k in value if k not in known and k not in CAPTURE_KEYS]
         if unknown:
@@ -477,6 +494,12 @@ class RequestWire:
                 readout_monitors.append((kind(**fields_), slot))
             except TypeError as e:
                 raise CaptureConfigError(f"readout monitor {_show(m)}: {e}") from None
+        readout_terms = value.get("readout_terms")
+        if readout_terms is not None and not (
+            isinstance(readout_terms, Mapping)
+            and all(isinstance(s, str) and isinstance(t, Mapping) for s, t in readout_terms.items())
+        ):
+            raise CaptureConfigError(f"readout_terms={_show(readout_terms)} is not a dict of dicts")
         writes = value.get("writes")
         if writes is not None and not (
             isinstance(writes, Mapping)
@@ -502,6 +525,7 @@ class RequestWire:
             tuple((source, tuple(names)) for source, names in readouts.items() if names),
             tuple(sorted((source, int(k)) for source, k in readout_top_k.items())),
             tuple(readout_monitors),
+            readout_terms or None,
         )
 
 

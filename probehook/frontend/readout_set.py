@@ -24,6 +24,8 @@ class RequestReadout:
     k: int
     monitors: tuple[Any, ...] = ()
     """The monitors of its instances that watch the request (lens monitors)."""
+    terms: Mapping[str, Any] | None = None
+    """What its further options ask of the rows (``TopKReadout.request_terms``: JSON)."""
 
     @property
     def stops(self) -> bool:
@@ -139,6 +141,7 @@ class ReadoutSet:
         names = select_names(picked, readout.pickable(self.instances), readout.request_option,
                              self.noun, readout.instance_error)  # fmt: skip
         names = readout.narrow(names, extras, self.instances)  # checks extras
+        terms = readout.request_terms(list(names), extras, self.instances)
         if monitors is None:
             mine = tuple(m for m in self.monitors if m.instance in names)
         else:
@@ -151,7 +154,7 @@ class ReadoutSet:
                     f"This request's monitors watch {off}, which the request does not read "
                     f"({readout.request_option}: {list(names)}); ask for them too."
                 )
-        return RequestReadout(tuple(names), k, mine) if names else None
+        return RequestReadout(tuple(names), k, mine, terms) if names else None
 
     def _request_k(self, asked: Any) -> int:
         """A request's k of this readout: the first ``asked`` entries of the engine's ``k``
@@ -172,10 +175,15 @@ class ReadoutSet:
         unpack = self.readout.row_type.unpack
         return self.readout.present(
             {
-                name: unpack(rows, request.k, self.sizes(name))
+                name: self.view(name, unpack(rows, request.k, self.sizes(name)), request)
                 for name, rows in zip(request.names, packed, strict=True)
             }
         )
+
+    def view(self, name: str, rows: Any, request: RequestReadout) -> Any:
+        """Instance ``name``'s rows at the request's k as the worker read them -> the
+        request's (``TopKReadout.view``)."""
+        return self.readout.view(rows.top(request.k), self.instances[name], request.terms)
 
     def sizes(self, name: str) -> dict[str, int]:
         """Instance ``name``'s column axis sizes at the engine's k (``TopKReadout.
@@ -185,7 +193,10 @@ class ReadoutSet:
     def empty(self, request: RequestReadout) -> Any:
         empty = self.readout.row_type.empty
         return self.readout.present(
-            {name: empty(request.k, self.sizes(name)) for name in request.names}
+            {
+                name: self.view(name, empty(request.k, self.sizes(name)), request)
+                for name in request.names
+            }
         )
 
     def store_description(self) -> dict[str, dict[str, Any]]:

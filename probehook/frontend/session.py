@@ -270,6 +270,9 @@ class CaptureSession:
                 else (),
                 # every monitor of a top-k readout's rows (SAE features', lenses'), on one list
                 readout_monitors=self._readout_wire(readouts, tagged) if config is not None else (),
+                readout_terms={s: r.terms for s, r in readouts.items() if r.terms}
+                if config is not None
+                else None,
             )
             extra = with_wire(extra, wire.to_wire())
             setattr(tagged, field, extra)
@@ -434,6 +437,7 @@ class CaptureSession:
                 names,
                 dict(wire.readout_top_k).get(source, self.readouts[source].k),
                 tuple(m for m, _ in wire.readout_monitors if m.source == source),
+                (wire.readout_terms or {}).get(source),
             )
             for source, names in wire.readouts
             if source in self.readouts

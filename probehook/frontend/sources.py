@@ -188,7 +188,10 @@ class TopKReadoutRows(CaptureSource):
             state[(self.name, key)] = decoder
         decoded = decoder.decode(rows, lo)
         return self.readouts.readout.present(
-            {name: r.top(asked.k) for name, r in zip(asked.names, decoded, strict=True)}
+            {
+                name: self.readouts.view(name, r, asked)
+                for name, r in zip(asked.names, decoded, strict=True)
+            }
         )
 
 

@@ -35,6 +35,10 @@ held any readout but SAE features)."""
 RUN_TOP_K_KEY = "saes"
 """A run's key (``store.runs[run]``) of its top-k instances' descriptions, by stored name."""
 
+LABELS_KEY = "labels"
+"""Where the served forms and a store's top-k segment keep the rows' axis labels
+(:attr:`TopKRows.labels`)."""
+
 PACKED_INDEX_LIMIT = 2**31 - 1
 """Indices travel from the worker as int32 bits in the float32 packed rows: a readout whose
 indices may reach 2**31 - 1 (the int32 padding -1 aside) is refused at construction. (They
@@ -102,6 +106,9 @@ class TopKRows:
     """The same tokens at the engine's k, when this request keeps fewer (see ``watched``)."""
     extra: Mapping[str, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
     """The :attr:`extra_columns`, by name (``[n, *shape]`` each)."""
+    labels: Mapping[str, tuple[Any, ...]] = field(default_factory=dict, compare=False, repr=False)
+    """What the entries of a named axis are, where a request chose them (``{"heads": (0, 3),
+    "spans": ("system",)}``): kept by every cut, join, served form and store."""
 
     scalar_dtype: ClassVar[torch.dtype] = torch.int64
     """The dtype of the per-token scalar (the packed rows' last column): an SAE's ``l0``
@@ -133,12 +140,16 @@ class TopKRows:
 
     @classmethod
     def of_columns(
-        cls, columns: Mapping[str, torch.Tensor], engine: TopKRows | None = None
+        cls,
+        columns: Mapping[str, torch.Tensor],
+        engine: TopKRows | None = None,
+        labels: Mapping[str, Sequence[Any]] | None = None,
     ) -> TopKRows:
         """Rows from every schema column by name (others in ``columns`` are left out)."""
         indices, values, scalar = cls.column_names
         extra = {c.name: columns[c.name] for c in cls.extra_columns}
-        return cls(columns[indices], columns[values], columns[scalar], engine, extra)
+        named = {axis: tuple(v) for axis, v in (labels or {}).items()}
+        return cls(columns[indices], columns[values], columns[scalar], engine, extra, named)
 
     @property
     def columns(self) -> dict[str, torch.Tensor]:
@@ -230,7 +241,7 @@ class TopKRows:
                 f"top-k columns of {n} tokens hold {indices.numel()} indices and "
                 f"{values.numel()} values: not {n} rows of one width"
             )
-        return cls.of_columns(got)
+        return cls.of_columns(got, labels=columns.get(LABELS_KEY))
 
     @classmethod
     def from_parts(
@@ -239,12 +250,21 @@ class TopKRows:
         values: torch.Tensor,
         scalar: torch.Tensor,
         extra: Mapping[str, torch.Tensor],
+        labels: Mapping[str, Sequence[Any]] | None = None,
     ) -> TopKRows:
         """Rows from a store's columns (``probehook.store.features.from_storage``): each
         further column of the schema reshaped to its axes and cast to its dtype (a per-token
-        scalar is stored ``[rows, 1]``); stored columns the schema lacks are left out."""
+        scalar is stored ``[rows, 1]``); stored columns the schema lacks are left out;
+        ``labels``: the segment's axis labels."""
+        named = {axis: tuple(v) for axis, v in (labels or {}).items()}
         shaped = {}
         for column in cls.schema()[3:]:
+            if column.name not in extra and any(not named.get(a, True) for a in column.axes):
+                # an axis of no entries (labels say so): stored as no dataset
+                lead = dict(zip(cls.lead_axes, indices.shape[1:-1], strict=True))
+                shape = [0 if a in named and not named[a] else lead.get(a, 0) for a in column.axes]
+                shaped[column.name] = torch.empty((len(indices), *shape), dtype=column.dtype)
+                continue
             if column.name not in extra:
                 raise ValueError(
                     f"stored {cls.__name__} rows lack column {column.name!r} (stored: "
@@ -254,7 +274,7 @@ class TopKRows:
             if t.dim() != 1 + len(column.axes):
                 t = t.reshape(t.shape[0], *t.shape[1 : 1 + len(column.axes)])
             shaped[column.name] = t.to(column.dtype)
-        return cls(indices, values, scalar, extra=shaped)
+        return cls(indices, values, scalar, extra=shaped, labels=named)
 
     def top(self, k: int) -> TopKRows:
         """The first ``k`` entries of each token (rows are sorted, so this is the top ``k``);
@@ -266,12 +286,26 @@ class TopKRows:
             c.name: have[c.name][..., :k] if c.axes[-1:] == ("k",) else have[c.name]
             for c in self.schema()
         }
-        return type(self).of_columns(cut, self.watched)
+        return type(self).of_columns(cut, self.watched, self.labels)
 
     def rows(self, lo: int, hi: int | None = None) -> TopKRows:
         """Tokens ``lo..hi`` (views)."""
         engine = self.engine.rows(lo, hi) if self.engine is not None else None
-        return type(self).of_columns({name: t[lo:hi] for name, t in self.columns.items()}, engine)
+        columns = {name: t[lo:hi] for name, t in self.columns.items()}
+        return type(self).of_columns(columns, engine, self.labels)
+
+    def select(self, axis: str, at: Sequence[int], labels: Sequence[Any]) -> TopKRows:
+        """The entries ``at`` of named axis ``axis`` in every column that has it, labelled
+        ``labels`` (a request's heads of every head the worker read, its spans of the packed
+        row's slots); ``watched`` stays the engine's."""
+        index = torch.as_tensor(list(at), dtype=torch.int64)
+        cut = {}
+        for column in self.schema():
+            t = self.columns[column.name]
+            if axis in column.axes:
+                t = t.index_select(1 + column.axes.index(axis), index)
+            cut[column.name] = t
+        return type(self).of_columns(cut, self.watched, {**self.labels, axis: labels})
 
     @classmethod
     def sizes_of(cls, packed_width: int, sizes: Mapping[str, int] | None = None) -> dict:
@@ -317,14 +351,18 @@ class TopKRows:
         engine = cls.cat(engines) if all(e is not None for e in engines) else None  # type: ignore[arg-type]
         names = [c.name for c in cls.schema()]
         joined = {name: torch.cat([p.columns[name] for p in pieces]) for name in names}
-        return type(pieces[0]).of_columns(joined, engine)
+        return type(pieces[0]).of_columns(joined, engine, pieces[0].labels)
 
     def to_dict(self) -> dict[str, list]:
-        """JSON-ready lists (the server's form): every inf and NaN as None."""
-        return {
+        """JSON-ready lists (the server's form): every inf and NaN as None; ``"labels"``
+        where a named axis has them."""
+        out: dict[str, Any] = {
             name: json_floats(t) if t.is_floating_point() else t.tolist()
             for name, t in self.columns.items()
         }
+        if self.labels:
+            out[LABELS_KEY] = {axis: list(v) for axis, v in self.labels.items()}
+        return out
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(tokens={len(self)}, k={self.k})"
@@ -452,6 +490,8 @@ def compact_top_k(value: dict[str, Any]) -> dict[str, Any]:
             column: encode_array(t.to(torch.float32 if t.is_floating_point() else torch.int32))
             for column, t in rows.columns.items()
         }
+        if rows.labels:
+            out[name][LABELS_KEY] = {axis: list(v) for axis, v in rows.labels.items()}
         bad = non_finite_tokens(rows)
         if bad:
             out[name]["non_finite"] = bad

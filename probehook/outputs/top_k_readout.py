@@ -246,6 +246,20 @@ class TopKReadout(OutputProcessor):
             )
         return names
 
+    def request_terms(
+        self, names: list[str], extras: Mapping[str, Any], instances: Mapping[str, Mapping]
+    ) -> Mapping[str, Any] | None:
+        """What a request's further options ask of the rows of its instances ``names`` beyond
+        picking them (attention's heads and spans), checked: JSON the worker's bank reads
+        (``StepContext.request_terms``) and :meth:`view` shapes the rows by. Default: none."""
+        return None
+
+    def view(self, rows: TopKRows, settings: Mapping[str, Any], terms: Any) -> TopKRows:
+        """An instance's rows as the worker read them (every entry of each named axis) ->
+        the request's, by its :meth:`request_terms` (``terms``, None without any). Default:
+        the rows."""
+        return rows
+
     def present(self, rows: dict[str, TopKRows]) -> Any:
         """The value users see from the rows by instance name (default: that dict)."""
         return rows

@@ -150,7 +150,9 @@ MAX_D_SAE = int(np.iinfo(np.uint32).max) - 1
 def to_storage(features: object, d_sae: int, k: int, values: str) -> dict[str, np.ndarray]:
     """The arrays of one block by dataset name, ``k`` wide (the run's k: a request that kept
     fewer is padded), ``values`` a key of :data:`VALUE_DTYPES`; further columns as
-    :data:`EXTRA_PREFIX` arrays (a column with a k axis padded with 0)."""
+    :data:`EXTRA_PREFIX` arrays (a column with a k axis padded with 0; one with an axis of
+    no entries, as attention's span masses of a request that named no span, is not stored: its
+    rows read back from their labels)."""
     indices = features.indices.numpy()  # type: ignore[attr-defined]
     kept = features.values.numpy()  # type: ignore[attr-defined]
     width = indices.shape[-1]
@@ -169,7 +171,8 @@ def to_storage(features: object, d_sae: int, k: int, values: str) -> dict[str, n
             wide = np.zeros((*array.shape[:-1], k), dtype=array.dtype)
             wide[..., : array.shape[-1]] = array
             array = wide
-        out[EXTRA_PREFIX + column.name] = _per_row(array)
+        if all(array.shape[1:]):  # a zero-width column (no spans named): no dataset
+            out[EXTRA_PREFIX + column.name] = _per_row(array)
     return out
 
 

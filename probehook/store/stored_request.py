@@ -8,7 +8,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from probehook.outputs import registered_readouts
-from probehook.outputs.top_k import SEGMENT_NAME_KEY, SEGMENT_SOURCE_KEY, UNSOURCED, TopKRows
+from probehook.outputs.top_k import (
+    LABELS_KEY,
+    SEGMENT_NAME_KEY,
+    SEGMENT_SOURCE_KEY,
+    UNSOURCED,
+    TopKRows,
+)
 from probehook.store.features import from_storage
 from probehook.store.format import split_shard_key
 
@@ -132,7 +138,7 @@ class StoredRequest:
                 parts = self.store._read_features(
                     self.record["shard"], phase, stored, start, stop, seg.get("layout")
                 )
-                rows = row_type.from_parts(*from_storage(parts))
+                rows = row_type.from_parts(*from_storage(parts), labels=seg.get(LABELS_KEY))
                 out[_instance(readout, source, stored)] = rows.top(seg.get("k", rows.k))
         return out
 

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from probehook.errors import StoreError
-from probehook.outputs.top_k import SEGMENT_NAME_KEY, SEGMENT_SOURCE_KEY
+from probehook.outputs.top_k import LABELS_KEY, SEGMENT_NAME_KEY, SEGMENT_SOURCE_KEY
 from probehook.store.appender import DatasetAppender
 from probehook.store.features import FeatureBlock, feature_dataset, layout_of
 from probehook.store.features import to_storage as features_to_storage
@@ -341,6 +341,9 @@ class ShardWriter:
                     "count": len(arrays["l0"]),
                 }
             )
+            labels = getattr(block.features, "labels", None)
+            if labels:  # what a request's chosen axis entries are (attention heads, spans)
+                segments[-1][LABELS_KEY] = {axis: list(v) for axis, v in labels.items()}
             self._shard_bytes_written += sum(a.nbytes for a in arrays.values())
         return segments
 

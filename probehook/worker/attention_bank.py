@@ -58,21 +58,33 @@ class AttentionBank(TopKBank):
     ) -> None:
         """Each asking request's rows of one layer, against its keys (read once a request)."""
         layer, heads = int(settings["layer"]), int(settings["heads"])
+        slots, min_p = int(settings["spans"]), float(settings.get("min_p", 0.0))
         flat = step_rows[asked]
         requests = context.request_of(flat)
         positions = context.position_of(flat)
         terms = reader.terms(layer)
+        device = queries.device
         for request in np.unique(requests).tolist():
             mine = np.flatnonzero(requests == request)
             seen = int(positions[mine].max()) + 1  # every key up to its newest row
-            keys = reader.keys(layer, request, torch.arange(seen, device=queries.device))
-            where = torch.from_numpy(asked[mine]).to(queries.device)
+            keys = reader.keys(layer, request, torch.arange(seen, device=device))
+            where = torch.from_numpy(asked[mine]).to(device)
             q = queries.index_select(0, where).float().view(len(mine), heads, -1)
-            got = head_readings(q, torch.from_numpy(positions[mine]).to(queries.device),
-                                keys.float(), torch.arange(seen, device=queries.device),
-                                terms, self.k)  # fmt: skip
-            packed = self.readout.pack(got.positions, got.probs, got.entropy)
+            spans = request_spans(context.request_terms(request, self.readout.source), device)
+            got = head_readings(q, torch.from_numpy(positions[mine]).to(device), keys.float(),
+                                torch.arange(seen, device=device), terms, self.k, min_p,
+                                spans)  # fmt: skip
+            mass = torch.nn.functional.pad(got.spans, (0, slots - got.spans.shape[-1]))
+            packed = self.readout.pack(got.positions, got.probs, got.entropy, span_mass=mass)
             out[:, : packed.shape[1]].index_copy_(0, where, packed)
+
+
+def request_spans(terms: Mapping[str, Any] | None, device: torch.device) -> torch.Tensor:
+    """A request's ``[[name, start, end], ...]`` spans (its readout terms) as int64
+    ``[spans, 2]``."""
+    spans = (terms or {}).get("spans") or []
+    return torch.tensor([[start, end] for _, start, end in spans], dtype=torch.int64,
+                        device=device).reshape(-1, 2)  # fmt: skip
 
 
 def attention_bank(

@@ -17,7 +17,7 @@ No vLLM imports.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,6 +47,9 @@ class StepContext:
     """What else the adapter hands the readouts that read the step (``reads_step``), by name:
     ``"attention"``, the reader of a batch request's keys from a layer's paged cache and of
     the layer's kernel terms (``probehook.adapter.worker.runner_v1.AttentionReader``)."""
+    request_terms: Callable[[int, str], Mapping[str, Any] | None] = lambda row, source: None
+    """What the request at a batch index asks of a top-k readout's rows beyond its instances
+    (``TopKReadout.request_terms``: attention's spans), by the readout's source."""
 
     def request_of(self, rows: np.ndarray) -> np.ndarray:
         """Each row's request, as its batch index."""

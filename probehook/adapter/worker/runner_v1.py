@@ -9,6 +9,7 @@ refuses anything else with a clear error instead of an ``AttributeError`` mid-ge
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -72,8 +73,28 @@ def step_context(runner: Any, sampled: torch.Tensor | None = None) -> StepContex
         batch.num_tokens_no_spec[:num_reqs],
         runner.device,
         sampled,
-        {"attention": AttentionReader(runner)},
+        {"attention": attention_reader(runner)},
+        functools.partial(request_terms, runner),
     )
+
+
+def request_terms(runner: Any, batch_row: int, source: str) -> Mapping[str, Any] | None:
+    """``StepContext.request_terms``: what the request at ``batch_row`` asks of top-k readout
+    ``source``'s rows beyond its instances (its wire's ``readout_terms``, JSON the front end
+    checked), None where nothing."""
+    state = runner.requests.get(runner.input_batch.req_ids[batch_row])
+    raw = extra_options(request_params(state)).get(EXTRA_ARGS_KEY) if state is not None else None
+    terms = raw.get("readout_terms") if isinstance(raw, Mapping) else None
+    return terms.get(source) if isinstance(terms, Mapping) else None
+
+
+def attention_reader(runner: Any) -> AttentionReader:
+    """The runner's :class:`AttentionReader` (one a runner: it holds the layers' attention
+    modules once found)."""
+    reader = getattr(runner, "_probehook_attention_reader", None)
+    if reader is None:
+        reader = runner._probehook_attention_reader = AttentionReader(runner)
+    return reader
 
 
 class AttentionReader:
@@ -84,16 +105,15 @@ class AttentionReader:
 
     def __init__(self, runner: Any) -> None:
         self.runner = runner
+        self._found: list[Any] | None = None
 
     def attention(self, layer: int) -> Any:
-        found = getattr(self.runner, "_probehook_attention", None)
-        if found is None:
+        if self._found is None:
             from probehook.adapter.worker.kv_cache import attention_of
             from probehook.adapter.worker.surgery import locate_layers
 
-            found = [attention_of(m) for m in locate_layers(self.runner.get_model())[1]]
-            self.runner._probehook_attention = found
-        return found[layer]
+            self._found = [attention_of(m) for m in locate_layers(self.runner.get_model())[1]]
+        return self._found[layer]
 
     def keys(self, layer: int, batch_row: int, positions: torch.Tensor) -> torch.Tensor:
         from probehook.adapter.worker.kv_cache import request_keys

@@ -100,6 +100,7 @@ def build_random_checkpoint(
     spread_norms: bool = False,
     tie_embeddings: bool = False,
     vocab_size: int | None = None,
+    overrides: dict[str, Any] | None = None,
 ) -> Path:
     """Write a random-weight checkpoint of architecture ``arch`` (one of ``ARCHITECTURES``;
     GQA allowed where the architecture has it) to ``out_dir``.
@@ -111,6 +112,8 @@ def build_random_checkpoint(
     the LM head is the embedding matrix (no ``lm_head.weight`` in the checkpoint).
     ``vocab_size``: more token ids than the tokenizer's (a vocabulary that spans both ranks of
     a TP=2 engine; generate with ``detokenize=False``: the tokenizer knows 19 of them).
+    ``overrides``: config fields set over the architecture's (a small sliding window, a
+    logit soft-cap).
     """
     from transformers import CONFIG_MAPPING, AutoModelForCausalLM, AutoTokenizer
 
@@ -137,7 +140,7 @@ def build_random_checkpoint(
     )
     if arch == "qwen2":
         common["use_sliding_window"] = False
-    kwargs = _arch_config(arch, common, hidden_size, num_heads)
+    kwargs = {**_arch_config(arch, common, hidden_size, num_heads), **(overrides or {})}
     config = CONFIG_MAPPING[kwargs.pop("model_type")](**kwargs)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)

@@ -63,6 +63,18 @@ CASES: list[tuple[str, str, dict[str, Any]]] = [
     # compiled (vLLM's default): the batch-dim flatten must trace into the graph
     ("gpt_neox-compiled", "gpt_neox", {"enforce_eager": False}),
 ]
+# Attention per head (issue 51) of the families whose kernel terms differ, each on a checkpoint
+# of its own: (case id, checkpoint arch, config overrides). The windows are shorter than the
+# prompts, so keys before them are read as invisible; the soft-cap is small enough to bend the
+# random model's logits.
+ATTENTION_CASES: list[tuple[str, str, dict[str, Any]]] = [
+    ("qwen2-attention", "qwen2", {}),  # grouped-query heads: 2 query heads on 1 KV head
+    ("mistral-attention", "mistral", {"sliding_window": 4}),  # a window on every layer
+    # a logit soft-cap, a window on alternate layers
+    ("gemma2-attention", "gemma2", {"sliding_window": 4, "attn_logit_softcapping": 1.0}),
+    ("gemma3-attention", "gemma3", {"sliding_window": 4}),  # QK norm, windows by pattern, GQA
+]
+ATTENTION_SPAN = (0, 3)
 GQA = {"mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "gemma3", "olmo2"}
 ENGINE_KWARGS = dict(
     dtype="float32",
@@ -89,22 +101,29 @@ def _run_engines(spec_path: str, out_dir: str) -> None:
         started = time.perf_counter()
         llm = None
         try:
+            attention = case.get("attention", False)
+            reads = {"attention_layers": "all", "attention_top_k": 4} if attention else {}
             llm = LLM(
                 case["dir"],
                 layers="all",
                 include_prefill=True,
-                **{**ENGINE_KWARGS, **case["kwargs"]},
+                **{**ENGINE_KWARGS, **case["kwargs"], **reads},
             )
             ready = time.perf_counter()
+            options = {"attention_spans": {"s": list(ATTENTION_SPAN)}} if attention else {}
             outs = llm.generate(
-                PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
-            )
+                PROMPTS,
+                SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True,
+                               extra_args={"probehook": options}),
+            )  # fmt: skip
             rows = [
                 dict(
                     prompt_token_ids=list(o.prompt_token_ids),
                     token_ids=list(o.outputs[0].token_ids),
                     prefill=dict(o.prefill_hidden_states),
                     decode=dict(o.outputs[0].hidden_states),
+                    prefill_attention={k: dict(v.columns) for k, v in o.prefill_attention.items()},
+                    attention={k: dict(v.columns) for k, v in o.outputs[0].attention.items()},
                 )
                 for o in outs
             ]
@@ -143,7 +162,7 @@ def start_in_background(
         item.callspec.params["case"]
         for item in items
         if item.module is sys.modules[__name__]
-        and getattr(item, "originalname", None) == "test_matches_hf"
+        and getattr(item, "originalname", None) in ("test_matches_hf", "test_attention_matches_hf")
     }
     if not selected:
         return None
@@ -162,6 +181,13 @@ def start_in_background(
     spec = [
         {"id": i, "dir": str(dirs[arch]), "kwargs": kw} for i, arch, kw in CASES if i in selected
     ]
+    for seed, (case, arch, overrides) in enumerate(ATTENTION_CASES):
+        if case in selected:
+            dirs[case] = build_random_checkpoint(
+                base / case, arch=arch, num_layers=2, num_kv_heads=1 if arch in GQA else None,
+                seed=40 + seed, spread_norms=True, overrides=overrides,
+            )  # fmt: skip
+            spec.append({"id": case, "dir": str(dirs[case]), "kwargs": {}, "attention": True})
     (base / "spec.json").write_text(json.dumps(spec))
     out = base / "rows"
     out.mkdir()
@@ -223,6 +249,46 @@ def test_matches_hf(case: str, engine_runs: SimpleNamespace) -> None:
         assert len(saved["token_ids"]) == MAX_TOKENS
         worst = max(worst, assert_matches_hf(model_dir, output, [0, 1]))
     print(f"{case}: max abs diff vs HF {worst:.2e}")
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("case", [c[0] for c in ATTENTION_CASES])
+def test_attention_matches_hf(case: str, engine_runs: SimpleNamespace) -> None:
+    """Every prompt and generated row's attention per head, every layer (top 4 keys, their
+    probabilities, the entropy, a span's mass), equal to Hugging Face's eager
+    ``output_attentions`` of the family: grouped-query heads, sliding windows shorter than the
+    prompt (keys before the window have probability 0 in HF, and are never read), a logit
+    soft-cap, QK norms."""
+    import torch
+    from test_attention_rows import assert_readings_match
+    from transformers import AutoModelForCausalLM
+
+    from probehook.worker.attention_rows import HeadReadings
+
+    error = engine_runs.out / f"{case}.error"
+    assert not error.exists(), error.read_text()
+    rows_file = engine_runs.out / f"{case}.pt"
+    assert rows_file.exists(), f"engine subprocess died (rc {engine_runs.rc}):\n{engine_runs.log}"
+    overrides = next(o for i, _, o in ATTENTION_CASES if i == case)
+    hf = AutoModelForCausalLM.from_pretrained(engine_runs.dirs[case], dtype=torch.float32,
+                                              attn_implementation="eager")  # fmt: skip
+    windowed = 0
+    for saved in torch.load(rows_file):
+        ids = [*saved["prompt_token_ids"], *saved["token_ids"][:-1]]
+        n = len(saved["prompt_token_ids"])
+        with torch.no_grad():
+            want = hf(torch.tensor([ids]), output_attentions=True).attentions
+        assert sorted(saved["attention"]) == sorted(saved["prefill_attention"]) == [0, 1]
+        for layer in (0, 1):
+            probs = want[layer][0].transpose(0, 1)  # [rows, heads, keys]
+            if "sliding_window" in overrides and (probs[-1, :, 0] == 0).all():
+                windowed += 1  # the window hides the first key from the last row
+            for got, expected in ((saved["prefill_attention"][layer], probs[:n]),
+                                  (saved["attention"][layer], probs[n - 1 :])):  # fmt: skip
+                read = HeadReadings(got["positions"], got["probs"], got["entropy"],
+                                    got["span_mass"])  # fmt: skip
+                assert_readings_match(read, expected, [ATTENTION_SPAN])
+    assert windowed or "sliding_window" not in overrides  # the case exercises its window
 
 
 # --- the one list: code and docs agree -------------------------------------------------------

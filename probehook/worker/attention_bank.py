@@ -67,13 +67,16 @@ class AttentionBank(TopKBank):
         for request in np.unique(requests).tolist():
             mine = np.flatnonzero(requests == request)
             seen = int(positions[mine].max()) + 1  # every key up to its newest row
-            keys = reader.keys(layer, request, torch.arange(seen, device=device))
+            first = 0  # keys before the oldest row's window are never read (vLLM may free them)
+            if terms.window is not None:
+                first = max(0, int(positions[mine].min()) - terms.window + 1)
+            key_positions = torch.arange(first, seen, device=device)
+            keys = reader.keys(layer, request, key_positions)
             where = torch.from_numpy(asked[mine]).to(device)
             q = queries.index_select(0, where).float().view(len(mine), heads, -1)
             spans = request_spans(context.request_terms(request, self.readout.source), device)
             got = head_readings(q, torch.from_numpy(positions[mine]).to(device), keys.float(),
-                                torch.arange(seen, device=device), terms, self.k, min_p,
-                                spans)  # fmt: skip
+                                key_positions, terms, self.k, min_p, spans)  # fmt: skip
             mass = torch.nn.functional.pad(got.spans, (0, slots - got.spans.shape[-1]))
             packed = self.readout.pack(got.positions, got.probs, got.entropy, span_mass=mass)
             out[:, : packed.shape[1]].index_copy_(0, where, packed)

@@ -401,9 +401,9 @@ def llama_lenses(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> d
 @pytest.fixture(scope="session")
 def compiled_llm(llama_dir: Path, llama_lenses: dict[str, str]) -> Iterator[object]:
     """vLLM's default compiled mode, under pressure: small prefill chunks, a KV cache small
-    enough to force preemption, prefix caching on; rows of every layer, probes, and three
-    lenses on two layers."""
-    from helpers import COMPILED_LENS_LAYERS, random_probes
+    enough to force preemption, prefix caching on; rows of every layer, probes, three
+    lenses on two layers and attention per head of two layers (top 4)."""
+    from helpers import ATTENTION_LAYERS, COMPILED_LENS_LAYERS, random_probes
 
     from probehook import LLM
 
@@ -415,6 +415,8 @@ def compiled_llm(llama_dir: Path, llama_lenses: dict[str, str]) -> Iterator[obje
         lenses=llama_lenses,
         lens_layers=COMPILED_LENS_LAYERS,
         lens_top_k=4,
+        attention_layers=ATTENTION_LAYERS,
+        attention_top_k=4,
         max_num_batched_tokens=32,
         max_num_seqs=16,
         enable_chunked_prefill=True,

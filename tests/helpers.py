@@ -188,6 +188,9 @@ def build_random_bert_classifier(
     return out
 
 
+ATTENTION_LAYERS = [1, 3]
+"""The layers whose attention per head the compiled engine under load reads (top 4)."""
+
 PROMPTS = ["1+2=", "12+34=56. 7+", "99+99=198. 3+4=7. 50+5", "0"]
 
 

@@ -3,17 +3,21 @@
 One engine (compiled, 32-token prefill chunks, a KV cache small enough to preempt, prefix
 caching on) serves 40 concurrent requests with distinct prompts and lengths, shared prefixes,
 n=2 sampling, stop strings and per-request options. Every returned row must equal the Hugging
-Face residual stream for exactly the tokens that request returned, and every lens reading
-(logit, J and tuned lenses) Hugging Face's lens on those rows, with the token that came next.
+Face residual stream for exactly the tokens that request returned, every lens reading
+(logit, J and tuned lenses) Hugging Face's lens on those rows, with the token that came next,
+and every attention reading (per head) Hugging Face's eager attention of those tokens: keys
+read from the paged cache after preemption, from prefix-cache hits, and in small chunks.
 """
 
 from __future__ import annotations
 
+import functools
 import random
 from pathlib import Path
 
 import pytest
-from helpers import COMPILED_LENS_LAYERS, assert_scores_match_rows
+import torch
+from helpers import ATTENTION_LAYERS, COMPILED_LENS_LAYERS, assert_scores_match_rows
 
 from probehook.testing import assert_lens_matches_hf, assert_matches_hf
 
@@ -62,6 +66,7 @@ def test_attribution_under_load(compiled_llm, llama_dir: Path, llama_lenses) -> 
         assert_lens_matches_hf(
             llama_dir, out, llama_lenses, COMPILED_LENS_LAYERS, prefill=not narrowed
         )
+        assert_attention_matches_hf(llama_dir, out, prefill=not narrowed)
         if narrowed:
             assert out.prefill_lens == {}
         if narrowed:
@@ -86,15 +91,64 @@ def test_attribution_under_load(compiled_llm, llama_dir: Path, llama_lenses) -> 
 
 
 def test_shared_prefix_rows_come_back(compiled_llm, llama_dir: Path) -> None:
-    """A prompt whose prefix is cached still returns every prompt row."""
+    """A prompt whose prefix is cached still returns every prompt row, and its attention; the
+    second identical request equals the first; one that asks for generated rows only reads
+    its prompt (rows and keys) from the prefix cache, and its attention equals the first's."""
     from probehook import SamplingParams
 
     prompt = SHARED_PREFIX + "5+5="
-    params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    greedy = dict(max_tokens=2, temperature=0, ignore_eos=True)
+    params = SamplingParams(**greedy)
     first = compiled_llm.generate([prompt], params, use_tqdm=False)[0]
     again = compiled_llm.generate([prompt], params, use_tqdm=False)[0]
     for out in (first, again):
         assert_matches_hf(llama_dir, out, [0, 1, 2, 3])
+        assert_attention_matches_hf(llama_dir, out)
+    # generated rows only: the prompt read from the prefix cache, its keys too
+    cached = SamplingParams(**greedy, extra_args={"probehook": {"include_prefill": False}})
+    decode_only = compiled_llm.generate([prompt], cached, use_tqdm=False)[0]
+    assert decode_only.num_cached_tokens > 0, "the prompt was not read from the prefix cache"
+    assert_attention_matches_hf(llama_dir, decode_only, prefill=False)
+    for layer in ATTENTION_LAYERS:
+        for name, column in first.outputs[0].attention[layer].columns.items():
+            torch.testing.assert_close(
+                decode_only.outputs[0].attention[layer].columns[name], column, rtol=0, atol=1e-5
+            )
+
+
+def assert_attention_matches_hf(model_dir: Path, out, prefill: bool = True) -> None:
+    """Every completion's attention per head (and the prompt's, with ``prefill``) equals
+    Hugging Face's eager attention of the tokens it returned (test_attention_rows' bounds)."""
+    from test_attention_rows import assert_readings_match
+
+    from probehook.worker.attention_rows import HeadReadings
+
+    model = _eager_hf(str(model_dir))
+    n = len(out.prompt_token_ids)
+    for completion in out.outputs:
+        ids = [*out.prompt_token_ids, *completion.token_ids[:-1]]
+        with torch.no_grad():
+            want = model(torch.tensor([ids]), output_attentions=True).attentions
+        assert sorted(completion.attention) == ATTENTION_LAYERS
+        assert sorted(out.prefill_attention) == (ATTENTION_LAYERS if prefill else [])
+        for layer in ATTENTION_LAYERS:
+            probs = want[layer][0].transpose(0, 1)  # [rows, heads, keys]
+            got = [(completion.attention[layer], probs[n - 1 :])]
+            if prefill:
+                got.append((out.prefill_attention[layer], probs[:n]))
+            for rows, expected in got:
+                assert len(rows) == len(expected)
+                readings = HeadReadings(rows.positions, rows.probs, rows.entropy, rows.span_mass)
+                assert_readings_match(readings, expected, [])
+
+
+@functools.cache
+def _eager_hf(model_dir: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, attn_implementation="eager"
+    )
 
 
 def test_aborted_request_is_gone_and_its_rows_freed(compiled_llm, llama_dir: Path) -> None:

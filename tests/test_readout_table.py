@@ -111,7 +111,8 @@ def test_offline_outputs_picks_and_the_store(registered, tmp_path: Path) -> None
     llm = LLM(str(tiny_model_path()), layers=[1, 3], include_prefill=True,
               norms={"n1": 1, "n3": 3}, store=tmp_path / "store",
               peaks={"p3": {"layer": 3, "heads": HEADS}}, peaks_top_k=3, scale_layers=[0, 2],
-              monitors=[NormMonitor("n1", 0.0)], **ENGINE)  # fmt: skip
+              monitors=[NormMonitor("n1", 0.0)], attention_layers=[3], attention_top_k=4,
+              **ENGINE)  # fmt: skip
     try:
         params = [
             SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True),
@@ -271,6 +272,10 @@ def assert_scaled_like_hf(output: Any, layer: int, factor: float) -> None:
         got = torch.cat([output.prefill_hidden_states[at], completion.hidden_states[at][1:]])
         torch.testing.assert_close(got, want[at], rtol=1e-4, atol=1e-4)
     assert len(completion.hidden_states[1]) == TOKENS and n + TOKENS - 1 == len(ids)
+    # the attention readout reads the scaled run's queries and keys (issue 51)
+    assert_attention_matches_hf(output.prompt_token_ids, completion.token_ids,
+                                completion.attention[3], 3, scaled=(layer, factor),
+                                prefill=output.prefill_attention[3])  # fmt: skip
 
 
 def test_async_llm_streams_it(registered, entry_point_root: Path, monkeypatch) -> None:
@@ -279,13 +284,18 @@ def test_async_llm_streams_it(registered, entry_point_root: Path, monkeypatch) -
     the toy intervention: every yield of a scaled request says what it applied). A
     built-in top-k readout beside it (the logit lens at the last layer) streams the same way:
     every yield holds every token's reading to date, each token's target log-prob vLLM's own
-    log-prob of the sampled token."""
+    log-prob of the sampled token. Attention per head streams too (issue 51): every yield of a
+    request that names a head and a span holds every token's reading to date, those heads and
+    spans, the last equal to Hugging Face's eager attention."""
+    from transformers import AutoTokenizer
+
     from probehook import AsyncLLM, SamplingParams, tiny_model_path
 
     monkeypatch.syspath_prepend(str(entry_point_root))
     engine = AsyncLLM(
         str(tiny_model_path()), layers=[3], norms={"n3": 3}, lenses={"l": "logit"},
-        lens_layers=[3], peaks={"p3": {"layer": 3, "heads": HEADS}}, scale_layers=[1], **ENGINE,
+        lens_layers=[3], peaks={"p3": {"layer": 3, "heads": HEADS}}, scale_layers=[1],
+        attention_layers=[2], attention_top_k=4, **ENGINE,
     )  # fmt: skip
     # A lens flag monitor on the stream: every yield flags the rows to date where token 10's
     # log-prob under the lens is above -1 (the tiny model's "6": "12+34=46").
@@ -295,6 +305,7 @@ def test_async_llm_streams_it(registered, entry_point_root: Path, monkeypatch) -
 
     flags: list[list[int]] = []
     applied: list[Any] = []
+    attention: list[Any] = []
 
     async def main() -> list[tuple[int, Any, Any, Any, Any]]:
         seen = []
@@ -310,6 +321,11 @@ def test_async_llm_streams_it(registered, entry_point_root: Path, monkeypatch) -
                                 extra_args={"probehook": {"scale": 0.5}})  # fmt: skip
         async for out in engine.generate(PROMPT, scaled, "scaled"):  # the toy intervention
             applied.append(out.outputs[0].steering)
+        asking = {"attention_heads": [1, 3], "attention_spans": {"s": [0, 3]}}
+        attending = SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True,
+                                   extra_args={"probehook": asking})  # fmt: skip
+        async for out in engine.generate(PROMPT, attending, "attending"):
+            attention.append((list(out.outputs[0].token_ids), out.outputs[0].attention[2]))
         return seen
 
     try:
@@ -326,6 +342,57 @@ def test_async_llm_streams_it(registered, entry_point_root: Path, monkeypatch) -
     final = seen[-1]
     vllm = torch.tensor([next(iter(p.values())).logprob for p in final[4]])
     torch.testing.assert_close(final[3].target_logprob, vllm, atol=1e-4, rtol=0)
+    assert len(attention) > 1 and len(attention[-1][0]) == TOKENS
+    token_ids, last = attention[-1]
+    for tokens, rows in attention:
+        assert len(rows) == len(tokens) and rows.heads == (1, 3) and list(rows.spans) == ["s"]
+        for name, column in rows.columns.items():
+            assert torch.equal(column, last.columns[name][: len(tokens)]), name
+    prompt_ids = AutoTokenizer.from_pretrained(str(tiny_model_path()))(PROMPT).input_ids
+    assert_attention_matches_hf(prompt_ids, token_ids, last, 2, heads=[1, 3], span=(0, 3))
+
+
+def assert_attention_matches_hf(
+    prompt_ids: list[int],
+    token_ids: list[int],
+    rows: Any,
+    layer: int,
+    heads: list[int] | None = None,
+    span: tuple[int, int] | None = None,
+    scaled: tuple[int, float] | None = None,
+    prefill: Any = None,
+) -> None:
+    """Generated rows (and the prompt's, ``prefill``) of one layer's attention readout equal
+    the tiny model's eager attention (test_attention_rows' bounds): those heads, that span's
+    mass; ``scaled``: with layer ``scaled[0]``'s input scaled by ``scaled[1]`` (the toy
+    intervention)."""
+    from test_attention_rows import assert_readings_match
+    from transformers import AutoModelForCausalLM
+
+    from probehook import tiny_model_path
+    from probehook.worker.attention_rows import HeadReadings
+
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_model_path()), dtype=torch.float32,
+                                              attn_implementation="eager")  # fmt: skip
+    if scaled is not None:
+        at, factor = scaled
+
+        def scale(_module: Any, args: tuple, kwargs: dict) -> tuple:
+            if args:
+                return (args[0] * factor, *args[1:]), kwargs
+            return args, {**kwargs, "hidden_states": kwargs["hidden_states"] * factor}
+
+        hf.model.layers[at].register_forward_pre_hook(scale, with_kwargs=True)
+    with torch.no_grad():
+        want = hf(torch.tensor([[*prompt_ids, *token_ids[:-1]]]), output_attentions=True)
+    probs = want.attentions[layer][0].transpose(0, 1)  # [rows, heads, keys]
+    probs = probs if heads is None else probs[:, heads]
+    n = len(prompt_ids)
+    for got, expected in ((rows, probs[n - 1 :]), (prefill, probs[:n])):
+        if got is not None:
+            assert len(got) == len(expected)
+            readings = HeadReadings(got.positions, got.probs, got.entropy, got.span_mass)
+            assert_readings_match(readings, expected, [span] if span else [])
 
 
 def test_a_readout_that_reads_next_tokens_gets_them_from_the_generic_bank() -> None:

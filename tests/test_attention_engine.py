@@ -185,3 +185,45 @@ def _readings(rows: Any) -> Any:
     from probehook.worker.attention_rows import HeadReadings
 
     return HeadReadings(rows.positions, rows.probs, rows.entropy, rows.span_mass)
+
+
+def test_attention_pattern_equals_hugging_face_s_matrix() -> None:
+    """``llm.attention_pattern(prompt, layer)``: every head's whole ``[n, n]`` matrix of a
+    prompt equals Hugging Face's eager ``output_attentions`` within 1e-4 (text and token ids
+    alike); a layer the engine does not read, a prompt longer than the engine's k and a matrix
+    over ``max_bytes`` are refused by name, the engine alive."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from probehook import LLM, tiny_model_path
+    from probehook.errors import CaptureConfigError
+
+    path = str(tiny_model_path())
+    prompt = "1+2+3+4+5+6=21"
+    ids = AutoTokenizer.from_pretrained(path)(prompt).input_ids
+    n = len(ids)
+    llm = LLM(path, attention_layers=[1, -1], attention_top_k=n, include_prefill=True,
+              enforce_eager=True, max_model_len=64, seed=0, dtype="float32")  # fmt: skip
+    try:
+        from_text, from_ids = llm.attention_pattern(prompt, 3), llm.attention_pattern(ids, -1)
+        first = llm.attention_pattern(prompt, 1)
+        for call, match in [
+            (lambda: llm.attention_pattern(prompt, 2), r"attention_layers: \[1, 3\]"),
+            (lambda: llm.attention_pattern(prompt + "0", 1),
+             rf"has {n + 1} tokens, the engine keeps attention_top_k={n}"),
+            (lambda: llm.attention_pattern(prompt, 1, max_bytes=1000),
+             rf"{4 * n * n * 4:,} bytes, over max_bytes=1,000"),
+            (lambda: llm.attention_pattern([], 1), r"a non-empty list of token ids"),
+        ]:  # fmt: skip
+            with pytest.raises(CaptureConfigError, match=match):
+                call()
+        assert llm.generate("1+1=")[0].outputs[0].text is not None
+    finally:
+        llm.shutdown()
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                              attn_implementation="eager")  # fmt: skip
+    with torch.no_grad():
+        want = hf(torch.tensor([ids]), output_attentions=True).attentions
+    assert from_text.shape == (4, n, n) and from_text.dtype == torch.float32
+    torch.testing.assert_close(from_text, want[3][0], rtol=0, atol=1e-4)
+    torch.testing.assert_close(from_ids, from_text, rtol=0, atol=0)
+    torch.testing.assert_close(first, want[1][0], rtol=0, atol=1e-4)

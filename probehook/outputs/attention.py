@@ -28,7 +28,7 @@ from probehook.outputs.top_k import PACKED_INDEX_LIMIT, TopKRows, compact_top_k,
 from probehook.outputs.top_k_readout import TopKReadout
 
 DEFAULT_TOP_K = 8
-MAX_TOP_K = 64
+MAX_TOP_K = 256
 MAX_SPANS = 16
 """Spans a request may name: the worker's rows hold this many span masses per head."""
 PICK = "attention"

@@ -15,6 +15,7 @@ import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import torch
 import vllm
 from vllm import PoolingParams, SamplingParams
 
@@ -22,8 +23,11 @@ from probehook.adapter.frontend import cpu_memory, engine_config, outputs, setup
 from probehook.adapter.frontend.engine_death import raise_on_engine_death
 from probehook.adapter.frontend.prompts import with_cache_salt
 from probehook.capture_config import CaptureConfig
+from probehook.core.request_options import EXTRA_ARGS_KEY
 from probehook.errors import CaptureConfigError
 from probehook.frontend import capture_request
+from probehook.frontend.attention_pattern import DEFAULT_MAX_BYTES as DEFAULT_PATTERN_BYTES
+from probehook.frontend.attention_pattern import attention_pattern
 from probehook.frontend.fill import clear_outputs, copy_captures
 from probehook.frontend.item_ids import check_item_ids
 from probehook.frontend.probe_set import ProbeSet
@@ -339,6 +343,40 @@ class LLM(vllm.LLM):
         if self.llm_engine.has_unfinished_requests():
             engine_ids = list(self.llm_engine.output_processor.request_states)
             self.llm_engine.abort_request(engine_ids, internal=True)
+
+    # -- attention ----------------------------------------------------------------------------
+
+    def attention_pattern(
+        self, prompt: str | list[int], layer: int, *, max_bytes: int = DEFAULT_PATTERN_BYTES
+    ) -> torch.Tensor:
+        """The full attention matrix of a short prompt at ``layer``, every query head: float32
+        ``[n_heads, n, n]`` (row ``p``: position ``p``'s probabilities over keys ``0..n-1``).
+
+        Needs an engine built with ``attention_layers=[..., layer, ...]``,
+        ``include_prefill=True`` and ``attention_top_k`` at least the prompt's length (the
+        rows' top k then hold every key; at most 256), without ``attention_min_p``; refused,
+        naming ``max_bytes``, when the matrix is larger. ``prompt``: text or token ids.
+        """
+        if self.session is None or self.capture_only:
+            raise CaptureConfigError(
+                "attention_pattern runs one request through generate(): build an LLM (not "
+                "capture_only) with attention_layers=[...] and include_prefill=True."
+            )
+
+        def generate(one: Any, options: dict[str, Any]) -> list[Any]:
+            params = SamplingParams(max_tokens=1, extra_args={EXTRA_ARGS_KEY: options})
+            return self.generate(one, params, use_tqdm=False)
+
+        config = self.capture_config
+        return attention_pattern(
+            generate,
+            lambda text: list(self.get_tokenizer().encode(text)),
+            self.session.readouts,
+            bool(config is not None and config.include_prefill),
+            prompt,
+            layer,
+            max_bytes,
+        )
 
     # -- steering -----------------------------------------------------------------------------
 

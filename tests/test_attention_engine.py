@@ -31,8 +31,11 @@ def test_every_row_s_attention_equals_hugging_face_s(monkeypatch, eager: bool) -
     queries: dict[int, torch.Tensor] = {}
     install_taps = loader.install_taps
 
+    tapped: list[Any] = []
+
     def tapping(model: Any, *args: Any, **kwargs: Any) -> Any:
         hook = install_taps(model, *args, **kwargs)
+        tapped.extend(locate_layers(model)[1])
         layers = range(len(locate_layers(model)[1]))
         queries.update(install_query_taps(model, layers, args[2]))  # args: config, taps, T
         return hook
@@ -68,6 +71,7 @@ def test_every_row_s_attention_equals_hugging_face_s(monkeypatch, eager: bool) -
         outs = llm.generate(["12+34=", "1+2+3+4+5+6+7+8+9+10="], params, use_tqdm=False)
     finally:
         llm.shutdown()
+    assert_the_tripwire_refuses_what_it_has_not_classified(attention_of(tapped[0]))
     hf = AutoModelForCausalLM.from_pretrained(str(tiny_model_path()), dtype=torch.float32,
                                               attn_implementation="eager")  # fmt: skip
     assert len(read) == 2
@@ -81,6 +85,41 @@ def test_every_row_s_attention_equals_hugging_face_s(monkeypatch, eager: bool) -
         for index, per_step in enumerate(steps):  # the steps' rows joined, in order
             got = type(per_step[0])(*(torch.cat([getattr(s, f) for s in per_step]) for f in fields))
             assert_readings_match(got, want[index][0].transpose(0, 1), [(0, 3)])
+
+
+def assert_the_tripwire_refuses_what_it_has_not_classified(attention: Any) -> None:
+    """A running engine's attention layer is classified; the same layer with any one setting
+    probehook has not classified is refused by name (``check_readable``, at load)."""
+    import copy
+
+    from probehook.adapter.worker.kv_cache import check_readable
+    from probehook.errors import UnsupportedModelError
+
+    check_readable(attention)
+    for setting, value, match in [
+        ("kv_cache_dtype", "fp8", r"\{'kv_cache_dtype': 'fp8'\}"),
+        ("kv_sharing_target_layer_name", "model.layers.0.self_attn.attn",
+         r"'kv_sharing_target_layer_name': 'model.layers.0"),
+        ("use_mm_prefix", True, r"\{'use_mm_prefix': True\}"),
+        ("attn_type", "encoder_only", r"\{'attn_type': 'encoder_only'\}"),
+    ]:  # fmt: skip
+        changed = copy.copy(attention)
+        changed.__dict__[setting] = value
+        with pytest.raises(UnsupportedModelError, match=match):
+            check_readable(changed)
+    alibi = copy.copy(attention)
+    alibi.__dict__["impl"] = copy.copy(attention.impl)
+    alibi.impl.alibi_slopes = torch.ones(4)
+    with pytest.raises(UnsupportedModelError, match=r"\{'alibi_slopes': True\}"):
+        check_readable(alibi)
+    chunked = copy.copy(attention)
+    chunked.__class__ = type("ChunkedLocalAttention", (type(attention),), {})
+    with pytest.raises(UnsupportedModelError, match=r"vLLM's ChunkedLocalAttention, whose"):
+        check_readable(chunked)
+    other = copy.copy(attention)
+    other.__dict__["impl"] = object()
+    with pytest.raises(UnsupportedModelError, match=r"runs vLLM's object, whose key cache"):
+        check_readable(other)
 
 
 @pytest.mark.parametrize("eager", [True, False], ids=["eager", "compiled"])
@@ -227,3 +266,19 @@ def test_attention_pattern_equals_hugging_face_s_matrix() -> None:
     torch.testing.assert_close(from_text, want[3][0], rtol=0, atol=1e-4)
     torch.testing.assert_close(from_ids, from_text, rtol=0, atol=0)
     torch.testing.assert_close(first, want[1][0], rtol=0, atol=1e-4)
+
+
+def test_a_layer_the_tripwire_refuses_fails_the_engine_s_construction(monkeypatch) -> None:
+    """A refusal of ``check_readable`` at load (an unclassified attention setting) ends the
+    construction with the refusal's words, not a later read of wrong numbers."""
+    from probehook import LLM, tiny_model_path
+    from probehook.adapter.worker import kv_cache
+    from probehook.errors import UnsupportedModelError
+
+    def refuse(attention: Any, loading: bool = False) -> None:
+        raise UnsupportedModelError(f"{attention.layer_name}: an unclassified setting")
+
+    monkeypatch.setattr(kv_cache, "check_readable", refuse)
+    with pytest.raises(Exception, match=r"model.layers.2.self_attn.attn: an unclassified setting"):
+        LLM(str(tiny_model_path()), attention_layers=[2], enforce_eager=True, max_model_len=64,
+            dtype="float32")  # fmt: skip

@@ -25,10 +25,13 @@ CPU_ISA_LAYOUTS = {"vec": "vec", "vec16": "vec", "amx": "amx"}
 """The CPU kernel's ISAs probehook reads keys of, by the layout their cache has."""
 
 
-def key_layout(layer: Any) -> str:
+def key_layout(layer: Any, loading: bool = False) -> str:
     """The key layout of vLLM attention layer ``layer``'s cache, or a refusal naming what it
-    is (the backend, the ISA)."""
+    is (the backend, the ISA). ``loading``: before vLLM's CPU metadata builder has chosen the
+    layer's ISA (at load), a CPU layer is ``"cpu"``: its ISA is checked at the first read."""
     impl = type(getattr(layer, "impl", None)).__name__
+    if impl == "CPUAttentionBackendImpl" and loading and getattr(layer, "isa", None) is None:
+        return "cpu"
     if impl == "CPUAttentionBackendImpl":
         isa = getattr(layer, "isa", None)
         if isa not in CPU_ISA_LAYOUTS:
@@ -119,23 +122,53 @@ def _checked_cpu_layout(isa: str, dtype: torch.dtype, kv_heads: int, head_size: 
     check_cpu_layout(isa, dtype, kv_heads, head_size, block_size)
 
 
+def check_readable(attention: Any, loading: bool = False) -> None:
+    """Refuse, naming the setting, a vLLM attention layer whose probabilities probehook would
+    not read as its kernel forms them: a tripwire over every setting of vLLM 0.32's
+    ``Attention`` that changes them, so that a new model family fails loudly at load instead
+    of reading wrong numbers. Classified: the module is vLLM's ``Attention`` itself (not a
+    subclass: chunked local, encoder-only, cross, MLA and static-sink attention are
+    subclasses or other modules), its backend's key layout is known (:func:`key_layout`), it
+    is a decoder's self-attention, the cache holds keys in the model's dtype (no fp8 scales),
+    it reads its own cache (no KV sharing across layers), no bidirectional multimodal prefix,
+    no ALiBi; the scale, soft-cap, window and sinks are read (:func:`attention_terms`).
+    ``loading``: at load, before vLLM's CPU backend has chosen the layer's ISA."""
+    from vllm.model_executor.layers.attention import Attention
+
+    name = getattr(attention, "layer_name", "?")
+    if type(attention) is not Attention:
+        raise UnsupportedModelError(
+            f"Attention layer {name!r} is vLLM's {type(attention).__name__}, whose attention "
+            "probehook has not classified (it reads vLLM's Attention of a decoder's "
+            "self-attention)."
+        )
+    key_layout(attention, loading)  # a backend probehook has not classified is refused first
+    kind = str(getattr(attention, "attn_type", "decoder")).rsplit(".", 1)[-1].lower()
+    unclassified = {
+        "attn_type": (kind, "decoder"),
+        "kv_cache_dtype": (getattr(attention, "kv_cache_dtype", "auto"), "auto"),
+        "kv_sharing_target_layer_name": (
+            getattr(attention, "kv_sharing_target_layer_name", None), None),
+        "use_mm_prefix": (bool(getattr(attention, "use_mm_prefix", False)), False),
+        "use_alibi_sqrt": (bool(getattr(attention, "use_alibi_sqrt", False)), False),
+        "alibi_slopes": (getattr(attention.impl, "alibi_slopes", None) is not None, False),
+    }  # fmt: skip
+    off = {k: v for k, (v, want) in unclassified.items() if v != want}
+    if off:
+        raise UnsupportedModelError(
+            f"Attention layer {name!r} has {off}; probehook reads attention where these are "
+            f"{ {k: want for k, (_, want) in unclassified.items()} } (a decoder's "
+            "self-attention over its own cache in the model's dtype: fp8 KV caches, KV "
+            "sharing across layers, multimodal prefixes and ALiBi are not read yet)."
+        )
+
+
 def attention_terms(attention: Any) -> AttentionTerms:
     """What ``attention``'s kernel applies to ``q . k``, from its vLLM impl (what the kernel
     uses, not the Hugging Face config): the scale, the logit soft-cap, the sliding window and
-    the sinks. ALiBi is refused (not read yet), as is any impl probehook has not classified."""
+    the sinks, after :func:`check_readable`."""
     impl = attention.impl
-    key_layout(attention)  # a backend probehook has not classified is refused first
-    kind = str(getattr(attention, "attn_type", "decoder")).rsplit(".", 1)[-1].lower()
-    if kind != "decoder":
-        raise UnsupportedModelError(
-            f"Attention layer {attention.layer_name!r} is {kind} attention; probehook reads a "
-            "decoder's self-attention only (the keys of its own tokens)."
-        )
-    if getattr(impl, "alibi_slopes", None) is not None:
-        raise UnsupportedModelError(
-            f"Attention layer {attention.layer_name!r} uses ALiBi slopes, which probehook does "
-            "not read yet; attention cannot be read on this model."
-        )
+    check_readable(attention)
     window = getattr(impl, "sliding_window", None)
     if isinstance(window, tuple):  # FlashAttention: (left, right) = (window - 1, 0)
         window = None if window[0] < 0 else window[0] + 1

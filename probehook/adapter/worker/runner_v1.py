@@ -106,6 +106,7 @@ class AttentionReader:
     def __init__(self, runner: Any) -> None:
         self.runner = runner
         self._found: list[Any] | None = None
+        self._terms: dict[int, Any] = {}
 
     def attention(self, layer: int) -> Any:
         if self._found is None:
@@ -121,9 +122,12 @@ class AttentionReader:
         return request_keys(self.runner, self.attention(layer), batch_row, positions)
 
     def terms(self, layer: int) -> Any:
-        from probehook.adapter.worker.kv_cache import attention_terms
+        terms = self._terms.get(layer)
+        if terms is None:
+            from probehook.adapter.worker.kv_cache import attention_terms
 
-        return attention_terms(self.attention(layer))
+            terms = self._terms[layer] = attention_terms(self.attention(layer))
+        return terms
 
 
 def record_step(

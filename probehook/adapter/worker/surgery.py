@@ -252,14 +252,16 @@ def install_query_taps(model: nn.Module, layers: Sequence[int], max_tokens: int)
     """Tap the query at the input of each of ``layers``' attention op (the ``attn_q`` site:
     after RoPE and any QK norm, as the kernel reads it): a forward pre-hook on the layer's
     vLLM ``Attention`` module, traced into the compiled graph like the residual taps. Returns
-    each layer's buffer."""
-    from probehook.adapter.worker.kv_cache import attention_of
+    each layer's buffer. A layer whose attention probehook would not read as its kernel forms
+    it is refused here, at load (``check_readable``)."""
+    from probehook.adapter.worker.kv_cache import attention_of, check_readable
 
     _, layer_list = locate_layers(model)
     param = next(model.parameters())
     buffers = {}
     for index in layers:
         attention = attention_of(layer_list[index])
+        check_readable(attention, loading=True)
         width = attention.num_heads * attention.head_size
         buffer = torch.zeros((max_tokens, width), dtype=param.dtype, device=param.device)
         attention.register_buffer(QUERY_BUFFER, buffer, persistent=False)

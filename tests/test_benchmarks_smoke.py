@@ -43,6 +43,7 @@ BENCHMARKS = {
     "steering.py": "Added step time, steered vs not (same engine)",
     "saes.py": "| prefill | requests ask for the four in turn |",
     "lenses.py": "| J-lens, 1 layer, every prompt row |",
+    "attention.py": "| attention, 1 layer, every prompt row |",
     "collect.py": "| 1 replica |",
     "store_lanes.py": "Median of the per-round store ratios",
 }

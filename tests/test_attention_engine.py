@@ -217,6 +217,41 @@ def test_the_attention_readout_equals_hugging_face_offline(eager: bool, tmp_path
     first = outs[0].outputs[0].attention[3]
     assert [p for p, _ in blocks["attention 3 h2"]["rows"][n - 1]] == [
         p for p in first.positions[0, 2].tolist() if p >= 0]  # fmt: skip
+    if eager:
+        assert_the_page_shades_what_the_pointed_token_attends_to(by_layer, tmp_path)
+
+
+def assert_the_page_shades_what_the_pointed_token_attends_to(out: Any, tmp_path) -> None:
+    """The viewer names a request's heads as it chose them (``h1``, ``h3``) and offers, per
+    head, to shade every token by how much the pointed token attends to it: in Chromium, the
+    first output token pointed, each token's colour is its probability's."""
+    from browser import chromium, open_page
+    from transformers import AutoTokenizer
+
+    from probehook import tiny_model_path, view
+    from probehook.viewer.page import shade
+
+    shown = view(out, AutoTokenizer.from_pretrained(str(tiny_model_path())))
+    names = [t["name"] for t in shown.requests[0]["top_k"]]
+    assert [name for name in names if name.startswith("attention 3")] == [
+        "attention 3 h1", "attention 3 h3"]  # fmt: skip
+    n = len(out.prompt_token_ids)
+    rows = out.outputs[0].attention[3]
+    # decode row 1 (position n), head 3
+    pairs = zip(rows.positions[1, 1].tolist(), rows.probs[1, 1].tolist(), strict=True)
+    weights = {p: w for p, w in pairs if p >= 0}
+    path = shown.save(tmp_path / "attention.html")
+    with chromium() as browser:
+        page, errors, _ = open_page(browser, path.as_uri(), path.as_uri())
+        option = page.locator("select.ph-series option", has_text="attention 3 h3: attention")
+        page.select_option("select.ph-series", option.get_attribute("value"))
+        page.hover(f".ph-token[data-i='{n}']")
+        spans = page.locator(".ph-token")
+        for q in range(spans.count()):
+            got = spans.nth(q).evaluate("e => getComputedStyle(e).backgroundColor")
+            want = shade(min(1.0, weights[q])) if q in weights else "rgba(0, 0, 0, 0)"
+            assert got == want, (q, weights)
+        assert errors == []
 
 
 def _readings(rows: Any) -> Any:

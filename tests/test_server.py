@@ -714,16 +714,18 @@ def test_reserved_xargs_key_and_info_route(client, server) -> None:
               "layers": [0, 3],
               "k": 3, "name": "lens", "attribute": "lens", "served": served,
               "columns": ["token_ids", "logprobs", "target_logprob"], "tokens": True,
+              "positions": False,
               "series": ["target", "logprob"], "flags": "lens_flags",
               "column_series": {}}  # fmt: skip
     norms = {"options": ["norms", "norms_top_k"], "names": ["n3"], "layers": [3], "k": 1,
              "name": "row_norms", "attribute": "row_norms", "columns": ["indices", "values", "l0"],
-             "served": {"n3": ["n3"]}, "tokens": False, "series": None,
+             "served": {"n3": ["n3"]}, "tokens": False, "positions": False, "series": None,
              "flags": "norm_flags", "column_series": {}}  # fmt: skip
     peaks = {"options": ["peaks", "peaks_top_k"], "names": ["p3"], "layers": [3], "k": 2,
              "name": "chunk_peaks", "attribute": "chunk_peaks",
              "columns": ["offsets", "peaks", "chunk_norms"], "served": {"p3": ["p3"]},
-             "tokens": False, "series": ["norm", "activation"], "flags": "peak_flags",
+             "tokens": False, "positions": False, "series": ["norm", "activation"],
+             "flags": "peak_flags",
              "column_series": {"mean": "activation"}}  # fmt: skip
     saes = info["readouts"].pop("saes")  # SAE features: a readout as the others
     assert saes["options"] == ["saes", "sae_top_k"] and saes["names"] == ["res3"]
@@ -734,7 +736,7 @@ def test_reserved_xargs_key_and_info_route(client, server) -> None:
     assert attention["options"] == ["attention", "attention_top_k", "attention_layers",
                                     "attention_heads", "attention_spans"]  # fmt: skip
     assert (attention["names"], attention["layers"], attention["k"]) == (["attention"], [3], 4)
-    assert attention["columns"] == ["positions", "probs", "entropy"]
+    assert attention["columns"] == ["positions", "probs", "entropy"] and attention["positions"]
     assert info["readouts"] == {"lenses": lenses, "norms": norms, "peaks": peaks}
     assert info["saes"] == ["res3"] and info["lenses"] == ["j", "logit"]
     # The server is still serving after every refusal above.
@@ -931,11 +933,12 @@ def test_the_live_page_paints_a_streamed_reply_per_token(client, server) -> None
     root = server.base_url.removesuffix("/v1")
     message = prompts(8)[3]
     body = {"lenses": ["j"], "probes": ["truth"], "saes": ["res3"], "norms": ["n3"],
-            "peaks": ["p3"]}  # fmt: skip
+            "peaks": ["p3"], "attention": True}  # fmt: skip
     want = client.chat.completions.create(
         messages=[{"role": "user", "content": message}], logprobs=True,
         extra_body={"probehook": body, "return_token_ids": True}, **{**greedy(), "max_tokens": 12},
-    ).choices[0]  # fmt: skip
+    )  # fmt: skip
+    want, want_usage = want.choices[0], want.usage
     tokens = [c.token for c in want.logprobs.content]
     ids = want.model_extra["token_ids"]
     target = field(want)["lens"]["j"]["3"]["target_logprob"]
@@ -946,8 +949,8 @@ def test_the_live_page_paints_a_streamed_reply_per_token(client, server) -> None
         assert {b.get_attribute("value") for b in boxes.all()} >= {"truth", "res3", "j", "up", "n3"}
         for box in boxes.all():  # ask what the request above asked
             group, name = box.get_attribute("data-group"), box.get_attribute("value")
-            wanted = {"probe": ["truth"], "sae": ["res3"], "lens": ["j"],
-                      "row_norms": ["n3"], "chunk_peaks": ["p3"]}.get(group, [])  # fmt: skip
+            wanted = {"probe": ["truth"], "sae": ["res3"], "lens": ["j"], "row_norms": ["n3"],
+                      "chunk_peaks": ["p3"], "attention": ["attention"]}.get(group, [])  # fmt: skip
             box.set_checked(name in wanted)
         page.fill("#ph-message", message)
         page.fill("#ph-max", "12")
@@ -982,6 +985,19 @@ def test_the_live_page_paints_a_streamed_reply_per_token(client, server) -> None
         assert line.startswith(f"chunk_peaks p3 h1: #{offset} {value:.4f}"), line
         page.select_option("select.ph-series", label="chunk_peaks p3 mean")
         page.select_option("select.ph-series", label="chunk_peaks p3 h3 norm")
+        # attention: pointing at a token shades each token by how much it attends to it
+        # (key positions are the sequence's; position 0 here is the prompt's last token)
+        rows = field(want)["attention"]["3"]
+        first = want_usage.prompt_tokens - 1
+        weights = {p - first: w for p, w in zip(rows["positions"][2][1], rows["probs"][2][1],
+                                                strict=True) if p >= first}  # fmt: skip
+        page.select_option(
+            "select.ph-series", label="attention 3 h1: attention of the pointed token"
+        )
+        spans.nth(2).hover()
+        for q in range(spans.count()):
+            got = spans.nth(q).evaluate("e => getComputedStyle(e).backgroundColor")
+            assert got == (shade(min(1.0, weights[q])) if q in weights else "rgba(0, 0, 0, 0)"), q
         # Flags and a labelled feature: a truth flag monitor typed in as JSON (its threshold
         # between the reply's scores), a label for row 2's strongest feature.
         scores = field(want)["probe_scores"]["truth"]

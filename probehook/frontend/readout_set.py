@@ -116,6 +116,7 @@ class ReadoutSet:
             "columns": list(readout.row_type.column_names),
             "served": {i: readout.served_path(i) for i in self.instances},
             "tokens": readout.entries_are_tokens,
+            "positions": readout.entries_are_positions,
             "series": list(readout.scalar_series) if readout.scalar_series else None,
             "column_series": dict(readout.column_series),
             "flags": readout.flags_attribute,

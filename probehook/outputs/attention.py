@@ -86,6 +86,7 @@ class AttentionReadout(TopKReadout):
     row_type = AttentionRows
     site = "attn_q"
     reads_step = True
+    entries_are_positions = True
     tensor_parallel = False  # each rank's heads against its KV shard: not built yet
     worker_bank = "probehook.worker.attention_bank:attention_bank"
     scalar_series = ("entropy", "activation")

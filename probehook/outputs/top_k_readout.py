@@ -59,6 +59,9 @@ class TopKReadout(OutputProcessor):
     entries_are_tokens: ClassVar[bool] = False
     """The entries' indices are token ids (a lens's): the server writes each one's text
     beside them (:meth:`add_token_text`)."""
+    entries_are_positions: ClassVar[bool] = False
+    """The entries' indices are positions in the request's sequence (attention's keys): the
+    viewers offer to shade every token by the pointed token's entry for it."""
     reads_next_token: ClassVar[bool] = False
     """The worker reads a row together with the id of the token that came next (a lens's
     target log-prob): its rows complete after the step's sampling, and :meth:`read` gets

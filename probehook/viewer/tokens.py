@@ -61,11 +61,12 @@ def request_data(
             shown = readout.display_name
             before, after = prefill_rows.get(instance), decode_rows.get(instance)
             heads = _lead_slices(before, after)
-            for head, (head_before, head_after) in enumerate(heads):
+            numbers = _head_numbers(before, after, len(heads))
+            for head, (head_before, head_after) in zip(numbers, heads, strict=True):
                 rows = place.top_k(head_before, head_after)
                 name = f"{shown} {instance}" + (f" h{head}" if len(heads) > 1 else "")
                 entry = {"name": name, "tokens": readout.entries_are_tokens, "rows": rows,
-                         "labels": {}}  # fmt: skip
+                         "labels": {}, "keys": readout.entries_are_positions}  # fmt: skip
                 if readout.entries_are_tokens:
                     entry["texts"] = _entry_texts(rows, token_text)
                 series.extend(_labelled(entry, (labels or {}).get(instance, {}), name, shown))
@@ -201,6 +202,16 @@ def _scalar(rows: Any) -> Any:
 
 def _extra(rows: Any, column: str) -> Any:
     return None if rows is None else rows.extra[column].float()
+
+
+def _head_numbers(before: Any, after: Any, count: int) -> list[Any]:
+    """What each lead slice is (a request's chosen attention heads, ``labels["heads"]``), else
+    its index."""
+    for rows in (before, after):
+        labels = getattr(rows, "labels", None) or {}
+        if "heads" in labels and len(labels["heads"]) == count:
+            return list(labels["heads"])
+    return list(range(count))
 
 
 def _lead_slices(before: Any, after: Any) -> list[tuple[Any, Any]]:

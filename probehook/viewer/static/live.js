@@ -66,12 +66,18 @@
     return data.named[name];
   }
 
-  function topKOf(name, tokens, labels) {
+  function topKOf(name, tokens, labels, keys) {
     var found = data.top_k.filter(function (t) { return t.name === name; })[0];
     if (!found) {
       found = { name: name, tokens: tokens, rows: data.tokens.map(function () { return null; }),
-                labels: labels || {}, texts: {} };
+                labels: labels || {}, texts: {}, keys: !!keys };
       data.top_k.push(found);
+      if (keys) {  // attention's key positions: shade the tokens the pointed one attends to
+        var option = document.createElement("option");
+        option.value = "k" + (data.top_k.length - 1);
+        option.textContent = name + ": attention of the pointed token";
+        select.appendChild(option);
+      }
     }
     return found;
   }
@@ -145,10 +151,13 @@
         // a top-k per head (lead axes: [n, heads, k]): a block and a series per head
         var heads = ids.length && Array.isArray(ids[0][0]) ? ids[0].length : 0;
         var labels = state.labels[instance] || {};
+        // the heads a request chose (attention_heads) are named by the served labels
+        var numbers = (columns.labels || {}).heads || [];
         (heads ? Array.from({ length: heads }, function (_, h) { return h; }) : [null])
           .forEach(function (h) {
-            var name = r.name + " " + instance + (h === null ? "" : " h" + h);
-            var t = topKOf(name, r.tokens, labels);
+            var shown = h !== null && numbers.length === heads ? numbers[h] : h;
+            var name = r.name + " " + instance + (h === null ? "" : " h" + shown);
+            var t = topKOf(name, r.tokens, labels, r.positions);
             ids.forEach(function (row, i) {
               var mine = h === null ? row : row[h], vals = h === null ? values[i] : values[i][h];
               t.rows[first + i] = [];
@@ -175,9 +184,17 @@
     });
   }
 
+  var pointed = 0;  // the token whose attention a key option shades
+
   function paint() {
+    var spans = reply.querySelectorAll(".ph-token");
+    if (select.value.charAt(0) === "k") {  // position 0 stands for the prompt's last token
+      view.attended(spans, data.top_k[Number(select.value.slice(1))], pointed, data.offset);
+      spans.forEach(function (span) { view.mark(span, data, Number(span.getAttribute("data-i"))); });
+      return;
+    }
     var s = data.series[Number(select.value)] || data.series[0];
-    reply.querySelectorAll(".ph-token").forEach(function (span) {
+    spans.forEach(function (span) {
       var p = Number(span.getAttribute("data-i"));
       view.colour(span, s, p);
       view.mark(span, data, p);
@@ -189,7 +206,11 @@
     s.className = "ph-token " + (p === 0 ? "ph-prompt" : "ph-output");
     s.setAttribute("data-i", String(p));
     s.textContent = text;
-    s.addEventListener("mouseenter", function () { view.describe(panel, data, p); });
+    s.addEventListener("mouseenter", function () {
+      view.describe(panel, data, p);
+      pointed = p;
+      if (select.value.charAt(0) === "k") { paint(); }
+    });
     reply.appendChild(s);
   }
 
@@ -201,7 +222,10 @@
   }
 
   function chunk(message, state) {
-    if (message.usage && message.usage.prompt_tokens) { state.nPrompt = message.usage.prompt_tokens; }
+    if (message.usage && message.usage.prompt_tokens) {
+      state.nPrompt = message.usage.prompt_tokens;
+      data.offset = state.nPrompt - 1;  // the sequence position of token 0 here
+    }
     var choice = (message.choices || [])[0];
     if (!choice) { return; }
     var texts = ((choice.logprobs || {}).content || []).map(function (c) { return c.token; });

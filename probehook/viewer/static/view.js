@@ -136,6 +136,31 @@
     });
   }
 
+  // A top-k block whose entries are key positions (attention per head): an option of the
+  // colour selector that shades every token by how much the pointed token attends to it.
+  function keyOptions(select, data) {
+    data.top_k.forEach(function (entry, i) {
+      if (!entry.keys) { return; }
+      var option = document.createElement("option");
+      option.value = "k" + i;
+      option.textContent = entry.name + ": attention of the pointed token";
+      select.appendChild(option);
+    });
+  }
+
+  // offset: the sequence position of the first token shown (the live page shows the reply
+  // from the prompt's last token on); keys before it shade nothing.
+  function attended(spans, entry, p, offset) {
+    var weights = {};
+    (entry.rows[p] || []).forEach(function (pair) { weights[pair[0] - (offset || 0)] = pair[1]; });
+    spans.forEach(function (span) {
+      var w = weights[Number(span.getAttribute("data-i"))];
+      var t = finite(w) ? Math.min(1, Math.max(0, w)) : null;
+      span.style.backgroundColor = t === null ? "" : shade(t);
+      span.style.color = t !== null && t > 0.6 ? "#ffffff" : "";
+    });
+  }
+
   function start(root) {
     if (root.getAttribute("data-ph-ready")) { return; }
     root.setAttribute("data-ph-ready", "1");
@@ -146,18 +171,31 @@
       var spans = request.querySelectorAll(".ph-token");
       var panel = request.querySelector(".ph-panel");
       var select = request.querySelector("select.ph-series");
+      var pointed = data.n_prompt;  // the token whose attention a key option shades
       function paint() {
+        if (select.value.charAt(0) === "k") {
+          attended(spans, data.top_k[Number(select.value.slice(1))], pointed);
+          return;
+        }
         var s = data.series[Number(select.value)];
         spans.forEach(function (span) { colour(span, s, Number(span.getAttribute("data-i"))); });
       }
-      if (select) { select.addEventListener("change", paint); }
+      if (select) {
+        keyOptions(select, data);
+        select.addEventListener("change", paint);
+      }
+      function point(p) {
+        describe(panel, data, p);
+        pointed = p;
+        if (select && select.value.charAt(0) === "k") { paint(); }
+      }
       spans.forEach(function (span) {
         var p = Number(span.getAttribute("data-i"));
-        span.addEventListener("mouseenter", function () { describe(panel, data, p); });
+        span.addEventListener("mouseenter", function () { point(p); });
         span.addEventListener("click", function () {
           spans.forEach(function (s) { s.classList.remove("ph-picked"); });
           span.classList.add("ph-picked");
-          describe(panel, data, p);
+          point(p);
         });
       });
     });
@@ -176,7 +214,8 @@
 
   window.probehookView = {
     start: start, shade: shade, level: level, seriesTop: seriesTop, scaleOf: scaleOf,
-    colour: colour, columns: columns, describe: describe, mark: mark
+    colour: colour, columns: columns, describe: describe, mark: mark, keyOptions: keyOptions,
+    attended: attended
   };
   document.querySelectorAll(".ph-view").forEach(start);
 })();

@@ -177,3 +177,36 @@ def test_a_bad_min_p_is_refused_by_name(min_p) -> None:
     with pytest.raises(CaptureConfigError, match=r"attention_min_p=.* is not valid: .*\[0, 1\)"):
         AttentionReadout().instances({"layers": [0]}, {"attention_min_p": min_p}, num_layers=4,
                                      hidden_size=8, model_name=None)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "terms",
+    [
+        AttentionTerms(scale=0.125),
+        AttentionTerms(scale=0.125, soft_cap=2.0, window=5),
+        AttentionTerms(scale=0.125, sinks=torch.tensor([0.5, -1.0, 2.0, 0.0])),
+    ],
+    ids=["plain", "soft-cap and window", "sinks"],
+)
+def test_a_batch_of_decode_rows_reads_as_each_one_alone(terms: AttentionTerms) -> None:
+    """``batched_head_readings`` (one row each of several requests, their keys padded to the
+    longest, as the bank reads a decode step) equals ``head_readings`` of each request alone:
+    padding keys are never visible, each row has its own spans."""
+    from probehook.worker.attention_rows import batched_head_readings
+
+    generator = torch.Generator().manual_seed(3)
+    lengths = [1, 7, 12]
+    width = max(lengths)
+    queries = torch.randn(3, 4, 8, generator=generator)
+    keys = torch.randn(3, width, 2, 8, generator=generator) * 3
+    grid = torch.arange(width).expand(3, -1)
+    newest = torch.tensor([n - 1 for n in lengths])
+    key_positions = torch.where(grid <= newest[:, None], grid, -1)
+    spans = torch.tensor([[[0, 1], [0, 0]], [[2, 5], [0, 7]], [[0, 0], [0, 0]]])
+    got = batched_head_readings(queries, newest, keys, key_positions, terms, K, 0.01, spans)
+    for r, n in enumerate(lengths):
+        alone = head_readings(queries[r : r + 1], newest[r : r + 1], keys[r, :n],
+                              torch.arange(n), terms, K, 0.01, spans[r])  # fmt: skip
+        for name in ("positions", "probs", "entropy", "spans"):
+            torch.testing.assert_close(getattr(got, name)[r : r + 1], getattr(alone, name),
+                                       rtol=0, atol=1e-6)  # fmt: skip

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from probehook.worker.attention_rows import head_readings
+from probehook.worker.attention_rows import batched_head_readings, head_readings
 from probehook.worker.top_k_bank import TopKBank
 
 
@@ -56,7 +56,9 @@ class AttentionBank(TopKBank):
         step_rows: np.ndarray,
         reader: Any,
     ) -> None:
-        """Each asking request's rows of one layer, against its keys (read once a request)."""
+        """Each asking request's rows of one layer, against its keys (read once a request):
+        requests with one row in the step (decode) together, in batches of at most
+        :data:`BATCH_KEYS` keys, the others one at a time."""
         layer, heads = int(settings["layer"]), int(settings["heads"])
         slots, min_p = int(settings["spans"]), float(settings.get("min_p", 0.0))
         flat = step_rows[asked]
@@ -64,22 +66,88 @@ class AttentionBank(TopKBank):
         positions = context.position_of(flat)
         terms = reader.terms(layer)
         device = queries.device
-        for request in np.unique(requests).tolist():
+        order, index, counts = np.unique(requests, return_index=True, return_counts=True)
+        for request in order[counts > 1].tolist():
             mine = np.flatnonzero(requests == request)
             seen = int(positions[mine].max()) + 1  # every key up to its newest row
-            first = 0  # keys before the oldest row's window are never read (vLLM may free them)
-            if terms.window is not None:
-                first = max(0, int(positions[mine].min()) - terms.window + 1)
-            key_positions = torch.arange(first, seen, device=device)
+            key_positions = torch.arange(_first_key(int(positions[mine].min()), terms), seen,
+                                         device=device)  # fmt: skip
             keys = reader.keys(layer, request, key_positions)
             where = torch.from_numpy(asked[mine]).to(device)
             q = queries.index_select(0, where).float().view(len(mine), heads, -1)
             spans = request_spans(context.request_terms(request, self.readout.source), device)
             got = head_readings(q, torch.from_numpy(positions[mine]).to(device), keys.float(),
                                 key_positions, terms, self.k, min_p, spans)  # fmt: skip
-            mass = torch.nn.functional.pad(got.spans, (0, slots - got.spans.shape[-1]))
-            packed = self.readout.pack(got.positions, got.probs, got.entropy, span_mass=mass)
-            out[:, : packed.shape[1]].index_copy_(0, where, packed)
+            self._write(out, where, got, slots)
+        mine = index[counts == 1]  # the row of each request with one
+        if len(mine):
+            for batch in _batches(positions[mine], terms):
+                self._read_singles(out, queries, asked[mine[batch]], requests[mine[batch]],
+                                   positions[mine[batch]], layer, heads, slots, min_p, terms,
+                                   context, reader)  # fmt: skip
+
+    def _read_singles(
+        self,
+        out: torch.Tensor,
+        queries: torch.Tensor,
+        rows: np.ndarray,
+        requests: np.ndarray,
+        positions: np.ndarray,
+        layer: int,
+        heads: int,
+        slots: int,
+        min_p: float,
+        terms: Any,
+        context: Any,
+        reader: Any,
+    ) -> None:
+        """Requests with one row each: their keys read together (``[R, M]``, each request's
+        visible ones, the rest padding), one batched scoring."""
+        device = queries.device
+        first = np.array([_first_key(int(p), terms) for p in positions.tolist()])
+        width = int((positions + 1 - first).max())
+        grid = torch.from_numpy(first[:, None] + np.arange(width)[None, :]).to(device)
+        newest = torch.from_numpy(positions).to(device)
+        key_positions = torch.where(grid <= newest[:, None], grid, -1)
+        keys = reader.keys(layer, requests.tolist(), torch.minimum(grid, newest[:, None]))
+        where = torch.from_numpy(rows).to(device)
+        q = queries.index_select(0, where).float().view(len(rows), heads, -1)
+        asked = [request_spans(context.request_terms(int(r), self.readout.source), device)
+                 for r in requests.tolist()]  # fmt: skip
+        spans = torch.zeros(len(rows), max(len(s) for s in asked), 2, dtype=torch.int64,
+                            device=device)  # fmt: skip
+        for i, s in enumerate(asked):
+            spans[i, : len(s)] = s
+        got = batched_head_readings(q, newest, keys, key_positions, terms, self.k, min_p, spans)
+        self._write(out, where, got, slots)
+
+    def _write(self, out: torch.Tensor, where: torch.Tensor, got: Any, slots: int) -> None:
+        mass = torch.nn.functional.pad(got.spans, (0, slots - got.spans.shape[-1]))
+        packed = self.readout.pack(got.positions, got.probs, got.entropy, span_mass=mass)
+        out[:, : packed.shape[1]].index_copy_(0, where, packed)
+
+
+BATCH_KEYS = 1 << 16
+"""Keys (per request, padded to the longest) read and scored together in one batch of decode
+rows: bounds the batch's float32 keys and logits (``keys x heads x head size``)."""
+
+
+def _first_key(oldest: int, terms: Any) -> int:
+    """The first key a row at ``oldest`` sees: keys before its window are never read (vLLM
+    may have freed their blocks)."""
+    return 0 if terms.window is None else max(0, oldest - terms.window + 1)
+
+
+def _batches(positions: np.ndarray, terms: Any) -> list[np.ndarray]:
+    """Decode rows in batches of at most :data:`BATCH_KEYS` padded keys, the shortest
+    together (so a long request pads no short one)."""
+    seen = [p + 1 - _first_key(p, terms) for p in positions.tolist()]
+    batches: list[list[int]] = [[]]
+    for i in np.argsort(seen, kind="stable").tolist():  # widest last: it sets the padding
+        if batches[-1] and (len(batches[-1]) + 1) * seen[i] > BATCH_KEYS:
+            batches.append([])
+        batches[-1].append(i)
+    return [np.array(batch) for batch in batches]
 
 
 def request_spans(terms: Mapping[str, Any] | None, device: torch.device) -> torch.Tensor:

@@ -61,49 +61,79 @@ def head_readings(
     ``[keys, kv_heads, D]`` at ``key_positions`` ``[keys]`` (any order; each row sees those at
     or before its position, inside the window); ``spans`` int64 ``[spans, 2]``."""
     rows, heads, _ = queries.shape
-    kv_heads = keys.shape[1]
-    if heads % kv_heads:
-        raise ValueError(f"{heads} query heads do not group over {kv_heads} KV heads")
-    # repeat_kv: query head h reads KV head h // group
-    expanded = keys.float().repeat_interleave(heads // kv_heads, dim=1).permute(1, 2, 0)
+    expanded = _grouped(keys, heads).permute(1, 2, 0)  # [heads, D, keys]
     spans = spans if spans is not None else torch.zeros(0, 2, dtype=torch.int64)
-    in_span = (key_positions[None, :] >= spans[:, :1]) & (key_positions[None, :] < spans[:, 1:])
-    parts = [
-        _tile(
-            queries[lo : lo + TILE_ROWS].float(),
-            query_positions[lo : lo + TILE_ROWS],
-            expanded,
-            key_positions,
-            terms,
-            k,
-            min_p,
-            in_span.float(),
-        )  # fmt: skip
-        for lo in range(0, rows, TILE_ROWS)
-    ]
+    in_span = _in_span(key_positions[None], spans[None])[0].float()  # [spans, keys]
+    parts = []
+    for lo in range(0, rows, TILE_ROWS):
+        tile = queries[lo : lo + TILE_ROWS].float()
+        logits = torch.einsum("rhd,hdm->rhm", tile, expanded)
+        count = len(tile)
+        parts.append(_readings(logits, query_positions[lo : lo + TILE_ROWS],
+                               key_positions.expand(count, -1), terms, k, min_p,
+                               in_span.expand(count, -1, -1)))  # fmt: skip
     return HeadReadings(*(torch.cat([p[i] for p in parts]) for i in range(4)))
 
 
-def _tile(
+def batched_head_readings(
     queries: torch.Tensor,
     query_positions: torch.Tensor,
     keys: torch.Tensor,
     key_positions: torch.Tensor,
     terms: AttentionTerms,
     k: int,
+    min_p: float = 0.0,
+    spans: torch.Tensor | None = None,
+) -> HeadReadings:
+    """One row each of ``R`` requests at once (a decode step): ``queries`` ``[R, heads, D]``
+    at ``query_positions`` ``[R]`` against each one's own ``keys`` ``[R, M, kv_heads, D]`` at
+    ``key_positions`` ``[R, M]`` (-1: padding, never visible); ``spans`` int64
+    ``[R, spans, 2]`` (``[0, 0]``: no span)."""
+    rows, heads, _ = queries.shape
+    spans = spans if spans is not None else torch.zeros(rows, 0, 2, dtype=torch.int64)
+    logits = torch.einsum("rhd,rmhd->rhm", queries.float(), _grouped(keys, heads))
+    in_span = _in_span(key_positions, spans).float()
+    return HeadReadings(*_readings(logits, query_positions, key_positions, terms, k, min_p,
+                                   in_span))  # fmt: skip
+
+
+def _grouped(keys: torch.Tensor, heads: int) -> torch.Tensor:
+    """Keys ``[..., kv_heads, D]`` as float32 per query head (``repeat_kv``: query head ``h``
+    reads KV head ``h // (heads / kv_heads)``)."""
+    kv_heads = keys.shape[-2]
+    if heads % kv_heads:
+        raise ValueError(f"{heads} query heads do not group over {kv_heads} KV heads")
+    return keys.float().repeat_interleave(heads // kv_heads, dim=-2)
+
+
+def _in_span(key_positions: torch.Tensor, spans: torch.Tensor) -> torch.Tensor:
+    """bool ``[R, spans, keys]``: whether each key lies in each ``[start, end)``."""
+    at = key_positions[:, None, :]
+    return (at >= spans[..., :1]) & (at < spans[..., 1:]) & (at >= 0)
+
+
+def _readings(
+    logits: torch.Tensor,
+    query_positions: torch.Tensor,
+    key_positions: torch.Tensor,
+    terms: AttentionTerms,
+    k: int,
     min_p: float,
     in_span: torch.Tensor,
 ) -> tuple[torch.Tensor, ...]:
-    logits = torch.einsum("rhd,hdm->rhm", queries, keys) * terms.scale
+    """From raw ``q . k`` logits ``[rows, heads, keys]`` of keys at ``key_positions``
+    ``[rows, keys]`` (-1: padding): the kernel's terms, the softmax over the visible keys
+    (and the sink), and the readings."""
+    logits = logits * terms.scale
     if terms.soft_cap:
         logits = terms.soft_cap * torch.tanh(logits / terms.soft_cap)
-    distance = query_positions[:, None] - key_positions[None, :]  # [rows, keys]
-    visible = distance >= 0
+    distance = query_positions[:, None] - key_positions  # [rows, keys]
+    visible = (distance >= 0) & (key_positions >= 0)
     if terms.window is not None:
         visible &= distance < terms.window
     logits = logits.masked_fill(~visible[:, None, :], -math.inf)
     if terms.sinks is not None:
-        sink = terms.sinks.float()[None, :, None].expand(len(queries), -1, 1)
+        sink = terms.sinks.float()[None, :, None].expand(len(logits), -1, 1)
         full = torch.cat([logits, sink], dim=-1).log_softmax(dim=-1)
         log_p = full[..., :-1]
         entropy = -(full.exp() * full.nan_to_num(neginf=0.0)).sum(dim=-1)
@@ -114,11 +144,12 @@ def _tile(
     width = min(k, probs.shape[-1])
     top, at = probs.topk(width, dim=-1)
     kept = (top > 0) & (top >= min_p)
-    positions = torch.where(kept, key_positions[at], -1)
+    where = key_positions[:, None, :].expand(-1, probs.shape[1], -1).gather(-1, at)
+    positions = torch.where(kept, where, -1)
     top = torch.where(kept, top, 0.0)
     if width < k:  # fewer keys than k: pad
         pad = k - width
         positions = torch.nn.functional.pad(positions, (0, pad), value=-1)
         top = torch.nn.functional.pad(top, (0, pad), value=0.0)
-    masses = torch.einsum("rhm,sm->rhs", probs, in_span)
+    masses = torch.einsum("rhm,rsm->rhs", probs, in_span)
     return positions, top, entropy, masses

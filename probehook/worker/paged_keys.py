@@ -25,8 +25,9 @@ LAYOUTS = ("token_major", "vec", "amx")
 def read_keys(
     kv_cache: torch.Tensor, layout: str, blocks: torch.Tensor, offsets: torch.Tensor
 ) -> torch.Tensor:
-    """The keys at ``(blocks[i], offsets[i])`` of a layer's cache: ``[n, kv_heads, head_size]``
-    in the cache's dtype (an fp8 cache's raw values: the caller scales them)."""
+    """The keys at ``(blocks[...], offsets[...])`` of a layer's cache: ``[*blocks.shape,
+    kv_heads, head_size]`` in the cache's dtype (an fp8 cache's raw values: the caller scales
+    them); ``blocks`` and ``offsets`` of one shape (``[n]``, or ``[requests, n]``)."""
     num_blocks, heads, block_size, width = kv_cache.shape
     dim = width // 2
     if layout == "token_major":
@@ -36,8 +37,8 @@ def read_keys(
         return keys.view(num_blocks, heads, dim, block_size)[blocks, :, :, offsets]
     if layout == "amx":
         packed = keys.view(num_blocks, heads, block_size // 16, dim // 2, 16, 2)
-        picked = packed[blocks, :, offsets // 16, :, offsets % 16, :]  # [n, heads, D/2, 2]
-        return picked.reshape(len(blocks), heads, dim)
+        picked = packed[blocks, :, offsets // 16, :, offsets % 16, :]  # [..., heads, D/2, 2]
+        return picked.reshape(*blocks.shape, heads, dim)
     raise ValueError(f"unknown key layout {layout!r}; the layouts are {list(LAYOUTS)}")
 
 
@@ -46,8 +47,9 @@ def key_slots(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Where a request's keys at ``positions`` lie in a layer's cache: ``(blocks, offsets)``
     for :func:`read_keys`. ``block_row``: the request's row of its KV-cache group's block table
-    (vLLM's block ids, ``block_size`` positions each); a backend whose kernel takes smaller
-    blocks splits each into ``block_size // kernel_block_size`` kernel blocks, numbered
+    (vLLM's block ids, ``block_size`` positions each; ``[requests, blocks]`` rows with
+    ``[requests, n]`` positions read several requests at once); a backend whose kernel takes
+    smaller blocks splits each into ``block_size // kernel_block_size`` kernel blocks, numbered
     ``block * ratio + j``."""
     if block_size % kernel_block_size:
         raise ValueError(
@@ -56,6 +58,7 @@ def key_slots(
         )
     ratio = block_size // kernel_block_size
     blocks = (
-        block_row[positions // block_size] * ratio + (positions % block_size) // kernel_block_size
+        block_row.gather(-1, positions // block_size) * ratio
+        + (positions % block_size) // kernel_block_size
     )
     return blocks, positions % kernel_block_size

@@ -92,13 +92,14 @@ def attention_of(decoder_layer: Any) -> Any:
 
 
 def request_keys(
-    runner: Any, attention: Any, batch_row: int, positions: torch.Tensor
+    runner: Any, attention: Any, batch_row: Any, positions: torch.Tensor
 ) -> torch.Tensor:
     """The keys at ``positions`` of the request at ``batch_row`` of the V1 runner's batch, as
     ``attention``'s cache holds them (``[n, kv_heads, head_size]``, the cache's dtype), through
-    the request's row of its KV-cache group's block table. Read in the step's recorder window:
-    the keys of every position the step computed are written, those of prefix-cache hits
-    too."""
+    the request's row of its KV-cache group's block table; ``batch_row`` a list of ``R``
+    requests with ``[R, n]`` positions: ``[R, n, kv_heads, head_size]``. Read in the step's
+    recorder window: the keys of every position the step computed are written, those of
+    prefix-cache hits too."""
     groups = runner.kv_cache_config.kv_cache_groups
     group = next(
         (g for g, spec in enumerate(groups) if attention.layer_name in spec.layer_names), None
@@ -106,7 +107,7 @@ def request_keys(
     if group is None:
         raise UnsupportedModelError(f"no KV-cache group holds layer {attention.layer_name!r}")
     table = runner.input_batch.block_table[group]
-    row = torch.from_numpy(table.block_table.np[batch_row]).long()
+    row = torch.from_numpy(table.block_table.np[batch_row]).long().to(positions.device)
     cache = attention.kv_cache
     layout = key_layout(attention)
     if layout != "token_major":  # vLLM's CPU kernel: its packing checked once per shape

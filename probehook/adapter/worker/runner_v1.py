@@ -116,7 +116,9 @@ class AttentionReader:
             self._found = [attention_of(m) for m in locate_layers(self.runner.get_model())[1]]
         return self._found[layer]
 
-    def keys(self, layer: int, batch_row: int, positions: torch.Tensor) -> torch.Tensor:
+    def keys(self, layer: int, batch_row: Any, positions: torch.Tensor) -> torch.Tensor:
+        """The keys at ``positions`` of one batch request (``[n]``), or of a list of them
+        (``[R, n]`` positions; ``kv_cache.request_keys``)."""
         from probehook.adapter.worker.kv_cache import request_keys
 
         return request_keys(self.runner, self.attention(layer), batch_row, positions)

@@ -51,8 +51,11 @@ from probehook.saes.encode import (  # noqa: E402
     activations_per_token,
     read_top_k,
 )
+from probehook.worker.attention_bank import AttentionBank  # noqa: E402
+from probehook.worker.attention_rows import AttentionTerms, head_readings  # noqa: E402
 from probehook.worker.clamp_op import CLAMP_TENSORS, ClampWriter  # noqa: E402
 from probehook.worker.lens_bank import LensBank  # noqa: E402
+from probehook.worker.paged_keys import key_slots, read_keys  # noqa: E402
 from probehook.worker.sae_bank import SAEBank  # noqa: E402
 from probehook.worker.steer_op import ADD_TENSORS  # noqa: E402
 from probehook.worker.tap_op import tap  # noqa: E402
@@ -406,6 +409,99 @@ def lens_case(shapes: Shapes) -> Case:
         (x, targets),
         write,
         lambda output: {"readout": output[0]},
+        compiled=False,
+        verify=verify,
+    )
+
+
+class PagedKeys:
+    """Stands in for the adapter's attention reader: requests' keys read from a paged cache in
+    FlashAttention's layout (``token_major``) through their block table rows, as the worker's
+    reader does after the forward pass."""
+
+    def __init__(self, cache: torch.Tensor, table: torch.Tensor, terms: AttentionTerms) -> None:
+        self.cache, self.table, self._terms = cache, table, terms
+
+    def keys(self, layer: int, batch_row: Any, positions: torch.Tensor) -> torch.Tensor:
+        row = self.table[batch_row]
+        blocks, offsets = key_slots(row, positions, self.cache.shape[2], self.cache.shape[2])
+        return read_keys(self.cache, "token_major", blocks, offsets)
+
+    def terms(self, layer: int) -> AttentionTerms:
+        return self._terms
+
+
+class AttentionRead(nn.Module):
+    """The attention bank on one layer's staged query rows (a decode step: one row of each
+    request, plus one request's chunk of prefill rows), in the recorder window."""
+
+    def __init__(self, bank: AttentionBank, context: Any, rows: Any) -> None:
+        super().__init__()
+        self.bank, self.context, self.rows = bank, context, rows
+
+    def forward(self, queries: torch.Tensor) -> torch.Tensor:
+        return self.bank([queries], context=self.context, step_rows=self.rows)
+
+
+def attention_case(shapes: Shapes) -> Case:
+    """Attention per head (issue 51): keys read from a paged cache (blocks scattered at
+    random, FlashAttention's layout), 8 query heads on 2 KV heads of 64, top-k, entropy and a
+    span's mass; verified against :func:`head_readings` of each request's keys in order."""
+    import numpy as np
+
+    from probehook.outputs.attention import MAX_SPANS, AttentionReadout
+    from probehook.worker.step_context import StepContext
+
+    heads, kv_heads, dim, block = 8, 2, 64, 16
+    requests = MAX_NUM_SEQS - 1
+    lengths = [8 + 5 * i for i in range(requests)]  # decode rows at these positions
+    chunk = shapes.tokens  # one more request: a prefill chunk of this many rows
+    blocks_per = (max(lengths) + chunk) // block + 2
+    order = torch.randperm((requests + 1) * blocks_per, generator=torch.Generator().manual_seed(0))
+    table = order.view(requests + 1, blocks_per).to(shapes.device)
+    cache = torch.empty(len(order), kv_heads, block, 2 * dim, dtype=shapes.dtype,
+                        device=shapes.device)  # fmt: skip
+    terms = AttentionTerms(scale=dim**-0.5)
+    settings = {"layer": 0, "heads": heads, "spans": MAX_SPANS, "min_p": 0.0, "num_layers": 1}
+    bank = AttentionBank(AttentionReadout(), {"0": settings}, shapes.k)
+    positions = [n - 1 for n in lengths] + list(range(chunk))
+    starts = np.array([*range(requests), requests, requests + chunk])
+    context = StepContext(
+        tuple(f"r{i}" for i in range(requests + 1)), starts,
+        np.array([n - 1 for n in lengths] + [0]), np.zeros((requests + 1, 1), dtype=np.int64),
+        np.array([n for n in lengths] + [chunk]), shapes.device, None,
+        {"attention": PagedKeys(cache, table, terms)},
+        lambda row, source: {"spans": [["start", 0, 4]]},
+    )  # fmt: skip
+    rows = np.arange(len(positions))
+    queries = torch.empty(len(positions), heads * dim, dtype=shapes.dtype, device=shapes.device)
+
+    def write(seed: int) -> None:
+        cache.copy_(_randn(cache.shape, 1000 * seed + 7, shapes, cache.dtype))
+        queries.copy_(_randn(queries.shape, 1000 * seed + 8, shapes, queries.dtype))
+
+    def verify(results: dict[str, torch.Tensor]) -> None:
+        got = AttentionReadout().row_type.unpack(
+            results["readout"][0], shapes.k, {"k": shapes.k, "heads": heads, "spans": MAX_SPANS}
+        )
+        span = torch.tensor([[0, 4]], device=shapes.device)
+        for r, newest in enumerate(positions):  # each row against its request's keys alone
+            seen = torch.arange(newest + 1, device=shapes.device)
+            keys = PagedKeys(cache, table, terms).keys(0, min(r, requests), seen)
+            want = head_readings(queries[r : r + 1].float().view(1, heads, dim),
+                                 torch.tensor([newest], device=shapes.device), keys.float(),
+                                 seen, terms, shapes.k, spans=span)  # fmt: skip
+            torch.testing.assert_close(got.probs[r], want.probs[0], rtol=0, atol=1e-5)
+            torch.testing.assert_close(got.entropy[r], want.entropy[0], rtol=0, atol=1e-5)
+            torch.testing.assert_close(got.span_mass[r, :, :1], want.spans[0], rtol=0, atol=1e-5)
+
+    return Case(
+        "AttentionBank read (paged keys, eager)",
+        f"{requests} decode rows + a {chunk}-row chunk, {heads} heads on {kv_heads}, k {shapes.k}",
+        AttentionRead(bank, context, rows),
+        (queries,),
+        write,
+        lambda output: {"readout": output},
         compiled=False,
         verify=verify,
     )
@@ -843,6 +939,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         *((f"SAE {arch}", lambda arch=arch: sae_case(shapes, arch)) for arch in args.arch),
         *((f"clamp {arch}", lambda arch=arch: clamp_case(shapes, arch)) for arch in args.arch),
         ("lens", lambda: lens_case(shapes)),
+        ("attention", lambda: attention_case(shapes)),
     ]
     # vLLM runs its model under inference mode; the ops must work there.
     with torch.inference_mode():

@@ -22,6 +22,7 @@ OP_ROWS = (
     "probehook::write clamp (jumprelu)",
     "probehook::write clamp (topk)",
     "LensBank read (logit lens, eager)",
+    "AttentionBank read (paged keys, eager)",
 )
 
 

@@ -317,3 +317,31 @@ def test_a_layer_the_tripwire_refuses_fails_the_engine_s_construction(monkeypatc
     with pytest.raises(Exception, match=r"model.layers.2.self_attn.attn: an unclassified setting"):
         LLM(str(tiny_model_path()), attention_layers=[2], enforce_eager=True, max_model_len=64,
             dtype="float32")  # fmt: skip
+
+
+def test_a_capture_only_engine_reads_the_attention_of_the_layers_it_keeps() -> None:
+    """``LLM(capture_only=True, attention_layers=[2])``: one forward pass per prompt that
+    stops after layer 2, and every prompt row's attention at layer 2 (nothing else asked)
+    equal to Hugging Face's eager attention."""
+    from test_attention_rows import assert_readings_match
+    from transformers import AutoModelForCausalLM
+
+    from probehook import LLM, tiny_model_path
+    from probehook.worker.attention_rows import HeadReadings
+
+    path = str(tiny_model_path())
+    llm = LLM(path, capture_only=True, attention_layers=[2], attention_top_k=K,
+              enforce_eager=True, max_model_len=64, dtype="float32")  # fmt: skip
+    try:
+        outs = llm.capture(["12+34=46.", "1+2+3="], use_tqdm=False)
+    finally:
+        llm.shutdown()
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                              attn_implementation="eager")  # fmt: skip
+    for out in outs:
+        with torch.no_grad():
+            want = hf(torch.tensor([out.prompt_token_ids]), output_attentions=True).attentions
+        rows = out.prefill_attention[2]
+        assert sorted(out.prefill_attention) == [2] and len(rows) == len(out.prompt_token_ids)
+        readings = HeadReadings(rows.positions, rows.probs, rows.entropy, rows.span_mass)
+        assert_readings_match(readings, want[2][0].transpose(0, 1), [])

@@ -104,7 +104,7 @@ class AttentionBank(TopKBank):
         """Requests with one row each: their keys read together (``[R, M]``, each request's
         visible ones, the rest padding), one batched scoring."""
         device = queries.device
-        first = np.array([_first_key(int(p), terms) for p in positions.tolist()])
+        first = _first_keys(positions, terms)
         width = int((positions + 1 - first).max())
         grid = torch.from_numpy(first[:, None] + np.arange(width)[None, :]).to(device)
         newest = torch.from_numpy(positions).to(device)
@@ -112,12 +112,13 @@ class AttentionBank(TopKBank):
         keys = reader.keys(layer, requests.tolist(), torch.minimum(grid, newest[:, None]))
         where = torch.from_numpy(rows).to(device)
         q = queries.index_select(0, where).float().view(len(rows), heads, -1)
-        asked = [request_spans(context.request_terms(int(r), self.readout.source), device)
+        asked = [(context.request_terms(r, self.readout.source) or {}).get("spans") or []
                  for r in requests.tolist()]  # fmt: skip
-        spans = torch.zeros(len(rows), max(len(s) for s in asked), 2, dtype=torch.int64,
-                            device=device)  # fmt: skip
-        for i, s in enumerate(asked):
-            spans[i, : len(s)] = s
+        spans = None
+        if any(asked):  # [R, spans, 2], [0, 0] past a request's own
+            most = max(len(a) for a in asked)
+            bounds = [[[lo, hi] for _, lo, hi in a] + [[0, 0]] * (most - len(a)) for a in asked]
+            spans = torch.tensor(bounds, dtype=torch.int64, device=device)
         got = batched_head_readings(q, newest, keys, key_positions, terms, self.k, min_p, spans)
         self._write(out, where, got, slots)
 
@@ -138,10 +139,17 @@ def _first_key(oldest: int, terms: Any) -> int:
     return 0 if terms.window is None else max(0, oldest - terms.window + 1)
 
 
+def _first_keys(positions: np.ndarray, terms: Any) -> np.ndarray:
+    """:func:`_first_key` of each row."""
+    if terms.window is None:
+        return np.zeros_like(positions)
+    return np.maximum(0, positions - terms.window + 1)
+
+
 def _batches(positions: np.ndarray, terms: Any) -> list[np.ndarray]:
     """Decode rows in batches of at most :data:`BATCH_KEYS` padded keys, the shortest
     together (so a long request pads no short one)."""
-    seen = [p + 1 - _first_key(p, terms) for p in positions.tolist()]
+    seen = (positions + 1 - _first_keys(positions, terms)).tolist()
     batches: list[list[int]] = [[]]
     for i in np.argsort(seen, kind="stable").tolist():  # widest last: it sets the padding
         if batches[-1] and (len(batches[-1]) + 1) * seen[i] > BATCH_KEYS:

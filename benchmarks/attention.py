@@ -27,43 +27,26 @@ that it still runs (benchmarks/smoke.py; nothing written).
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import os
-import statistics
 import tempfile
-import time
 from pathlib import Path
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 import smoke  # noqa: E402  (benchmarks/smoke.py)
+from bracketed import bracketed_rounds, phase_rows, run_once, run_prompts, table_lines  # noqa: E402
 from saes import model_flops_per_token  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
-BASELINE = "vLLM compiled"
 
 
-def run_once(llm: object, prompts: list[dict], max_tokens: int, options: dict | None) -> float:
-    """Tokens per second: generated ones (decode), or prompt ones when ``max_tokens`` is 1."""
-    from vllm import SamplingParams
-
-    params = SamplingParams(
-        max_tokens=max_tokens,
-        ignore_eos=True,
-        temperature=0,
-        detokenize=False,
-        extra_args={"probehook": options} if options is not None else None,
-    )
-    start = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
-    if options is not None and options.get("attention") is not False:
-        assert outs[0].outputs[0].attention or outs[0].prefill_attention, "no attention came back"
-    if max_tokens == 1:
-        return sum(len(o.prompt_token_ids) for o in outs) / elapsed
-    return sum(len(o.outputs[0].token_ids) for o in outs) / elapsed
+def came_back(out: object) -> bool:
+    """Whether a run's first output holds the readout's values."""
+    return bool(out.outputs[0].attention or out.prefill_attention)
 
 
 def main() -> None:
@@ -129,46 +112,16 @@ def main() -> None:
 
     report: dict = {"workload": vars(args), "phases": {}}
     for phase, (length, max_tokens) in workloads.items():
-        run_once(base, prompts(length), max_tokens, None)  # warm-up
+        run_once(base, prompts(length), max_tokens, None, came_back, "attention")  # warm-up
         for llm, options, _ in configs[phase].values():
-            run_once(llm, prompts(length), max_tokens, options)
-        bracketed: dict[str, list[float]] = {name: [] for name in configs[phase]}
-        samples: dict[str, list[float]] = {BASELINE: [], **{n: [] for n in configs[phase]}}
-        for round_index in range(args.rounds):
-            before = run_once(base, prompts(length), max_tokens, None)
-            samples[BASELINE].append(before)
-            for name, (llm, options, _) in configs[phase].items():
-                value = run_once(llm, prompts(length), max_tokens, options)
-                after = run_once(base, prompts(length), max_tokens, None)
-                samples[name].append(value)
-                samples[BASELINE].append(after)
-                bracketed[name].append(value / (before * after) ** 0.5)
-                before = after
-            print(
-                f"{phase} round {round_index + 1}/{args.rounds}: "
-                + ", ".join(f"{n}: {s[-1]:.0f} tok/s" for n, s in samples.items()),
-                flush=True,
-            )
-        baseline = round(statistics.median(samples[BASELINE]), 1)
-        rows = [
-            {"config": BASELINE, "median_tok_s": baseline, "median_bracketed_ratio": 1.0,
-             "floor": 1.0}
-        ]  # fmt: skip
-        for name, (_, _, read) in configs[phase].items():
-            f = extra(phase, read, length, max_tokens)
-            ratio = statistics.median(bracketed[name])
-            rows.append(
-                {
-                    "config": name,
-                    "median_tok_s": round(statistics.median(samples[name]), 1),
-                    "median_bracketed_ratio": round(ratio, 3),
-                    "bracketed_ratios": [round(r, 3) for r in bracketed[name]],
-                    "f": round(f, 4),
-                    "floor": round(1 / (1 + f), 3),
-                    "ratio_over_floor": round(ratio * (1 + f), 3),
-                }
-            )
-        report["phases"][phase] = rows
+            run_once(llm, prompts(length), max_tokens, options, came_back, "attention")
+        measure = functools.partial(run_prompts, prompts, length, max_tokens, came_back,
+                                    "attention")  # fmt: skip
+        runs = {name: (llm, options) for name, (llm, options, _) in configs[phase].items()}
+        samples, ratios = bracketed_rounds(phase, args.rounds, measure, base, runs)
+        work = {name: extra(phase, read, length, max_tokens)
+                for name, (_, _, read) in configs[phase].items()}  # fmt: skip
+        report["phases"][phase] = phase_rows(samples, ratios, work)
     smoke.shutdown([base, one, every])
     lines = [
         f"Workload: Llama hidden {hidden}, {layers} layers, {heads} heads on {kv_heads} KV "
@@ -176,20 +129,7 @@ def main() -> None:
         f"{args.prompts} prompts; {args.rounds} interleaved rounds. f: the work of reading the "
         "layers' keys over the step's (decode: bytes; prefill: FLOPs), floor 1 / (1 + f).",
     ]
-    for phase, rows in report["phases"].items():
-        unit = "generated" if phase == "decode" else "prompt"
-        lines += [
-            "",
-            f"{phase} ({unit} tokens/s):",
-            "",
-            "| config | median tok/s | median bracketed ratio | f | floor | ratio / floor |",
-            "| --- | --- | --- | --- | --- | --- |",
-        ]
-        for r in rows:
-            lines.append(
-                f"| {r['config']} | {r['median_tok_s']} | {r['median_bracketed_ratio']} | "
-                f"{r.get('f', '')} | {r['floor']} | {r.get('ratio_over_floor', '')} |"
-            )
+    lines += table_lines(report["phases"])
     if not args.smoke:
         RESULTS.mkdir(exist_ok=True)
         (RESULTS / "attention.json").write_text(json.dumps(report, indent=2))

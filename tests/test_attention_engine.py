@@ -130,8 +130,8 @@ def test_the_attention_readout_equals_hugging_face_offline(eager: bool, tmp_path
     the same tokens; a request that narrows to one layer gets that layer, one that names heads
     gets those (a list: every layer; ``{layer: heads}``: that layer), one that names spans gets
     their masses; ``"attention": False`` gets none; each bad option is refused by name, the
-    engine alive. The store keeps every column, heads and spans bit-equal and the viewer
-    shows a block per head with its top keys."""
+    engine alive. The store keeps every column, heads and spans bit-equal, through fsck and
+    compaction too, and the viewer shows a block per head with its top keys."""
     from transformers import AutoModelForCausalLM
 
     from probehook import LLM, SamplingParams, tiny_model_path
@@ -198,18 +198,25 @@ def test_the_attention_readout_equals_hugging_face_offline(eager: bool, tmp_path
             assert_readings_match(_readings(decode), probs[n - 1 :], bounds, min_p)
     assert off.outputs[0].attention == {} and off.prefill_attention == {}
     from probehook.store import ActivationStore
+    from probehook.store.maintenance import compact, fsck
     from probehook.viewer.tokens import request_data
 
-    store = ActivationStore.open(tmp_path / "store")
-    for out, layer in ((outs[0], 3), (by_layer, 3), (by_layer, 0)):
-        stored = store[out.store_id]
-        for got, want in (
-            (stored.readout("attention")[layer], out.outputs[0].attention[layer]),
-            (stored.readout("attention", "prefill")[layer], out.prefill_attention[layer]),
-        ):
-            assert got.heads == want.heads and list(got.spans) == list(want.spans)
-            for name, column in want.columns.items():
-                assert torch.equal(got.columns[name], column), name  # fmt: skip
+    root = tmp_path / "store"
+    for maintained in (False, True):  # as written; then after fsck and compaction
+        if maintained:
+            assert fsck(root).ok
+            report = compact(root, progress=False)
+            assert fsck(root).ok and report.shards_after < report.shards_before
+        store = ActivationStore.open(root)
+        for out, layer in ((outs[0], 3), (by_layer, 3), (by_layer, 0)):
+            stored = store[out.store_id]
+            for got, want in (
+                (stored.readout("attention")[layer], out.outputs[0].attention[layer]),
+                (stored.readout("attention", "prefill")[layer], out.prefill_attention[layer]),
+            ):
+                assert got.heads == want.heads and list(got.spans) == list(want.spans)
+                for name, column in want.columns.items():
+                    assert torch.equal(got.columns[name], column), name
     data = request_data(outs[0], str)
     blocks = {t["name"]: t for t in data["top_k"] if t["name"].startswith("attention")}
     assert sorted(blocks) == [f"attention {layer} h{h}" for layer in (0, 3) for h in range(4)]

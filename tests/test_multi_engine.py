@@ -80,7 +80,9 @@ def test_tensor_parallel_2_matches_tp_1(
     variables (issue 37, item 7; vLLM's CPU platform refuses the Ray executor, so this is the
     closest this machine runs: separate worker processes that did not inherit it). The model's
     vocabulary spans both ranks, so the lenses' merge of the ranks' shards is checked on real
-    tokens of rank 1 (review 11-29, item 9)."""
+    tokens of rank 1 (review 11-29, item 9). Attention per head (issue 51): each rank reads
+    its query head against its own KV shard and only the readings are gathered; every row of
+    both heads equals Hugging Face's eager attention."""
     from engine_layout import users_layout
     from helpers import assert_scores_match_rows, random_probes
 
@@ -114,6 +116,9 @@ def test_tensor_parallel_2_matches_tp_1(
             lenses=llama_lenses,
             lens_layers=[2, 3],
             lens_top_k=4,
+            # Each rank reads its head against its KV shard; the readings are gathered.
+            attention_layers=[1, 3],
+            attention_top_k=4,
             **engine_defaults,
         )
     try:
@@ -139,6 +144,7 @@ def test_tensor_parallel_2_matches_tp_1(
             assert assert_scores_match_rows(g, tp2.probes.probes) > 0
             assert len(g.probe_scores["truth"]) == len(g.outputs[0].token_ids)
         assert on_rank_1 > 0, "no lens reading named a token of rank 1's shard"
+        assert_attention_matches_hf(llama_dir, got)
         # Each rank holds its half of every lens matrix (review 11-29, item 7: every rank held
         # every J matrix), joined by one all-gather a step; the readings above are HF's.
         whole = lens_matrix_bytes(llama_dir, llama_lenses, [2, 3])
@@ -226,3 +232,27 @@ def _check_tp2_steering(tp2, unsteered, up, llama_dir: Path) -> None:  # noqa: A
         pairs = zip(completion.logprobs, completion.token_ids, strict=True)
         logprobs = [lp[t].logprob for lp, t in pairs]
         assert max(abs(a - b) for a, b in zip(logprobs, want, strict=True)) < 1e-3
+
+
+def assert_attention_matches_hf(model_dir: Path, outs: list) -> None:
+    """Every prompt and generated row's attention at layers 1 and 3, both heads, equals
+    Hugging Face's eager attention of the tokens returned (test_attention_rows' bounds)."""
+    from test_attention_rows import assert_readings_match
+    from transformers import AutoModelForCausalLM
+
+    from probehook.worker.attention_rows import HeadReadings
+
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32,
+                                              attn_implementation="eager")  # fmt: skip
+    for out in outs:
+        ids = [*out.prompt_token_ids, *out.outputs[0].token_ids[:-1]]
+        n = len(out.prompt_token_ids)
+        with torch.no_grad():
+            want = hf(torch.tensor([ids]), output_attentions=True).attentions
+        for layer in (1, 3):
+            probs = want[layer][0].transpose(0, 1)  # [rows, heads, keys]
+            for rows, expected in ((out.prefill_attention[layer], probs[:n]),
+                                   (out.outputs[0].attention[layer], probs[n - 1 :])):  # fmt: skip
+                assert rows.heads == (0, 1) and len(rows) == len(expected)
+                readings = HeadReadings(rows.positions, rows.probs, rows.entropy, rows.span_mass)
+                assert_readings_match(readings, expected, [])

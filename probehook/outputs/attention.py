@@ -87,7 +87,7 @@ class AttentionReadout(TopKReadout):
     site = "attn_q"
     reads_step = True
     entries_are_positions = True
-    tensor_parallel = False  # each rank's heads against its KV shard: not built yet
+    ranks = "every rank"  # each rank reads its heads against its KV shard; one all-gather
     worker_bank = "probehook.worker.attention_bank:attention_bank"
     scalar_series = ("entropy", "activation")
     cli_named = False

@@ -137,3 +137,19 @@ def pad_packed(
     indices) -1. In place."""
     out.zero_()
     out[..., column_spans(columns, sizes)[index]].view(torch.int32).fill_(-1)
+
+
+def join_packed(
+    columns: Sequence[Column], pieces: Sequence[torch.Tensor], sizes: Mapping[str, int], axis: str
+) -> torch.Tensor:
+    """Packed rows of the same tokens, each holding a slice of named axis ``axis`` (a
+    tensor-parallel rank's heads; ``sizes``: a slice's axis sizes), as one packed row of the
+    whole axis, the slices in order. Columns without the axis are the first piece's."""
+    views = [unpack_columns(columns, piece, sizes) for piece in pieces]
+    joined = [
+        torch.cat([v[c.name] for v in views], dim=1 + c.axes.index(axis))
+        if axis in c.axes
+        else views[0][c.name]
+        for c in columns
+    ]
+    return pack_columns(columns, joined)

@@ -14,16 +14,37 @@ from typing import Any
 import numpy as np
 import torch
 
+from probehook.outputs.columns import join_packed
 from probehook.worker.attention_rows import batched_head_readings, head_readings
 from probehook.worker.top_k_bank import TopKBank
 
 
 class AttentionBank(TopKBank):
     """One layer an instance; callable on a recorder's staged query rows with the step's
-    context (``reads_step``): returns ``[len(slots), rows, width]`` float32."""
+    context (``reads_step``): returns ``[len(slots), rows, width]`` float32. Under tensor
+    parallelism (``group``) each rank reads its slice of the heads (its query rows and its KV
+    heads' cache) and one all-gather a call joins them: only the packed readings cross ranks,
+    never a query, a key or a matrix."""
 
     site = "attn_q"
     reads_step = True
+
+    def __init__(
+        self,
+        readout: Any,
+        instances: Mapping[str, Mapping[str, Any]],
+        k: int,
+        group: Any = None,
+    ) -> None:
+        super().__init__(readout, instances, k)
+        self.group = group
+        if group is not None:
+            for name, settings in instances.items():
+                if int(settings["heads"]) % group.ranks:
+                    raise ValueError(
+                        f"attention {name!r}: {settings['heads']} query heads do not split "
+                        f"over {group.ranks} tensor-parallel ranks"
+                    )
 
     def __call__(
         self,
@@ -36,14 +57,39 @@ class AttentionBank(TopKBank):
             raise ValueError("the attention bank reads the step's context: none was given")
         rows = staged[0].shape[0]
         device = staged[0].device
-        out = torch.empty((len(self.slots), rows, self.width), dtype=self.dtype, device=device)
+        ranks = 1 if self.group is None else self.group.ranks
+        mine = [self._local(settings, ranks) for _, settings in self._instances]
+        width = max(self.readout.packed_width(s, self.k) for s in mine)
+        out = torch.empty((len(self.slots), rows, width), dtype=self.dtype, device=device)
         reader = context.parts["attention"]
-        for slot, (layer_slot, settings) in enumerate(self._instances):
-            self.readout.pad_packed(out[slot], settings, self.k)
+        for slot, (layer_slot, _) in enumerate(self._instances):
+            self.readout.pad_packed(out[slot], mine[slot], self.k)
             asked = np.arange(rows) if slot_rows is None else slot_rows[slot]
             if len(asked):
-                self._read(out[slot], staged[layer_slot], asked, settings, context, step_rows,
+                self._read(out[slot], staged[layer_slot], asked, mine[slot], context, step_rows,
                            reader)  # fmt: skip
+        return out if ranks == 1 else self._join(out, mine)
+
+    @staticmethod
+    def _local(settings: Mapping[str, Any], ranks: int) -> Mapping[str, Any]:
+        """An instance's settings on this rank: its slice of the heads."""
+        return settings if ranks == 1 else {**settings, "heads": int(settings["heads"]) // ranks}
+
+    def _join(self, local: torch.Tensor, mine: list[Mapping[str, Any]]) -> torch.Tensor:
+        """Every rank's packed rows of its heads (``local``), gathered in one all-gather and
+        joined along the heads axis into the whole layer's packed rows."""
+        slots, rows, width = local.shape
+        ranks = self.group.ranks
+        gathered = self.group.all_gather(local.reshape(slots * rows, width))
+        gathered = gathered.view(slots, rows, ranks, width)
+        out = torch.empty((slots, rows, self.width), dtype=self.dtype, device=local.device)
+        schema = self.readout.row_type.schema()
+        for slot, settings in enumerate(mine):
+            sizes = self.readout.axis_sizes(settings, self.k)
+            used = self.readout.packed_width(settings, self.k)
+            pieces = [gathered[slot, :, r, :used] for r in range(ranks)]
+            joined = join_packed(schema, pieces, sizes, "heads")
+            out[slot, :, : joined.shape[1]] = joined
         return out
 
     def _read(
@@ -169,5 +215,5 @@ def request_spans(terms: Mapping[str, Any] | None, device: torch.device) -> torc
 def attention_bank(
     readout: Any, instances: Mapping[str, Mapping[str, Any]], k: int, model: Any
 ) -> AttentionBank:
-    """``AttentionReadout.worker_bank``."""
-    return AttentionBank(readout, instances, k)
+    """``AttentionReadout.worker_bank`` (``model.group``: the tensor-parallel group, if any)."""
+    return AttentionBank(readout, instances, k, getattr(model, "group", None))

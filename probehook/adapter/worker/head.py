@@ -36,6 +36,37 @@ class ModelParts:
     shard: VocabShard | None = None
     """Under tensor parallelism, this rank's shard of the vocabulary (``head`` would gather
     every rank's logits)."""
+    group: TensorGroup | None = None
+    """Under tensor parallelism, this rank's place in the group and its all-gather (a readout
+    whose rank holds a slice of a layer's heads: attention's); None with one rank."""
+
+
+@dataclass(frozen=True)
+class TensorGroup:
+    """The tensor-parallel group as a worker bank sees it."""
+
+    all_gather: Callable[[torch.Tensor], torch.Tensor]
+    """``[n, m]`` -> ``[n, ranks * m]`` across the group, in rank order."""
+    ranks: int
+    rank: int
+
+
+def tensor_group() -> TensorGroup | None:
+    """This worker's tensor-parallel group (None: one rank)."""
+    from vllm.distributed import (
+        get_tensor_model_parallel_rank,
+        get_tensor_model_parallel_world_size,
+        tensor_model_parallel_all_gather,
+    )
+
+    ranks = get_tensor_model_parallel_world_size()
+    if ranks == 1:
+        return None
+
+    def all_gather(t: torch.Tensor) -> torch.Tensor:
+        return tensor_model_parallel_all_gather(t.contiguous(), dim=-1)
+
+    return TensorGroup(all_gather, ranks, get_tensor_model_parallel_rank())
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from typing import Any
 
 from torch import nn
 
-from probehook.adapter.worker.head import ModelParts, model_parts
+from probehook.adapter.worker.head import ModelParts, model_parts, tensor_group
 from probehook.adapter.worker.surgery import (
     exit_early,
     install_query_taps,
@@ -134,6 +134,7 @@ def _make_loader_class() -> type:
                     if readout.reads_head
                     else ModelParts(next(model.parameters()).device, None)
                 )
+                parts = replace(parts, group=tensor_group())
                 hook.top_k_banks[source] = top_k_bank(
                     readout, entry["instances"], entry["k"], parts
                 )

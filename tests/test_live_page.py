@@ -41,13 +41,27 @@ DESCRIPTION = {
             "columns": ["token_ids", "logprobs", "target_logprob"],
             "served": {"j@3": ["j", "3"]}, "tokens": True,
             "series": ["target", "logprob"], "flags": "lens_flags",
-        }
+        },
+        "attention_layers": {
+            "options": ["attention", "attention_top_k", "attention_layers", "attention_heads",
+                        "attention_spans"], "names": ["attention"], "layers": [3], "k": 2,
+            "name": "attention", "attribute": "attention",
+            "columns": ["positions", "probs", "entropy"], "served": {"3": ["3"]},
+            "tokens": False, "positions": True, "series": ["entropy", "activation"],
+            "flags": None,
+        },
     },
 }  # fmt: skip
+N_PROMPT = 4
+"""The prompt's tokens (each chunk's usage): the reply's position 0 is key position 3."""
+ATTENDED = [[(3, 0.75), (0, 0.25)], [(4, 0.5), (3, 0.5)], [(5, 0.9), (4, 0.1)]]
+"""Each reply row's two most attended keys (absolute positions) and their probabilities, of
+query head 1, the one head the request asked for."""
 
 
 def _chunks(compact: bool) -> list[dict[str, Any]]:
     """A streamed chat completion of three tokens, one a chunk, as the server sends it."""
+    from probehook.outputs.attention import AttentionRows
     from probehook.outputs.lens import LensRows
     from probehook.outputs.top_k import TopKRows, compact_top_k, json_top_k
 
@@ -64,16 +78,23 @@ def _chunks(compact: bool) -> list[dict[str, Any]]:
             torch.tensor([[LENS_TARGET[i], -3.0]]),
             torch.tensor([LENS_TARGET[i]]),
         )
+        attention = AttentionRows.of_columns({
+            "positions": torch.tensor([[[p for p, _ in ATTENDED[i]]]]),
+            "probs": torch.tensor([[[w for _, w in ATTENDED[i]]]]),
+            "entropy": torch.tensor([[0.5]]), "span_mass": torch.tensor([[[0.25]]])},
+            labels={"heads": [1], "spans": ["s"]})  # fmt: skip
         readings = {
             "probe_scores": {"p": [BINARY[i]], "reg": [REGRESSION[i]], "mc": [CLASSES[i]]},
             "sae_features": {"s": form(sae)},
             "lens": {"j": {"3": {**form(lens), "tokens": [[text, "x"]]}}},
+            "attention": {"3": form(attention)},
         }
         choice = {"index": 0, "delta": {"content": text}, "token_ids": [token],
                   "logprobs": {"content": [{"token": text, "logprob": -0.1}]},
                   "finish_reason": "length" if i == len(TOKENS) - 1 else None,
                   "probehook": readings}  # fmt: skip
-        chunks.append({"id": "chat-1", "choices": [choice]})
+        chunks.append({"id": "chat-1", "choices": [choice],
+                       "usage": {"prompt_tokens": N_PROMPT}})  # fmt: skip
     return chunks
 
 
@@ -144,8 +165,12 @@ def test_the_live_page_reads_both_column_forms_and_paints_scores_on_their_scale(
     """JSON lists and base64 arrays paint the same (review: the page stopped after one token
     on base64, ``ids.forEach is not a function``); a multi-class probe is one series per class
     (review D8: class 0 under the probe's name); a regression probe's values and a negative
-    activation are painted on a signed scale, not clamped to [0, 1] (D8)."""
+    activation are painted on a signed scale, not clamped to [0, 1] (D8). Attention per head
+    (issue 51) in either form: its head named by the served labels, and the pointed token's
+    attention shading the reply."""
     from browser import chromium
+
+    from probehook.viewer.page import shade
 
     with chromium() as browser:
         page = browser.new_page()
@@ -180,6 +205,21 @@ def test_the_live_page_reads_both_column_forms_and_paints_scores_on_their_scale(
             == "sae s: #8 -5.0000, #20 (twenty) 1.0000"
         )
         assert page.inner_text(".ph-top-k[data-name='lens j@3']").startswith('lens j@3: "B"')
+        # attention, of the one head asked (named by the served labels): pointing at a token
+        # shades each token by its probability there (key positions mapped to the reply's)
+        assert page.inner_text(".ph-top-k[data-name='attention 3 h1']").startswith(
+            "attention 3 h1: #4 0.5000, #3 0.5000"
+        )
+        page.select_option(
+            "select.ph-series", label="attention 3 h1: attention of the pointed token"
+        )
+        for pointed in (1, 2):
+            spans.nth(pointed).hover()
+            weights = {p - (N_PROMPT - 1): w for p, w in ATTENDED[pointed]}
+            for q in range(len(TOKENS) + 1):
+                got = spans.nth(q).evaluate("e => getComputedStyle(e).backgroundColor")
+                want = shade(weights[q]) if q in weights else "rgba(0, 0, 0, 0)"
+                assert got == want, (pointed, q)
         assert errors == []
 
 

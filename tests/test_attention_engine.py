@@ -352,3 +352,38 @@ def test_a_capture_only_engine_reads_the_attention_of_the_layers_it_keeps() -> N
         assert sorted(out.prefill_attention) == [2] and len(rows) == len(out.prompt_token_ids)
         readings = HeadReadings(rows.positions, rows.probs, rows.entropy, rows.span_mass)
         assert_readings_match(readings, want[2][0].transpose(0, 1), [])
+
+
+def test_attention_layers_alone() -> None:
+    """``LLM(model, attention_layers=[1])`` and nothing else of probehook's: the generated
+    rows' attention at the default k (8), no prompt rows (``include_prefill`` off), equal to
+    Hugging Face; ``attention_min_p`` or ``attention_top_k`` without ``attention_layers`` is
+    refused by name before an engine starts."""
+    from test_attention_rows import assert_readings_match
+    from transformers import AutoModelForCausalLM
+
+    from probehook import LLM, SamplingParams, tiny_model_path
+    from probehook.errors import CaptureConfigError
+
+    path = str(tiny_model_path())
+    for option in ("attention_min_p", "attention_top_k"):
+        with pytest.raises(CaptureConfigError, match=rf"{option}=.*attention_layers"):
+            LLM(path, **{option: 0.5 if option.endswith("min_p") else 4})
+    llm = LLM(path, attention_layers=[1], enforce_eager=True, max_model_len=64, dtype="float32")
+    try:
+        params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+        out = llm.generate("12+34=", params)[0]
+    finally:
+        llm.shutdown()
+    rows = out.outputs[0].attention[1]
+    assert rows.k == 8 and out.prefill_attention == {} and len(rows) == 6
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                              attn_implementation="eager")  # fmt: skip
+    ids = [*out.prompt_token_ids, *out.outputs[0].token_ids[:-1]]
+    with torch.no_grad():
+        want = hf(torch.tensor([ids]), output_attentions=True).attentions[1][0].transpose(0, 1)
+    probs = want[len(out.prompt_token_ids) - 1 :]
+    top = probs.topk(8, dim=-1)
+    torch.testing.assert_close(rows.probs[..., : top.values.shape[-1]], top.values, rtol=0,
+                               atol=1e-4)  # fmt: skip
+    assert_readings_match(_readings(rows.top(4)), probs, [])  # its bounds at k = 4

@@ -51,6 +51,16 @@ def _response(tokens: list[int]) -> dict[str, Any]:
                             "l0": [2] * n,
                         }
                     },
+                    # attention per head, its chosen heads and spans named by the file
+                    "attention": {
+                        "3": {
+                            "positions": [[[2, 0]]] * n,
+                            "probs": [[[0.75, 0.25]]] * n,
+                            "entropy": [[0.5]] * n,
+                            "span_mass": [[[0.25]]] * n,
+                            "labels": {"heads": [HOSTILE[1]], "spans": [HOSTILE[2]]},
+                        }
+                    },
                 },
             }
         ],
@@ -78,6 +88,7 @@ def test_a_responses_files_hostile_names_labels_and_tokens_stay_text(tmp_path) -
     data = shown.requests[0]
     assert any(grid["name"] == "probes: score by token" for grid in data["grids"])
     assert data["tokens"][0] == f"{HOSTILE[0]}#0"  # the data keeps the text as it is
+    assert any(t["name"] == f"attention 3 h{HOSTILE[1]}" for t in data["top_k"])
     page = shown.html()
     _assert_inert(page)
     # The page still carries every name, escaped, and its JSON reads back to the data.

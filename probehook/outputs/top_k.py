@@ -181,9 +181,9 @@ class TopKRows:
         show as blocks of their own; ``[self]`` without lead axes."""
         if self.indices.dim() == 2:
             return [self]
-        n, k = len(self), self.k
-        ids, values = self.indices.reshape(n, -1, k), self.values.reshape(n, -1, k)
-        scalar = self.l0.reshape(n, -1)
+        # the lead axes flattened by shape (a reshape to -1 is ambiguous with zero tokens)
+        ids, values = self.indices.flatten(1, -2), self.values.flatten(1, -2)
+        scalar = self.l0.flatten(1)
         return [TopKRows(ids[:, h], values[:, h], scalar[:, h]) for h in range(ids.shape[1])]
 
     def dense(self, width: int) -> torch.Tensor:

@@ -62,9 +62,11 @@ def request_data(
             before, after = prefill_rows.get(instance), decode_rows.get(instance)
             heads = _lead_slices(before, after)
             numbers = _head_numbers(before, after, len(heads))
+            # a head is named where there are several, or where a request chose it
+            named = len(heads) > 1 or numbers != list(range(len(heads)))
             for head, (head_before, head_after) in zip(numbers, heads, strict=True):
                 rows = place.top_k(head_before, head_after)
-                name = f"{shown} {instance}" + (f" h{head}" if len(heads) > 1 else "")
+                name = f"{shown} {instance}" + (f" h{head}" if named else "")
                 entry = {"name": name, "tokens": readout.entries_are_tokens, "rows": rows,
                          "labels": {}, "keys": readout.entries_are_positions}  # fmt: skip
                 if readout.entries_are_tokens:

@@ -260,10 +260,8 @@ def test_attention_matches_hf(case: str, engine_runs: SimpleNamespace) -> None:
     prompt (keys before the window have probability 0 in HF, and are never read), a logit
     soft-cap, QK norms."""
     import torch
-    from test_attention_rows import assert_readings_match
+    from test_attention_rows import assert_readings_match, readings_of
     from transformers import AutoModelForCausalLM
-
-    from probehook.worker.attention_rows import HeadReadings
 
     error = engine_runs.out / f"{case}.error"
     assert not error.exists(), error.read_text()
@@ -285,9 +283,7 @@ def test_attention_matches_hf(case: str, engine_runs: SimpleNamespace) -> None:
                 windowed += 1  # the window hides the first key from the last row
             for got, expected in ((saved["prefill_attention"][layer], probs[:n]),
                                   (saved["attention"][layer], probs[n - 1 :])):  # fmt: skip
-                read = HeadReadings(got["positions"], got["probs"], got["entropy"],
-                                    got["span_mass"])  # fmt: skip
-                assert_readings_match(read, expected, [ATTENTION_SPAN])
+                assert_readings_match(readings_of(got), expected, [ATTENTION_SPAN])
     assert windowed or "sliding_window" not in overrides  # the case exercises its window
 
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from test_attention_rows import assert_readings_match
+from test_attention_rows import assert_readings_match, readings_of
 
 pytestmark = pytest.mark.engine
 
@@ -194,8 +194,8 @@ def test_the_attention_readout_equals_hugging_face_offline(eager: bool, tmp_path
             assert prompt.positions.shape == (n, len(chosen), K) and decode.heads == chosen
             assert list(decode.spans) == named and list(prompt.spans) == named
             bounds = [tuple(spans[name]) for name in named]
-            assert_readings_match(_readings(prompt), probs[:n], bounds, min_p)
-            assert_readings_match(_readings(decode), probs[n - 1 :], bounds, min_p)
+            assert_readings_match(readings_of(prompt), probs[:n], bounds, min_p)
+            assert_readings_match(readings_of(decode), probs[n - 1 :], bounds, min_p)
     assert off.outputs[0].attention == {} and off.prefill_attention == {}
     from probehook.store import ActivationStore
     from probehook.store.maintenance import compact, fsck
@@ -261,13 +261,6 @@ def assert_the_page_shades_what_the_pointed_token_attends_to(out: Any, tmp_path)
         assert errors == []
 
 
-def _readings(rows: Any) -> Any:
-    """The readout's rows as ``head_readings`` gives them."""
-    from probehook.worker.attention_rows import HeadReadings
-
-    return HeadReadings(rows.positions, rows.probs, rows.entropy, rows.span_mass)
-
-
 def test_attention_pattern_equals_hugging_face_s_matrix() -> None:
     """``llm.attention_pattern(prompt, layer)``: every head's whole ``[n, n]`` matrix of a
     prompt equals Hugging Face's eager ``output_attentions`` within 1e-4 (text and token ids
@@ -330,11 +323,9 @@ def test_a_capture_only_engine_reads_the_attention_of_the_layers_it_keeps() -> N
     """``LLM(capture_only=True, attention_layers=[2])``: one forward pass per prompt that
     stops after layer 2, and every prompt row's attention at layer 2 (nothing else asked)
     equal to Hugging Face's eager attention."""
-    from test_attention_rows import assert_readings_match
     from transformers import AutoModelForCausalLM
 
     from probehook import LLM, tiny_model_path
-    from probehook.worker.attention_rows import HeadReadings
 
     path = str(tiny_model_path())
     llm = LLM(path, capture_only=True, attention_layers=[2], attention_top_k=K,
@@ -350,8 +341,7 @@ def test_a_capture_only_engine_reads_the_attention_of_the_layers_it_keeps() -> N
             want = hf(torch.tensor([out.prompt_token_ids]), output_attentions=True).attentions
         rows = out.prefill_attention[2]
         assert sorted(out.prefill_attention) == [2] and len(rows) == len(out.prompt_token_ids)
-        readings = HeadReadings(rows.positions, rows.probs, rows.entropy, rows.span_mass)
-        assert_readings_match(readings, want[2][0].transpose(0, 1), [])
+        assert_readings_match(readings_of(rows), want[2][0].transpose(0, 1), [])
 
 
 def test_attention_layers_alone() -> None:
@@ -359,7 +349,6 @@ def test_attention_layers_alone() -> None:
     rows' attention at the default k (8), no prompt rows (``include_prefill`` off), equal to
     Hugging Face; ``attention_min_p`` or ``attention_top_k`` without ``attention_layers`` is
     refused by name before an engine starts."""
-    from test_attention_rows import assert_readings_match
     from transformers import AutoModelForCausalLM
 
     from probehook import LLM, SamplingParams, tiny_model_path
@@ -386,4 +375,4 @@ def test_attention_layers_alone() -> None:
     top = probs.topk(8, dim=-1)
     torch.testing.assert_close(rows.probs[..., : top.values.shape[-1]], top.values, rtol=0,
                                atol=1e-4)  # fmt: skip
-    assert_readings_match(_readings(rows.top(4)), probs, [])  # its bounds at k = 4
+    assert_readings_match(readings_of(rows.top(4)), probs, [])  # its bounds at k = 4

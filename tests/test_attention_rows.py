@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from probehook.worker.attention_rows import AttentionTerms, head_readings
+from probehook.worker.attention_rows import AttentionTerms, HeadReadings, head_readings
 
 K = 4
 
@@ -39,6 +39,13 @@ def assert_readings_match(
     torch.testing.assert_close(got.entropy, entropy, rtol=0, atol=1e-4)
     for s, (lo, hi) in enumerate(spans):
         torch.testing.assert_close(got.spans[..., s], probs[..., lo:hi].sum(-1), rtol=0, atol=1e-4)
+
+
+def readings_of(rows) -> HeadReadings:
+    """An attention readout's rows (``AttentionRows``, or their columns by name) as
+    ``head_readings`` gives them, for :func:`assert_readings_match`."""
+    get = rows.__getitem__ if isinstance(rows, dict) else lambda name: getattr(rows, name)
+    return HeadReadings(get("positions"), get("probs"), get("entropy"), get("span_mass"))
 
 
 def test_equal_to_hugging_face_eager_attention_on_the_tiny_model() -> None:
@@ -208,5 +215,6 @@ def test_a_batch_of_decode_rows_reads_as_each_one_alone(terms: AttentionTerms) -
         alone = head_readings(queries[r : r + 1], newest[r : r + 1], keys[r, :n],
                               torch.arange(n), terms, K, 0.01, spans[r])  # fmt: skip
         for name in ("positions", "probs", "entropy", "spans"):
+            # two computations (a batched matmul, a request's own): last bits may differ
             torch.testing.assert_close(getattr(got, name)[r : r + 1], getattr(alone, name),
-                                       rtol=0, atol=1e-6)  # fmt: skip
+                                       rtol=0, atol=1e-5)  # fmt: skip

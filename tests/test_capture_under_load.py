@@ -119,9 +119,7 @@ def test_shared_prefix_rows_come_back(compiled_llm, llama_dir: Path) -> None:
 def assert_attention_matches_hf(model_dir: Path, out, prefill: bool = True) -> None:
     """Every completion's attention per head (and the prompt's, with ``prefill``) equals
     Hugging Face's eager attention of the tokens it returned (test_attention_rows' bounds)."""
-    from test_attention_rows import assert_readings_match
-
-    from probehook.worker.attention_rows import HeadReadings
+    from test_attention_rows import assert_readings_match, readings_of
 
     model = _eager_hf(str(model_dir))
     n = len(out.prompt_token_ids)
@@ -138,8 +136,7 @@ def assert_attention_matches_hf(model_dir: Path, out, prefill: bool = True) -> N
                 got.append((out.prefill_attention[layer], probs[:n]))
             for rows, expected in got:
                 assert len(rows) == len(expected)
-                readings = HeadReadings(rows.positions, rows.probs, rows.entropy, rows.span_mass)
-                assert_readings_match(readings, expected, [])
+                assert_readings_match(readings_of(rows), expected, [])
 
 
 @functools.cache

@@ -237,10 +237,8 @@ def _check_tp2_steering(tp2, unsteered, up, llama_dir: Path) -> None:  # noqa: A
 def assert_attention_matches_hf(model_dir: Path, outs: list) -> None:
     """Every prompt and generated row's attention at layers 1 and 3, both heads, equals
     Hugging Face's eager attention of the tokens returned (test_attention_rows' bounds)."""
-    from test_attention_rows import assert_readings_match
+    from test_attention_rows import assert_readings_match, readings_of
     from transformers import AutoModelForCausalLM
-
-    from probehook.worker.attention_rows import HeadReadings
 
     hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32,
                                               attn_implementation="eager")  # fmt: skip
@@ -254,5 +252,4 @@ def assert_attention_matches_hf(model_dir: Path, outs: list) -> None:
             for rows, expected in ((out.prefill_attention[layer], probs[:n]),
                                    (out.outputs[0].attention[layer], probs[n - 1 :])):  # fmt: skip
                 assert rows.heads == (0, 1) and len(rows) == len(expected)
-                readings = HeadReadings(rows.positions, rows.probs, rows.entropy, rows.span_mass)
-                assert_readings_match(readings, expected, [])
+                assert_readings_match(readings_of(rows), expected, [])

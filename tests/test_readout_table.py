@@ -366,11 +366,10 @@ def assert_attention_matches_hf(
     the tiny model's eager attention (test_attention_rows' bounds): those heads, that span's
     mass; ``scaled``: with layer ``scaled[0]``'s input scaled by ``scaled[1]`` (the toy
     intervention)."""
-    from test_attention_rows import assert_readings_match
+    from test_attention_rows import assert_readings_match, readings_of
     from transformers import AutoModelForCausalLM
 
     from probehook import tiny_model_path
-    from probehook.worker.attention_rows import HeadReadings
 
     hf = AutoModelForCausalLM.from_pretrained(str(tiny_model_path()), dtype=torch.float32,
                                               attn_implementation="eager")  # fmt: skip
@@ -391,8 +390,7 @@ def assert_attention_matches_hf(
     for got, expected in ((rows, probs[n - 1 :]), (prefill, probs[:n])):
         if got is not None:
             assert len(got) == len(expected)
-            readings = HeadReadings(got.positions, got.probs, got.entropy, got.span_mass)
-            assert_readings_match(readings, expected, [span] if span else [])
+            assert_readings_match(readings_of(got), expected, [span] if span else [])
 
 
 def test_a_readout_that_reads_next_tokens_gets_them_from_the_generic_bank() -> None:

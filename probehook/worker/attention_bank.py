@@ -116,8 +116,8 @@ class AttentionBank(TopKBank):
         for request in order[counts > 1].tolist():
             mine = np.flatnonzero(requests == request)
             seen = int(positions[mine].max()) + 1  # every key up to its newest row
-            key_positions = torch.arange(_first_key(int(positions[mine].min()), terms), seen,
-                                         device=device)  # fmt: skip
+            first = int(_first_keys(positions[mine], terms).min())
+            key_positions = torch.arange(first, seen, device=device)
             keys = reader.keys(layer, request, key_positions)
             where = torch.from_numpy(asked[mine]).to(device)
             q = queries.index_select(0, where).float().view(len(mine), heads, -1)
@@ -179,14 +179,9 @@ BATCH_KEYS = 1 << 16
 rows: bounds the batch's float32 keys and logits (``keys x heads x head size``)."""
 
 
-def _first_key(oldest: int, terms: Any) -> int:
-    """The first key a row at ``oldest`` sees: keys before its window are never read (vLLM
-    may have freed their blocks)."""
-    return 0 if terms.window is None else max(0, oldest - terms.window + 1)
-
-
 def _first_keys(positions: np.ndarray, terms: Any) -> np.ndarray:
-    """:func:`_first_key` of each row."""
+    """The first key each row sees: keys before its window are never read (vLLM may have
+    freed their blocks)."""
     if terms.window is None:
         return np.zeros_like(positions)
     return np.maximum(0, positions - terms.window + 1)

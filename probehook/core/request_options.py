@@ -63,7 +63,7 @@ MONITOR_FIELDS = ("probe", "threshold", "action", "direction", "label")
 EXAMPLE = '{"layers": [3], "probes": ["truth"]}'
 
 
-def _show(value: Any) -> str:
+def show(value: Any) -> str:
     """A bad value for an error message: its repr, cut short, and its type."""
     text = repr(value)
     if len(text) > 80:
@@ -72,10 +72,10 @@ def _show(value: Any) -> str:
 
 
 def _bad(key: str, value: Any, valid: str) -> CaptureConfigError:
-    return CaptureConfigError(f"probehook option {key}={_show(value)} is not valid: {valid}.")
+    return CaptureConfigError(f"probehook option {key}={show(value)} is not valid: {valid}.")
 
 
-def _is_list(value: Any) -> bool:
+def is_list(value: Any) -> bool:
     return isinstance(value, Sequence) and not isinstance(value, str | bytes)
 
 
@@ -128,7 +128,7 @@ class RequestOptions:
         if not isinstance(value, Mapping):
             raise CaptureConfigError(
                 f"probehook options must be a dict (a JSON object) such as {EXAMPLE}, not "
-                f"{_show(value)}; valid keys are {list(USER_KEYS)}."
+                f"{show(value)}; valid keys are {list(USER_KEYS)}."
             )
         extra = dict(readout_options or {})
         unknown = [k for k in value if k not in USER_KEYS and k not in extra
@@ -227,15 +227,15 @@ def _user_layers(value: Any) -> tuple[int, ...] | str:
     valid = "pass a list of layer indices (ints) from the engine's layers, [] for none, or 'all'"
     if hasattr(value, "tolist") and not isinstance(value, str):  # numpy arrays, tensors
         value = value.tolist()
-    if isinstance(value, str) and value == "all" or (_is_list(value) and list(value) == ["all"]):
+    if isinstance(value, str) and value == "all" or (is_list(value) and list(value) == ["all"]):
         return "all"
-    if not _is_list(value):
+    if not is_list(value):
         raise _bad("layers", value, valid)
     layers = []
     for item in value:
         layer = as_int(item)
         if layer is None:
-            raise _bad("layers", value, f"layer {_show(item)} is not an int; {valid}")
+            raise _bad("layers", value, f"layer {show(item)} is not an int; {valid}")
         layers.append(layer)
     return tuple(layers)
 
@@ -248,18 +248,18 @@ def _user_names(key: str, value: Any, what: str) -> tuple[str, ...] | bool:
     valid = f"pass a list of {what} names, True for all or False for none"
     if isinstance(value, bool):
         return value
-    if not _is_list(value):
+    if not is_list(value):
         raise _bad(key, value, valid)
     for item in value:
         if not isinstance(item, str) or not item:
-            raise _bad(key, value, f"{_show(item)} is not a {what} name; {valid}")
+            raise _bad(key, value, f"{show(item)} is not a {what} name; {valid}")
     return tuple(value)
 
 
 def _user_monitors(value: Any) -> tuple[Monitor, ...]:
     if isinstance(value, Mapping | ProbeMonitor | TopKMonitor):
         value = [value]
-    if not _is_list(value):
+    if not is_list(value):
         # the same words in every process, whatever readouts it has registered
         raise _bad(
             "monitors",
@@ -283,7 +283,7 @@ def user_monitor(i: int, item: Any) -> Monitor:
         missing = [f for f in ("probe", "threshold") if f not in item]
         if missing:
             raise CaptureConfigError(
-                f"{where}={_show(dict(item))} lacks {missing}; a monitor has fields "
+                f"{where}={show(dict(item))} lacks {missing}; a monitor has fields "
                 f"{list(MONITOR_FIELDS)} ('probe' and 'threshold' required)."
             )
     try:
@@ -427,89 +427,89 @@ class RequestWire:
             raise CaptureConfigError(f"unknown key(s) {', '.join(sorted(map(repr, unknown)))}")
         tag = value["tag"]
         if not isinstance(tag, str) or not tag:
-            raise CaptureConfigError(f"tag={_show(tag)} is not a non-empty string")
+            raise CaptureConfigError(f"tag={show(tag)} is not a non-empty string")
         if not isinstance(value.get(PLAN_KEY, ""), str):
-            raise CaptureConfigError(f"plan={_show(value[PLAN_KEY])} is not a string")
+            raise CaptureConfigError(f"plan={show(value[PLAN_KEY])} is not a string")
         n = as_int(value.get("n", 1))
         if n is None or n < 1:
-            raise CaptureConfigError(f"n={_show(value.get('n'))} is not a positive int")
+            raise CaptureConfigError(f"n={show(value.get('n'))} is not a positive int")
         stream = value.get("stream", False)
         if not isinstance(stream, bool):
-            raise CaptureConfigError(f"stream={_show(stream)} is not a bool")
+            raise CaptureConfigError(f"stream={show(stream)} is not a bool")
         layers = value.get("layers")
-        if not _is_list(layers) or any(as_int(x) is None or as_int(x) < 0 for x in layers):  # type: ignore[operator]
-            raise CaptureConfigError(f"layers={_show(layers)} is not a list of layer indices")
+        if not is_list(layers) or any(as_int(x) is None or as_int(x) < 0 for x in layers):  # type: ignore[operator]
+            raise CaptureConfigError(f"layers={show(layers)} is not a list of layer indices")
         flags = {}
         for key in FLAG_KEYS:
             if not isinstance(value.get(key), bool):
-                raise CaptureConfigError(f"{key}={_show(value.get(key))} is not a bool")
+                raise CaptureConfigError(f"{key}={show(value.get(key))} is not a bool")
             flags[key] = value[key]
         config = CaptureConfig(layers=tuple(int(x) for x in layers), **flags)  # type: ignore[union-attr]
         probes = value.get("probes", [])
-        if not _is_list(probes) or not all(isinstance(p, str) for p in probes):
-            raise CaptureConfigError(f"probes={_show(probes)} is not a list of names")
+        if not is_list(probes) or not all(isinstance(p, str) for p in probes):
+            raise CaptureConfigError(f"probes={show(probes)} is not a list of names")
         monitors = value.get("monitors", [])
-        if not _is_list(monitors):
-            raise CaptureConfigError(f"monitors={_show(monitors)} is not a list")
+        if not is_list(monitors):
+            raise CaptureConfigError(f"monitors={show(monitors)} is not a list")
         wired = []
         for m in monitors:
             if not isinstance(m, Mapping):
-                raise CaptureConfigError(f"monitor {_show(m)} is not a dict")
+                raise CaptureConfigError(f"monitor {show(m)} is not a dict")
             column = as_int(m.get("column"))
             if column is None or column < 0:
-                raise CaptureConfigError(f"monitor column={_show(m.get('column'))} is not valid")
+                raise CaptureConfigError(f"monitor column={show(m.get('column'))} is not valid")
             rest = {k: v for k, v in m.items() if k != "column"}
             # ProbeMonitor checks the threshold (monitors.monitor_threshold).
             wired.append(WireMonitor(ProbeMonitor.coerce(rest), column))
         stop_token = value.get("stop_token")
         if stop_token is not None and (as_int(stop_token) is None or stop_token < 0):
-            raise CaptureConfigError(f"stop_token={_show(stop_token)} is not a token id")
+            raise CaptureConfigError(f"stop_token={show(stop_token)} is not a token id")
         record = value.get("record")
         if record is not None and not isinstance(record, Mapping):
-            raise CaptureConfigError(f"record={_show(record)} is not a dict")
+            raise CaptureConfigError(f"record={show(record)} is not a dict")
         readouts = value.get("readouts", {})
         if not isinstance(readouts, Mapping) or not all(
             isinstance(source, str)
-            and _is_list(names)
+            and is_list(names)
             and all(isinstance(n, str) and n for n in names)
             for source, names in readouts.items()
         ):
-            raise CaptureConfigError(f"readouts={_show(readouts)} is not a dict of name lists")
+            raise CaptureConfigError(f"readouts={show(readouts)} is not a dict of name lists")
         readout_top_k = value.get("readout_top_k", {})
         if not isinstance(readout_top_k, Mapping) or not all(
             isinstance(source, str) and not isinstance(k, bool) and as_int(k) is not None and k > 0
             for source, k in readout_top_k.items()
         ):
-            raise CaptureConfigError(f"readout_top_k={_show(readout_top_k)} is not a dict of ks")
+            raise CaptureConfigError(f"readout_top_k={show(readout_top_k)} is not a dict of ks")
         readout_monitors = []
         for m in value.get("readout_monitors", []):
             if not isinstance(m, Mapping):
-                raise CaptureConfigError(f"readout monitor {_show(m)} is not a dict")
+                raise CaptureConfigError(f"readout monitor {show(m)} is not a dict")
             slot = as_int(m.get("slot"))
             kind = top_k_monitor_class(m.get("source"))
             if slot is None or slot < 0 or kind is None:
-                raise CaptureConfigError(f"readout monitor {_show(m)}: no slot or source")
+                raise CaptureConfigError(f"readout monitor {show(m)}: no slot or source")
             fields_ = {k: v for k, v in m.items() if k not in ("slot", "source")}
             try:
                 readout_monitors.append((kind(**fields_), slot))
             except TypeError as e:
-                raise CaptureConfigError(f"readout monitor {_show(m)}: {e}") from None
+                raise CaptureConfigError(f"readout monitor {show(m)}: {e}") from None
         readout_terms = value.get("readout_terms")
         if readout_terms is not None and not (
             isinstance(readout_terms, Mapping)
             and all(isinstance(s, str) and isinstance(t, Mapping) for s, t in readout_terms.items())
         ):
-            raise CaptureConfigError(f"readout_terms={_show(readout_terms)} is not a dict of dicts")
+            raise CaptureConfigError(f"readout_terms={show(readout_terms)} is not a dict of dicts")
         writes = value.get("writes")
         if writes is not None and not (
             isinstance(writes, Mapping)
             and all(isinstance(o, str) and isinstance(t, Mapping) for o, t in writes.items())
         ):
-            raise CaptureConfigError(f"writes={_show(writes)} is not a dict of dicts")
+            raise CaptureConfigError(f"writes={show(writes)} is not a dict of dicts")
         steer = steer_terms(value["steer"], "steer") if "steer" in value else ()
         phase = value.get("steer_phase", "both")
         if phase not in STEER_PHASES:
-            raise CaptureConfigError(f"steer_phase={_show(phase)} is not one of {STEER_PHASES}")
+            raise CaptureConfigError(f"steer_phase={show(phase)} is not one of {STEER_PHASES}")
         return cls(
             tag,
             config,

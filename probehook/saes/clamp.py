@@ -11,7 +11,7 @@ from typing import Any
 
 from probehook.capture_config import as_int
 from probehook.core.monitors import finite_number
-from probehook.core.request_options import _is_list, _show
+from probehook.core.request_options import is_list, show
 from probehook.errors import CaptureConfigError
 from probehook.outputs.intervention import EngineFacts, Intervention
 from probehook.saes.sae import SAEError
@@ -95,17 +95,17 @@ def clamp_terms(value: Any, what: str) -> tuple[tuple[str, tuple[tuple[int, floa
     example = '{"res3": {"123": 0.0}}'
     if not isinstance(value, Mapping) or not value:
         raise CaptureConfigError(
-            f"{what}={_show(value)} is not valid: pass a non-empty dict of SAE names to "
+            f"{what}={show(value)} is not valid: pass a non-empty dict of SAE names to "
             f"{{feature: value}}, such as {example}."
         )
     out = []
     for name, held in value.items():
         if not isinstance(name, str) or not name:
-            raise CaptureConfigError(f"{what}: {_show(name)} is not an SAE name; e.g. {example}.")
+            raise CaptureConfigError(f"{what}: {show(name)} is not an SAE name; e.g. {example}.")
         items = _clamp_items(held)
         if items is None or not items:
             raise CaptureConfigError(
-                f"{what}[{name!r}]={_show(held)} is not valid: pass {{feature: value}}, "
+                f"{what}[{name!r}]={show(held)} is not valid: pass {{feature: value}}, "
                 f"such as {example}."
             )
         if len(items) > MAX_CLAMPED:
@@ -118,7 +118,7 @@ def clamp_terms(value: Any, what: str) -> tuple[tuple[str, tuple[tuple[int, floa
             index = _feature_index(feature)
             if index is None:
                 raise CaptureConfigError(
-                    f"{what}[{name!r}]: {_show(feature)} is not a feature index (an int >= 0, "
+                    f"{what}[{name!r}]: {show(feature)} is not a feature index (an int >= 0, "
                     f"or a string of ASCII digits); e.g. {example}."
                 )
             if index in terms:
@@ -141,11 +141,11 @@ def _clamp_items(held: Any) -> list[tuple[Any, Any]] | None:
     pair kept, so a feature given twice is seen); None for anything else."""
     if isinstance(held, Mapping):
         return list(held.items())
-    if not _is_list(held):
+    if not is_list(held):
         return None
     items = []
     for pair in held:
-        if not _is_list(pair) or len(pair) != 2:
+        if not is_list(pair) or len(pair) != 2:
             return None
         items.append((pair[0], pair[1]))
     return items

@@ -423,7 +423,8 @@ class PagedKeys:
         self.cache, self.table, self._terms = cache, table, terms
 
     def keys(self, layer: int, batch_row: Any, positions: torch.Tensor) -> torch.Tensor:
-        row = self.table[batch_row]
+        at = torch.as_tensor(batch_row).to(self.table.device, non_blocking=True)
+        row = self.table[at]
         blocks, offsets = key_slots(row, positions, self.cache.shape[2], self.cache.shape[2])
         return read_keys(self.cache, "token_major", blocks, offsets)
 

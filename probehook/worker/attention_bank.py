@@ -16,6 +16,7 @@ import torch
 
 from probehook.outputs.columns import join_packed
 from probehook.worker.attention_rows import batched_head_readings, head_readings
+from probehook.worker.on_device import on_device
 from probehook.worker.top_k_bank import TopKBank
 
 
@@ -119,10 +120,10 @@ class AttentionBank(TopKBank):
             first = int(_first_keys(positions[mine], terms).min())
             key_positions = torch.arange(first, seen, device=device)
             keys = reader.keys(layer, request, key_positions)
-            where = torch.from_numpy(asked[mine]).to(device)
+            where = on_device(asked[mine], device)
             q = queries.index_select(0, where).float().view(len(mine), heads, -1)
             spans = request_spans(context.request_terms(request, self.readout.source), device)
-            got = head_readings(q, torch.from_numpy(positions[mine]).to(device), keys.float(),
+            got = head_readings(q, on_device(positions[mine], device), keys.float(),
                                 key_positions, terms, self.k, min_p, spans)  # fmt: skip
             self._write(out, where, got, slots)
         mine = index[counts == 1]  # the row of each request with one
@@ -152,11 +153,11 @@ class AttentionBank(TopKBank):
         device = queries.device
         first = _first_keys(positions, terms)
         width = int((positions + 1 - first).max())
-        grid = torch.from_numpy(first[:, None] + np.arange(width)[None, :]).to(device)
-        newest = torch.from_numpy(positions).to(device)
+        grid = on_device(first[:, None] + np.arange(width)[None, :], device)
+        newest = on_device(positions, device)
         key_positions = torch.where(grid <= newest[:, None], grid, -1)
         keys = reader.keys(layer, requests.tolist(), torch.minimum(grid, newest[:, None]))
-        where = torch.from_numpy(rows).to(device)
+        where = on_device(rows, device)
         q = queries.index_select(0, where).float().view(len(rows), heads, -1)
         asked = [(context.request_terms(r, self.readout.source) or {}).get("spans") or []
                  for r in requests.tolist()]  # fmt: skip
@@ -164,7 +165,7 @@ class AttentionBank(TopKBank):
         if any(asked):  # [R, spans, 2], [0, 0] past a request's own
             most = max(len(a) for a in asked)
             bounds = [[[lo, hi] for _, lo, hi in a] + [[0, 0]] * (most - len(a)) for a in asked]
-            spans = torch.tensor(bounds, dtype=torch.int64, device=device)
+            spans = on_device(np.array(bounds, dtype=np.int64), device)
         got = batched_head_readings(q, newest, keys, key_positions, terms, self.k, min_p, spans)
         self._write(out, where, got, slots)
 
@@ -203,8 +204,8 @@ def request_spans(terms: Mapping[str, Any] | None, device: torch.device) -> torc
     """A request's ``[[name, start, end], ...]`` spans (its readout terms) as int64
     ``[spans, 2]``."""
     spans = (terms or {}).get("spans") or []
-    return torch.tensor([[start, end] for _, start, end in spans], dtype=torch.int64,
-                        device=device).reshape(-1, 2)  # fmt: skip
+    bounds = np.array([[start, end] for _, start, end in spans], dtype=np.int64)
+    return on_device(bounds.reshape(-1, 2), device)
 
 
 def attention_bank(

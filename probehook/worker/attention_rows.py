@@ -63,7 +63,7 @@ def head_readings(
     rows, heads, dim = queries.shape
     kv_heads = _kv_heads(keys, heads)
     shared = keys.permute(1, 2, 0).float()  # [kv_heads, D, keys]
-    spans = spans if spans is not None else torch.zeros(0, 2, dtype=torch.int64)
+    spans = spans if spans is not None else keys.new_zeros(0, 2, dtype=torch.int64)
     in_span = _in_span(key_positions[None], spans[None])[0].float()  # [spans, keys]
     parts = []
     for lo in range(0, rows, TILE_ROWS):
@@ -95,7 +95,7 @@ def batched_head_readings(
     ``[R, spans, 2]`` (``[0, 0]``: no span)."""
     rows, heads, dim = queries.shape
     kv_heads = _kv_heads(keys, heads)
-    spans = spans if spans is not None else torch.zeros(rows, 0, 2, dtype=torch.int64)
+    spans = spans if spans is not None else keys.new_zeros(rows, 0, 2, dtype=torch.int64)
     # [R, kv_heads, group, D] @ [R, kv_heads, D, M] (einsum took ten times as long on CPUs)
     grouped = queries.float().view(rows, kv_heads, -1, dim)
     logits = torch.matmul(grouped, keys.permute(0, 2, 3, 1).float()).view(rows, heads, -1)

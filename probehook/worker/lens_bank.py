@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from probehook.outputs.top_k import carried_indices, carry_indices, pad_indices, pad_top_k
+from probehook.worker.on_device import on_device
 
 LOGITS_TILE_BYTES = 64 * 2**20
 """Float32 logits one tile of rows may hold (the tile is at least one row)."""
@@ -137,7 +138,7 @@ class LensBank:
                 if not len(asked):  # nobody asked: padding, which no request reads
                     pad_top_k(out[slot], self.k)
                     continue
-                where = torch.from_numpy(asked).to(device, non_blocking=True)
+                where = on_device(asked, device)
                 h, targets = h.index_select(0, where), next_tokens.index_select(0, where)
             parts.append((slot, asked, self._map(h, matrix, bias, self._sharded[slot]), targets))
         if not parts:
@@ -159,7 +160,7 @@ class LensBank:
                 out[slot].index_copy_(0, torch.from_numpy(asked).to(device), mine)
             held = _held(unknown, asked, rows, targets)  # drawn after this: on the host
             if len(held):
-                at = torch.from_numpy(held).to(device, non_blocking=True)
+                at = on_device(held, device)
                 block_rows = held if asked is None else asked[held]
                 self._pending.append(
                     (slot, block_rows, mapped.index_select(0, at), mine_lse.index_select(0, at))
@@ -191,7 +192,7 @@ class LensBank:
             else:
                 logits = self.head(mapped).float().gather(1, ids.unsqueeze(1)).squeeze(1)
             target = torch.where(known, logits - lse, float("nan"))
-            where = torch.from_numpy(block_rows).to(out.device, non_blocking=True)
+            where = on_device(block_rows, out.device)
             out[slot, :, 2 * self.k].index_copy_(0, where, target)
 
     def read(

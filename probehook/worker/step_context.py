@@ -24,6 +24,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from probehook.worker.on_device import on_device
+
 
 @dataclass(frozen=True)
 class StepContext:
@@ -80,10 +82,10 @@ class StepContext:
         position, the one sampled from it (-1 before sampling, or where nothing was sampled)."""
         req, after, known = self._after(rows)
         ids = self.token_ids[req, np.minimum(after, self.token_ids.shape[1] - 1)]
-        out = torch.from_numpy(np.where(known, ids, -1).astype(np.int64)).to(self.device)
+        out = on_device(np.where(known, ids, -1).astype(np.int64), self.device)
         if known.all() or self.sampled is None:
             return out
-        drawn = self.sampled[torch.from_numpy(req).to(self.device), 0].to(torch.int64)
+        drawn = self.sampled[on_device(req, self.device), 0].to(torch.int64)
         return torch.where(out >= 0, out, drawn)
 
     def with_sampled(self, sampled: torch.Tensor) -> StepContext:

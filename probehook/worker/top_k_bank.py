@@ -15,6 +15,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from probehook.worker.on_device import on_device
+
 
 def read_selected(
     out: torch.Tensor,
@@ -37,7 +39,7 @@ def read_selected(
         return
     pad(out)
     if len(asked):
-        where = torch.from_numpy(asked).to(rows.device, non_blocking=True)
+        where = on_device(asked, rows.device)
         picked = rows.index_select(0, where)
         if next_tokens is None:
             got = read(picked)
@@ -113,7 +115,7 @@ class TopKBank:
         it."""
         if not len(unknown):
             return
-        where = torch.from_numpy(unknown).to(staged[0].device)
+        where = on_device(unknown, staged[0].device)
         rows = [layer.index_select(0, where) for layer in staged]
         self._pending = (unknown, rows, slot_rows)
 
@@ -134,12 +136,12 @@ class TopKBank:
                 mine = np.flatnonzero(np.isin(unknown, slot_rows[slot]))
             if not len(mine):
                 continue
-            at = torch.from_numpy(mine).to(rows[layer_slot].device)
+            at = on_device(mine, rows[layer_slot].device)
             read = self.readout.read(
                 rows[layer_slot].index_select(0, at), settings, self.k,
                 next_tokens=tokens.index_select(0, at.to(tokens.device)),
             )  # fmt: skip
-            where = torch.from_numpy(unknown[mine]).to(out.device)
+            where = on_device(unknown[mine], out.device)
             out[slot, :, : read.shape[1]].index_copy_(0, where, read)
 
 

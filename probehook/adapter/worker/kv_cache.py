@@ -107,7 +107,8 @@ def request_keys(
     if group is None:
         raise UnsupportedModelError(f"no KV-cache group holds layer {attention.layer_name!r}")
     table = runner.input_batch.block_table[group]
-    row = torch.from_numpy(table.block_table.np[batch_row]).long().to(positions.device)
+    row = torch.from_numpy(table.block_table.np[batch_row]).long()  # a copy: vLLM's array moves on
+    row = row.to(positions.device, non_blocking=True)  # no stream sync (a blocking copy is one)
     cache = attention.kv_cache
     layout = key_layout(attention)
     if layout != "token_major":  # vLLM's CPU kernel: its packing checked once per shape

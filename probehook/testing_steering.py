@@ -7,7 +7,9 @@ No vLLM import here. One HF model per (model_dir, dtype) is loaded once and reus
 A steering term is ``(layer, vector, scale, start, stop)``: ``scale * vector`` is added to
 the output hidden states of decoder layer ``layer`` (the residual stream after it, what
 probehook captures as entry ``layer``) at absolute positions ``start <= p < stop``; ``stop``
-``None`` means to the end of the sequence.
+``None`` means to the end of the sequence. A sixth element ``(op, params, to)`` applies
+another op instead (:func:`apply_op`, the formulas of ``docs/steering.md`` written out in
+float64); a layer's terms apply in order, each to the row the previous one left.
 """
 
 from __future__ import annotations
@@ -37,17 +39,57 @@ def _decoder_layers(model: torch.nn.Module) -> Sequence[torch.nn.Module]:
     raise ValueError(f"no decoder layers found on {type(base).__name__}")
 
 
-def _steer_hook(terms: list[tuple[torch.Tensor, int, int | None]]):  # noqa: ANN202
-    """A forward hook adding every ``(delta, start, stop)`` to the layer's output hidden
-    states (``output[0]`` when the layer returns a tuple, else the output itself)."""
+def apply_op(
+    h: torch.Tensor,
+    op: str,
+    params: Mapping[str, Any],
+    v: torch.Tensor,
+    scale: float,
+    to: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Rows ``h`` ``[..., hidden]`` after one op, in float64, straight from the table of
+    ``docs/steering.md`` (``u = v / |v|``, ``s`` the scale)."""
+    h, v, s = h.double(), v.double(), float(scale)
+    if op == "add":
+        return h + s * v
+    u = v / v.norm()
+    along = (h * u).sum(-1, keepdim=True)
+    if op == "ablate":
+        return h - s * along * u
+    if op == "cap":
+        lo = -torch.inf if params.get("min") is None else params["min"]
+        hi = torch.inf if params.get("max") is None else params["max"]
+        return h + s * (along.clamp(lo, hi) - along) * u
+    if op == "orthogonal":
+        return h + (s - 1) * along * u
+    if op == "norm_scaled":
+        return h + s * h.norm(dim=-1, keepdim=True) * u
+    if op == "swap":
+        u_to = to.double() / to.double().norm()
+        return h + s * along * (u_to - u)
+    raise ValueError(f"unknown op {op!r}")
+
+
+def _steer_hook(terms: list[tuple[Any, ...]]):  # noqa: ANN202
+    """A forward hook applying every ``(delta, start, stop[, (op, params, to, vector,
+    scale)])`` in order to the layer's output hidden states (``output[0]`` when the layer
+    returns a tuple, else the output itself)."""
 
     def hook(_module: torch.nn.Module, _args: Any, output: Any) -> Any:
         hidden = output[0] if isinstance(output, tuple) else output
         hidden = hidden.clone()
         length = hidden.shape[1]
-        for delta, start, stop in terms:
+        for delta, start, stop, *op in terms:
             end = length if stop is None else min(stop, length)
-            if start < end:
+            if start >= end:
+                continue
+            if op:
+                name, params, to, vector, scale = op[0]
+                rows = hidden[:, start:end]
+                hidden[:, start:end] = apply_op(rows, name, params, vector, scale, to).to(
+                    hidden.dtype
+                )
+            else:
                 hidden[:, start:end] += delta.to(hidden.dtype)
         if isinstance(output, tuple):
             return (hidden, *output[1:])
@@ -59,11 +101,15 @@ def _steer_hook(terms: list[tuple[torch.Tensor, int, int | None]]):  # noqa: ANN
 def _normalise(steering: Sequence[SteeringTerm]) -> dict[int, list]:
     by_layer: dict[int, list] = {}
     for term in steering:
-        layer, vector, scale, start, stop = term
+        layer, vector, scale, start, stop, *op = term
         vector = torch.as_tensor(vector, dtype=torch.float32).reshape(-1)
         if start < 0 or (stop is not None and stop < start):
             raise ValueError(f"bad steering positions start={start} stop={stop}")
-        by_layer.setdefault(int(layer), []).append((float(scale) * vector, int(start), stop))
+        entry: tuple[Any, ...] = (float(scale) * vector, int(start), stop)
+        if op and op[0][0] != "add":
+            name, params, to = op[0]
+            entry = (*entry, (name, params, to, vector, float(scale)))
+        by_layer.setdefault(int(layer), []).append(entry)
     return by_layer
 
 
@@ -143,13 +189,21 @@ def steering_terms(
     start: int,
     stop: int | None = None,
 ) -> list[SteeringTerm]:
-    """Terms for a request steered with ``steer`` ``{name: scale}`` from position ``start``
-    to ``stop``, where ``vectors`` is ``{name: {layer: vector}}`` (the engine's named
-    steering vectors, as plain dicts)."""
+    """Terms for a request steered with ``steer`` ``{name: scale}`` (in that order) from
+    position ``start`` to ``stop``, where ``vectors`` is ``{name: {layer: vector}}`` (the
+    engine's named steering vectors, as plain dicts) or ``{name: SteeringVector}`` (its op
+    too)."""
     terms: list[SteeringTerm] = []
     for name, scale in steer.items():
-        for layer, vector in vectors[name].items():
-            terms.append((int(layer), vector, float(scale), start, stop))
+        vector = vectors[name]
+        if hasattr(vector, "op"):  # a SteeringVector
+            to = vector.swap_to
+            for layer, direction in vector.vectors.items():
+                op = (vector.op, vector.op_params, to.get(layer))
+                terms.append((int(layer), direction, float(scale), start, stop, op))  # type: ignore[arg-type]
+            continue
+        for layer, direction in vector.items():
+            terms.append((int(layer), direction, float(scale), start, stop))
     return terms
 
 

@@ -43,6 +43,8 @@ from torch import nn
 # with its extras).
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from probehook.adapter.worker.surgery import STEER_BUFFERS  # noqa: E402
+from probehook.core.steering_wire import VectorRows  # noqa: E402
 from probehook.saes.clamp import MAX_CLAMPED  # noqa: E402
 from probehook.saes.encode import (  # noqa: E402
     ARCHITECTURES,
@@ -57,7 +59,8 @@ from probehook.worker.clamp_op import CLAMP_TENSORS, ClampWriter  # noqa: E402
 from probehook.worker.lens_bank import LensBank  # noqa: E402
 from probehook.worker.paged_keys import key_slots, read_keys  # noqa: E402
 from probehook.worker.sae_bank import SAEBank  # noqa: E402
-from probehook.worker.steer_op import ADD_TENSORS  # noqa: E402
+from probehook.worker.steer_op import STEER_TENSORS  # noqa: E402
+from probehook.worker.steering_bank import SteeringBank, SteerTable, bank_tensors  # noqa: E402
 from probehook.worker.tap_op import tap  # noqa: E402
 from probehook.worker.write_op import write, write_spec  # noqa: E402
 from probehook.worker.write_table import StepWrites  # noqa: E402
@@ -135,9 +138,9 @@ def _tap_hook(module: nn.Module, args: Any, output: Any) -> None:
 
 
 def _steer_hook(module: nn.Module, args: Any, output: Any) -> None:
-    hidden, _ = output
-    tables = [module.probehook_steer_index, module.probehook_steer_table]
-    write(hidden, None, tables, write_spec([("add", ADD_TENSORS, "")]))
+    hidden, residual = output
+    tensors = [getattr(module, name) for name in STEER_BUFFERS]
+    write(hidden, residual, tensors, write_spec([("steer", STEER_TENSORS, "")]))
 
 
 def _clamp_hook(names: list[str], spec: str) -> Callable[[nn.Module, Any, Any], None]:
@@ -268,15 +271,33 @@ def tap_case(shapes: Shapes) -> Case:
     )
 
 
+STEER_OPS = ("add", "ablate", "cap", "orthogonal", "norm_scaled", "swap")
+
+
 def steer_case(shapes: Shapes) -> Case:
+    """Steering's ops (issue 52): 16 distinct vectors of every op in the bank, each steered
+    request one to three of them in its own order (runs of additions summed), every third
+    request unsteered; checked against each term's formula in float64, in order."""
     x, residual = _hidden_inputs(shapes)
     layer = Layer(shapes)
-    slots = MAX_NUM_SEQS + 1
+    slots, capacity = MAX_NUM_SEQS + 1, 16
+    table = SteerTable.allocate(slots, shapes.device)
+    units, writes = bank_tensors(capacity, slots, shapes.d_model, shapes.device)
+    bank = SteeringBank([0], shapes.d_model, capacity, shapes.device, slots,
+                        tensors={0: (units, writes)})  # fmt: skip
     index = torch.zeros(shapes.max_tokens, dtype=torch.int64, device=shapes.device)
-    table = torch.zeros(slots, shapes.d_model, dtype=shapes.dtype, device=shapes.device)
-    layer.register_buffer("probehook_steer_index", index, persistent=False)
-    layer.register_buffer("probehook_steer_table", table, persistent=False)
+    for name, tensor in zip(STEER_BUFFERS, (index, table.rows, table.scalars, units, writes),
+                            strict=True):  # fmt: skip
+        layer.register_buffer(name, tensor, persistent=False)
     layer.register_forward_hook(_steer_hook, prepend=True)
+    g = torch.Generator().manual_seed(5)
+    for v in range(capacity):
+        op = STEER_OPS[v % len(STEER_OPS)]
+        u = torch.nn.functional.normalize(torch.randn(shapes.d_model, generator=g), dim=0)
+        w = torch.randn(shapes.d_model, generator=g) if op in ("add", "swap") else u
+        params = {"min": -0.5, "max": 0.5} if op == "cap" else {}
+        bank.add(f"v{v}", VectorRows({0: w.numpy()}, None if op == "add" else {0: u.numpy()},
+                                     op, params))  # fmt: skip
 
     def write(seed: int) -> None:
         _write_hidden(x, residual, seed, shapes)
@@ -286,19 +307,41 @@ def steer_case(shapes: Shapes) -> Case:
         for position, (lo, hi) in enumerate(zip(starts, starts[1:], strict=False)):
             # Every third request unsteered, which one by the step: both kinds in each step.
             host[lo:hi] = 0 if (position + seed) % 3 == 0 else position + 1
+            picks = torch.randint(0, capacity, (1 + (position + seed) % 3,), generator=g)
+            terms = [(f"v{int(v)}", float(torch.rand((), generator=g)) * 2 - 0.5) for v in picks]
+            bank.write(table, position + 1, 0, terms)
         index.copy_(host)
-        table.copy_(_randn(table.shape, 1000 * seed + 3, shapes, table.dtype))
-        table[0] = 0
 
     def verify(results: dict[str, torch.Tensor]) -> None:
         rows = index[: shapes.tokens]
         assert (rows > 0).any() and (rows == 0).any(), "a step needs steered and unsteered tokens"
-        hidden = x + table[rows]
-        compare_close({"hidden": hidden, "stream": hidden + residual}, results, "plain torch")
+        hidden = x.clone()
+        for term in range(table.rows.shape[1]):  # each term's formula, in order, in float64
+            h = hidden.double() + residual.double()  # the op adds each term in the model dtype
+            at = table.rows[rows, term]
+            a, b, c, d, lo, hi = table.scalars[rows, term].double().unbind(-1)
+            u, w = units[at].double(), writes[at].double()
+            along = (h * u).sum(-1)
+            capped = torch.minimum(torch.maximum(along, lo), hi)
+            coef = a + b * along + c * capped + d * h.norm(dim=-1)
+            hidden = hidden + (coef[:, None] * w).to(x.dtype)
+        # The op's float32 coefficients may round a term's half-precision delta the other way:
+        # one unit in the last place of the row's largest value, which an ablation's
+        # cancellation leaves on a small result (a relative tolerance alone fails there).
+        rtol, _ = TOLERANCES[x.dtype]
+        scale = (x.float().abs() + residual.float().abs()).amax(dim=1, keepdim=True)
+        for name, want in (("hidden", hidden), ("stream", hidden + residual)):
+            error = (results[name].float() - want.float()).abs()
+            bound = 4 * rtol * scale + 1e-5
+            assert bool((error <= bound).all()), (
+                f"float64 formula, {name}: max error {float(error.max()):.3g} over "
+                f"{int((error > bound).sum())} elements (bound: 4 units in the last place of "
+                "the row's largest value)"
+            )
 
     return Case(
-        "probehook::write add (steering)",
-        f"[{shapes.tokens}, {shapes.d_model}], table [{slots}, {shapes.d_model}]",
+        "probehook::write steer (16 ops)",
+        f"[{shapes.tokens}, {shapes.d_model}], <= 3 of {capacity} vectors a request",
         Block(layer),
         (x, residual),
         write,

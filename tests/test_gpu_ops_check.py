@@ -16,7 +16,7 @@ OP_ROWS = (
     "matmul (reference)",
     "layer only (no op)",
     "probehook::tap",
-    "probehook::write add (steering)",
+    "probehook::write steer (16 ops)",
     "SAEBank read_top_k (jumprelu)",
     "SAEBank read_top_k (topk)",
     "probehook::write clamp (jumprelu)",

@@ -14,6 +14,7 @@ from probehook.worker.steering_bank import (
     RequestSteering,
     SteeringBank,
     SteeringBankError,
+    SteerTable,
     StepSteering,
     phase_range,
 )
@@ -22,11 +23,20 @@ HIDDEN = 4
 
 
 def _engine(slots: int = 4) -> StepSteering:
-    bank = SteeringBank([1, 2], HIDDEN, capacity=3, device="cpu")
+    bank = SteeringBank([1, 2], HIDDEN, capacity=3, device="cpu", slots=slots)
     bank.add("a", {1: np.ones(HIDDEN, dtype=np.float32)})
     bank.add("b", {1: np.arange(HIDDEN, dtype=np.float32), 2: -np.ones(HIDDEN, np.float32)})
-    tables = {layer: torch.zeros((slots, HIDDEN)) for layer in (1, 2)}
+    tables = {layer: SteerTable.allocate(slots, "cpu") for layer in (1, 2)}
     return StepSteering(bank, tables, torch.zeros(32, dtype=torch.int64))
+
+
+def effect(step: StepSteering, layer: int, slot: int) -> torch.Tensor:
+    """What the op adds to a zero row at ``layer`` for table slot ``slot``."""
+    table, bank = step.tables[layer], step.bank
+    hidden = torch.zeros(1, HIDDEN)
+    steer(hidden, None, torch.tensor([slot]), table.rows, table.scalars, bank.units[layer],
+          bank.writes[layer])  # fmt: skip
+    return hidden[0]
 
 
 def test_index_follows_batch_metadata_and_phases() -> None:
@@ -43,14 +53,14 @@ def test_index_follows_batch_metadata_and_phases() -> None:
     s0, s2 = plans["r0"].slot, plans["r2"].slot
     assert s0 and s2 and s0 != s2
     assert index == [s0, s0, s0, 0, 0, 0, 0, s2]  # r2's prompt is not steered, position 2 is
-    torch.testing.assert_close(step.tables[1][s0], torch.full((HIDDEN,), 2.0))
-    torch.testing.assert_close(step.tables[2][s0], torch.zeros(HIDDEN))  # a has no layer 2
-    torch.testing.assert_close(step.tables[1][s2], -torch.arange(HIDDEN, dtype=torch.float32))
-    torch.testing.assert_close(step.tables[2][s2], torch.ones(HIDDEN))
+    torch.testing.assert_close(effect(step, 1, s0), torch.full((HIDDEN,), 2.0))
+    torch.testing.assert_close(effect(step, 2, s0), torch.zeros(HIDDEN))  # a has no layer 2
+    torch.testing.assert_close(effect(step, 1, s2), -torch.arange(HIDDEN, dtype=torch.float32))
+    torch.testing.assert_close(effect(step, 2, s2), torch.ones(HIDDEN))
     # The next step has no steered token: the index is cleared, row 0 stays zero.
     step.prepare(["r1"], np.array([0, 1]), np.array([2]), plans.get)
     assert step.index[:8].tolist() == [0] * 8
-    assert step.tables[1][0].abs().sum() == 0
+    assert step.tables[1].rows[0].abs().sum() == 0 and step.tables[1].scalars[0].abs().sum() == 0
 
 
 def test_the_op_adds_each_tokens_row() -> None:
@@ -58,7 +68,9 @@ def test_the_op_adds_each_tokens_row() -> None:
     plan = RequestSteering((("a", 1.0),), 1, 3, prompt_len=3)  # positions 1, 2 only
     step.prepare(["r"], np.array([0, 4]), np.array([0]), {"r": plan}.get)
     hidden = torch.zeros(4, HIDDEN)
-    steer(hidden, step.index, step.tables[1])
+    table = step.tables[1]
+    steer(hidden, None, step.index, table.rows, table.scalars, step.bank.units[1],
+          step.bank.writes[1])  # fmt: skip
     assert hidden[:, 0].tolist() == [0.0, 1.0, 1.0, 0.0]
 
 
@@ -72,12 +84,12 @@ def test_slots_are_freed_at_finish_and_reclaimed_from_departed_requests() -> Non
     # r1 left the batch (preempted): its slot goes to r3, and r1 gets one back on return.
     step.prepare(["r2", "r3"], np.array([0, 1, 2]), np.array([1, 0]), plans.get)
     assert plans["r1"].slot == 0 and plans["r3"].slot and step.reclaimed == 1
-    torch.testing.assert_close(step.tables[1][plans["r3"].slot], torch.full((HIDDEN,), 3.0))
+    torch.testing.assert_close(effect(step, 1, plans["r3"].slot), torch.full((HIDDEN,), 3.0))
     # r1 returns after its vector left the bank: it is steered by the sum it had.
     step.finish(["r3"])
     step.bank.remove("a")
     step.prepare(["r2", "r1"], np.array([0, 1, 2]), np.array([2, 1]), plans.get)
-    torch.testing.assert_close(step.tables[1][plans["r1"].slot], torch.full((HIDDEN,), 1.0))
+    torch.testing.assert_close(effect(step, 1, plans["r1"].slot), torch.full((HIDDEN,), 1.0))
 
 
 def test_a_request_that_cannot_get_a_row_runs_unsteered_and_the_step_goes_on() -> None:

@@ -88,13 +88,35 @@ def vectors(llama_dir: Path) -> dict[str, dict[int, torch.Tensor]]:
 
 
 @pytest.fixture(scope="module")
-def steer_llm(llama_dir: Path, vectors) -> Iterator[object]:
+def op_vectors(llama_dir: Path, vectors) -> dict[str, object]:
+    """Every op but add, on the same directions: the cap's bounds at a fifth of the median
+    |h.u| of the unsteered stream (so most rows are capped)."""
+    from transformers import AutoTokenizer
+
+    sv = _steering_vector_class()
+    ids = AutoTokenizer.from_pretrained(str(llama_dir))(PROMPTS[0]).input_ids
+    stream = hf_residual_stream(llama_dir, ids)
+    u = vectors["ab"][1] / vectors["ab"][1].norm()
+    bound = 0.2 * float((stream[1] @ u).abs().median())
+    swap_to = {1: vectors["b"][2].clone(), 2: vectors["a"][1].clone()}
+    return {
+        "abl": sv(vectors["a"]).with_op("ablate"),
+        "cap": sv(vectors["ab"]).with_op("cap", min=-bound, max=bound),
+        "orth": sv(vectors["ab"]).with_op("orthogonal"),
+        "norm": sv(vectors["b"]).with_op("norm_scaled"),
+        "swap": sv.swap(from_=sv(vectors["ab"]), to=sv(swap_to)),
+    }
+
+
+@pytest.fixture(scope="module")
+def steer_llm(llama_dir: Path, vectors, op_vectors) -> Iterator[object]:
     from probehook import LLM
 
     sv = _steering_vector_class()
     llm = LLM(
         str(llama_dir),
-        steering={name: sv(dict(v), name=name) for name, v in vectors.items()},
+        steering={**{name: sv(dict(v), name=name) for name, v in vectors.items()}, **op_vectors},
+        layers=[1, 3],  # decode rows (prompt rows would keep prompts out of the prefix cache)
         probes=random_probes(HIDDEN),
         dtype="float32",
         seed=0,
@@ -236,3 +258,58 @@ def test_add_and_remove_in_compiled_mode_never_recompile(steer_llm, llama_dir: P
     after = steer_llm.collective_rpc("probehook_stats")[0]
     for counter in ("graphs_seen", "backend_compilations", "dynamo_graphs"):
         assert after[counter] == before[counter], (counter, before, after)
+
+
+OP_SPECS: list[dict[str, float] | None] = [
+    {"abl": 1.0},
+    {"cap": 1.0},
+    {"orth": 0.0},
+    {"orth": 2.0},
+    {"norm": 0.5},
+    {"swap": 1.0},
+    {"abl": 1.0, "a": 2.0},
+    {"a": 2.0, "abl": 1.0},
+    {"a": 1.0, "b": -1.0, "cap": 1.0, "swap": 0.5},
+    None,
+]
+
+
+def _rows(out, layer: int) -> torch.Tensor:
+    """The captured decode rows of ``layer``: positions P-1..P+n-2."""
+    return out.outputs[0].hidden_states[layer]
+
+
+def test_every_op_equals_hugging_face(steer_llm, llama_dir: Path, vectors, op_vectors) -> None:
+    """Mixed ops in one batch beside unsteered requests (compiled, chunked prefill, prefix
+    caching): the teacher-forced logprobs and the captured rows of the steered layer and a
+    later one equal HF with each op's formula applied by a forward hook in the request's order;
+    after ablate at scale 1 the captured row has no component along the direction; each
+    completion names its ops."""
+    from probehook.testing_steering import hf_steered_stream
+
+    every = {**vectors, **op_vectors}
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(2 * len(OP_SPECS))]
+    specs = [OP_SPECS[i % len(OP_SPECS)] for i in range(len(prompts))]
+    outs = steer_llm.generate(prompts, [_params(s, "both") for s in specs], use_tqdm=False)
+    for steer, out in zip(specs, outs, strict=True):
+        terms = [] if steer is None else steering_terms(every, steer, 0)
+        _, effect = _check(llama_dir, out, terms, f"steer={steer}")
+        assert steer is None or effect > EFFECT, f"{steer}: effect {effect:.3f}"
+        tokens = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)[:-1]
+        want = hf_steered_stream(llama_dir, tokens, terms, layers=[1, 3])
+        for layer in (1, 3):
+            got = _rows(out, layer)
+            want[layer] = want[layer][len(out.prompt_token_ids) - 1 :]
+            torch.testing.assert_close(
+                got, want[layer], rtol=0, atol=1e-3 * float(want[layer].abs().max())
+            )
+        steering = out.outputs[0].steering
+        if steer is not None:
+            assert list(steering["vectors"]) == list(steer), steering
+            ops = {n: op_vectors[n].op for n in steer if n in op_vectors}
+            assert {n: o.split("(")[0] for n, o in steering.get("ops", {}).items()} == ops
+        if steer == {"abl": 1.0}:
+            u = vectors["a"][1] / vectors["a"][1].norm()
+            rows = _rows(out, 1).double()
+            along = (rows @ u.double()).abs()
+            assert bool((along <= 1e-5 * rows.norm(dim=-1)).all()), float(along.max())

@@ -151,24 +151,25 @@ def test_a_corrupt_steering_wire_fails_its_request_alone(steered: Any, monkeypat
 def test_a_request_the_worker_cannot_steer_fails_alone(steered: Any) -> None:
     """Whatever goes wrong while the worker gives a request its steering (staged here: the
     bank's sum raises for one scale) fails that request's capture with the reason, and the
-    step, the engine and the other requests go on (issue 37, item 1)."""
+    step, the engine and the other requests go on (issue 37, item 1): here writing its terms
+    into its table row raises for one scale."""
     from probehook import CaptureError
 
     llm = steered
 
     def break_sums(worker: Any) -> None:  # runs in the worker: this process (in-process)
         bank = _steer(worker).bank
-        combine = type(bank).combine
+        write = type(bank).write
 
-        def failing(layer: int, terms: Any) -> Any:
+        def failing(table: Any, slot: int, layer: int, terms: Any) -> Any:
             if any(scale == 7.0 for _, scale in terms):
                 raise RuntimeError("staged: this sum cannot be made")
-            return combine(bank, layer, terms)
+            return write(bank, table, slot, layer, terms)
 
-        bank.combine = failing
+        bank.write = failing
 
     def mend(worker: Any) -> None:
-        del _steer(worker).bank.combine
+        del _steer(worker).bank.write
 
     prompts = ["1+2=", "3+4=", "5+6="]
     short = {"max_tokens": 4}

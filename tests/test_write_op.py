@@ -15,7 +15,7 @@ from torch import nn
 
 from probehook.adapter.worker.surgery import _add_write_term
 from probehook.errors import UnsupportedModelError
-from probehook.worker.steer_op import ADD_TENSORS
+from probehook.worker.steering_bank import MAX_TERMS
 from probehook.worker.write_op import read_spec, write, write_spec
 
 
@@ -27,14 +27,25 @@ class Layer(nn.Module):
         self.proj = nn.Linear(width, width)
         self.order = tuple(order)
         self.register_buffer("index", torch.zeros(tokens, dtype=torch.int64), persistent=False)
-        self.register_buffer("vectors", torch.zeros(3, width), persistent=False)
+        # steering: slot 1 adds bank row 1 (ones), slot 2 nothing
+        rows = torch.zeros(3, MAX_TERMS, dtype=torch.int64)
+        rows[1, 0] = 1
+        scalars = torch.zeros(3, MAX_TERMS, 6)
+        scalars[1, 0, 0] = 1.0
+        self.register_buffer("rows", rows, persistent=False)
+        self.register_buffer("scalars", scalars, persistent=False)
+        self.register_buffer("units", torch.zeros(2, width), persistent=False)
+        self.register_buffer("vectors", torch.zeros(2, width), persistent=False)
         self.register_buffer("scales", torch.ones(3), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         hidden, residual = self.proj(x), x
-        tensors = {"add": [self.index, self.vectors], "scale": [self.index, self.scales]}
+        tensors = {
+            "steer": [self.index, self.rows, self.scalars, self.units, self.vectors],
+            "scale": [self.index, self.scales],
+        }
         write(hidden, residual, [t for k in self.order for t in tensors[k]],
-              write_spec([(k, ADD_TENSORS, "") for k in self.order]))  # fmt: skip
+              write_spec([(k, len(tensors[k]), "") for k in self.order]))  # fmt: skip
         return hidden + residual
 
 
@@ -43,7 +54,7 @@ def test_terms_apply_in_order_on_the_tokens_that_ask(compiled: bool) -> None:
     torch.manual_seed(0)
     x = torch.randn(5, 8)
     out = {}
-    for order in (("scale", "add"), ("add", "scale")):
+    for order in (("scale", "steer"), ("steer", "scale")):
         torch.manual_seed(1)  # one projection for both orders
         layer = Layer(order, 16, 8)
         layer.index[1:3] = 1
@@ -54,7 +65,7 @@ def test_terms_apply_in_order_on_the_tokens_that_ask(compiled: bool) -> None:
         with torch.no_grad():
             out[order] = run(x)
             stream = layer.proj(x) + x
-    first, second = out[("scale", "add")], out[("add", "scale")]
+    first, second = out[("scale", "steer")], out[("steer", "scale")]
     torch.testing.assert_close(first[0], stream[0])  # index 0: untouched
     torch.testing.assert_close(first[1:3], 2 * stream[1:3] + 1)
     torch.testing.assert_close(second[1:3], 2 * (stream[1:3] + 1))
@@ -66,8 +77,8 @@ def test_the_spec_round_trips_and_an_unknown_kind_is_named() -> None:
     assert read_spec(spec) == [("add", 2, ""), ("clamp", 12, "topk|1|none|32")]
     with pytest.raises(ValueError, match="no ';' or ':'"):
         write_spec([("add", 2, "a;b")])
-    with pytest.raises(ValueError, match=r"no write kind 'ablate' is registered .*'add'"):
-        write(torch.zeros(2, 4), None, [], write_spec([("ablate", 0, "")]))
+    with pytest.raises(ValueError, match=r"no write kind 'nosuch' is registered .*'steer'"):
+        write(torch.zeros(2, 4), None, [], write_spec([("nosuch", 0, "")]))
 
 
 class VllmLayer(nn.Module):

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from probehook.core.probe_spec import ACTIVATIONS, ProbeSpec
-from probehook.core.steering_wire import DEFAULT_CAPACITY
+from probehook.core.steering_wire import DEFAULT_CAPACITY, VectorRows
 
 _META_KEY = "probehook_banks"
 _FORMAT = 1
@@ -24,11 +24,11 @@ _FORMAT = 1
 @dataclass
 class WorkerBanks:
     """What a worker's banks start with: probes (``ProbeSpec``), the steering bank's capacity
-    and its first vectors (``{name: {layer: float32 [hidden]}}``; more come by RPC)."""
+    and its first vectors (``{name: VectorRows}``; more come by RPC)."""
 
     probes: list[ProbeSpec] = field(default_factory=list)
     steering_capacity: int = DEFAULT_CAPACITY
-    vectors: dict[str, dict[int, np.ndarray]] = field(default_factory=dict)
+    vectors: dict[str, VectorRows] = field(default_factory=dict)
 
     def encode(self) -> str:
         """The banks as text: base64 of a safetensors blob (arrays, and the names, layers and
@@ -42,10 +42,14 @@ class WorkerBanks:
             tensors[f"probe.{i}.bias"] = np.ascontiguousarray(spec.bias, dtype=np.float32)
             probes.append({"name": spec.name, "layer": spec.layer, "activation": spec.activation})
         vectors = []
-        for j, (name, by_layer) in enumerate(self.vectors.items()):
-            for layer, vector in by_layer.items():
+        for j, (name, rows) in enumerate(self.vectors.items()):
+            for layer, vector in rows.writes.items():
                 tensors[f"vector.{j}.{int(layer)}"] = np.ascontiguousarray(vector, np.float32)
-            vectors.append({"name": name, "layers": [int(layer) for layer in by_layer]})
+            for layer, unit in (rows.units or {}).items():
+                tensors[f"unit.{j}.{int(layer)}"] = np.ascontiguousarray(unit, np.float32)
+            vectors.append({"name": name, "layers": [int(layer) for layer in rows.writes],
+                            "op": rows.op, "params": rows.params,
+                            "units": rows.units is not None})  # fmt: skip
         meta = {"format": _FORMAT, "probes": probes, "vectors": vectors,
                 "steering_capacity": int(self.steering_capacity)}  # fmt: skip
         blob = save(tensors, metadata={_META_KEY: json.dumps(meta)})
@@ -72,10 +76,12 @@ class WorkerBanks:
                 raise ValueError(f"activation {p['activation']!r}; valid: {ACTIVATIONS}")
             probes.append(ProbeSpec(str(p["name"]), int(p["layer"]), arrays[f"probe.{i}.weight"],
                                     arrays[f"probe.{i}.bias"], str(p["activation"])))  # fmt: skip
-        vectors = {
-            str(v["name"]): {
-                int(layer): arrays[f"vector.{j}.{int(layer)}"] for layer in v["layers"]
-            }
-            for j, v in enumerate(meta["vectors"])
-        }
+        vectors = {}
+        for j, v in enumerate(meta["vectors"]):
+            layers = [int(layer) for layer in v["layers"]]
+            writes = {layer: arrays[f"vector.{j}.{layer}"] for layer in layers}
+            units = {layer: arrays[f"unit.{j}.{layer}"] for layer in layers} if v.get("units") \
+                else None  # fmt: skip
+            vectors[str(v["name"])] = VectorRows(writes, units, str(v.get("op", "add")),
+                                                 dict(v.get("params") or {}))  # fmt: skip
         return cls(probes, int(meta["steering_capacity"]), vectors)

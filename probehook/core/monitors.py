@@ -283,7 +283,8 @@ def crossings(values: np.ndarray, threshold: float, direction: str) -> list[int]
 
 def steer_terms(value: Any, what: str) -> tuple[tuple[str, float], ...]:
     """``{name: scale}`` checked: vector names and finite numbers, at least one; returned as
-    sorted ``(name, scale)`` pairs (a hashable, canonical form)."""
+    ``(name, scale)`` pairs in the order given (hashable; the order is the order the ops
+    apply in, which matters for every op but ``add``)."""
     example = '{"name": 4.0}'
     if isinstance(value, Sequence) and not isinstance(value, str | bytes):
         with contextlib.suppress(TypeError, ValueError):
@@ -304,7 +305,7 @@ def steer_terms(value: Any, what: str) -> tuple[tuple[str, float], ...]:
             scale, f"{what}: the scale of {name!r}", f"pass {{name: scale}} such as {example}"
         )
         terms.append((name, scale))
-    return tuple(sorted(terms))
+    return tuple(terms)
 
 
 def monitor_threshold(value: Any, monitor: str) -> float:

@@ -387,7 +387,7 @@ class RequestWire:
         if self.record is not None:
             wire["record"] = dict(self.record)
         if self.steer:
-            wire["steer"] = dict(self.steer)
+            wire["steer"] = [[name, scale] for name, scale in self.steer]  # in order
             wire["steer_phase"] = self.steer_phase
         if self.writes:
             wire["writes"] = {o: dict(t) for o, t in self.writes.items()}

@@ -21,6 +21,7 @@ from typing import Any
 
 from probehook.core.monitors import ProbeMonitor
 from probehook.core.request_options import RequestOptions
+from probehook.core.steering_ops import describe_op
 from probehook.core.steering_wire import DEFAULT_CAPACITY, vector_wire
 from probehook.errors import CaptureConfigError
 
@@ -35,16 +36,23 @@ class RequestSteer:
     """One request's steering, checked: what goes on the wire and what the output records."""
 
     terms: tuple[tuple[str, float], ...] = ()
+    """(vector, scale) in the order they apply."""
     phase: str = "both"
     gates: tuple[ProbeMonitor, ...] = ()
     """Its ``action="steer"`` monitors (at most one)."""
     salt: str = ""
-    """Its prefix-cache salt: equal for equal steering (same vectors' contents)."""
+    """Its prefix-cache salt: equal for equal steering (same vectors' contents, ops and, where
+    it matters, order)."""
+    ops: tuple[tuple[str, str], ...] = ()
+    """(vector, its op in words) of each vector whose op is not ``add``."""
 
     def describe(self) -> dict[str, Any]:
         """What a finished output and a stored record say about it (``start`` is filled in
-        when the output is)."""
+        when the output is): ``vectors`` in the order they apply, and ``ops`` naming each
+        vector's op where one is not ``add``."""
         out: dict[str, Any] = {"vectors": dict(self.terms), "phase": self.phase}
+        if self.ops:
+            out["ops"] = dict(self.ops)
         if self.gates:
             gate = self.gates[0]
             out["gate"] = {
@@ -216,16 +224,23 @@ class SteeringSet:
     def request_steer(
         self, terms: Sequence[tuple[str, float]], phase: str, gates: Sequence[ProbeMonitor]
     ) -> RequestSteer:
-        """A checked request's steering with its salt."""
-        return RequestSteer(tuple(terms), phase, tuple(gates), self._salt(terms, phase, gates))
+        """A checked request's steering with its salt and its vectors' ops."""
+        names = [n for n, _ in terms] + [n for g in gates for n, _ in g.steer]
+        ops = tuple((n, describe_op(self.vectors[n].op, self.vectors[n].op_params))
+                    for n in dict.fromkeys(names) if self.vectors[n].op != "add")  # fmt: skip
+        return RequestSteer(tuple(terms), phase, tuple(gates), self._salt(terms, phase, gates),
+                            ops)  # fmt: skip
 
     def _salt(
         self, terms: Sequence[tuple[str, float]], phase: str, gates: Sequence[ProbeMonitor]
     ) -> str:
-        # The vectors' contents, not only their names: a name removed and added again with
-        # another direction must not hit the old prompt KV.
+        # The vectors' contents (their digests cover each op and its parameters), not only
+        # their names: a name removed and added again with another direction must not hit the
+        # old prompt KV. Order matters unless every vector adds (a sum is a sum).
         def content(pairs: Sequence[tuple[str, float]]) -> list[Any]:
-            return [[self.vectors[name].digest, repr(float(scale))] for name, scale in pairs]
+            out = [[self.vectors[name].digest, repr(float(scale))] for name, scale in pairs]
+            adds = all(self.vectors[name].op == "add" for name, _ in pairs)
+            return sorted(out) if adds else out
 
         parts = {
             "terms": content(terms),
@@ -245,7 +260,8 @@ class SteeringSet:
             "capacity": self.capacity,
             "inline_in_use": len(self.inline_users),
             "vectors": {
-                name: {"layers": list(v.layers), "digest": v.digest}
+                name: {"layers": list(v.layers), "digest": v.digest,
+                       "op": describe_op(v.op, v.op_params)}  # fmt: skip
                 for name, v in sorted(self.vectors.items())
                 if name not in self.inline_users
             },

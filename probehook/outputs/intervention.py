@@ -29,7 +29,7 @@ SITES = ("resid_post", "resid_pre")
 """Where a write term applies on a decoder layer: its output (the residual stream after it,
 where the taps read) or its input (the stream before it; layer 0's is the embeddings)."""
 
-STEERING_KEYS = ("vectors", "phase", "gate", "start")
+STEERING_KEYS = ("vectors", "phase", "gate", "start", "ops")
 """A completion's ``steering`` keys that are steering's own; each other key is a write-table
 entry's request option, holding what it applied (``Intervention.applied``)."""
 

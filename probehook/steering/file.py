@@ -1,9 +1,14 @@
 """The steering vector file: one safetensors file, one tensor per layer plus a JSON header in its
 metadata. No pickle.
 
-tensors   layer.<L> [hidden] float32, one per layer
+tensors   layer.<L> [hidden] float32, one per layer (a swap's from directions), and to.<L> for a
+          swap's to directions
 metadata  {"probehook_steering": JSON {"format_version": 1, "name", "layers", "hidden_size",
-          "model_fingerprint", "made_by", "probehook_version"}}
+          "model_fingerprint", "made_by", "probehook_version", "op", "op_params", "site"}}
+
+A file without ``op`` (written before the other ops) loads as ``add`` at ``resid_post``; a
+vector loads with the op and site its file records and nothing else (a direction saved for
+ablation is never added unless asked with ``with_op("add")``).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from typing import Any
 
 import torch
 
+from probehook.core.steering_ops import SITE
 from probehook.errors import CaptureConfigError
 from probehook.probes.file import METADATA_KEY as PROBE_METADATA_KEY
 from probehook.probes.file import json_header
@@ -29,6 +35,10 @@ def tensor_name(layer: int) -> str:
     return f"layer.{layer}"
 
 
+def to_name(layer: int) -> str:
+    return f"to.{layer}"
+
+
 def save_vector(vector: SteeringVector, path: str | os.PathLike[str]) -> Path:
     """Write ``vector`` to ``path`` (atomically: a crash never leaves half a file)."""
     from safetensors.torch import save_file
@@ -38,6 +48,7 @@ def save_vector(vector: SteeringVector, path: str | os.PathLike[str]) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tensors = {tensor_name(layer): vec for layer, vec in vector.vectors.items()}
+    tensors.update({to_name(layer): vec for layer, vec in vector.swap_to.items()})
     header = {
         "format_version": FORMAT_VERSION,
         "name": vector.name,
@@ -46,6 +57,9 @@ def save_vector(vector: SteeringVector, path: str | os.PathLike[str]) -> Path:
         "model_fingerprint": vector.model_fingerprint,
         "made_by": vector.made_by,
         "probehook_version": __version__,
+        "op": vector.op,
+        "op_params": vector.op_params,
+        "site": vector.site,
     }
     tmp = path.with_name(path.name + ".tmp")
     try:
@@ -81,7 +95,16 @@ def load_vector(path: str | os.PathLike[str]) -> SteeringVector:
         raise CaptureConfigError(
             f"{path}: its header's layers must be a list of integers, got {layers!r}."
         )
+    op = header.get("op", "add")
+    site = header.get("site", SITE)
+    if site != SITE:
+        raise CaptureConfigError(
+            f"{path}: its vector applies at site {site!r}; steering vectors apply at {SITE!r} "
+            "(the layer's output) only."
+        )
     expected = {tensor_name(layer) for layer in layers}
+    if op == "swap":
+        expected |= {to_name(layer) for layer in layers}
     if set(tensors) != expected:
         missing = sorted(expected - set(tensors))
         extra = sorted(set(tensors) - expected)
@@ -89,23 +112,26 @@ def load_vector(path: str | os.PathLike[str]) -> SteeringVector:
             f"{path}: its tensors do not match its header's layers {layers}: missing "
             f"{missing}, unexpected {extra}."
         )
-    for layer in layers:
-        t = tensors[tensor_name(layer)]
+    for key, t in tensors.items():
         if t.dtype != torch.float32:
-            raise CaptureConfigError(
-                f"{path}: tensor {tensor_name(layer)!r} is {t.dtype}, not float32."
-            )
+            raise CaptureConfigError(f"{path}: tensor {key!r} is {t.dtype}, not float32.")
         if t.ndim != 1 or len(t) != header.get("hidden_size"):
             raise CaptureConfigError(
-                f"{path}: tensor {tensor_name(layer)!r} has shape {tuple(t.shape)} but the "
-                f"header says hidden size {header.get('hidden_size')!r}."
+                f"{path}: tensor {key!r} has shape {tuple(t.shape)} but the header says hidden "
+                f"size {header.get('hidden_size')!r}."
             )
+    params = header.get("op_params") or {}
+    if not isinstance(params, dict):
+        raise CaptureConfigError(f"{path}: its op_params must be an object, got {params!r}.")
     try:
         return SteeringVector(
             {layer: tensors[tensor_name(layer)] for layer in layers},
             header.get("name"),
             model_fingerprint=header.get("model_fingerprint"),
             made_by=header.get("made_by"),
+            op=op,
+            op_params=params,
+            swap_to={layer: tensors[to_name(layer)] for layer in layers} if op == "swap" else None,
         )
     except CaptureConfigError as e:
         raise CaptureConfigError(f"{path} holds an invalid steering vector: {e}") from e

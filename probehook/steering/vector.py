@@ -1,8 +1,11 @@
 """``SteeringVector``: one residual-stream direction per layer, made offline, saved as one file.
 
-A steering vector holds a float32 ``[hidden]`` direction for each of one or more decoder layers.
-The engine adds ``scale * vector(layer)`` to the layer's output residual stream; this module only
-builds, checks and stores the directions (no vLLM here). Ways to make one:
+A steering vector holds a float32 ``[hidden]`` direction for each of one or more decoder layers
+and the op the engine applies with it to the layer's output residual stream (``resid_post``):
+``add`` (``h + scale * vector(layer)``, the default) or one of ``ablate``, ``cap``,
+``orthogonal``, ``norm_scaled``, ``swap`` (:meth:`SteeringVector.with_op`,
+:meth:`SteeringVector.swap`; the formulas are in ``probehook.core.steering_ops``). This module
+only builds, checks and stores them (no vLLM here). Ways to make one:
 
 * by hand: ``SteeringVector({12: tensor}, "name")``;
 * from an activation store, by contrast (:meth:`SteeringVector.from_store`): the mean of the
@@ -28,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from probehook.core.steering_ops import OPS, SITE, describe_op
 from probehook.errors import CaptureConfigError
 
 if TYPE_CHECKING:
@@ -70,6 +74,9 @@ class SteeringVector:
         *,
         model_fingerprint: str | None = None,
         made_by: dict[str, Any] | None = None,
+        op: str = "add",
+        op_params: Mapping[str, Any] | None = None,
+        swap_to: Mapping[int, ArrayLike | Sequence[float]] | None = None,
     ) -> None:
         if not isinstance(vectors, Mapping):
             raise CaptureConfigError(
@@ -108,6 +115,9 @@ class SteeringVector:
         self._model_fingerprint = model_fingerprint
         self._made_by = _json_copy("made_by", {} if made_by is None else made_by)
         self._digest: str | None = None
+        self._op, self._op_params, self._to = _checked_op(
+            op, op_params or {}, self._vectors, swap_to, self._label()
+        )
 
     # -- fields -------------------------------------------------------------------------------
 
@@ -134,6 +144,27 @@ class SteeringVector:
         hand-made vector) and that method's inputs; ``scale`` after :meth:`scaled`."""
         return json.loads(json.dumps(self._made_by))
 
+    @property
+    def op(self) -> str:
+        """What the engine applies with it: one of :data:`~probehook.core.steering_ops.OPS`."""
+        return self._op
+
+    @property
+    def op_params(self) -> dict[str, Any]:
+        """The op's parameters (``cap``: ``min`` and ``max``, either may be None)."""
+        return dict(self._op_params)
+
+    @property
+    def site(self) -> str:
+        """Where it applies: ``"resid_post"``, the layer's output stream."""
+        return SITE
+
+    @property
+    def swap_to(self) -> dict[int, torch.Tensor]:
+        """A ``swap``'s ``to`` directions by layer (copies; empty for other ops); its ``from``
+        directions are :attr:`vectors`."""
+        return {layer: vec.clone() for layer, vec in (self._to or {}).items()}
+
     def vector(self, layer: int) -> torch.Tensor:
         """The float32 ``[hidden]`` vector of ``layer`` (a copy)."""
         key = _layer_index(layer)
@@ -153,12 +184,18 @@ class SteeringVector:
     def digest(self) -> str:
         """Hex SHA-256 of the content: each layer's index and hidden size, then its vector as
         little-endian float32 bytes, layers ascending. The name, fingerprint and ``made_by`` are
-        not part of it; equal digests mean the engine adds the same values."""
+        not part of it; the op, its parameters and a swap's ``to`` directions are (for every
+        op but ``add``): equal digests mean the engine applies the same values."""
         if self._digest is None:
             h = hashlib.sha256(b"probehook-steering-v1\n")
             for layer, vec in self._vectors.items():
                 h.update(f"{layer}:{len(vec)}\n".encode())
                 h.update(vec.numpy().astype("<f4", copy=False).tobytes())
+            if self._op != "add":  # an addition's digest is what it was before the other ops
+                h.update(json.dumps([self._op, self._op_params], sort_keys=True).encode())
+                for layer, vec in (self._to or {}).items():
+                    h.update(f"to {layer}\n".encode())
+                    h.update(vec.numpy().astype("<f4", copy=False).tobytes())
             self._digest = h.hexdigest()
         return self._digest
 
@@ -180,15 +217,75 @@ class SteeringVector:
         made_by = dict(self._made_by)
         made_by["scale"] = float(made_by.get("scale", 1.0)) * factor
         vectors = {layer: (vec.double() * factor).float() for layer, vec in self._vectors.items()}
-        return SteeringVector(
-            vectors, self._name, model_fingerprint=self._model_fingerprint, made_by=made_by
-        )
+        return self._copy(vectors=vectors, made_by=made_by)
 
     def with_name(self, name: str | None) -> SteeringVector:
         """A copy named ``name``."""
-        return SteeringVector(
-            self._vectors, name, model_fingerprint=self._model_fingerprint, made_by=self._made_by
-        )
+        return self._copy(name=name)
+
+    def with_op(
+        self, op: str, *, min: float | None = None, max: float | None = None
+    ) -> SteeringVector:  # noqa: A002
+        """A copy the engine applies with ``op`` at each layer, ``u`` the vector's unit
+        direction and ``s`` the request's scale:
+
+        - ``"add"``: ``h + s v`` (the default);
+        - ``"ablate"``: ``h - s (h.u) u`` (``s = 1`` removes the component along ``u``);
+        - ``"cap"``: ``h + s (clamp(h.u, min, max) - h.u) u`` (``s = 1`` holds the projection
+          inside ``[min, max]``; give ``min``, ``max`` or both);
+        - ``"orthogonal"``: ``h + (s - 1)(h.u) u`` (``s = 0`` removes the component, ``s = 1``
+          leaves ``h``);
+        - ``"norm_scaled"``: ``h + s |h| u`` (the push grows with the row's norm).
+
+        ``swap`` takes two directions: :meth:`swap`. Every op but ``add`` divides by the
+        vector's norm, so a zero vector is refused."""
+        if op == "swap":
+            raise CaptureConfigError(
+                f"with_op('swap') on steering vector {self._label()}: a swap moves one "
+                "direction onto another; make it with SteeringVector.swap(from_=..., to=...)."
+            )
+        if self._op == "swap":
+            raise CaptureConfigError(
+                f"steering vector {self._label()} is a swap; take its directions "
+                "(SteeringVector(v.vectors) and SteeringVector(v.swap_to)) to use another op."
+            )
+        params = {"min": min, "max": max} if op == "cap" else {}
+        if op != "cap" and (min is not None or max is not None):
+            raise CaptureConfigError(
+                f"with_op({op!r}, min={min!r}, max={max!r}): only 'cap' takes min and max."
+            )
+        return self._copy(op=op, op_params=params)
+
+    @classmethod
+    def swap(
+        cls, from_: SteeringVector, to: SteeringVector, name: str | None = None
+    ) -> SteeringVector:
+        """A vector that moves the component of each row along ``from_`` onto ``to``:
+        ``h + s (h.u_from)(u_to - u_from)`` (``s = 1``: the ``from`` component becomes the
+        same amount along ``to``). Both need the same layers and hidden size."""
+        for what, vector in (("from_", from_), ("to", to)):
+            if not isinstance(vector, SteeringVector):
+                raise CaptureConfigError(
+                    f"SteeringVector.swap: {what} is a {type(vector).__name__}; pass a "
+                    "SteeringVector."
+                )
+        if from_.layers != to.layers or from_.hidden_size != to.hidden_size:
+            raise CaptureConfigError(
+                f"SteeringVector.swap: from_ has layers {list(from_.layers)} (hidden "
+                f"{from_.hidden_size}) but to has layers {list(to.layers)} (hidden "
+                f"{to.hidden_size}); both need the same layers and hidden size."
+            )
+        made_by = {"method": "swap", "from": from_.name, "to": to.name}
+        return cls(from_.vectors, name or _swap_name(from_, to), made_by=made_by,
+                   model_fingerprint=from_.model_fingerprint or to.model_fingerprint,
+                   op="swap", swap_to=to.vectors)  # fmt: skip
+
+    def _copy(self, **changes: Any) -> SteeringVector:
+        fields = {"vectors": self._vectors, "name": self._name, "made_by": self._made_by,
+                  "model_fingerprint": self._model_fingerprint, "op": self._op,
+                  "op_params": self._op_params, "swap_to": self._to}  # fmt: skip
+        fields.update(changes)
+        return SteeringVector(**fields)
 
     # -- checks -------------------------------------------------------------------------------
 
@@ -469,6 +566,8 @@ class SteeringVector:
             parts.append(f"method={self._made_by['method']!r}")
         if "scale" in self._made_by:
             parts.append(f"scale={self._made_by['scale']:.4g}")
+        if self._op != "add":
+            parts.append(f"op={describe_op(self._op, self._op_params)!r}")
         return f"SteeringVector({', '.join(parts)})"
 
 
@@ -564,6 +663,88 @@ def _vector(layer: int, value: Any) -> torch.Tensor:
             f"index {int(bad.nonzero()[0, 0])}, after conversion to float32)."
         )
     return t
+
+
+def _checked_op(
+    op: Any,
+    params: Mapping[str, Any],
+    vectors: Mapping[int, torch.Tensor],
+    swap_to: Mapping[int, Any] | None,
+    label: str,
+) -> tuple[str, dict[str, Any], dict[int, torch.Tensor] | None]:
+    """An op, its parameters and a swap's ``to`` directions, checked; bad ones are a
+    :class:`CaptureConfigError` naming the value, the choices and the fix."""
+    if op not in OPS:
+        raise CaptureConfigError(f"steering vector {label}: op {op!r} is not one of {list(OPS)}.")
+    params = dict(params)
+    if op == "cap":
+        extra = sorted(set(params) - {"min", "max"})
+        if extra:
+            raise CaptureConfigError(
+                f"steering vector {label}: cap takes min and max, not {extra}."
+            )
+        bounds = {}
+        for key in ("min", "max"):
+            value = params.get(key)
+            if value is not None:
+                if isinstance(value, bool) or not isinstance(value, int | float | np.number):
+                    raise CaptureConfigError(
+                        f"steering vector {label}: cap {key}={value!r} must be a number or None."
+                    )
+                if not math.isfinite(float(value)):
+                    raise CaptureConfigError(
+                        f"steering vector {label}: cap {key}={value!r} must be finite (leave it "
+                        "None for no bound on that side)."
+                    )
+                value = float(value)
+            bounds[key] = value
+        if bounds["min"] is None and bounds["max"] is None:
+            raise CaptureConfigError(
+                f"steering vector {label}: cap needs min, max or both (with_op('cap', "
+                "max=4.0)); with neither it would change nothing."
+            )
+        if (
+            bounds["min"] is not None
+            and bounds["max"] is not None
+            and bounds["min"] > bounds["max"]
+        ):
+            raise CaptureConfigError(
+                f"steering vector {label}: cap min={bounds['min']} is above max={bounds['max']}."
+            )
+        params = bounds
+    elif params:
+        raise CaptureConfigError(
+            f"steering vector {label}: op {op!r} takes no parameters, got {sorted(params)}."
+        )
+    to = None
+    if op == "swap":
+        if swap_to is None:
+            raise CaptureConfigError(
+                f"steering vector {label}: a swap needs its to directions; make it with "
+                "SteeringVector.swap(from_=..., to=...)."
+            )
+        to = {_layer_index(k): _vector(_layer_index(k), v) for k, v in swap_to.items()}
+        if sorted(to) != sorted(vectors) or any(len(to[k]) != len(vectors[k]) for k in to):
+            raise CaptureConfigError(
+                f"steering vector {label}: a swap's to directions cover layers {sorted(to)}, "
+                f"its from directions {sorted(vectors)}; both need the same layers and sizes."
+            )
+        to = dict(sorted(to.items()))
+    elif swap_to is not None:
+        raise CaptureConfigError(f"steering vector {label}: only a swap has to directions.")
+    if op != "add":  # every other op divides by the direction's norm
+        for what, directions in (("", vectors), (" to", to or {})):
+            for layer, vec in directions.items():
+                if float(torch.linalg.vector_norm(vec.double())) == 0.0:
+                    raise CaptureConfigError(
+                        f"steering vector {label}: layer {layer}'s{what} direction is all "
+                        f"zeros; op {op!r} divides by its norm. Pass a nonzero direction."
+                    )
+    return op, params, to
+
+
+def _swap_name(from_: SteeringVector, to: SteeringVector) -> str | None:
+    return f"{from_.name}->{to.name}" if from_.name and to.name else None
 
 
 def _is_int(t: torch.Tensor) -> bool:

@@ -1,21 +1,25 @@
 """Steering inside the worker: the vector bank, and each step's per-token slots.
 
-Three kinds of buffers, all allocated when the model is loaded (before vLLM compiles it):
+Three kinds of buffers, all allocated when the model is loaded (before vLLM compiles it; the
+op, ``probehook.worker.steer_op``, reads them all inside the compiled graph):
 
-- the *bank*: per steered layer, ``[capacity, hidden]`` float32 rows on the device, one per
-  named vector (:class:`SteeringBank`; changed by RPC while the engine runs);
-- the *tables*: per steered layer, ``[slots, hidden]`` rows in the model dtype, one per steered
-  request in the batch: the sum of its vectors times their scales (row 0 stays zero);
+- the *bank*: per steered layer, ``units`` and ``writes`` ``[capacity + 1, hidden]`` float32,
+  one row per named vector (row 0 zeros; :class:`SteeringBank`, changed by RPC while the engine
+  runs): each op's ``u`` and ``w`` (``probehook.core.steering_ops``);
+- the *tables*: per steered layer and per steered request of the batch (row 0: nobody), a
+  request's terms in its order (:class:`SteerTable`): the bank row and ``a, b, c, d, lo, hi``
+  of each;
 - the *index*: ``[max_num_batched_tokens]``, each token's table row for this step.
 
-The steering op (``probehook.worker.steer_op``) reads the index and the tables inside the
-compiled graph. Before each forward pass :meth:`StepSteering.prepare` writes the index from the
-runner's batch metadata (request order, query offsets, computed positions), the same way the
-recorder attributes rows, so continuous batching and chunked prefill need nothing special:
-steering is a function of (request, position). A preempted request stays in the runner's
-requests while it waits; when the table runs out, the rows of requests outside the step's batch
-are set aside and given back on their return (the table has ``max_num_seqs + 1`` rows, so this
-always frees one).
+A run of additions is one term: the sum of its vectors times their scales, in the bank's row
+of the request's slot, so requests that only add take one term, as before the other ops.
+Before each forward pass :meth:`StepSteering.prepare` writes the index from the runner's batch
+metadata (request order, query offsets, computed positions), the same way the recorder
+attributes rows, so continuous batching and chunked prefill need nothing special: steering is
+a function of (request, position). A preempted request stays in the runner's requests while it
+waits; when the table runs out, the rows of requests outside the step's batch are set aside and
+given back on their return (the table has ``max_num_seqs + 1`` rows, so this always frees one).
+A vector's bank row is not reused while a request that was steered with it is alive.
 
 No vLLM imports: ``probehook.adapter`` feeds plain arrays.
 """
@@ -33,8 +37,13 @@ import torch
 
 from probehook.core.monitors import crosses
 from probehook.core.spans import OPEN
+from probehook.core.steering_ops import SCALARS, row_scalars
+from probehook.core.steering_wire import VectorRows
 
 logger = logging.getLogger(__name__)
+
+MAX_TERMS = 8
+"""Terms one request applies at one layer (a run of additions counts once)."""
 
 PHASES = ("both", "prefill", "decode")
 
@@ -66,9 +75,11 @@ class RequestSteering:
     gate: Gate | None = None
     slot: int = 0
     """Its row in the tables (0: none assigned yet)."""
-    saved: dict[int, torch.Tensor] | None = None
+    saved: dict[int, tuple[torch.Tensor, ...]] | None = None
     """Its table rows while it waits without a slot (preempted): restored on its return, so
     a vector removed meanwhile still steers it as before."""
+    bank_rows: set[int] = field(default_factory=set)
+    """The bank rows of its vectors (kept while it lives, even if a vector is removed)."""
 
 
 def phase_range(phase: str, prompt_len: int) -> tuple[int, int]:
@@ -81,61 +92,162 @@ def phase_range(phase: str, prompt_len: int) -> tuple[int, int]:
     return 0, OPEN
 
 
+@dataclass
+class SteerTable:
+    """One steered layer's per-request terms (row 0: nobody): ``rows`` each term's row of the
+    bank's ``units``/``writes`` (``[slots, MAX_TERMS]`` int64; 0: a zero row), ``scalars``
+    each term's ``a, b, c, d, lo, hi`` (``[slots, MAX_TERMS, 6]`` float32; zeros: no term)."""
+
+    rows: torch.Tensor
+    scalars: torch.Tensor
+
+    @classmethod
+    def allocate(cls, slots: int, device: torch.device | str) -> SteerTable:
+        return cls(
+            torch.zeros((slots, MAX_TERMS), dtype=torch.int64, device=device),
+            torch.zeros((slots, MAX_TERMS, SCALARS), dtype=torch.float32, device=device),
+        )
+
+    @property
+    def slots(self) -> int:
+        return self.rows.shape[0]
+
+
 class SteeringBank:
-    """Named vectors on the device, one ``[capacity, hidden]`` float32 matrix per layer."""
+    """Named vectors on the device, and each request's summed additions: per steered layer
+    ``units`` and ``writes`` ``[1 + capacity + slots, hidden]`` float32: row 0 zeros, then one
+    row per named vector (its ``u`` and ``w``), then one per table slot (the sum of a request's
+    additions, :meth:`write`)."""
 
     def __init__(
-        self, layers: Sequence[int], hidden: int, capacity: int, device: torch.device | str
+        self,
+        layers: Sequence[int],
+        hidden: int,
+        capacity: int,
+        device: torch.device | str,
+        slots: int = 1,
+        tensors: Mapping[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> None:
+        """``tensors``: each layer's ``(units, writes)`` (the layer's buffers, which the op
+        reads); None: allocated here."""
         self.layers = tuple(sorted(layers))
         self.hidden = hidden
         self.capacity = capacity
-        self.vectors = {
-            layer: torch.zeros((capacity, hidden), dtype=torch.float32, device=device)
-            for layer in self.layers
-        }
+        if tensors is None:
+            tensors = {
+                layer: bank_tensors(capacity, slots, hidden, device) for layer in self.layers
+            }
+        self.units = {layer: tensors[layer][0] for layer in self.layers}
+        self.writes = {layer: tensors[layer][1] for layer in self.layers}
         self.rows: dict[str, int] = {}
         self.layers_of: dict[str, tuple[int, ...]] = {}
+        self.ops: dict[str, tuple[str, dict[str, Any]]] = {}
+        self.retired: dict[int, str] = {}
+        """Rows of removed vectors that live requests may still read, by row."""
 
-    def add(self, name: str, vectors: Mapping[int, np.ndarray]) -> None:
+    def add(self, name: str, vectors: VectorRows | Mapping[int, np.ndarray],
+            in_use: Callable[[], set[int]] = set) -> None:  # fmt: skip
+        """Put a vector in a free row (``vectors``: its :class:`VectorRows`, or ``{layer:
+        vector}`` to add); ``in_use``: the rows live requests read (not reused)."""
+        rows = vectors if isinstance(vectors, VectorRows) else VectorRows(dict(vectors))
         if name in self.rows:
             raise SteeringBankError(f"a steering vector named {name!r} is already in the bank")
-        bad = sorted(set(vectors) - set(self.layers))
+        bad = sorted(set(rows.writes) - set(self.layers))
         if bad:
             raise SteeringBankError(
                 f"vector {name!r} steers layers {bad}, which this engine does not steer "
                 f"(steered layers: {list(self.layers)})"
             )
-        free = sorted(set(range(self.capacity)) - set(self.rows.values()))
+        if self.retired:
+            used = in_use()
+            self.retired = {r: n for r, n in self.retired.items() if r in used}
+        taken = set(self.rows.values()) | set(self.retired)
+        free = sorted(set(range(1, self.capacity + 1)) - taken)
         if not free:
             raise SteeringBankError(f"the steering bank is full ({self.capacity} vectors)")
         row = free[0]
         for layer in self.layers:
-            bank = self.vectors[layer]
-            if layer in vectors:
-                value = np.asarray(vectors[layer], dtype=np.float32).reshape(self.hidden)
-                bank[row].copy_(torch.from_numpy(value.copy()))
-            else:
-                bank[row].zero_()
+            for table, given in ((self.writes, rows.writes), (self.units, rows.units or {})):
+                if layer in given:
+                    value = np.asarray(given[layer], dtype=np.float32).reshape(self.hidden)
+                    table[layer][row].copy_(torch.from_numpy(value.copy()))
+                else:
+                    table[layer][row].zero_()
         self.rows[name] = row
-        self.layers_of[name] = tuple(sorted(vectors))
+        self.layers_of[name] = tuple(sorted(rows.writes))
+        self.ops[name] = (rows.op, dict(rows.params))
 
     def remove(self, name: str) -> None:
+        """Take a vector out (its row is kept until no live request reads it)."""
         if name not in self.rows:
             raise SteeringBankError(f"no steering vector named {name!r} in the bank")
-        del self.rows[name]
+        self.retired[self.rows.pop(name)] = name
         del self.layers_of[name]
+        del self.ops[name]
 
     def combine(self, layer: int, terms: Sequence[tuple[str, float]]) -> torch.Tensor | None:
-        """``sum(scale * vector)`` at ``layer`` (float32, on the device); None when no term
-        steers that layer."""
+        """``sum(scale * vector)`` at ``layer`` of additions (float32, on the device); None
+        when no term steers that layer."""
         rows = [(self.rows[name], scale) for name, scale in terms if layer in self.layers_of[name]]
         if not rows:
             return None
-        bank = self.vectors[layer]
+        bank = self.writes[layer]
         index = torch.tensor([r for r, _ in rows], device=bank.device)
         scales = torch.tensor([s for _, s in rows], dtype=torch.float32, device=bank.device)
         return scales @ bank.index_select(0, index)
+
+    def write(self, table: SteerTable, slot: int, layer: int,
+              terms: Sequence[tuple[str, float]]) -> None:  # fmt: skip
+        """A request's terms at ``layer`` into its table row, in the request's order: the
+        first run of additions (next to each other) summed into the bank's row of the slot,
+        one term; every other vector a term of its own bank row."""
+        own = 1 + self.capacity + slot  # the slot's row of summed additions
+        rows: list[int] = []
+        scalars: list[list[float]] = []
+        run: list[tuple[str, float]] = []
+        summed = False
+        for name, scale in [*terms, ("", 0.0)]:  # a sentinel ends the last run
+            op, params = self.ops.get(name, ("", {}))
+            if op == "add" and layer in self.layers_of[name]:
+                run.append((name, scale))
+                continue
+            if run and not summed and len(run) > 1:
+                self.writes[layer][own].copy_(self.combine(layer, run))
+                rows.append(own)
+                scalars.append(row_scalars("add", {}, 1.0))
+                summed = True
+            else:  # a run of one, or after the summed run: each its own term
+                for added, factor in run:
+                    rows.append(self.rows[added])
+                    scalars.append(row_scalars("add", {}, factor))
+            run = []
+            if name and layer in self.layers_of[name]:
+                rows.append(self.rows[name])
+                scalars.append(row_scalars(op, params, scale))
+        if len(rows) > MAX_TERMS:
+            raise SteeringBankError(
+                f"layer {layer}: {len(rows)} steering terms, at most {MAX_TERMS} (additions "
+                "next to each other count once, the first such run only); combine vectors "
+                "into fewer"
+            )
+        table.rows[slot].zero_()
+        table.scalars[slot].zero_()
+        if rows:
+            table.rows[slot, : len(rows)] = torch.tensor(rows, dtype=torch.int64)
+            table.scalars[slot, : len(rows)] = torch.tensor(scalars, dtype=torch.float32)
+
+    def live_rows(self, terms: Sequence[tuple[str, float]]) -> set[int]:
+        return {self.rows[name] for name, _ in terms if name in self.rows}
+
+
+def bank_tensors(
+    capacity: int, slots: int, hidden: int, device: torch.device | str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's bank: ``units`` and ``writes``, ``[1 + capacity + slots, hidden]`` float32
+    zeros."""
+    shape = (1 + capacity + slots, hidden)
+    return (torch.zeros(shape, dtype=torch.float32, device=device),
+            torch.zeros(shape, dtype=torch.float32, device=device))  # fmt: skip
 
 
 @dataclass
@@ -143,8 +255,8 @@ class StepSteering:
     """Writes each step's per-token table slots and fills the tables of new requests."""
 
     bank: SteeringBank
-    tables: dict[int, torch.Tensor]
-    """Per steered layer: ``[slots, hidden]`` in the model dtype; row 0 stays zero."""
+    tables: dict[int, SteerTable]
+    """Per steered layer; row 0 stays zero."""
     index: torch.Tensor
     """``[max_num_batched_tokens]`` int64: each token's slot this step."""
     states: dict[str, RequestSteering | None] = field(default_factory=dict)
@@ -162,7 +274,7 @@ class StepSteering:
     prepare_ns: int = 0  # host time spent writing indexes and tables (for the benchmark)
 
     def __post_init__(self) -> None:
-        slots = next(iter(self.tables.values())).shape[0]
+        slots = next(iter(self.tables.values())).slots
         self._free = list(range(slots - 1, 0, -1))
         self._host = (
             self.index.numpy()
@@ -231,13 +343,11 @@ class StepSteering:
             slot = self._free.pop()
             for layer, table in self.tables.items():
                 if state.saved is not None:
-                    table[slot].copy_(state.saved[layer])
-                    continue
-                combined = self.bank.combine(layer, state.terms)
-                if combined is None:
-                    table[slot].zero_()
+                    self._restore(table, layer, slot, state.saved[layer])
                 else:
-                    table[slot].copy_(combined)
+                    self.bank.write(table, slot, layer, state.terms)
+            if state.saved is None:
+                state.bank_rows = self.bank.live_rows(state.terms)
         except Exception as e:  # noqa: BLE001 - one request's failure must not end the engine
             logger.error("probehook: request %s runs unsteered: %s", req_id, e)
             if slot:
@@ -257,16 +367,44 @@ class StepSteering:
         in_batch = set(batch)
         for req_id, state in self.states.items():
             if state is not None and state.slot and req_id not in in_batch:
-                state.saved = {layer: t[state.slot].clone() for layer, t in self.tables.items()}
+                state.saved = {layer: self._save(t, layer, state.slot)
+                               for layer, t in self.tables.items()}  # fmt: skip
                 self._free.append(state.slot)
                 state.slot = 0
                 self.reclaimed += 1
         if not self._free:
-            rows = next(iter(self.tables.values())).shape[0] - 1
+            rows = next(iter(self.tables.values())).slots - 1
             raise RuntimeError(
                 f"no free steering row: {len(in_batch)} requests in this step, {rows} rows "
                 "(the table is built with max_num_seqs + 1)"
             )
+
+    def _own(self, slot: int) -> int:
+        return 1 + self.bank.capacity + slot
+
+    def _save(self, table: SteerTable, layer: int, slot: int) -> tuple[torch.Tensor, ...]:
+        """A slot's terms at a layer and its summed additions (the bank's row of the slot)."""
+        return (table.rows[slot].clone(), table.scalars[slot].clone(),
+                self.bank.writes[layer][self._own(slot)].clone(), torch.tensor(slot))  # fmt: skip
+
+    def _restore(
+        self, table: SteerTable, layer: int, slot: int, saved: tuple[torch.Tensor, ...]
+    ) -> None:
+        """:meth:`_save`'s terms in another slot (the summed row moves with them)."""
+        rows, scalars, summed, old = saved
+        own = self._own(int(old))
+        table.rows[slot].copy_(torch.where(rows == own, self._own(slot), rows))
+        table.scalars[slot].copy_(scalars)
+        self.bank.writes[layer][self._own(slot)].copy_(summed)
+
+    def in_use(self) -> set[int]:
+        """The bank rows of vectors that live requests were steered with."""
+        return {row for state in self.states.values() if state is not None
+                for row in state.bank_rows}  # fmt: skip
+
+    def add_vector(self, name: str, vectors: VectorRows) -> None:
+        """Put a vector in the bank; rows live requests read are not reused."""
+        self.bank.add(name, vectors, self.in_use)
 
     def take_failed(self) -> dict[str, str]:
         """The requests that could not be steered since the last call, with the reasons."""

@@ -21,7 +21,7 @@ from probehook.adapter.frontend import engine_config, outputs
 from probehook.capture_config import CaptureConfig, resolve_layers
 from probehook.core.bank_file import WorkerBanks
 from probehook.core.monitors import TopKMonitor
-from probehook.core.steering_wire import DEFAULT_CAPACITY
+from probehook.core.steering_wire import DEFAULT_CAPACITY, vector_rows
 from probehook.errors import CaptureConfigError, CaptureError
 from probehook.frontend.capture_request import (
     CaptureRequest,
@@ -265,7 +265,7 @@ def _banks(probes: ProbeSet | None, steering: SteeringSet | None) -> str | None:
         list(probes.specs) if probes is not None else [],
         steering.capacity if steering is not None else DEFAULT_CAPACITY,
         {
-            name: {layer: vector.vector(layer).numpy() for layer in vector.layers}
+            name: vector_rows(vector)
             for name, vector in (steering.vectors if steering is not None else {}).items()
         },
     ).encode()

@@ -21,6 +21,7 @@ from probehook.adapter.worker.head import ModelParts, model_parts, tensor_group
 from probehook.adapter.worker.surgery import (
     exit_early,
     install_query_taps,
+    install_steering,
     install_taps,
     install_writes,
     locate_layers,
@@ -101,6 +102,7 @@ def _make_loader_class() -> type:
                 {k: v for k, v in settings.items() if k not in _NOT_CAPTURE_CONFIG}
             )
             scheduler = vllm_config.scheduler_config
+            banks = WorkerBanks.decode(self.banks) if self.banks else WorkerBanks()
             hook = install_taps(
                 model,
                 config,
@@ -110,6 +112,7 @@ def _make_loader_class() -> type:
                 steer_layers=tuple(settings.get(STEER_LAYERS_KEY) or ()),
                 # One table row per request the batch can hold, plus row 0 (no steering).
                 steer_slots=scheduler.max_num_seqs + 1,
+                steer_capacity=banks.steering_capacity,
             )
             # The query taps of readouts read at the attention op's input (attn_q).
             query_layers = [int(layer) for layer in settings.get(QUERY_LAYERS_KEY) or ()]
@@ -140,12 +143,12 @@ def _make_loader_class() -> type:
                 )
                 hook.top_k_ranks[source] = readout.ranks
             # The write table's terms, after the banks (an SAE clamp writes with its SAE's
-            # weights) and after steering's terms at each layer.
+            # weights) and before steering's terms at each layer.
             hook.writers = _writers(settings.get(WRITES_KEY) or {}, model, hook, model_config,
                                     scheduler)  # fmt: skip
             install_writes(model, hook.writers, scheduler.max_num_batched_tokens)
+            install_steering(hook.steering)  # after the write table's terms at each layer
             # Probes and steering vectors too, from the banks the front end encoded.
-            banks = WorkerBanks.decode(self.banks) if self.banks else WorkerBanks()
             hook.allocate_banks(banks)
             exit_after = settings.get(EXIT_AFTER_KEY)
             if exit_after is not None:

@@ -262,7 +262,7 @@ class ProbehookWorkerExtension:
         """Put a vector into this worker's bank (every rank holds the whole stream, so every
         rank steers)."""
         steer = _steering_of(self)
-        steer.bank.add(name, vectors_from_wire(wire, steer.bank.hidden))
+        steer.add_vector(name, vectors_from_wire(wire, steer.bank.hidden))
         return True
 
     def probehook_steering_remove(self, name: str) -> bool:

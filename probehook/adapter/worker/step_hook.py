@@ -96,12 +96,12 @@ class StepHook:
                 recorder.keep_step_rows = readout.read_in_sampler  # monitors read the step's
                 self.recording[source] = recorder
         if self.steering is not None:
-            tables = self.steering.tables
-            bank = SteeringBank(tuple(tables), self.hidden_size, banks.steering_capacity,
-                                self.steering.index.device)  # fmt: skip
+            steering = self.steering
+            bank = SteeringBank(tuple(steering.tables), self.hidden_size, steering.capacity,
+                                steering.index.device, tensors=steering.banks)  # fmt: skip
             for name, vectors in banks.vectors.items():
                 bank.add(name, vectors)
-            self.steer = StepSteering(bank, tables, self.steering.index)
+            self.steer = StepSteering(bank, steering.tables, steering.index)
         self.banks = {
             "probe_outputs": sum(spec.weight.shape[0] for spec in banks.probes),
             "steering_capacity": self.steer.bank.capacity if self.steer is not None else 0,

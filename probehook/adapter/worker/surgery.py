@@ -24,7 +24,8 @@ from probehook.core.architectures import (  # noqa: F401 - importable from here,
     supported_message,
 )
 from probehook.errors import UnsupportedModelError
-from probehook.worker.steer_op import ADD_TENSORS  # noqa: F401 - registers the "add" kind
+from probehook.worker.steer_op import STEER_TENSORS  # noqa: F401 - registers "steer"
+from probehook.worker.steering_bank import SteerTable, bank_tensors
 from probehook.worker.tap_op import tap
 from probehook.worker.write_op import write, write_spec
 from probehook.worker.write_table import InstanceWriter
@@ -190,10 +191,11 @@ def install_taps(
     hidden_size: int | None = None,
     steer_layers: tuple[int, ...] = (),
     steer_slots: int = 0,
+    steer_capacity: int = 0,
 ) -> Any:
-    """Add a tap after each layer in ``tap_layers``, a steering op after each layer in
-    ``steer_layers`` (before that layer's tap: taps read the steered stream), and a per-step
-    hook; return the hook.
+    """Add a tap after each layer in ``tap_layers``, steering's buffers on each layer in
+    ``steer_layers`` (its write term comes with :func:`install_steering`, after the write
+    table's), and a per-step hook; return the hook.
 
     ``config.layers`` (possibly none) are captured as rows; the other tapped layers feed
     probes only.
@@ -209,17 +211,8 @@ def install_taps(
     hidden_size = hidden_size or _hidden_size(model)
     steering = None
     if steer_layers:
-        index = torch.zeros(max_tokens, dtype=torch.int64, device=param.device)
-        tables = {}
-        for layer_index in steer_layers:
-            layer = layer_list[layer_index]
-            table = torch.zeros((steer_slots, hidden_size), dtype=param.dtype, device=param.device)
-            # Buffers of the module, like the tap's, so the compiled graph reads them as inputs.
-            layer.register_buffer("probehook_steer_index", index, persistent=False)
-            layer.register_buffer("probehook_steer_table", table, persistent=False)
-            _add_write_term(layer, "add", ("probehook_steer_index", "probehook_steer_table"))
-            tables[layer_index] = layer.probehook_steer_table
-        steering = SteeringBuffers(index, tables)
+        steering = _steering_buffers(layer_list, steer_layers, steer_slots, steer_capacity,
+                                     max_tokens, hidden_size, param.device)  # fmt: skip
     buffers = {}
     for layer_index in tap_layers:
         layer = layer_list[layer_index]
@@ -380,10 +373,52 @@ def _write_pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
 @dataclass
 class SteeringBuffers:
     """The steering op's buffers in one worker: the per-token slot index (shared by every
-    steered layer) and each steered layer's table."""
+    steered layer), each steered layer's table and bank (``(units, writes)``), and the
+    layers' modules (:func:`install_steering` adds their terms)."""
 
     index: torch.Tensor
-    tables: dict[int, torch.Tensor]
+    tables: dict[int, SteerTable]
+    banks: dict[int, tuple[torch.Tensor, torch.Tensor]]
+    capacity: int
+    modules: dict[int, nn.Module]
+
+
+STEER_BUFFERS = ("probehook_steer_index", "probehook_steer_rows", "probehook_steer_scalars",
+                 "probehook_steer_units", "probehook_steer_writes")  # fmt: skip
+"""A steered layer's buffers, in the order the ``"steer"`` write kind takes them."""
+
+
+def _steering_buffers(
+    layer_list: Sequence[nn.Module],
+    steer_layers: Sequence[int],
+    slots: int,
+    capacity: int,
+    max_tokens: int,
+    hidden_size: int,
+    device: torch.device,
+) -> SteeringBuffers:
+    """Allocate steering's index, tables and banks as buffers of the steered layers (the
+    compiled graph reads them as inputs)."""
+    index = torch.zeros(max_tokens, dtype=torch.int64, device=device)
+    tables, banks, modules = {}, {}, {}
+    for layer_index in steer_layers:
+        layer = layer_list[layer_index]
+        table = SteerTable.allocate(slots, device)
+        units, writes = bank_tensors(capacity, slots, hidden_size, device)
+        for name, tensor in zip(STEER_BUFFERS, (index, table.rows, table.scalars, units, writes),
+                                strict=True):  # fmt: skip
+            layer.register_buffer(name, tensor, persistent=False)
+        tables[layer_index] = table
+        banks[layer_index] = (units, writes)
+        modules[layer_index] = layer
+    return SteeringBuffers(index, tables, banks, capacity, modules)
+
+
+def install_steering(steering: SteeringBuffers | None) -> None:
+    """Steering's term at each steered layer's output: after the write table's terms there (an
+    SAE clamp holds its features first, then the steering ops apply), before the taps."""
+    for layer in steering.modules.values() if steering is not None else ():
+        _add_write_term(layer, "steer", STEER_BUFFERS)
 
 
 def _tap_hook(module: nn.Module, args: Any, output: Any) -> None:

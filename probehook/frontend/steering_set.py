@@ -260,8 +260,11 @@ class SteeringSet:
             "capacity": self.capacity,
             "inline_in_use": len(self.inline_users),
             "vectors": {
-                name: {"layers": list(v.layers), "digest": v.digest,
-                       "op": describe_op(v.op, v.op_params)}  # fmt: skip
+                name: {
+                    "layers": list(v.layers),
+                    "digest": v.digest,
+                    "op": describe_op(v.op, v.op_params),
+                }  # fmt: skip
                 for name, v in sorted(self.vectors.items())
                 if name not in self.inline_users
             },

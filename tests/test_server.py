@@ -127,7 +127,7 @@ def server(
     for name, path in probe_files.items():
         argv += ["--probe", f"{name}={path}"]
     argv += ["--monitor", "other:flag:0.5", "--max-capture-response-mb", str(CAP_MB)]
-    argv += ["--steer", f"up={steer_file}", "--allow-inline-steering"]
+    argv += ["--steer", f"up={steer_file}", "--allow-inline-steering", "--allow-steering-edits"]
     argv += ["--sae", f"res3={sae_dir}", "--sae-top-k", str(SAE_TOP_K), "--sae-dtype", "bfloat16"]
     argv += ["--sae-clamping"]
     argv += [arg for name, path in lens_files.items() for arg in ("--lens", f"{name}={path}")]
@@ -828,6 +828,92 @@ def test_inline_vectors_steer_like_the_servers_own(client, offline, server, stee
     with urllib.request.urlopen(f"{server.base_url}/probehook") as reply:
         steering = json.load(reply)["steering"]
     assert steering["inline_in_use"] == 0 and list(steering["vectors"]) == ["up"]
+
+
+def test_steering_ops_are_served(client, server, steer_file, llama_dir) -> None:
+    """--allow-steering-edits: POST /v1/steering puts a vector with its op in the bank (here
+    a cap and a swap on the up vector's layer); a request steering with both, in that order,
+    gets logprobs equal to HF with the two formulas applied in that order; its choice names
+    the ops; the same ops sent inline give the same text; GET /v1/probehook lists them; bad
+    bodies are 400s naming the fault; DELETE takes them out."""
+    from helpers import post_json
+
+    from probehook import SteeringVector
+    from probehook.testing_steering import hf_steered_logprobs, steering_terms
+
+    port = server.port
+    up = SteeringVector.load(steer_file).vector(2)
+    other = torch.roll(up, 7)
+    cap = {"vectors": {"2": up.tolist()}, "op": "cap", "max": 0.0}
+    swap = {"vectors": {"2": up.tolist()}, "op": "swap", "to": {"2": other.tolist()}}
+    for name, body in (("capped", cap), ("swapped", swap)):
+        status, answer = post_json(port, "/v1/steering", {"name": name, **body})
+        assert status == 200 and answer["layers"] == [2], answer
+    assert answer["op"] == "swap"
+    try:
+        steer = {"capped": 1.0, "swapped": 0.8}
+        body = {**ignore_eos({"steer": steer}), "return_tokens_as_token_ids": True}
+        reply = client.completions.create(prompt="3+4=", extra_body=body, logprobs=1, **greedy())
+        choice = reply.choices[0]
+        tokens = [int(t.split(":")[1]) for t in choice.logprobs.tokens]
+        vectors = {
+            "capped": SteeringVector({2: up}).with_op("cap", max=0.0),
+            "swapped": SteeringVector.swap(SteeringVector({2: up}), SteeringVector({2: other})),
+        }
+        prompt_ids = (
+            client.completions.create(
+                prompt="3+4=", max_tokens=1, extra_body={"return_token_ids": True}, model="tiny"
+            )
+            .choices[0]
+            .prompt_token_ids
+        )
+        want = hf_steered_logprobs(llama_dir, prompt_ids, tokens, steering_terms(vectors, steer, 0))
+        got = choice.logprobs.token_logprobs
+        assert max(abs(a - b) for a, b in zip(got, want, strict=True)) < 1e-3, (got, want)
+        steering = choice.probehook["steering"]
+        assert steering["vectors"] == steer and steering["ops"] == {
+            "capped": "cap(max=0)",
+            "swapped": "swap",
+        }
+        inline = {"a": cap, "b": swap}
+        body = ignore_eos({"steer": {"a": 1.0, "b": 0.8}, "steer_vectors": inline})
+        again = client.completions.create(prompt="3+4=", extra_body=body, **greedy())
+        assert again.choices[0].text == choice.text
+        with urllib.request.urlopen(f"{server.base_url}/probehook") as reply:
+            listed = json.load(reply)["steering"]["vectors"]
+        assert listed["capped"]["op"] == "cap(max=0)" and listed["swapped"]["op"] == "swap"
+        for bad, message in [
+            (
+                {"name": "x", "vectors": {"2": up.tolist()}, "op": "rotate"},
+                "op 'rotate' is not one of",
+            ),
+            (
+                {"name": "x", "vectors": {"2": up.tolist()}, "op": "cap"},
+                "cap needs min, max or both",
+            ),
+            (
+                {"name": "x", "vectors": {"2": up.tolist()}, "op": "cap", "min": 2, "max": 1},
+                "above max",
+            ),
+            ({"name": "x", "vectors": {"2": [0.0] * 128}, "op": "ablate"}, "all zeros"),
+            ({"name": "x", **swap, "to": {"1": up.tolist()}}, "same layers"),
+            ({"name": "capped", **cap}, "already in the bank"),
+            (
+                {"name": "x", "vectors": {"1": up.tolist()}, "op": "ablate"},
+                "steers only layers [2]",
+            ),
+            ({"vectors": {"2": up.tolist()}}, 'needs a "name"'),
+            ({"name": "x", "vectors": {"2": up.tolist()}, "scale": 2}, "unknown keys"),
+        ]:
+            status, answer = post_json(port, "/v1/steering", bad)
+            assert status == 400 and message in answer["error"]["message"], (bad, answer)
+    finally:
+        for name in ("capped", "swapped"):
+            request = urllib.request.Request(f"{server.base_url}/steering/{name}", method="DELETE")
+            with urllib.request.urlopen(request) as reply:
+                assert json.load(reply) == {"name": name, "removed": True}
+    with urllib.request.urlopen(f"{server.base_url}/probehook") as reply:
+        assert list(json.load(reply)["steering"]["vectors"]) == ["up"]
 
 
 @pytest.mark.parametrize(

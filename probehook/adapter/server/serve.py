@@ -85,6 +85,12 @@ def add_capture_args(parser: Any) -> None:
         "[floats]}}), checked like --steer's; off by default",
     )
     group.add_argument(
+        "--allow-steering-edits",
+        action="store_true",
+        help="serve POST /v1/steering (add a named vector with its op: add, ablate, cap, "
+        "orthogonal, norm_scaled, swap) and DELETE /v1/steering/NAME; off by default",
+    )
+    group.add_argument(
         "--include-prefill",
         action="store_true",
         help="let requests ask for prompt rows and scores too",
@@ -486,6 +492,8 @@ async def serve(args: argparse.Namespace, capture: dict[str, Any]) -> None:
             compact=args.sae_encoding == "base64",
         )
         app.add_api_route("/v1/probehook", _describe(engine, limit, default), methods=["GET"])
+        if args.allow_steering_edits:
+            _add_steering_routes(app, engine)
         if args.ui:
             _add_ui(app)
         uvicorn_kwargs: dict[str, Any] = {}
@@ -545,6 +553,59 @@ def _add_ui(app: Any) -> None:
         return HTMLResponse(page)
 
     app.add_api_route(ROUTE, ui, methods=["GET"])
+
+
+def _add_steering_routes(app: Any, engine: Any) -> None:
+    """``POST /v1/steering`` ``{"name", "vectors": {"LAYER": [floats]}, "op", "min", "max",
+    "to"}`` puts a named vector with its op in the bank; ``DELETE /v1/steering/NAME`` takes it
+    out. A bad body or a refusal (a name taken, an unsteered layer, a full bank, a vector in
+    use) is a 400 naming it."""
+    from fastapi import Request
+    from fastapi.responses import JSONResponse
+
+    from probehook.adapter.server.serving import vector_from_json
+    from probehook.core.steering_ops import describe_op
+    from probehook.errors import CaptureConfigError
+    from probehook.frontend.steering_set import INLINE_PREFIX
+
+    def refused(message: str) -> JSONResponse:
+        error = {"message": message, "type": "BadRequestError", "param": "steering", "code": 400}
+        return JSONResponse({"error": error}, status_code=400)
+
+    async def add(request: Any) -> Any:
+        try:
+            body = await request.json()
+        except ValueError as e:
+            return refused(f"POST /v1/steering takes a JSON object: {e}")
+        name = body.get("name") if isinstance(body, dict) else None
+        if not isinstance(name, str) or not name or name.startswith(INLINE_PREFIX):
+            return refused(
+                f'POST /v1/steering needs a "name" (a non-empty string not starting with '
+                f'{INLINE_PREFIX!r}) and "vectors", got {str(body)[:120]}'
+            )
+        if "vectors" not in body:
+            return refused('POST /v1/steering needs "vectors": {"LAYER": [floats]}')
+        rest = {k: v for k, v in body.items() if k != "name"}
+        try:
+            vector = vector_from_json(name, rest, f"POST /v1/steering {name!r}")
+            await engine.add_steering(name, vector)
+        except CaptureConfigError as e:
+            return refused(str(e))
+        return {"name": name, "op": describe_op(vector.op, vector.op_params),
+                "layers": list(vector.layers), "digest": vector.digest}  # fmt: skip
+
+    async def remove(name: str) -> Any:
+        if name.startswith(INLINE_PREFIX):
+            return refused(f"{name!r} is a request's inline vector; it leaves with its request")
+        try:
+            await engine.remove_steering(name)
+        except CaptureConfigError as e:
+            return refused(str(e))
+        return {"name": name, "removed": True}
+
+    add.__annotations__["request"] = Request  # FastAPI reads it (the module's are strings)
+    app.add_api_route("/v1/steering", add, methods=["POST"])
+    app.add_api_route("/v1/steering/{name}", remove, methods=["DELETE"])
 
 
 def _describe(engine: Any, limit: int, default: dict[str, Any] | None = None) -> Any:

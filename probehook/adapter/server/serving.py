@@ -312,9 +312,8 @@ MAX_INLINE_VECTORS = 4
 
 def inline_vectors(value: Any, own: list[str]) -> dict[str, Any]:
     """``steer_vectors`` of a request body as :class:`~probehook.SteeringVector` objects
-    (shape, finite values and the count checked here; the engine checks layers and size)."""
-    from probehook.steering.vector import SteeringVector
-
+    (shape, finite values, op and the count checked here; the engine checks layers and
+    size)."""
     example = '{"mine": {"12": [0.1, ...]}}'
     if not isinstance(value, dict) or not value:
         raise CaptureConfigError(
@@ -327,33 +326,68 @@ def inline_vectors(value: Any, own: list[str]) -> dict[str, Any]:
             f"at most {MAX_INLINE_VECTORS}."
         )
     out = {}
-    for name, layers in value.items():
+    for name, body in value.items():
         if name in own:
             raise CaptureConfigError(
                 f"probehook option steer_vectors names {name!r}, a vector of this server; give "
                 "yours another name."
             )
-        if not isinstance(layers, dict) or not all(
-            isinstance(v, list)
-            and all(isinstance(x, int | float) and not isinstance(x, bool) for x in v)
-            for v in layers.values()
-        ):
-            raise CaptureConfigError(
-                f"probehook option steer_vectors[{name!r}] must map layers to lists of numbers, "
-                f"such as {example}."
-            )
-        try:
-            vectors = {int(layer): v for layer, v in layers.items()}
-        except ValueError:
-            raise CaptureConfigError(
-                f"probehook option steer_vectors[{name!r}]: layers must be integers, got "
-                f"{sorted(layers)}."
-            ) from None
-        try:
-            out[name] = SteeringVector(vectors, name=name)
-        except CaptureConfigError as e:
-            raise CaptureConfigError(f"probehook option steer_vectors[{name!r}]: {e}") from None
+        out[name] = vector_from_json(name, body, f"probehook option steer_vectors[{name!r}]")
     return out
+
+
+OP_KEYS = ("vectors", "op", "min", "max", "to")
+"""The keys of a vector sent with its op (``POST /v1/steering``, ``steer_vectors``)."""
+
+
+def vector_from_json(name: str, body: Any, where: str) -> Any:
+    """A :class:`~probehook.SteeringVector` from JSON: ``{"12": [floats]}`` (an addition), or
+    ``{"vectors": {"12": [...]}, "op": "cap", "max": 4.0}`` with an op and its parameters
+    (``min``/``max`` for cap; ``to`` the to directions of a swap, whose from directions are
+    ``vectors``)."""
+    from probehook.steering.vector import SteeringVector
+
+    example = '{"12": [0.1, ...]} or {"vectors": {"12": [0.1, ...]}, "op": "ablate"}'
+    if isinstance(body, dict) and "vectors" in body:
+        unknown = sorted(set(body) - set(OP_KEYS))
+        if unknown:
+            raise CaptureConfigError(
+                f"{where}: unknown keys {unknown}; the keys are {list(OP_KEYS)}."
+            )
+        op = body.get("op", "add")
+        params = {k: body[k] for k in ("min", "max") if body.get(k) is not None}
+        try:
+            directions = _layers(body["vectors"], example)
+            if op == "swap":
+                if "to" not in body:
+                    raise CaptureConfigError('a swap needs its to directions ("to").')
+                to = SteeringVector(_layers(body["to"], example))
+                return SteeringVector.swap(SteeringVector(directions), to, name=name)
+            if "to" in body:
+                raise CaptureConfigError("only op 'swap' takes to directions.")
+            vector = SteeringVector(directions, name=name)
+            return vector if op == "add" and not params else vector.with_op(op, **params)
+        except CaptureConfigError as e:
+            raise CaptureConfigError(f"{where}: {e}") from None
+    try:
+        return SteeringVector(_layers(body, example), name=name)
+    except CaptureConfigError as e:
+        raise CaptureConfigError(f"{where}: {e}") from None
+
+
+def _layers(layers: Any, example: str) -> dict[int, list]:
+    if not isinstance(layers, dict) or not all(
+        isinstance(v, list)
+        and all(isinstance(x, int | float) and not isinstance(x, bool) for x in v)
+        for v in layers.values()
+    ):
+        raise CaptureConfigError(f"it must map layers to lists of numbers, such as {example}.")
+    try:
+        return {int(layer): v for layer, v in layers.items()}
+    except ValueError:
+        raise CaptureConfigError(
+            f"layers must be integers, got {sorted(layers)}."
+        ) from None
 
 
 def _recorded(

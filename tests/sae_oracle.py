@@ -158,10 +158,13 @@ def assert_output_features(out, model_dir, lenses: dict, layers: dict, names, k:
     assert out.sae_features is out.outputs[0].sae_features
 
 
-def hf_streams_clamped(model_dir, token_ids, layer: int, lens_sae, held: dict[int, float]):
+def hf_streams_clamped(
+    model_dir, token_ids, layer: int, lens_sae, held: dict[int, float], then=None
+):
     """Hugging Face's residual streams (``[layers, T, H]``, as ``hf_residual_stream``) with
     SAE features held on every token at ``layer``: a forward hook adds
-    ``sum_f (v_f - a_f(x)) * W_dec[f]`` to the layer's output, ``a`` SAELens's encode."""
+    ``sum_f (v_f - a_f(x)) * W_dec[f]`` to the layer's output, ``a`` SAELens's encode;
+    ``then(stream)``, if given, applies after the clamp in the same hook (a steering op)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(
@@ -174,6 +177,8 @@ def hf_streams_clamped(model_dir, token_ids, layer: int, lens_sae, held: dict[in
         stream = output[0] if isinstance(output, tuple) else output
         acts = lens_sae.encode(stream[0])[:, features]
         stream = stream + ((values - acts) @ lens_sae.W_dec[features]).unsqueeze(0)
+        if then is not None:
+            stream = then(stream)
         return (stream, *output[1:]) if isinstance(output, tuple) else stream
 
     captured = []

@@ -50,8 +50,8 @@ def sae_llm(
     llama_dir: Path, engine_defaults: dict, sae_dirs: dict[str, Path], store_dir: Path
 ) -> Iterator[Any]:
     """Compiled, SAEs only (no rows), prompt features, a store, small prefill chunks and KV
-    cache, prefix caching on; in-process."""
-    from probehook import LLM, SAE
+    cache, prefix caching on, an ablation at layer 1 (with the clamps there); in-process."""
+    from probehook import LLM, SAE, SteeringVector
 
     llm = LLM(
         str(llama_dir),
@@ -63,6 +63,7 @@ def sae_llm(
         },  # fmt: skip
         sae_top_k=TOP_K,
         sae_clamping=True,
+        steering={"abl": SteeringVector({1: ABLATED}).with_op("ablate")},
         include_prefill=True,
         max_num_batched_tokens=32,
         max_num_seqs=16,
@@ -81,6 +82,7 @@ def _oracles(sae_dirs: dict[str, Path]) -> dict[str, Any]:
 
 
 LAYERS = {name: layer for name, (_, _, layer, _) in SAES.items()}
+ABLATED = torch.randn(HIDDEN, generator=torch.Generator().manual_seed(52))
 
 
 def test_the_user_process_holds_no_weights_of_a_folder(sae_llm, sae_dirs) -> None:
@@ -253,6 +255,38 @@ def test_clamping_equals_hf_with_the_same_hook(sae_llm, llama_dir: Path, sae_dir
     assert plain.outputs[0].steering is None
     stats = next(s for s in sae_llm.collective_rpc("probehook_stats") if s is not None)
     assert stats["steps_written"] > 0
+
+
+def test_a_clamp_then_an_ablation_at_one_layer_equal_hf_in_that_order(
+    sae_llm, llama_dir: Path, sae_dirs
+) -> None:
+    """One request clamps a feature of res1 and ablates a direction at the same layer: the
+    clamp applies first, then the steering op (docs/steering.md "Order"), and every SAE's
+    features downstream equal SAELens's on HF with that hook; the reverse order would not."""
+    from probehook import SamplingParams
+    from probehook.testing_steering import apply_op
+
+    lenses = _oracles(sae_dirs)
+    prompt = PROMPTS[4]
+    options = {"clamp": {"res1": {"5": 4.0}}, "steer": {"abl": 1.0}, "include_prefill": False}
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True,
+                            extra_args={"probehook": options})  # fmt: skip
+    out = sae_llm.generate([prompt], params)[0]
+    tokens = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
+
+    def ablate(stream: torch.Tensor) -> torch.Tensor:
+        return apply_op(stream, "ablate", {}, ABLATED, 1.0).float()
+
+    ref = hf_streams_clamped(llama_dir, tokens, 1, lenses["res1"], {5: 4.0}, then=ablate)
+    p, n = len(out.prompt_token_ids), len(out.outputs[0].token_ids)
+    for name in SAES:
+        f = out.outputs[0].sae_features[name]
+        rows = ref[LAYERS[name], p - 1 : p - 1 + n]
+        assert_features_match(f.indices, f.values, f.l0, lenses[name], rows, TOP_K)
+    u = ABLATED / ABLATED.norm()
+    assert float((ref[1, p - 1 :] @ u).abs().max()) < 1e-4  # the oracle ablated last
+    assert out.outputs[0].steering["ops"] == {"abl": "ablate"}
+    assert out.outputs[0].steering["clamp"] == {"res1": {"5": 4.0}}
 
 
 def test_bad_sae_requests_fail_before_generation(sae_llm) -> None:

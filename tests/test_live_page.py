@@ -251,3 +251,18 @@ def test_the_live_page_asks_for_the_api_key_and_sends_it() -> None:
         chat = [h for h in seen if h.get("content-type") == "application/json"]
         assert chat and all(h.get("authorization") == f"Bearer {KEY}" for h in chat)
         assert errors == []
+
+
+def test_the_live_page_knows_steering_s_own_keys() -> None:
+    """live.js tells steering's own keys of a completion's ``steering`` from write-table
+    entries by a list of its own: it must be the front end's (an ``ops`` key read as an
+    entry would be marked as one)."""
+    import json
+    import re
+    from pathlib import Path
+
+    from probehook.outputs.intervention import STEERING_KEYS
+
+    script = (Path(__file__).parents[1] / "probehook/viewer/static/live.js").read_text()
+    listed = re.search(r"var STEERING_KEYS = (\[[^\]]*\]);", script)
+    assert listed is not None and tuple(json.loads(listed.group(1))) == STEERING_KEYS

@@ -40,13 +40,15 @@ def engine_outputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     push = SteeringVector({2: torch.randn(128, generator=torch.Generator().manual_seed(1))})
     llm = LLM(
         str(tiny_model_path()), probes=probes, saes={"s": SAE.load(tiny_sae_path())},
-        sae_top_k=4, sae_clamping=True, steering={"push": push}, lenses={"l": "logit"},
+        sae_top_k=4, sae_clamping=True, lenses={"l": "logit"},
+        steering={"push": push, "cap": push.with_op("cap", max=1.0)},
         lens_layers=[1, 3], include_prefill=True, enforce_eager=True, max_model_len=64,
         dtype="float32", seed=0, store=tmp_path_factory.mktemp("viewer") / "store",
     )  # fmt: skip
     try:
         watch = {"lens": "l", "layer": 3, "token": 10, "threshold": -1.0}  # "6"
-        steer = {"steer": {"push": 2.0}, "steer_phase": "decode", "clamp": {"s": {"7": 0.0}}}
+        steer = {"steer": {"push": 2.0, "cap": 1.0}, "steer_phase": "decode",
+                 "clamp": {"s": {"7": 0.0}}}  # fmt: skip
         params = [
             SamplingParams(max_tokens=5, temperature=0, extra_args={"probehook": options})
             for options in ({"monitors": [watch]}, steer)
@@ -103,15 +105,20 @@ def test_data_puts_every_reading_at_its_position(viewed) -> None:
 
 def test_steering_and_clamping_are_marked(engine_outputs, browser, tmp_path) -> None:
     """A steered and clamped request's view: the steered rows' tokens underlined (from the
-    first steered position), the vectors and the held features in the marks line and in the
-    panel of a steered token, none of it on an unsteered token; its stored record alike."""
+    first steered position), the vectors with their ops (a cap here) and the held features in
+    the marks line and in the panel of a steered token, none of it on an unsteered token; its
+    stored record alike."""
     from probehook import ActivationStore, view
 
     steered = engine_outputs["steered"]
     shown = view(steered, engine_outputs["tokenizer"])
     marks = shown.requests[0]["marks"]
     n = len(steered.prompt_token_ids)
-    assert marks["steered"] == {"from": n, "vectors": {"push": 2.0}}
+    assert marks["steered"] == {
+        "from": n,
+        "vectors": {"push": 2.0, "cap": 1.0},
+        "ops": {"cap": "cap(max=1)"},
+    }
     assert marks["writes"] == {"clamp": "clamped s #7=0 on every token"}  # the entry's words
     stored = ActivationStore.open(engine_outputs["out"].store_root)[steered.store_id]
     assert stored.steering["clamp"] == {"s": {"7": 0.0}}  # the store keeps what was held
@@ -120,11 +127,14 @@ def test_steering_and_clamping_are_marked(engine_outputs, browser, tmp_path) -> 
     classes = page.locator(".ph-token").evaluate_all("es => es.map(e => e.className)")
     assert ["ph-steered" in c for c in classes] == [p >= n for p in range(len(classes))]
     line = page.inner_text(".ph-marks")
-    assert "steered by push x2 from position " + str(n) in line
+    assert "steered by push x2, cap cap(max=1) x1 from position " + str(n) in line
     assert "clamped s #7=0 on every token" in line
     page.hover(f".ph-token[data-i='{n}']")
     panel = page.inner_text(".ph-panel")
-    assert "steered\tpush x2" in panel and "clamp\tclamped s #7=0 on every token" in panel
+    assert (
+        "steered\tpush x2, cap cap(max=1) x1" in panel
+        and "clamp\tclamped s #7=0 on every token" in panel
+    )
     page.hover(f".ph-token[data-i='{n - 1}']")
     assert "steered" not in page.inner_text(".ph-panel")
     assert errors == []

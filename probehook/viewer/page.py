@@ -183,7 +183,11 @@ def _marks_text(marks: dict[str, Any]) -> str:
     for key, rows in marks["flags"].items():
         parts.append(f"{key}: {len(rows)} flagged")
     if marks.get("steered"):
-        vectors = ", ".join(f"{k} x{v:g}" for k, v in marks["steered"]["vectors"].items())
+        ops = marks["steered"].get("ops") or {}  # a vector's op where it is not add
+        vectors = ", ".join(
+            f"{k}{' ' + str(ops[k]) if k in ops else ''} x{v:g}"
+            for k, v in marks["steered"]["vectors"].items()
+        )
         parts.append(f"steered by {vectors} from position {marks['steered']['from']}")
     parts.extend((marks.get("writes") or {}).values())
     return "; ".join(parts)

@@ -298,7 +298,11 @@ def _marks(output: Any, completion: Any, stored: bool, place: _Placer) -> dict[s
         "finish_reason": finish,
         "steering": steering,
         # the rows computed at positions from ``start`` on were steered (None: none were)
-        "steered": {"from": start, "vectors": vectors} if vectors and start is not None else None,
+        "steered": (
+            {"from": start, "vectors": vectors, "ops": (steering or {}).get("ops") or {}}
+            if vectors and start is not None
+            else None
+        ),
         "writes": _write_marks(steering or {}),
     }
 

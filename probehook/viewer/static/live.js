@@ -15,7 +15,7 @@
   var select = root.querySelector("select.ph-series");
   var info = null, model = null, data = null;
   // a completion's steering keys that are steering's own (outputs/intervention.py)
-  var STEERING_KEYS = ["vectors", "phase", "gate", "start"];
+  var STEERING_KEYS = ["vectors", "phase", "gate", "start", "ops"];  // outputs/intervention.py
 
   function readouts() { return (info && info.readouts) || {}; }
 
@@ -117,7 +117,7 @@
       if (Object.keys(vectors).length && steering.start !== null && steering.start !== undefined) {
         // start is a position among prompt and reply; position 0 here is the prompt's last
         var from = state.nPrompt ? Math.max(0, steering.start - (state.nPrompt - 1)) : 0;
-        data.marks.steered = { from: from, vectors: vectors };
+        data.marks.steered = { from: from, vectors: vectors, ops: steering.ops || {} };
       }
       // what each write-table entry applied (clamp, ...), on every token
       Object.keys(steering).forEach(function (option) {

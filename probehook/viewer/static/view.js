@@ -112,8 +112,9 @@
     }
     var steered = data.marks.steered;
     if (steered && p >= steered.from) {
+      var ops = steered.ops || {};  // a vector's op where it is not add
       row(table, ["steered", Object.keys(steered.vectors).map(function (name) {
-        return name + " x" + steered.vectors[name];
+        return name + (ops[name] ? " " + ops[name] : "") + " x" + steered.vectors[name];
       }).join(", ")]);
     }
     Object.keys(data.marks.writes || {}).forEach(function (option) {

@@ -1,11 +1,12 @@
 """Steering overhead against plain compiled vLLM, measured in one run (`make bench`).
 
-Three engines in this process on the benchmark model (Llama, dummy bf16 weights):
-plain compiled vLLM, and one probehook engine with 16 steering vectors on layer L/4 (one
-steering op in the compiled graph, nothing captured) run two ways: no request steered, and
-16 requests each steered with its own vector. As in overhead.py, every configuration's run is
-bracketed by two baseline runs (B c1 B c2 B ...) and the report quotes the median of those
-ratios over the rounds.
+Two engines in this process on the benchmark model (Llama, dummy bf16 weights): plain
+compiled vLLM, and one probehook engine with 32 steering vectors on layer L/4 (one steering op
+in the compiled graph, nothing captured) run three ways: no request steered, 16 requests each
+steered with its own added vector, and 16 requests each with its own op of every kind (add,
+ablate, cap, orthogonal, norm_scaled, swap: 16 distinct vectors and ops). As in overhead.py,
+every configuration's run is bracketed by two baseline runs (B c1 B c2 B ...) and the report
+quotes the median of those ratios over the rounds.
 
 It also reports what steering costs per engine step inside the worker: the host time that
 writes the step's slot index (and each new request's table row), and the step time of the
@@ -34,13 +35,16 @@ RESULTS = Path(__file__).parent / "results"
 BASELINE = "vLLM compiled"
 IDLE = "probehook 16 vectors configured, no request steered"
 STEERED = "probehook 16 requests, each its own vector"
+OPS = "probehook 16 requests, 16 distinct ops (mixed kinds)"
+OP_KINDS = ("add", "ablate", "cap", "orthogonal", "norm_scaled", "swap")
 
 
-def run_once(llm: object, prompts: list[dict], max_tokens: int, steer: bool) -> float:
+def run_once(llm: object, prompts: list[dict], max_tokens: int, steer: str | None) -> float:
+    """``steer``: None, ``"v"`` (each request its own added vector) or ``"o"`` (its own op)."""
     from vllm import SamplingParams
 
     def params(i: int) -> SamplingParams:
-        extra = {"probehook": {"steer": {f"v{i % 16}": 1.0 + i / 16}}} if steer else None
+        extra = {"probehook": {"steer": {f"{steer}{i % 16}": 0.5 + i / 32}}} if steer else None
         return SamplingParams(
             max_tokens=max_tokens,
             ignore_eos=True,
@@ -96,6 +100,12 @@ def main() -> None:
         f"v{i}": SteeringVector({layer: torch.randn(args.hidden, generator=g) * 0.01})
         for i in range(16)
     }
+    for i in range(16):
+        vector, kind = vectors[f"v{i}"], OP_KINDS[i % len(OP_KINDS)]
+        if kind == "swap":
+            vectors[f"o{i}"] = SteeringVector.swap(from_=vector, to=vectors[f"v{(i + 1) % 16}"])
+        else:
+            vectors[f"o{i}"] = vector.with_op(kind, **({"max": 0.5} if kind == "cap" else {}))
     common = dict(
         load_format="dummy",
         dtype="bfloat16",
@@ -105,7 +115,8 @@ def main() -> None:
     )
     base = vllm.LLM(str(model_dir), **common)
     steering = LLM(str(model_dir), steering=vectors, **common)
-    runs = {BASELINE: (base, False), IDLE: (steering, False), STEERED: (steering, True)}
+    runs = {BASELINE: (base, None), IDLE: (steering, None), STEERED: (steering, "v"),
+            OPS: (steering, "o")}  # fmt: skip
     for llm, steer in runs.values():  # warm-up outside the measurement
         run_once(llm, prompts, 8, steer)
 
@@ -113,7 +124,7 @@ def main() -> None:
     bracketed: dict[str, list[float]] = {name: [] for name in runs if name != BASELINE}
     costs: dict[str, dict[str, int]] = {}
     for round_index in range(args.rounds):
-        before_base = run_once(base, prompts, args.max_tokens, False)
+        before_base = run_once(base, prompts, args.max_tokens, None)
         samples[BASELINE].append(before_base)
         for name, (llm, steer) in runs.items():
             if name == BASELINE:
@@ -125,7 +136,7 @@ def main() -> None:
             total = costs.setdefault(name, dict.fromkeys(after, 0))
             for key in after:
                 total[key] += after[key] - before[key]
-            after_base = run_once(base, prompts, args.max_tokens, False)
+            after_base = run_once(base, prompts, args.max_tokens, None)
             samples[BASELINE].append(after_base)
             bracketed[name].append(value / (before_base * after_base) ** 0.5)
             before_base = after_base

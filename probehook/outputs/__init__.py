@@ -15,6 +15,7 @@ from probehook.core.monitors import load_top_k_monitors_with
 from probehook.outputs.attention import AttentionReadout
 from probehook.outputs.captures import BUILTIN, HiddenStates, ProbeFlags, ProbeScores
 from probehook.outputs.lens import LensReadout
+from probehook.outputs.patching import Patching
 from probehook.outputs.registry import (
     ENTRY_POINT_GROUP,
     OnePassProcessor,
@@ -32,6 +33,7 @@ for _processor in BUILTIN:
     OUTPUT_PROCESSORS.register(_processor)
 OUTPUT_PROCESSORS.register(LensReadout)  # lenses: a top-k readout like any other
 OUTPUT_PROCESSORS.register(AttentionReadout)  # attention per head: one more
+OUTPUT_PROCESSORS.register(Patching)  # activation patching: a write-table entry
 
 
 def registered_readouts() -> dict[str, TopKReadout]:

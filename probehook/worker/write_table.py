@@ -62,6 +62,13 @@ class InstanceWriter:
     def write_row(self, row: int, plan: Any) -> None:
         raise NotImplementedError
 
+    def write_tokens(self, slot: int, plan: Any, lo: int, hi: int, first: int) -> bool:
+        """Point the request's tokens ``lo..hi`` of the step at its row ``slot`` (``first``:
+        the absolute position of token ``lo``); True when any token was written. Default:
+        every token (a writer that applies at some positions only narrows it)."""
+        self.index[lo:hi] = slot
+        return True
+
     def clear(self) -> None:
         """Reset the rows written (a step writes only its requests' rows). Default: nothing
         (rows the index does not point at are never read)."""
@@ -92,9 +99,12 @@ class StepWrites:
         req_ids: Sequence[str],
         query_start: np.ndarray,
         terms_for: Callable[[str], Mapping[str, Mapping[str, Any]] | None],
+        computed: np.ndarray | None = None,
     ) -> None:
         """Write this step's indexes and rows (before the forward pass). ``terms_for``: a
-        request's ``{option: {instance: terms}}`` (None: it writes nothing)."""
+        request's ``{option: {instance: terms}}`` (None: it writes nothing); ``computed``:
+        each request's tokens computed before this step (its first token's position; None:
+        0)."""
         for key in self.dirty:
             writer = self.writers[key]
             writer.index.zero_()
@@ -112,11 +122,18 @@ class StepWrites:
             if not plans:
                 continue
             lo, hi = int(query_start[position]), int(query_start[position + 1])
-            for key, plan in plans.items():
-                writer = self.writers[key]
-                writer.index[lo:hi] = position + 1
-                writer.write_row(position + 1, plan)
-                self.dirty.add(key)
+            first = 0 if computed is None else int(computed[position])
+            try:
+                for key, plan in plans.items():
+                    writer = self.writers[key]
+                    self.dirty.add(key)
+                    if writer.write_tokens(position + 1, plan, lo, hi, first):
+                        writer.write_row(position + 1, plan)
+            except Exception as e:  # noqa: BLE001 - it runs in the step: fail it alone
+                for key in plans:
+                    self.writers[key].index[lo:hi] = 0
+                self.failed[req_id] = f"{type(e).__name__}: {e}"
+                self.plans[req_id] = None
         self.steps_written += bool(self.dirty)
 
     def _plans(self, terms: Mapping[str, Mapping[str, Any]] | None) -> dict | None:

@@ -385,9 +385,7 @@ def _layers(layers: Any, example: str) -> dict[int, list]:
     try:
         return {int(layer): v for layer, v in layers.items()}
     except ValueError:
-        raise CaptureConfigError(
-            f"layers must be integers, got {sorted(layers)}."
-        ) from None
+        raise CaptureConfigError(f"layers must be integers, got {sorted(layers)}.") from None
 
 
 def _recorded(

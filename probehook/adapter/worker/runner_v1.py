@@ -187,7 +187,8 @@ def prepare_writes(
     num_reqs = batch.num_reqs
     if num_reqs == 0:
         return
-    writes.prepare(batch.req_ids[:num_reqs], runner.query_start_loc.np[: num_reqs + 1], terms_for)
+    writes.prepare(batch.req_ids[:num_reqs], runner.query_start_loc.np[: num_reqs + 1], terms_for,
+                   batch.num_computed_tokens_cpu[:num_reqs])  # fmt: skip
 
 
 def writes_factory(runner: Any) -> Callable[[str], Mapping[str, Any] | None]:

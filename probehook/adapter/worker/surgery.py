@@ -24,6 +24,7 @@ from probehook.core.architectures import (  # noqa: F401 - importable from here,
     supported_message,
 )
 from probehook.errors import UnsupportedModelError
+from probehook.worker.patch_op import keep  # registers the "patch" kind too
 from probehook.worker.steer_op import STEER_TENSORS  # noqa: F401 - registers "steer"
 from probehook.worker.steering_bank import SteerTable, bank_tensors
 from probehook.worker.tap_op import tap
@@ -41,6 +42,10 @@ WRITE_TERMS_ATTR = {"resid_post": "probehook_write_terms", "resid_pre": "probeho
 """Layer attributes, by site: the terms its write op applies after the layer (on its output)
 or before it (on its input), in order: ``(kind, the names of its buffers on the layer, the
 layer attribute holding its settings or None)``."""
+
+KEEP_ATTR = {"resid_post": "probehook_keep_post", "resid_pre": "probehook_keep_pre"}
+"""Layer attributes, by site: the ``probehook::keep`` ops after its write op there (activation
+patching's kept rows), ``(index buffer name, source buffer name)`` each."""
 
 INPUT_AT_ATTR = "probehook_input_at"
 """Layer attribute: where its forward takes the stream, ``((position, "hidden_states"),
@@ -290,6 +295,15 @@ def install_writes(
         for name, tensor in named.items():
             layer.register_buffer(prefix + name, tensor, persistent=False)
         writer.index = getattr(layer, prefix + "index")
+        if hasattr(writer, "keep_index"):  # it keeps rows too: a keep op after the write op
+            keeps = torch.zeros(max_tokens, dtype=torch.int64, device=device)
+            layer.register_buffer(prefix + "keep_index", keeps, persistent=False)
+            writer.keep_index = getattr(layer, prefix + "keep_index")
+            kept = getattr(layer, KEEP_ATTR[writer.site], None)
+            if kept is None:
+                kept = []
+                setattr(layer, KEEP_ATTR[writer.site], kept)
+            kept.append((prefix + "keep_index", prefix + "source"))
         setattr(layer, prefix + "settings", writer.settings)
         _add_write_term(layer, writer.kind, [prefix + n for n in named], prefix + "settings",
                         site=writer.site)  # fmt: skip
@@ -354,10 +368,11 @@ def _write_hook(module: nn.Module, args: Any, output: Any) -> None:
     tensors, spec = _op_arguments(module, WRITE_TERMS_ATTR["resid_post"])
     if getattr(module, TAP_KIND_ATTR, None) == "batched_stream":
         stream = output[0] if isinstance(output, tuple) else output
-        write(_tokens_first(stream), None, tensors, spec)
-        return
-    hidden, residual = _split_layer_output(output)
+        hidden, residual = _tokens_first(stream), None
+    else:
+        hidden, residual = _split_layer_output(output)
     write(hidden, residual, tensors, spec)
+    _keep(module, "resid_post", hidden, residual)
 
 
 def _write_pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -366,8 +381,16 @@ def _write_pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
     tensors, spec = _op_arguments(module, WRITE_TERMS_ATTR["resid_pre"])
     hidden_at, residual_at = getattr(module, INPUT_AT_ATTR)
     residual = _argument(args, kwargs, residual_at) if residual_at is not None else None
-    write(_tokens_first(_argument(args, kwargs, hidden_at)),
-          None if residual is None else _tokens_first(residual), tensors, spec)  # fmt: skip
+    hidden = _tokens_first(_argument(args, kwargs, hidden_at))
+    residual = None if residual is None else _tokens_first(residual)
+    write(hidden, residual, tensors, spec)
+    _keep(module, "resid_pre", hidden, residual)
+
+
+def _keep(module: nn.Module, site: str, hidden: torch.Tensor, residual: Any) -> None:
+    """The site's ``probehook::keep`` ops (activation patching), after its write op."""
+    for index, source in getattr(module, KEEP_ATTR[site], ()):
+        keep(hidden, residual, getattr(module, index), getattr(module, source))
 
 
 @dataclass

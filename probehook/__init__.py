@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from probehook.capture_config import CaptureConfig
     from probehook.core.monitors import ProbeMonitor
     from probehook.frontend.fill import FailedCapture
+    from probehook.frontend.patch_sweep import PatchSweep
     from probehook.lenses.artifacts import JacobianLens, TunedLens
     from probehook.outputs.array_codec import decode_array
     from probehook.outputs.lens import LensMonitor, LensRows
@@ -55,6 +56,7 @@ _LAZY = {
     "FeatureMonitor": ("probehook.saes.readout", "FeatureMonitor"),
     "LensMonitor": ("probehook.outputs.lens", "LensMonitor"),
     "SteeringVector": ("probehook.steering", "SteeringVector"),
+    "PatchSweep": ("probehook.frontend.patch_sweep", "PatchSweep"),
     "SAE": ("probehook.saes", "SAE"),
     "SAEFeatures": ("probehook.saes", "SAEFeatures"),
     "SAEError": ("probehook.saes", "SAEError"),
@@ -79,6 +81,7 @@ __all__ = [
     "FeatureMonitor",
     "LensMonitor",
     "SteeringVector",
+    "PatchSweep",
     "SAE",
     "SAEFeatures",
     "SAEError",

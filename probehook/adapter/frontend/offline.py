@@ -30,6 +30,7 @@ from probehook.frontend.attention_pattern import DEFAULT_MAX_BYTES as DEFAULT_PA
 from probehook.frontend.attention_pattern import attention_pattern
 from probehook.frontend.fill import clear_outputs, copy_captures
 from probehook.frontend.item_ids import check_item_ids
+from probehook.frontend.patch_sweep import patch_sweep
 from probehook.frontend.probe_set import ProbeSet
 from probehook.frontend.session import CaptureSession
 from probehook.store import ActivationStore
@@ -376,6 +377,45 @@ class LLM(vllm.LLM):
             prompt,
             layer,
             max_bytes,
+        )
+
+    # -- patching -----------------------------------------------------------------------------
+
+    def patch_sweep(self, *, use_tqdm: bool = True, **kwargs: Any) -> Any:
+        """Activation patching over layers and positions (:class:`~probehook.PatchSweep`):
+        the clean run's row at each (layer, position) put into the corrupt run, one cell per
+        request, in one batch. Needs ``LLM(patching=True)``. Keywords as
+        :func:`probehook.frontend.patch_sweep.patch_sweep` (``prompt``, ``clean_prompt``,
+        ``answer_token``/``foil_token`` or their ``_id``, ``layers``, ``positions``, ``hook``,
+        ``metric``, ``alpha``); see docs/patching.md."""
+        if self.session is None or self.capture_only:
+            raise CaptureConfigError(
+                "patch_sweep runs requests through generate(): build an LLM (not "
+                "capture_only) with patching=True."
+            )
+        tokenizer = self.get_tokenizer()
+        calls = iter(range(1 << 30))
+
+        def generate(
+            prompts: list[Any], options: list[dict[str, Any]], ids: list[int]
+        ) -> list[Any]:
+            params = [
+                SamplingParams(max_tokens=1, temperature=0.0, logprob_token_ids=list(ids),
+                               extra_args={EXTRA_ARGS_KEY: extra})
+                for extra in options
+            ]  # fmt: skip
+            shown = use_tqdm and next(calls) == 2  # the cells' batch
+            return self.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                 use_tqdm=shown)  # fmt: skip
+
+        return patch_sweep(
+            generate,
+            lambda text, add_special_tokens=True: tokenizer.encode(
+                text, add_special_tokens=add_special_tokens
+            ),
+            lambda token: tokenizer.decode([token]),
+            self.session.writes,
+            **kwargs,
         )
 
     # -- steering -----------------------------------------------------------------------------

@@ -1,0 +1,301 @@
+"""``LLM.patch_sweep``: activation patching over layers and positions, in the engine.
+
+A sweep runs the clean prompt once, keeping its rows at the sweep's site of every swept layer
+in the worker's source bank (``probehook.worker.patch_op``: on the device, inside the memory
+vLLM profiled), then the corrupt prompt once alone (its metric) and once per cell, each cell
+with one kept row put back in place of the corrupt run's at one (layer, position):
+``h <- (1 - alpha) h + alpha h_clean``. The cells and an in-batch copy of the corrupt run go to
+the engine as one batch. The metric comes from the logits of the last prompt row, from the
+full row in the worker (vLLM's ``logprob_token_ids``: the log-softmax of the whole vocabulary
+at the answer and the foil), never from top-k log-probs.
+
+Each cell is its own request with its own prefix-cache salt (the write table salts a request
+by its terms, which hold the sweep's nonce and the cell): it never reads the corrupt prompt's
+cached blocks (the patch would be skipped there) and never publishes its patched blocks. So
+every cell recomputes its whole prompt; recomputing only from the patched position on is the
+next step.
+
+No vLLM imports: the engine is the caller's ``generate``.
+"""
+
+from __future__ import annotations
+
+import math
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from probehook.errors import CaptureConfigError
+from probehook.outputs.patching import instance_name
+
+HOOKS = {"resid_pre": "resid_pre", "resid_post": "resid_post", "pre_attn": "resid_pre",
+         "post_block": "resid_post"}  # fmt: skip
+"""The sites a sweep patches: TransformerLens's names, and the RhizoNymph fork's for them."""
+METRICS = ("logit_diff", "logprob", "recovered")
+
+
+@dataclass
+class PatchSweep:
+    """A sweep's result. ``grid[i, j]``: the metric with the clean row of ``layers[i]`` at
+    ``positions[j]`` patched in (NaN at a skipped position); ``clean`` / ``corrupt``: the
+    metric of the clean and corrupt runs unpatched (for ``"recovered"`` their logit
+    differences); ``noise_floor``: how far the corrupt run's metric moves between running
+    alone and inside the sweep's batch (batch-shape numerics: differences below it are
+    noise)."""
+
+    grid: np.ndarray
+    clean: float
+    corrupt: float
+    noise_floor: float
+    layers: list[int]
+    positions: list[int]
+    skipped: list[int]
+    """Corrupt positions with no clean counterpart (between the common prefix and suffix)."""
+    alignment: dict[int, int]
+    """Each patched corrupt position's clean position."""
+    hook: str
+    metric: str
+    alpha: float
+    tokens: list[str] = field(default_factory=list)
+    """The corrupt prompt's tokens, as text (the plot's axis)."""
+    recomputed_tokens: int = 0
+    """Prompt tokens each cell recomputes (all of them: see the module's notes)."""
+
+    @property
+    def argmax(self) -> tuple[int, int]:
+        """``(layer, position)`` of the largest cell."""
+        i, j = np.unravel_index(np.nanargmax(self.grid), self.grid.shape)
+        return self.layers[int(i)], self.positions[int(j)]
+
+    def to_dict(self) -> dict[str, Any]:
+        """The served response's fields (the RhizoNymph fork's names)."""
+        grid = [[None if math.isnan(v) else float(v) for v in row] for row in self.grid.tolist()]
+        return {"grid": grid, "clean": self.clean, "corrupt": self.corrupt,
+                "noise_floor": self.noise_floor, "layers": self.layers,
+                "positions": self.positions, "skipped": self.skipped,
+                "alignment": [[k, v] for k, v in sorted(self.alignment.items())],
+                "argmax": list(self.argmax), "hook": self.hook, "metric": self.metric,
+                "alpha": self.alpha}  # fmt: skip
+
+    def plot(self, ax: Any = None) -> Any:
+        """The layers x positions heatmap, token strings on the position axis (matplotlib)."""
+        import matplotlib.pyplot as plt
+
+        if ax is None:
+            _, ax = plt.subplots(
+                figsize=(max(4, 0.5 * len(self.positions)), 0.4 * len(self.layers) + 1.5)
+            )
+        bound = float(np.nanmax(np.abs(self.grid)))
+        image = ax.imshow(self.grid, aspect="auto", cmap="RdBu_r", origin="lower",
+                          vmin=-bound, vmax=bound)  # fmt: skip
+        ax.set_yticks(range(len(self.layers)), [str(layer) for layer in self.layers])
+        labels = [self.tokens[p] if p < len(self.tokens) else str(p) for p in self.positions]
+        ax.set_xticks(range(len(self.positions)), [repr(t)[1:-1] for t in labels], rotation=90)
+        ax.set_ylabel(f"layer ({self.hook})")
+        ax.figure.colorbar(image, ax=ax, label=self.metric)
+        return ax
+
+
+def patch_sweep(
+    generate: Callable[[list[Any], list[dict[str, Any]], list[int]], list[Any]],
+    tokenize: Callable[[str], list[int]],
+    decode: Callable[[int], str],
+    writes: Mapping[str, Any],
+    *,
+    prompt: str | Sequence[int],
+    clean_prompt: str | Sequence[int],
+    answer_token: str | None = None,
+    foil_token: str | None = None,
+    answer_token_id: int | None = None,
+    foil_token_id: int | None = None,
+    layers: str | Sequence[int] = "all",
+    positions: str | Sequence[int] = "all_prompt",
+    hook: str = "resid_pre",
+    metric: str = "logit_diff",
+    alpha: float = 1.0,
+) -> PatchSweep:
+    """Patch the clean run's rows into the corrupt one at each (layer, position); see
+    :class:`PatchSweep`. ``generate(prompts, options, token_ids)`` runs one request per prompt
+    (token ids) with those probehook options, one greedy token and the log-probs of
+    ``token_ids`` (vLLM's ``logprob_token_ids``); ``writes``: the engine's write-table entries
+    by request option."""
+    entry = writes.get("patch")
+    if entry is None or not entry.instances:
+        raise CaptureConfigError(
+            "patch_sweep needs an engine built with patching=True (probehook serve --patching): "
+            "it installs the patch op at every layer's input and output."
+        )
+    site = _hook(hook)
+    if metric not in METRICS:
+        raise CaptureConfigError(f"metric={metric!r} is not one of {list(METRICS)}.")
+    if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not 0.0 <= alpha <= 1.0:
+        raise CaptureConfigError(f"alpha={alpha!r} must be a number in [0, 1] (1: the clean row).")
+    instances = entry.instances
+    num_layers = 1 + max(int(s["layer"]) for s in instances.values())
+    rows = int(next(iter(instances.values()))["rows"])
+    corrupt = _ids(prompt, tokenize, "prompt")
+    clean = _ids(clean_prompt, tokenize, "clean_prompt")
+    answer = _token(answer_token, answer_token_id, "answer", tokenize)
+    foil = _token(foil_token, foil_token_id, "foil", tokenize)
+    swept = _layers(layers, num_layers)
+    alignment, skipped = align(corrupt, clean)
+    asked = _positions(positions, len(corrupt))
+    cells = [p for p in asked if p in alignment]
+    skipped = [p for p in asked if p not in alignment]
+    need = len(swept) * len(clean)
+    if need > rows:
+        raise CaptureConfigError(
+            f"this sweep keeps {len(swept)} layers x {len(clean)} clean tokens = {need} rows, "
+            f"but the engine's patching bank holds {rows} (patching=True: 256 MiB of float32 "
+            "rows); sweep fewer layers, a shorter prompt, or build the LLM with patching=MiB."
+        )
+    nonce = uuid.uuid4().hex
+    base = {layer: 1 + i * len(clean) for i, layer in enumerate(swept)}
+    keep = {instance_name(site, layer): {"keep": base[layer], "run": nonce} for layer in swept}
+    scored = [answer, foil]
+    (clean_out,) = generate([clean], [_options({"patch": keep})], scored)
+    (corrupt_out,) = generate([corrupt], [_options({})], scored)  # alone
+    metrics_of = _metric_reader(answer, foil)
+    clean_ld, clean_lp = metrics_of(clean_out)
+    corrupt_ld, corrupt_lp = metrics_of(corrupt_out)
+    requests, options = [corrupt], [_options({})]  # the corrupt run inside the batch
+    for layer in swept:
+        for position in cells:
+            cell = [position, base[layer] + alignment[position], float(alpha)]
+            terms = {instance_name(site, layer): {"cell": cell, "run": nonce}}
+            options.append(_options({"patch": terms}))
+            requests.append(corrupt)
+    outs = generate(requests, options, scored)
+    batch_ld, batch_lp = metrics_of(outs[0])
+    grid = np.full((len(swept), len(asked)), np.nan, dtype=np.float32)
+    column = {p: j for j, p in enumerate(asked)}
+    for k, out in enumerate(outs[1:]):
+        layer_index, position = divmod(k, len(cells))
+        ld, lp = metrics_of(out)
+        grid[layer_index, column[cells[position]]] = _value(metric, ld, lp, clean_ld, corrupt_ld)
+    reference = {"logit_diff": (clean_ld, corrupt_ld, batch_ld, corrupt_ld),
+                 "logprob": (clean_lp, corrupt_lp, batch_lp, corrupt_lp),
+                 "recovered": (clean_ld, corrupt_ld, batch_ld, corrupt_ld)}[metric]  # fmt: skip
+    return PatchSweep(
+        grid=grid, clean=reference[0], corrupt=reference[1],
+        noise_floor=abs(reference[2] - reference[3]), layers=swept, positions=asked,
+        skipped=skipped, alignment={p: alignment[p] for p in cells}, hook=site, metric=metric,
+        alpha=float(alpha), tokens=[decode(t) for t in corrupt], recomputed_tokens=len(corrupt),
+    )  # fmt: skip
+
+
+def _options(extra: dict[str, Any]) -> dict[str, Any]:
+    """A sweep request's probehook options: capture nothing, write ``extra``."""
+    return {"layers": [], "probes": False, **extra}
+
+
+def _metric_reader(answer: int, foil: int) -> Callable[[Any], tuple[float, float]]:
+    def read(out: Any) -> tuple[float, float]:
+        logprobs = out.outputs[0].logprobs[0]
+        a, f = logprobs[answer].logprob, logprobs[foil].logprob
+        return float(a - f), float(a)
+
+    return read
+
+
+def _value(metric: str, ld: float, lp: float, clean_ld: float, corrupt_ld: float) -> float:
+    if metric == "logit_diff":
+        return ld
+    if metric == "logprob":
+        return lp
+    span = clean_ld - corrupt_ld
+    return (ld - corrupt_ld) / span if span else math.nan
+
+
+def align(corrupt: Sequence[int], clean: Sequence[int]) -> tuple[dict[int, int], list[int]]:
+    """Each corrupt position's clean position, on the prompts' common prefix and suffix (the
+    whole prompt when the lengths agree); the corrupt positions between them, skipped."""
+    if len(corrupt) == len(clean):
+        return {p: p for p in range(len(corrupt))}, []
+    prefix = 0
+    while prefix < min(len(corrupt), len(clean)) and corrupt[prefix] == clean[prefix]:
+        prefix += 1
+    suffix = 0
+    most = min(len(corrupt), len(clean)) - prefix
+    while suffix < most and corrupt[-1 - suffix] == clean[-1 - suffix]:
+        suffix += 1
+    mapping = {p: p for p in range(prefix)}
+    mapping.update({len(corrupt) - 1 - s: len(clean) - 1 - s for s in range(suffix)})
+    return mapping, [p for p in range(len(corrupt)) if p not in mapping]
+
+
+def _hook(hook: Any) -> str:
+    if hook not in HOOKS:
+        raise CaptureConfigError(f"hook={hook!r} is not one of {list(HOOKS)}.")
+    return HOOKS[hook]
+
+
+def _ids(prompt: Any, tokenize: Callable[[str], list[int]], what: str) -> list[int]:
+    if isinstance(prompt, str):
+        ids = list(tokenize(prompt))
+    elif isinstance(prompt, Sequence) and all(isinstance(t, int) for t in prompt):
+        ids = list(prompt)
+    else:
+        raise CaptureConfigError(f"{what}={prompt!r:.60} must be text or a list of token ids.")
+    if not ids:
+        raise CaptureConfigError(f"{what} is empty.")
+    return ids
+
+
+def _token(text: str | None, token_id: int | None, what: str, tokenize: Any) -> int:
+    if (text is None) == (token_id is None):
+        raise CaptureConfigError(
+            f"give one of {what}_token (text of one token) or {what}_token_id, not "
+            f"{'both' if text is not None else 'neither'}."
+        )
+    if token_id is not None:
+        if isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0:
+            raise CaptureConfigError(f"{what}_token_id={token_id!r} must be a token id.")
+        return token_id
+    ids = list(tokenize(text, add_special_tokens=False))
+    if len(ids) != 1:
+        raise CaptureConfigError(
+            f"{what}_token={text!r} is not one token: it tokenizes as {ids}; pass one token's "
+            f"text or {what}_token_id=."
+        )
+    return ids[0]
+
+
+def _layers(layers: Any, num_layers: int) -> list[int]:
+    if layers == "all":
+        return list(range(num_layers))
+    if isinstance(layers, Mapping) and "start" in layers:  # the fork's {start, stop, step}
+        layers = list(range(int(layers["start"]), int(layers.get("stop", num_layers)),
+                            int(layers.get("step", 1))))  # fmt: skip
+    if isinstance(layers, str) or not isinstance(layers, Sequence) or not layers:
+        raise CaptureConfigError(f"layers={layers!r} must be 'all' or a non-empty list of layers.")
+    bad = [
+        x
+        for x in layers
+        if isinstance(x, bool) or not isinstance(x, int) or not 0 <= x < num_layers
+    ]
+    if bad:
+        raise CaptureConfigError(
+            f"layers {bad} are out of range: the model has layers 0..{num_layers - 1}."
+        )
+    return sorted(set(layers))
+
+
+def _positions(positions: Any, length: int) -> list[int]:
+    if positions == "all_prompt":
+        return list(range(length))
+    if isinstance(positions, str) or not isinstance(positions, Sequence) or not positions:
+        raise CaptureConfigError(
+            f"positions={positions!r} must be 'all_prompt' or a non-empty list of positions."
+        )
+    bad = [
+        p for p in positions if isinstance(p, bool) or not isinstance(p, int) or not 0 <= p < length
+    ]
+    if bad:
+        raise CaptureConfigError(
+            f"positions {bad} are out of range: the corrupt prompt has positions 0..{length - 1}."
+        )
+    return sorted(set(positions))

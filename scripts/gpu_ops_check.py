@@ -58,6 +58,7 @@ from probehook.worker.attention_rows import AttentionTerms, head_readings  # noq
 from probehook.worker.clamp_op import CLAMP_TENSORS, ClampWriter  # noqa: E402
 from probehook.worker.lens_bank import LensBank  # noqa: E402
 from probehook.worker.paged_keys import key_slots, read_keys  # noqa: E402
+from probehook.worker.patch_op import PATCH_TENSORS, keep  # noqa: E402
 from probehook.worker.sae_bank import SAEBank  # noqa: E402
 from probehook.worker.steer_op import STEER_TENSORS  # noqa: E402
 from probehook.worker.steering_bank import SteeringBank, SteerTable, bank_tensors  # noqa: E402
@@ -346,6 +347,91 @@ def steer_case(shapes: Shapes) -> Case:
         (x, residual),
         write,
         _layer_results,
+        verify=verify,
+    )
+
+
+class PatchBlock(nn.Module):
+    """The layer with the patch term and the keep op on its output (as the loader installs
+    them at ``resid_post``); returns its hidden, the stream and the source bank's rows."""
+
+    def __init__(self, layer: Layer, bank: torch.Tensor) -> None:
+        super().__init__()
+        self.layer = layer
+        self.register_buffer("bank", bank, persistent=False)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        hidden, residual = self.layer(x, residual)
+        return hidden, hidden + residual, self.bank.clone()
+
+
+def _patch_hook(module: nn.Module, args: Any, output: Any) -> None:
+    hidden, residual = output
+    tensors = [module.patch_index, module.patch_rows, module.patch_alphas, module.patch_source]
+    write(hidden, residual, tensors, write_spec([("patch", PATCH_TENSORS, "")]))
+    keep(hidden, residual, module.keep_index, module.patch_source)
+
+
+def patch_case(shapes: Shapes) -> Case:
+    """Activation patching (issue 52): one token of a request lerped toward a kept row of the
+    source bank (alpha of its own), and a request's tokens kept into the bank, both in one
+    step; checked against plain torch."""
+    x, residual = _hidden_inputs(shapes)
+    layer = Layer(shapes)
+    slots, bank_rows = MAX_NUM_SEQS + 1, 4 * shapes.tokens
+    source = torch.zeros(bank_rows + 1, shapes.d_model, dtype=torch.float32, device=shapes.device)
+    index = torch.zeros(shapes.max_tokens, dtype=torch.int64, device=shapes.device)
+    keep_index = torch.zeros(shapes.max_tokens, dtype=torch.int64, device=shapes.device)
+    rows = torch.zeros(slots, dtype=torch.int64, device=shapes.device)
+    alphas = torch.zeros(slots, dtype=torch.float32, device=shapes.device)
+    for name, tensor in (("patch_index", index), ("patch_rows", rows), ("patch_alphas", alphas),
+                         ("patch_source", source), ("keep_index", keep_index)):  # fmt: skip
+        layer.register_buffer(name, tensor, persistent=False)
+    layer.register_forward_hook(_patch_hook, prepend=True)
+    before = source.clone()
+
+    def write(seed: int) -> None:
+        _write_hidden(x, residual, seed, shapes)
+        g = torch.Generator().manual_seed(seed)
+        source.copy_(_randn(source.shape, 1000 * seed + 5, shapes, torch.float32))
+        source[0] = 0
+        before.copy_(source)
+        starts = _requests(seed, shapes.tokens)
+        host_index = torch.zeros(shapes.max_tokens, dtype=torch.int64)
+        host_keep = torch.zeros(shapes.max_tokens, dtype=torch.int64)
+        for position, (lo, hi) in enumerate(zip(starts, starts[1:], strict=False)):
+            kind = (position + seed) % 3  # patched, kept, untouched
+            if kind == 0:
+                host_index[lo + int(torch.randint(0, hi - lo, (), generator=g))] = position + 1
+                rows[position + 1] = int(torch.randint(1, bank_rows + 1, (), generator=g))
+                alphas[position + 1] = float(torch.rand((), generator=g))
+            elif kind == 1:
+                host_keep[lo:hi] = torch.arange(1 + 2 * lo, 1 + 2 * hi, 2)  # distinct rows
+        index.copy_(host_index)
+        keep_index.copy_(host_keep)
+
+    def verify(results: dict[str, torch.Tensor]) -> None:
+        tokens = shapes.tokens
+        at = index[:tokens]
+        assert (at > 0).any() and (keep_index[:tokens] > 0).any(), "a step patches and keeps"
+        stream = x.float() + residual.float()
+        alpha = alphas[at].unsqueeze(1)
+        delta = (alpha * (before[rows[at]] - stream)).to(x.dtype)  # as the op rounds it
+        hidden = torch.where((at > 0).unsqueeze(1), x + delta, x)
+        kept = before.clone()
+        where = keep_index[:tokens] > 0
+        kept[keep_index[:tokens][where]] = (hidden.float() + residual.float())[where]
+        kept[0] = results["bank"][0]  # row 0: the scratch row of the tokens kept nowhere
+        compare_close({"hidden": hidden, "stream": hidden + residual, "bank": kept}, results,
+                      "plain torch")  # fmt: skip
+
+    return Case(
+        "probehook::write patch + probehook::keep",
+        f"[{shapes.tokens}, {shapes.d_model}], bank [{bank_rows + 1}, {shapes.d_model}]",
+        PatchBlock(layer, source),
+        (x, residual),
+        write,
+        lambda output: {"hidden": output[0], "stream": output[1], "bank": output[2]},
         verify=verify,
     )
 
@@ -980,6 +1066,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ("layer only", lambda: layer_only_case(shapes)),
         ("tap", lambda: tap_case(shapes)),
         ("steer", lambda: steer_case(shapes)),
+        ("patch", lambda: patch_case(shapes)),
         *((f"SAE {arch}", lambda arch=arch: sae_case(shapes, arch)) for arch in args.arch),
         *((f"clamp {arch}", lambda arch=arch: clamp_case(shapes, arch)) for arch in args.arch),
         ("lens", lambda: lens_case(shapes)),

@@ -17,6 +17,7 @@ OP_ROWS = (
     "layer only (no op)",
     "probehook::tap",
     "probehook::write steer (16 ops)",
+    "probehook::write patch + probehook::keep",
     "SAEBank read_top_k (jumprelu)",
     "SAEBank read_top_k (topk)",
     "probehook::write clamp (jumprelu)",

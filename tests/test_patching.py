@@ -212,3 +212,44 @@ def test_bad_sweeps_are_refused_by_name(patch_llm, kwargs, message) -> None:
     asked = dict(prompt=CORRUPT, clean_prompt=CLEAN, answer_token_id=ANSWER, foil_token_id=FOIL)
     with pytest.raises(CaptureConfigError, match=message):
         patch_llm.patch_sweep(**{**asked, **kwargs}, use_tqdm=False)
+
+
+def test_a_sweep_needs_a_patching_engine_and_a_bank_that_holds_it(patch_llm) -> None:
+    """The engine's own checks (no engine needed past the tokenizer): no patching entry, a
+    bank too small for the sweep, an answer of two tokens."""
+    from types import SimpleNamespace
+
+    from probehook import CaptureConfigError
+    from probehook.frontend.patch_sweep import patch_sweep
+
+    def never(*args: Any) -> list[Any]:
+        raise AssertionError("nothing may run")
+
+    tokenizer = patch_llm.get_tokenizer()
+
+    def sweep(writes: dict, **kwargs: Any) -> Any:
+        asked = dict(prompt=CORRUPT, clean_prompt=CLEAN, answer_token_id=ANSWER, foil_token_id=FOIL)
+
+        def tokenize(text: str, add_special_tokens: bool = True) -> list[int]:
+            return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+        return patch_sweep(never, tokenize, str, writes, **{**asked, **kwargs})
+
+    with pytest.raises(CaptureConfigError, match=r"engine built with patching=True"):
+        sweep({})
+    small = {f"resid_pre@{i}": {"layer": i, "site": "resid_pre", "rows": 100} for i in range(4)}
+    with pytest.raises(CaptureConfigError, match=r"4 layers x 40 clean tokens = 160 rows, but the "
+                                                 r"engine's patching bank holds 100"):  # fmt: skip
+        sweep({"patch": SimpleNamespace(instances=small)})
+    with pytest.raises(
+        CaptureConfigError,
+        match=r"answer_token='12' is not one token: it tokenizes as \[\d+, \d+\]",
+    ):
+        sweep({"patch": SimpleNamespace(instances=small)}, answer_token="12", answer_token_id=None)
+    with pytest.raises(CaptureConfigError, match=r"engine built with patching=True"):
+        from probehook import LLM  # an engine without patching: the same check, by its method
+
+        plain = SimpleNamespace(session=SimpleNamespace(writes={}), capture_only=False,
+                                get_tokenizer=lambda: tokenizer)  # fmt: skip
+        LLM.patch_sweep(plain, prompt=CORRUPT, clean_prompt=CLEAN, answer_token_id=1,
+                        foil_token_id=2)  # fmt: skip

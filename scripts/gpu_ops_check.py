@@ -362,7 +362,7 @@ class PatchBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, ...]:
         hidden, residual = self.layer(x, residual)
-        return hidden, hidden + residual, self.bank.clone()
+        return hidden, hidden + residual, self.bank[1:].clone()  # row 0: the scratch row
 
 
 def _patch_hook(module: nn.Module, args: Any, output: Any) -> None:
@@ -421,8 +421,7 @@ def patch_case(shapes: Shapes) -> Case:
         kept = before.clone()
         where = keep_index[:tokens] > 0
         kept[keep_index[:tokens][where]] = (hidden.float() + residual.float())[where]
-        kept[0] = results["bank"][0]  # row 0: the scratch row of the tokens kept nowhere
-        compare_close({"hidden": hidden, "stream": hidden + residual, "bank": kept}, results,
+        compare_close({"hidden": hidden, "stream": hidden + residual, "bank": kept[1:]}, results,
                       "plain torch")  # fmt: skip
 
     return Case(
@@ -552,8 +551,10 @@ class PagedKeys:
         self.cache, self.table, self._terms = cache, table, terms
 
     def keys(self, layer: int, batch_row: Any, positions: torch.Tensor) -> torch.Tensor:
-        at = torch.as_tensor(batch_row).to(self.table.device, non_blocking=True)
-        row = self.table[at]
+        if isinstance(batch_row, int):  # one request: its row (a 0-dim tensor index would sync)
+            row = self.table[batch_row]
+        else:  # a list of requests' rows, copied without a sync as the worker does
+            row = self.table[torch.as_tensor(batch_row).to(self.table.device, non_blocking=True)]
         blocks, offsets = key_slots(row, positions, self.cache.shape[2], self.cache.shape[2])
         return read_keys(self.cache, "token_major", blocks, offsets)
 

@@ -50,7 +50,9 @@ def patch_term(
         stream = stream + (residual if picked is None else residual.index_select(0, picked)).float()
     clean = source.index_select(0, rows.index_select(0, slots))
     alpha = alphas.index_select(0, slots).unsqueeze(1)
-    delta = (alpha * (clean - stream)).to(hidden.dtype)
+    # A token that patches nothing reads row 0, the keep op's scratch row (any token's
+    # stream, an inf among them): select, never multiply by 0, so it adds an exact 0.
+    delta = torch.where(slots.unsqueeze(1) > 0, alpha * (clean - stream), 0.0).to(hidden.dtype)
     if picked is None:
         hidden.add_(delta)
     else:

@@ -55,7 +55,7 @@ def steer(
         else:
             stream = _stream(hidden, residual, picked)
             u = units.index_select(0, at)
-            along = (stream * u).sum(dim=1, keepdim=True)
+            along = torch.linalg.vecdot(stream, u).unsqueeze(1)
             capped = torch.minimum(torch.maximum(along, s[:, 4:5]), s[:, 5:6])
             norm = torch.linalg.vector_norm(stream, dim=1, keepdim=True)
             coef = s[:, 0:1] + s[:, 1:2] * along + s[:, 2:3] * capped + s[:, 3:4] * norm

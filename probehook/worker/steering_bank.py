@@ -42,7 +42,7 @@ from probehook.core.steering_wire import VectorRows
 
 logger = logging.getLogger(__name__)
 
-MAX_TERMS = 8
+MAX_TERMS = 4
 """Terms one request applies at one layer (a run of additions counts once)."""
 
 PHASES = ("both", "prefill", "decode")

@@ -351,20 +351,6 @@ def steer_case(shapes: Shapes) -> Case:
     )
 
 
-class PatchBlock(nn.Module):
-    """The layer with the patch term and the keep op on its output (as the loader installs
-    them at ``resid_post``); returns its hidden, the stream and the source bank's rows."""
-
-    def __init__(self, layer: Layer, bank: torch.Tensor) -> None:
-        super().__init__()
-        self.layer = layer
-        self.register_buffer("bank", bank, persistent=False)
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        hidden, residual = self.layer(x, residual)
-        return hidden, hidden + residual, self.bank[1:].clone()  # row 0: the scratch row
-
-
 def _patch_hook(module: nn.Module, args: Any, output: Any) -> None:
     hidden, residual = output
     tensors = [module.patch_index, module.patch_rows, module.patch_alphas, module.patch_source]
@@ -427,10 +413,12 @@ def patch_case(shapes: Shapes) -> Case:
     return Case(
         "probehook::write patch + probehook::keep",
         f"[{shapes.tokens}, {shapes.d_model}], bank [{bank_rows + 1}, {shapes.d_model}]",
-        PatchBlock(layer, source),
+        Block(layer),
         (x, residual),
         write,
-        lambda output: {"hidden": output[0], "stream": output[1], "bank": output[2]},
+        # the bank read after the run (a module output of it may alias the bank itself, and
+        # the graph check poisons outputs); row 0 is the scratch row
+        lambda output: {"hidden": output[0], "stream": output[1], "bank": source[1:].clone()},
         verify=verify,
     )
 
@@ -1027,6 +1015,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--iters", type=int, default=50, help="timed calls; the median counts")
     parser.add_argument("--out", type=Path, help="also write the markdown table here")
     parser.add_argument(
+        "--only",
+        action="append",
+        help="run only the cases with this label ('patch', 'steer', 'SAE topk', ...); repeatable",
+    )
+    parser.add_argument(
         "--cpu-smoke",
         action="store_true",
         help=f"on the CPU with tiny shapes {SMOKE_SHAPES}: eager and "
@@ -1073,6 +1066,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         ("lens", lambda: lens_case(shapes)),
         ("attention", lambda: attention_case(shapes)),
     ]
+    if args.only:
+        unknown = sorted(set(args.only) - {label for label, _ in builders})
+        if unknown:
+            print(f"--only {unknown}: the cases are {[lb for lb, _ in builders]}", file=sys.stderr)
+            return 2
+        builders = [(label, build) for label, build in builders if label in args.only]
     # vLLM runs its model under inference mode; the ops must work there.
     with torch.inference_mode():
         matmul = matmul_row(shapes, iters, cuda)

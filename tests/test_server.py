@@ -137,6 +137,7 @@ def server(
     # engine option generates
     argv += ["--norms", "n3=3", "--peaks", "p3=3:4"]  # the per-head toy readout too
     argv += ["--scale-layers", "[1]"]  # the toy intervention (tests/toy_intervention.py)
+    argv += ["--patching"]  # test_patch_sweep_is_served
     argv += ["--attention-layers", "3", "--attention-top-k", "4"]  # (test_attention_is_served)
     argv += ["--store", str(work / "store"), "--store-flush-interval", "0.5"]
     argv += ["--capture-default", json.dumps(DEFAULT)]
@@ -914,6 +915,63 @@ def test_steering_ops_are_served(client, server, steer_file, llama_dir) -> None:
                 assert json.load(reply) == {"name": name, "removed": True}
     with urllib.request.urlopen(f"{server.base_url}/probehook") as reply:
         assert list(json.load(reply)["steering"]["vectors"]) == ["up"]
+
+
+def test_patch_sweep_is_served(server, llama_dir) -> None:
+    """--patching: POST /v1/patch_sweep with the RhizoNymph fork's field names (its hook name
+    post_block, layers as {start, stop, step}) answers its response fields, the grid equal to
+    the hand loop on HF (tests/test_patching.py); a later sweep naming the same source_run
+    without clean_prompt streams one event per cell, then the same result; an unknown
+    source_run and a bad alpha are 400s."""
+    from helpers import post_json
+    from test_patching import ANSWER, CLEAN, CORRUPT, FOIL, hf_grid
+
+    every_other = {"start": 1, "stop": 4, "step": 2}
+    body = {"prompt": CORRUPT, "clean_prompt": CLEAN, "answer_token_id": ANSWER,
+            "foil_token_id": FOIL, "hook": "post_block", "layers": every_other,
+            "positions": [5, 36, 39], "metric": "logit_diff", "source_run": "run-a"}  # fmt: skip
+    status, answer = post_json(server.port, "/v1/patch_sweep", body)
+    assert status == 200, answer
+    for field in ("grid", "clean", "corrupt", "argmax", "skipped", "alignment", "noise_floor"):
+        assert field in answer, field
+    ld, _, ((clean_ld, _), (corrupt_ld, _)) = hf_grid(llama_dir, "resid_post")
+    want = ld[[1, 3]][:, [5, 36, 39]]
+    assert np.abs(np.array(answer["grid"]) - want).max() <= 1e-3
+    assert abs(answer["clean"] - clean_ld) <= 1e-3 and abs(answer["corrupt"] - corrupt_ld) <= 1e-3
+    i, j = np.unravel_index(np.argmax(want), want.shape)
+    assert answer["layers"] == [1, 3] and answer["argmax"] == [[1, 3][i], [5, 36, 39][j]]
+    again = {k: v for k, v in body.items() if k != "clean_prompt"} | {"stream": True}
+    request = urllib.request.Request(
+        f"{server.base_url}/patch_sweep",
+        data=json.dumps(again).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=120) as reply:
+        events = [
+            line[6:] for line in reply.read().decode().splitlines() if line.startswith("data: ")
+        ]
+    assert events[-1] == "[DONE]" and len(events) == 2 * 3 + 2
+    cells = [json.loads(e) for e in events[:-2]]
+    assert sorted((c["layer"], c["position"]) for c in cells) == [
+        (1, 5),
+        (1, 36),
+        (1, 39),
+        (3, 5),
+        (3, 36),
+        (3, 39),
+    ]
+    streamed = json.loads(events[-2])
+    assert np.abs(np.array(streamed["grid"]) - want).max() <= 1e-3
+    for c in cells:
+        assert abs(c["value"] - ld[c["layer"], c["position"]]) <= 1e-3
+    for bad, message in [
+        ({**again, "source_run": "nope", "stream": False}, "source_run 'nope' names no clean run"),
+        ({**body, "alpha": 2}, "alpha=2 must be a number in [0, 1]"),
+        ({**body, "answer_token": "12", "answer_token_id": None}, "is not one token"),
+        ({**body, "temperature": 1}, "unknown fields ['temperature']"),
+    ]:
+        status, answer = post_json(server.port, "/v1/patch_sweep", bad)
+        assert status == 400 and message in answer["error"]["message"], (bad, answer)
 
 
 @pytest.mark.parametrize(

@@ -99,106 +99,159 @@ class PatchSweep:
         return ax
 
 
+Request = tuple[list[int], dict[str, Any]]
+"""A sweep's request: the prompt's token ids and its probehook options."""
+
+
+class SweepPlan:
+    """A sweep checked and laid out: its requests in order (:meth:`clean_request`,
+    :meth:`corrupt_request`, then :meth:`cell_requests`, the corrupt run inside their batch
+    first) and how their outputs make the :class:`PatchSweep`. Drivers: :func:`patch_sweep`
+    (offline) and ``AsyncLLM.patch_sweep`` (cells as they finish)."""
+
+    def __init__(
+        self,
+        writes: Mapping[str, Any],
+        tokenize: Callable[..., list[int]],
+        decode: Callable[[int], str],
+        *,
+        prompt: str | Sequence[int],
+        clean_prompt: str | Sequence[int],
+        answer_token: str | None = None,
+        foil_token: str | None = None,
+        answer_token_id: int | None = None,
+        foil_token_id: int | None = None,
+        layers: str | Sequence[int] | Mapping[str, int] = "all",
+        positions: str | Sequence[int] = "all_prompt",
+        hook: str = "resid_pre",
+        metric: str = "logit_diff",
+        alpha: float = 1.0,
+    ) -> None:
+        entry = writes.get("patch")
+        if entry is None or not entry.instances:
+            raise CaptureConfigError(
+                "patch_sweep needs an engine built with patching=True (probehook serve "
+                "--patching): it installs the patch op at every layer's input and output."
+            )
+        self.site = _hook(hook)
+        if metric not in METRICS:
+            raise CaptureConfigError(f"metric={metric!r} is not one of {list(METRICS)}.")
+        if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not 0 <= alpha <= 1:
+            raise CaptureConfigError(
+                f"alpha={alpha!r} must be a number in [0, 1] (1: the clean row)."
+            )
+        self.metric, self.alpha = metric, float(alpha)
+        instances = entry.instances
+        num_layers = 1 + max(int(s["layer"]) for s in instances.values())
+        rows = int(next(iter(instances.values()))["rows"])
+        self.corrupt = _ids(prompt, tokenize, "prompt")
+        self.clean = _ids(clean_prompt, tokenize, "clean_prompt")
+        self.answer = _token(answer_token, answer_token_id, "answer", tokenize)
+        self.foil = _token(foil_token, foil_token_id, "foil", tokenize)
+        self.scored = [self.answer, self.foil]
+        self.layers = _layers(layers, num_layers)
+        self.alignment, _ = align(self.corrupt, self.clean)
+        self.positions = _positions(positions, len(self.corrupt))
+        self.cells = [p for p in self.positions if p in self.alignment]
+        self.skipped = [p for p in self.positions if p not in self.alignment]
+        need = len(self.layers) * len(self.clean)
+        if need > rows:
+            raise CaptureConfigError(
+                f"this sweep keeps {len(self.layers)} layers x {len(self.clean)} clean tokens = "
+                f"{need} rows, but the engine's patching bank holds {rows} (patching=True: 256 "
+                "MiB of float32 rows); sweep fewer layers, a shorter prompt, or build the LLM "
+                "with patching=MiB."
+            )
+        self.nonce = uuid.uuid4().hex
+        self.base = {layer: 1 + i * len(self.clean) for i, layer in enumerate(self.layers)}
+        self.tokens = [decode(t) for t in self.corrupt]
+        self.ends: tuple[tuple[float, float], tuple[float, float]] | None = None
+
+    def clean_request(self) -> Request:
+        """The clean run, keeping its rows at the site of every swept layer."""
+        keep = {instance_name(self.site, layer): {"keep": self.base[layer], "run": self.nonce}
+                for layer in self.layers}  # fmt: skip
+        return self.clean, _options({"patch": keep})
+
+    def corrupt_request(self) -> Request:
+        return self.corrupt, _options({})
+
+    def cell_requests(self) -> list[Request]:
+        """The corrupt run (inside the batch), then a cell per (layer, position), layer by
+        layer."""
+        out = [self.corrupt_request()]
+        for layer in self.layers:
+            for position in self.cells:
+                cell = [position, self.base[layer] + self.alignment[position], self.alpha]
+                terms = {instance_name(self.site, layer): {"cell": cell, "run": self.nonce}}
+                out.append((self.corrupt, _options({"patch": terms})))
+        return out
+
+    def cell_of(self, k: int) -> tuple[int, int]:
+        """``(layer, position)`` of :meth:`cell_requests`' request ``k + 1``."""
+        layer_index, position = divmod(k, len(self.cells))
+        return self.layers[layer_index], self.cells[position]
+
+    def set_ends(self, clean_out: Any, corrupt_out: Any) -> None:
+        """The clean and corrupt runs' metrics (before the cells)."""
+        self.ends = (self.metrics_of(clean_out), self.metrics_of(corrupt_out))
+
+    def metrics_of(self, out: Any) -> tuple[float, float]:
+        """``(logit_diff, logprob)`` of an output's first token's scored log-probs."""
+        logprobs = out.outputs[0].logprobs[0]
+        a, f = logprobs[self.answer].logprob, logprobs[self.foil].logprob
+        return float(a - f), float(a)
+
+    def value(self, out: Any) -> float:
+        """A cell's metric."""
+        ld, lp = self.metrics_of(out)
+        (clean_ld, _), (corrupt_ld, _) = self.ends
+        return _value(self.metric, ld, lp, clean_ld, corrupt_ld)
+
+    def result(self, outs: Sequence[Any]) -> PatchSweep:
+        """The sweep from :meth:`cell_requests`' outputs, in order."""
+        (clean_ld, clean_lp), (corrupt_ld, corrupt_lp) = self.ends
+        batch_ld, batch_lp = self.metrics_of(outs[0])
+        grid = np.full((len(self.layers), len(self.positions)), np.nan, dtype=np.float32)
+        column = {p: j for j, p in enumerate(self.positions)}
+        rows = {layer: i for i, layer in enumerate(self.layers)}
+        for k, out in enumerate(outs[1:]):
+            layer, position = self.cell_of(k)
+            grid[rows[layer], column[position]] = self.value(out)
+        by_logprob = self.metric == "logprob"
+        clean, corrupt, batch = (clean_lp, corrupt_lp, batch_lp) if by_logprob else \
+            (clean_ld, corrupt_ld, batch_ld)  # fmt: skip
+        return PatchSweep(
+            grid=grid, clean=clean, corrupt=corrupt, noise_floor=abs(batch - corrupt),
+            layers=self.layers, positions=self.positions, skipped=self.skipped,
+            alignment={p: self.alignment[p] for p in self.cells}, hook=self.site,
+            metric=self.metric, alpha=self.alpha, tokens=self.tokens,
+            recomputed_tokens=len(self.corrupt),
+        )  # fmt: skip
+
+
 def patch_sweep(
-    generate: Callable[[list[Any], list[dict[str, Any]], list[int]], list[Any]],
-    tokenize: Callable[[str], list[int]],
+    generate: Callable[[list[Request], list[int]], list[Any]],
+    tokenize: Callable[..., list[int]],
     decode: Callable[[int], str],
     writes: Mapping[str, Any],
-    *,
-    prompt: str | Sequence[int],
-    clean_prompt: str | Sequence[int],
-    answer_token: str | None = None,
-    foil_token: str | None = None,
-    answer_token_id: int | None = None,
-    foil_token_id: int | None = None,
-    layers: str | Sequence[int] = "all",
-    positions: str | Sequence[int] = "all_prompt",
-    hook: str = "resid_pre",
-    metric: str = "logit_diff",
-    alpha: float = 1.0,
+    **kwargs: Any,
 ) -> PatchSweep:
     """Patch the clean run's rows into the corrupt one at each (layer, position); see
-    :class:`PatchSweep`. ``generate(prompts, options, token_ids)`` runs one request per prompt
-    (token ids) with those probehook options, one greedy token and the log-probs of
-    ``token_ids`` (vLLM's ``logprob_token_ids``); ``writes``: the engine's write-table entries
-    by request option."""
-    entry = writes.get("patch")
-    if entry is None or not entry.instances:
-        raise CaptureConfigError(
-            "patch_sweep needs an engine built with patching=True (probehook serve --patching): "
-            "it installs the patch op at every layer's input and output."
-        )
-    site = _hook(hook)
-    if metric not in METRICS:
-        raise CaptureConfigError(f"metric={metric!r} is not one of {list(METRICS)}.")
-    if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not 0.0 <= alpha <= 1.0:
-        raise CaptureConfigError(f"alpha={alpha!r} must be a number in [0, 1] (1: the clean row).")
-    instances = entry.instances
-    num_layers = 1 + max(int(s["layer"]) for s in instances.values())
-    rows = int(next(iter(instances.values()))["rows"])
-    corrupt = _ids(prompt, tokenize, "prompt")
-    clean = _ids(clean_prompt, tokenize, "clean_prompt")
-    answer = _token(answer_token, answer_token_id, "answer", tokenize)
-    foil = _token(foil_token, foil_token_id, "foil", tokenize)
-    swept = _layers(layers, num_layers)
-    alignment, skipped = align(corrupt, clean)
-    asked = _positions(positions, len(corrupt))
-    cells = [p for p in asked if p in alignment]
-    skipped = [p for p in asked if p not in alignment]
-    need = len(swept) * len(clean)
-    if need > rows:
-        raise CaptureConfigError(
-            f"this sweep keeps {len(swept)} layers x {len(clean)} clean tokens = {need} rows, "
-            f"but the engine's patching bank holds {rows} (patching=True: 256 MiB of float32 "
-            "rows); sweep fewer layers, a shorter prompt, or build the LLM with patching=MiB."
-        )
-    nonce = uuid.uuid4().hex
-    base = {layer: 1 + i * len(clean) for i, layer in enumerate(swept)}
-    keep = {instance_name(site, layer): {"keep": base[layer], "run": nonce} for layer in swept}
-    scored = [answer, foil]
-    (clean_out,) = generate([clean], [_options({"patch": keep})], scored)
-    (corrupt_out,) = generate([corrupt], [_options({})], scored)  # alone
-    metrics_of = _metric_reader(answer, foil)
-    clean_ld, clean_lp = metrics_of(clean_out)
-    corrupt_ld, corrupt_lp = metrics_of(corrupt_out)
-    requests, options = [corrupt], [_options({})]  # the corrupt run inside the batch
-    for layer in swept:
-        for position in cells:
-            cell = [position, base[layer] + alignment[position], float(alpha)]
-            terms = {instance_name(site, layer): {"cell": cell, "run": nonce}}
-            options.append(_options({"patch": terms}))
-            requests.append(corrupt)
-    outs = generate(requests, options, scored)
-    batch_ld, batch_lp = metrics_of(outs[0])
-    grid = np.full((len(swept), len(asked)), np.nan, dtype=np.float32)
-    column = {p: j for j, p in enumerate(asked)}
-    for k, out in enumerate(outs[1:]):
-        layer_index, position = divmod(k, len(cells))
-        ld, lp = metrics_of(out)
-        grid[layer_index, column[cells[position]]] = _value(metric, ld, lp, clean_ld, corrupt_ld)
-    reference = {"logit_diff": (clean_ld, corrupt_ld, batch_ld, corrupt_ld),
-                 "logprob": (clean_lp, corrupt_lp, batch_lp, corrupt_lp),
-                 "recovered": (clean_ld, corrupt_ld, batch_ld, corrupt_ld)}[metric]  # fmt: skip
-    return PatchSweep(
-        grid=grid, clean=reference[0], corrupt=reference[1],
-        noise_floor=abs(reference[2] - reference[3]), layers=swept, positions=asked,
-        skipped=skipped, alignment={p: alignment[p] for p in cells}, hook=site, metric=metric,
-        alpha=float(alpha), tokens=[decode(t) for t in corrupt], recomputed_tokens=len(corrupt),
-    )  # fmt: skip
+    :class:`PatchSweep` and :class:`SweepPlan` (the keywords). ``generate(requests,
+    token_ids)`` runs one request per ``(token ids, probehook options)`` pair with one greedy
+    token and the log-probs of ``token_ids`` (vLLM's ``logprob_token_ids``); ``writes``: the
+    engine's write-table entries by request option."""
+    plan = SweepPlan(writes, tokenize, decode, **kwargs)
+    (clean_out,) = generate([plan.clean_request()], plan.scored)
+    (corrupt_out,) = generate([plan.corrupt_request()], plan.scored)  # alone
+    plan.set_ends(clean_out, corrupt_out)
+    return plan.result(generate(plan.cell_requests(), plan.scored))
 
 
 def _options(extra: dict[str, Any]) -> dict[str, Any]:
     """A sweep request's probehook options: capture nothing, write ``extra``."""
     return {"layers": [], "probes": False, **extra}
-
-
-def _metric_reader(answer: int, foil: int) -> Callable[[Any], tuple[float, float]]:
-    def read(out: Any) -> tuple[float, float]:
-        logprobs = out.outputs[0].logprobs[0]
-        a, f = logprobs[answer].logprob, logprobs[foil].logprob
-        return float(a - f), float(a)
-
-    return read
 
 
 def _value(metric: str, ld: float, lp: float, clean_ld: float, corrupt_ld: float) -> float:

@@ -18,7 +18,7 @@ import inspect
 import os
 import uuid
 import weakref
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -31,10 +31,12 @@ from vllm.v1.executor import Executor
 
 from probehook.adapter.frontend import cpu_memory, engine_config, outputs, setup
 from probehook.adapter.frontend.prompts import with_cache_salt
+from probehook.adapter.frontend.sweep_params import sweep_params
 from probehook.capture_config import CaptureConfig
 from probehook.errors import CaptureConfigError
 from probehook.frontend import capture_request
 from probehook.frontend.fill import clear_outputs, reset
+from probehook.frontend.patch_sweep import SweepPlan
 from probehook.frontend.probe_set import ProbeSet
 from probehook.frontend.request_stream import Kind, RequestStream
 from probehook.frontend.session import CaptureSession, marked, options_of
@@ -257,6 +259,44 @@ class AsyncLLM(VllmAsyncLLM):
         request_id = request_id if request_id is not None else uuid.uuid4().hex
         async for output in self._captured(super().generate, prompt, params, request_id, kwargs):
             yield output
+
+    async def patch_sweep(
+        self, *, on_cell: Callable[[int, int, float], Any] | None = None, **kwargs: Any
+    ) -> Any:
+        """:meth:`probehook.LLM.patch_sweep` on the running engine: the clean run, the corrupt
+        run alone, then every cell and the corrupt run as concurrent requests; ``on_cell(layer,
+        position, value)`` is called as each cell finishes (a coroutine function is awaited).
+        Returns the :class:`~probehook.PatchSweep`."""
+        await self._ensure_capturing()
+        if self.session is None:
+            raise CaptureConfigError("patch_sweep needs an engine built with patching=True.")
+        tokenizer = self.get_tokenizer()
+
+        def tokenize(text: str, add_special_tokens: bool = True) -> list[int]:
+            return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+        plan = SweepPlan(self.session.writes, tokenize, lambda t: tokenizer.decode([t]), **kwargs)
+
+        async def one(request: tuple[list[int], dict[str, Any]]) -> Any:
+            final = None
+            async for output in self.generate({"prompt_token_ids": request[0]},
+                                              sweep_params(request[1], plan.scored)):  # fmt: skip
+                final = output
+            return final
+
+        plan.set_ends(await one(plan.clean_request()), await one(plan.corrupt_request()))
+        requests = plan.cell_requests()
+
+        async def cell(k: int) -> Any:
+            out = await one(requests[k])
+            if k and on_cell is not None:
+                layer, position = plan.cell_of(k - 1)
+                called = on_cell(layer, position, plan.value(out))
+                if inspect.isawaitable(called):
+                    await called
+            return out
+
+        return plan.result(await asyncio.gather(*(cell(k) for k in range(len(requests)))))
 
     async def encode(  # type: ignore[override]
         self,

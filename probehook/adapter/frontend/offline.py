@@ -22,6 +22,7 @@ from vllm import PoolingParams, SamplingParams
 from probehook.adapter.frontend import cpu_memory, engine_config, outputs, setup
 from probehook.adapter.frontend.engine_death import raise_on_engine_death
 from probehook.adapter.frontend.prompts import with_cache_salt
+from probehook.adapter.frontend.sweep_params import sweep_params
 from probehook.capture_config import CaptureConfig
 from probehook.core.request_options import EXTRA_ARGS_KEY
 from probehook.errors import CaptureConfigError
@@ -396,16 +397,10 @@ class LLM(vllm.LLM):
         tokenizer = self.get_tokenizer()
         calls = iter(range(1 << 30))
 
-        def generate(
-            prompts: list[Any], options: list[dict[str, Any]], ids: list[int]
-        ) -> list[Any]:
-            params = [
-                SamplingParams(max_tokens=1, temperature=0.0, logprob_token_ids=list(ids),
-                               extra_args={EXTRA_ARGS_KEY: extra})
-                for extra in options
-            ]  # fmt: skip
+        def generate(requests: list[Any], ids: list[int]) -> list[Any]:
+            params = [sweep_params(extra, ids) for _, extra in requests]
             shown = use_tqdm and next(calls) == 2  # the cells' batch
-            return self.generate([{"prompt_token_ids": p} for p in prompts], params,
+            return self.generate([{"prompt_token_ids": p} for p, _ in requests], params,
                                  use_tqdm=shown)  # fmt: skip
 
         return patch_sweep(

@@ -494,6 +494,8 @@ async def serve(args: argparse.Namespace, capture: dict[str, Any]) -> None:
         app.add_api_route("/v1/probehook", _describe(engine, limit, default), methods=["GET"])
         if args.allow_steering_edits:
             _add_steering_routes(app, engine)
+        if "patch" in engine.session.writes:  # --patching
+            _add_patch_sweep_route(app, engine)
         if args.ui:
             _add_ui(app)
         uvicorn_kwargs: dict[str, Any] = {}
@@ -606,6 +608,92 @@ def _add_steering_routes(app: Any, engine: Any) -> None:
     add.__annotations__["request"] = Request  # FastAPI reads it (the module's are strings)
     app.add_api_route("/v1/steering", add, methods=["POST"])
     app.add_api_route("/v1/steering/{name}", remove, methods=["DELETE"])
+
+
+SWEEP_FIELDS = ("prompt", "clean_prompt", "source_run", "hook", "layers", "positions", "alpha",
+                "answer_token", "answer_token_id", "foil_token", "foil_token_id", "metric",
+                "stream", "model")  # fmt: skip
+"""``POST /v1/patch_sweep``'s fields: the RhizoNymph vLLM fork's names (``model`` ignored)."""
+
+
+def _add_patch_sweep_route(app: Any, engine: Any) -> None:
+    """``POST /v1/patch_sweep`` (``--patching``): :meth:`AsyncLLM.patch_sweep` with the fork's
+    field names and response fields; ``"stream": true`` sends one server-sent event per cell
+    as it finishes (``{"layer", "position", "value"}``), then the result, then ``[DONE]``.
+    ``source_run`` names the clean run: a later sweep that sends the same name without
+    ``clean_prompt`` runs against it again (its clean run is recomputed, one prefill); an
+    unknown name is a 400."""
+    import asyncio
+    import json
+
+    from fastapi import Request
+    from fastapi.responses import JSONResponse, StreamingResponse
+
+    from probehook.errors import CaptureConfigError
+
+    runs: dict[str, Any] = {}
+
+    def refused(message: str) -> JSONResponse:
+        error = {"message": message, "type": "BadRequestError", "param": "patch_sweep", "code": 400}
+        return JSONResponse({"error": error}, status_code=400)
+
+    async def sweep(request: Any) -> Any:
+        try:
+            body = await request.json()
+        except ValueError as e:
+            return refused(f"POST /v1/patch_sweep takes a JSON object: {e}")
+        if not isinstance(body, dict):
+            return refused("POST /v1/patch_sweep takes a JSON object")
+        unknown = sorted(set(body) - set(SWEEP_FIELDS))
+        if unknown:
+            return refused(f"unknown fields {unknown}; the fields are {list(SWEEP_FIELDS)}")
+        asked = {k: v for k, v in body.items() if k not in ("source_run", "stream", "model")}
+        name = body.get("source_run")
+        if name is not None and not isinstance(name, str):
+            return refused(f"source_run={name!r} must be a string")
+        if "clean_prompt" not in asked:
+            if name is None or name not in runs:
+                return refused(
+                    f"source_run {name!r} names no clean run of this server; send clean_prompt"
+                    if name is not None
+                    else "send clean_prompt (or the source_run of an earlier sweep)"
+                )
+            asked["clean_prompt"] = runs[name]
+        if body.get("stream"):
+            return StreamingResponse(_streamed(asked, name), media_type="text/event-stream")
+        try:
+            result = await engine.patch_sweep(**asked)
+        except (CaptureConfigError, TypeError) as e:
+            return refused(str(e))
+        if name is not None:
+            runs[name] = asked["clean_prompt"]
+        return result.to_dict()
+
+    async def _streamed(asked: dict[str, Any], name: str | None) -> Any:
+        cells: asyncio.Queue = asyncio.Queue()
+
+        def on_cell(layer: int, position: int, value: float) -> None:
+            cells.put_nowait({"layer": layer, "position": position, "value": value})
+
+        task = asyncio.ensure_future(engine.patch_sweep(on_cell=on_cell, **asked))
+        while not (task.done() and cells.empty()):
+            try:
+                event = await asyncio.wait_for(cells.get(), timeout=0.1)
+            except TimeoutError:
+                continue
+            yield f"data: {json.dumps(event)}\n\n"
+        try:
+            result = task.result()
+        except (CaptureConfigError, TypeError) as e:
+            yield f"data: {json.dumps({'error': {'message': str(e), 'code': 400}})}\n\n"
+        else:
+            if name is not None:
+                runs[name] = asked["clean_prompt"]
+            yield f"data: {json.dumps(result.to_dict())}\n\n"
+        yield "data: [DONE]\n\n"
+
+    sweep.__annotations__["request"] = Request  # FastAPI reads it (the module's are strings)
+    app.add_api_route("/v1/patch_sweep", sweep, methods=["POST"])
 
 
 def _describe(engine: Any, limit: int, default: dict[str, Any] | None = None) -> Any:

@@ -253,3 +253,32 @@ def test_a_sweep_needs_a_patching_engine_and_a_bank_that_holds_it(patch_llm) -> 
                                 get_tokenizer=lambda: tokenizer)  # fmt: skip
         LLM.patch_sweep(plain, prompt=CORRUPT, clean_prompt=CLEAN, answer_token_id=1,
                         foil_token_id=2)  # fmt: skip
+
+
+def test_many_pairs_give_the_mean_each_pair_s_grid_and_a_bootstrap_interval(patch_llm) -> None:
+    """Two pairs (a list of prompts and of clean prompts, one answer each) in one batch: each
+    pair's grid equals its own sweep, the grid is their mean, the interval a seeded bootstrap
+    of it."""
+    from probehook.frontend.patch_sweep import bootstrap_ci
+
+    other_corrupt = list(CORRUPT)
+    other_corrupt[20] = 18
+    other_clean = list(CORRUPT)
+    pairs = dict(prompt=[CORRUPT, other_corrupt], clean_prompt=[CLEAN, other_clean],
+                 answer_token_id=[ANSWER, FOIL], foil_token_id=[FOIL, ANSWER],
+                 layers=[0, 3], positions=[5, 20, 36, 39])  # fmt: skip
+    both = patch_llm.patch_sweep(**pairs, use_tqdm=False)
+    assert both.grids.shape == (2, 2, 4) and both.ci.shape == (2, 2, 4)
+    for i in range(2):
+        alone = patch_llm.patch_sweep(
+            prompt=pairs["prompt"][i], clean_prompt=pairs["clean_prompt"][i],
+            answer_token_id=pairs["answer_token_id"][i], foil_token_id=pairs["foil_token_id"][i],
+            layers=[0, 3], positions=[5, 20, 36, 39], use_tqdm=False,
+        )  # fmt: skip
+        assert np.abs(both.grids[i] - alone.grid).max() <= TOL
+    np.testing.assert_allclose(both.grid, both.grids.mean(axis=0), atol=1e-6)
+    np.testing.assert_allclose(both.ci, bootstrap_ci(both.grids, 0))
+    assert (both.ci[0] <= both.grid + 1e-6).all() and (both.grid <= both.ci[1] + 1e-6).all()
+    with pytest.raises(Exception, match="both lists of one length"):
+        patch_llm.patch_sweep(prompt=[CORRUPT], clean_prompt=CLEAN, answer_token_id=ANSWER,
+                              foil_token_id=FOIL, use_tqdm=False)  # fmt: skip

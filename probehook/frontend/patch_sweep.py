@@ -20,6 +20,7 @@ No vLLM imports: the engine is the caller's ``generate``.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import uuid
 from collections.abc import Callable, Mapping, Sequence
@@ -63,6 +64,12 @@ class PatchSweep:
     """The corrupt prompt's tokens, as text (the plot's axis)."""
     recomputed_tokens: int = 0
     """Prompt tokens each cell recomputes (all of them: see the module's notes)."""
+    grids: np.ndarray | None = None
+    """With many pairs: each pair's grid, ``[pairs, layers, positions]``; ``grid`` is their
+    mean."""
+    ci: np.ndarray | None = None
+    """With many pairs: a bootstrap 95% interval of the mean, ``[2, layers, positions]``
+    (lower, upper; seeded)."""
 
     @property
     def argmax(self) -> tuple[int, int]:
@@ -78,7 +85,16 @@ class PatchSweep:
                 "positions": self.positions, "skipped": self.skipped,
                 "alignment": [[k, v] for k, v in sorted(self.alignment.items())],
                 "argmax": list(self.argmax), "hook": self.hook, "metric": self.metric,
-                "alpha": self.alpha}  # fmt: skip
+                "alpha": self.alpha, **self._pairs()}  # fmt: skip
+
+    def _pairs(self) -> dict[str, Any]:
+        if self.grids is None:
+            return {}
+
+        def rows(array: np.ndarray) -> list:
+            return np.where(np.isnan(array), None, array).tolist()
+
+        return {"grids": rows(self.grids.astype(object)), "ci": rows(self.ci.astype(object))}
 
     def plot(self, ax: Any = None) -> Any:
         """The layers x positions heatmap, token strings on the position axis (matplotlib)."""
@@ -99,8 +115,9 @@ class PatchSweep:
         return ax
 
 
-Request = tuple[list[int], dict[str, Any]]
-"""A sweep's request: the prompt's token ids and its probehook options."""
+Request = tuple[list[int], dict[str, Any], list[int]]
+"""A sweep's request: the prompt's token ids, its probehook options and the token ids whose
+log-probs it reads (the answer and the foil)."""
 
 
 class SweepPlan:
@@ -126,7 +143,10 @@ class SweepPlan:
         hook: str = "resid_pre",
         metric: str = "logit_diff",
         alpha: float = 1.0,
+        first_row: int = 1,
     ) -> None:
+        """``first_row``: the first row of the source bank this pair's clean run keeps into
+        (pairs of one sweep keep side by side)."""
         entry = writes.get("patch")
         if entry is None or not entry.instances:
             raise CaptureConfigError(
@@ -154,16 +174,17 @@ class SweepPlan:
         self.positions = _positions(positions, len(self.corrupt))
         self.cells = [p for p in self.positions if p in self.alignment]
         self.skipped = [p for p in self.positions if p not in self.alignment]
-        need = len(self.layers) * len(self.clean)
-        if need > rows:
+        self.rows_kept = len(self.layers) * len(self.clean)
+        if first_row - 1 + self.rows_kept > rows:
             raise CaptureConfigError(
                 f"this sweep keeps {len(self.layers)} layers x {len(self.clean)} clean tokens = "
-                f"{need} rows, but the engine's patching bank holds {rows} (patching=True: 256 "
-                "MiB of float32 rows); sweep fewer layers, a shorter prompt, or build the LLM "
-                "with patching=MiB."
+                f"{self.rows_kept} rows{' (after its earlier pairs)' if first_row > 1 else ''}, "
+                f"but the engine's patching bank holds {rows} (patching=True: 256 MiB of "
+                "float32 rows); sweep fewer layers, shorter prompts or fewer pairs, or build "
+                "the LLM with patching=MiB."
             )
         self.nonce = uuid.uuid4().hex
-        self.base = {layer: 1 + i * len(self.clean) for i, layer in enumerate(self.layers)}
+        self.base = {layer: first_row + i * len(self.clean) for i, layer in enumerate(self.layers)}
         self.tokens = [decode(t) for t in self.corrupt]
         self.ends: tuple[tuple[float, float], tuple[float, float]] | None = None
 
@@ -171,10 +192,10 @@ class SweepPlan:
         """The clean run, keeping its rows at the site of every swept layer."""
         keep = {instance_name(self.site, layer): {"keep": self.base[layer], "run": self.nonce}
                 for layer in self.layers}  # fmt: skip
-        return self.clean, _options({"patch": keep})
+        return self.clean, _options({"patch": keep}), self.scored
 
     def corrupt_request(self) -> Request:
-        return self.corrupt, _options({})
+        return self.corrupt, _options({}), self.scored
 
     def cell_requests(self) -> list[Request]:
         """The corrupt run (inside the batch), then a cell per (layer, position), layer by
@@ -184,7 +205,7 @@ class SweepPlan:
             for position in self.cells:
                 cell = [position, self.base[layer] + self.alignment[position], self.alpha]
                 terms = {instance_name(self.site, layer): {"cell": cell, "run": self.nonce}}
-                out.append((self.corrupt, _options({"patch": terms})))
+                out.append((self.corrupt, _options({"patch": terms}), self.scored))
         return out
 
     def cell_of(self, k: int) -> tuple[int, int]:
@@ -230,23 +251,143 @@ class SweepPlan:
         )  # fmt: skip
 
 
+class PairedSweep:
+    """One sweep over one or many (corrupt, clean) pairs: a :class:`SweepPlan` per pair, the
+    pairs' clean runs kept side by side in the bank, every pair's cells in one batch. With
+    many pairs the corrupt prompts must have one length (the grid's positions are shared),
+    ``grid`` is the mean over pairs, ``grids`` each pair's and ``ci`` a seeded bootstrap 95%
+    interval of the mean per cell."""
+
+    def __init__(
+        self,
+        writes: Mapping[str, Any],
+        tokenize: Callable[..., list[int]],
+        decode: Callable[[int], str],
+        *,
+        prompt: Any,
+        clean_prompt: Any,
+        answer_token: Any = None,
+        foil_token: Any = None,
+        answer_token_id: Any = None,
+        foil_token_id: Any = None,
+        bootstrap_seed: int = 0,
+        **common: Any,
+    ) -> None:
+        pairs = _is_many(prompt)
+        if pairs != _is_many(clean_prompt) or (pairs and len(prompt) != len(clean_prompt)):
+            raise CaptureConfigError(
+                "prompt and clean_prompt must both be one prompt or both lists of one length "
+                "(one clean prompt per corrupt one)."
+            )
+        prompts, cleans = (
+            (list(prompt), list(clean_prompt)) if pairs else ([prompt], [clean_prompt])
+        )
+        if not prompts:
+            raise CaptureConfigError("prompt is an empty list of pairs.")
+        count = len(prompts)
+        tokens = {"answer_token": answer_token, "foil_token": foil_token,
+                  "answer_token_id": answer_token_id, "foil_token_id": foil_token_id}  # fmt: skip
+        self.plans: list[SweepPlan] = []
+        first = 1
+        for i in range(count):
+            own = {k: (v[i] if _is_list_of(v, count) else v) for k, v in tokens.items()}
+            plan = SweepPlan(writes, tokenize, decode, prompt=prompts[i], clean_prompt=cleans[i],
+                             first_row=first, **own, **common)  # fmt: skip
+            first += plan.rows_kept
+            self.plans.append(plan)
+        lengths = sorted({len(plan.corrupt) for plan in self.plans})
+        if len(lengths) > 1:
+            raise CaptureConfigError(
+                f"the corrupt prompts have {lengths} tokens; a sweep over pairs needs one length "
+                "(its grid's positions are shared): pad them to one template."
+            )
+        self.pairs = pairs
+        self.seed = bootstrap_seed
+        self._cells = [plan.cell_requests() for plan in self.plans]
+
+    def clean_requests(self) -> list[Request]:
+        return [plan.clean_request() for plan in self.plans]
+
+    def corrupt_requests(self) -> list[Request]:
+        return [plan.corrupt_request() for plan in self.plans]
+
+    def cell_requests(self) -> list[Request]:
+        """Every pair's :meth:`SweepPlan.cell_requests`, one after the other."""
+        return [request for cells in self._cells for request in cells]
+
+    def locate(self, k: int) -> tuple[int, int]:
+        """``(pair, index in its cell requests)`` of request ``k``."""
+        for pair, cells in enumerate(self._cells):
+            if k < len(cells):
+                return pair, k
+            k -= len(cells)
+        raise IndexError(k)
+
+    def set_ends(self, clean_outs: Sequence[Any], corrupt_outs: Sequence[Any]) -> None:
+        for plan, clean, corrupt in zip(self.plans, clean_outs, corrupt_outs, strict=True):
+            plan.set_ends(clean, corrupt)
+
+    def result(self, outs: Sequence[Any]) -> PatchSweep:
+        sweeps, at = [], 0
+        for plan, cells in zip(self.plans, self._cells, strict=True):
+            sweeps.append(plan.result(outs[at : at + len(cells)]))
+            at += len(cells)
+        if not self.pairs:
+            return sweeps[0]
+        first = sweeps[0]
+        grids = np.stack([sweep.grid for sweep in sweeps])
+        mean = lambda values: float(np.mean(values))  # noqa: E731
+        return dataclasses.replace(
+            first, grid=np.nanmean(grids, axis=0).astype(np.float32), grids=grids,
+            ci=bootstrap_ci(grids, self.seed), clean=mean([s.clean for s in sweeps]),
+            corrupt=mean([s.corrupt for s in sweeps]),
+            noise_floor=max(s.noise_floor for s in sweeps),
+            skipped=sorted({p for s in sweeps for p in s.skipped}),
+        )  # fmt: skip
+
+
+BOOTSTRAP_SAMPLES = 1000
+
+
+def bootstrap_ci(grids: np.ndarray, seed: int = 0, samples: int = BOOTSTRAP_SAMPLES) -> np.ndarray:
+    """A percentile bootstrap 95% interval of the mean over pairs, per cell: float32 ``[2,
+    layers, positions]`` (lower, upper), resampling pairs with ``numpy``'s generator at
+    ``seed``."""
+    rng = np.random.default_rng(seed)
+    picks = rng.integers(0, len(grids), size=(samples, len(grids)))
+    means = np.nanmean(grids[picks], axis=1)  # [samples, layers, positions]
+    return np.nanpercentile(means, [2.5, 97.5], axis=0).astype(np.float32)
+
+
+def _is_many(prompt: Any) -> bool:
+    """A list of prompts (texts, or lists of token ids), not one prompt."""
+    if isinstance(prompt, str) or not isinstance(prompt, Sequence) or not prompt:
+        return False
+    return all(isinstance(p, str) or (isinstance(p, Sequence) and not isinstance(p, str))
+               for p in prompt) and not all(isinstance(p, int) for p in prompt)  # fmt: skip
+
+
+def _is_list_of(value: Any, count: int) -> bool:
+    return isinstance(value, list | tuple) and len(value) == count
+
+
 def patch_sweep(
-    generate: Callable[[list[Request], list[int]], list[Any]],
+    generate: Callable[[list[Request]], list[Any]],
     tokenize: Callable[..., list[int]],
     decode: Callable[[int], str],
     writes: Mapping[str, Any],
     **kwargs: Any,
 ) -> PatchSweep:
     """Patch the clean run's rows into the corrupt one at each (layer, position); see
-    :class:`PatchSweep` and :class:`SweepPlan` (the keywords). ``generate(requests,
-    token_ids)`` runs one request per ``(token ids, probehook options)`` pair with one greedy
-    token and the log-probs of ``token_ids`` (vLLM's ``logprob_token_ids``); ``writes``: the
-    engine's write-table entries by request option."""
-    plan = SweepPlan(writes, tokenize, decode, **kwargs)
-    (clean_out,) = generate([plan.clean_request()], plan.scored)
-    (corrupt_out,) = generate([plan.corrupt_request()], plan.scored)  # alone
-    plan.set_ends(clean_out, corrupt_out)
-    return plan.result(generate(plan.cell_requests(), plan.scored))
+    :class:`PatchSweep`, :class:`SweepPlan` and :class:`PairedSweep` (the keywords).
+    ``generate(requests)`` runs one request per :data:`Request` with one greedy token and
+    the log-probs of its token ids (vLLM's ``logprob_token_ids``); ``writes``: the engine's
+    write-table entries by request option."""
+    sweep = PairedSweep(writes, tokenize, decode, **kwargs)
+    clean_outs = generate(sweep.clean_requests())
+    corrupt_outs = generate(sweep.corrupt_requests())  # away from the cells' batch
+    sweep.set_ends(clean_outs, corrupt_outs)
+    return sweep.result(generate(sweep.cell_requests()))
 
 
 def _options(extra: dict[str, Any]) -> dict[str, Any]:

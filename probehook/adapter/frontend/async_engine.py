@@ -36,7 +36,7 @@ from probehook.capture_config import CaptureConfig
 from probehook.errors import CaptureConfigError
 from probehook.frontend import capture_request
 from probehook.frontend.fill import clear_outputs, reset
-from probehook.frontend.patch_sweep import SweepPlan
+from probehook.frontend.patch_sweep import PairedSweep
 from probehook.frontend.probe_set import ProbeSet
 from probehook.frontend.request_stream import Kind, RequestStream
 from probehook.frontend.session import CaptureSession, marked, options_of
@@ -261,11 +261,12 @@ class AsyncLLM(VllmAsyncLLM):
             yield output
 
     async def patch_sweep(
-        self, *, on_cell: Callable[[int, int, float], Any] | None = None, **kwargs: Any
+        self, *, on_cell: Callable[[int, int, float, int], Any] | None = None, **kwargs: Any
     ) -> Any:
         """:meth:`probehook.LLM.patch_sweep` on the running engine: the clean run, the corrupt
         run alone, then every cell and the corrupt run as concurrent requests; ``on_cell(layer,
-        position, value)`` is called as each cell finishes (a coroutine function is awaited).
+        position, value, pair)`` is called as each cell finishes (a coroutine function is
+        awaited; ``pair``: its pair's index, 0 with one pair).
         Returns the :class:`~probehook.PatchSweep`."""
         await self._ensure_capturing()
         if self.session is None:
@@ -275,28 +276,35 @@ class AsyncLLM(VllmAsyncLLM):
         def tokenize(text: str, add_special_tokens: bool = True) -> list[int]:
             return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
-        plan = SweepPlan(self.session.writes, tokenize, lambda t: tokenizer.decode([t]), **kwargs)
+        sweep = PairedSweep(self.session.writes, tokenize, lambda t: tokenizer.decode([t]),
+                            **kwargs)  # fmt: skip
 
-        async def one(request: tuple[list[int], dict[str, Any]]) -> Any:
+        async def one(request: tuple[list[int], dict[str, Any], list[int]]) -> Any:
             final = None
             async for output in self.generate({"prompt_token_ids": request[0]},
-                                              sweep_params(request[1], plan.scored)):  # fmt: skip
+                                              sweep_params(request[1], request[2])):  # fmt: skip
                 final = output
             return final
 
-        plan.set_ends(await one(plan.clean_request()), await one(plan.corrupt_request()))
-        requests = plan.cell_requests()
+        async def every(requests: list[Any]) -> list[Any]:
+            return await asyncio.gather(*(one(r) for r in requests))
+
+        clean = await every(sweep.clean_requests())
+        sweep.set_ends(clean, await every(sweep.corrupt_requests()))
+        requests = sweep.cell_requests()
 
         async def cell(k: int) -> Any:
             out = await one(requests[k])
-            if k and on_cell is not None:
-                layer, position = plan.cell_of(k - 1)
-                called = on_cell(layer, position, plan.value(out))
+            pair, at = sweep.locate(k)
+            if at and on_cell is not None:  # at 0: the pair's corrupt run in the batch
+                plan = sweep.plans[pair]
+                layer, position = plan.cell_of(at - 1)
+                called = on_cell(layer, position, plan.value(out), pair)
                 if inspect.isawaitable(called):
                     await called
             return out
 
-        return plan.result(await asyncio.gather(*(cell(k) for k in range(len(requests)))))
+        return sweep.result(await asyncio.gather(*(cell(k) for k in range(len(requests)))))
 
     async def encode(  # type: ignore[override]
         self,

@@ -397,10 +397,10 @@ class LLM(vllm.LLM):
         tokenizer = self.get_tokenizer()
         calls = iter(range(1 << 30))
 
-        def generate(requests: list[Any], ids: list[int]) -> list[Any]:
-            params = [sweep_params(extra, ids) for _, extra in requests]
+        def generate(requests: list[Any]) -> list[Any]:
+            params = [sweep_params(extra, ids) for _, extra, ids in requests]
             shown = use_tqdm and next(calls) == 2  # the cells' batch
-            return self.generate([{"prompt_token_ids": p} for p, _ in requests], params,
+            return self.generate([{"prompt_token_ids": p} for p, _, _ in requests], params,
                                  use_tqdm=shown)  # fmt: skip
 
         return patch_sweep(

@@ -619,7 +619,8 @@ SWEEP_FIELDS = ("prompt", "clean_prompt", "source_run", "hook", "layers", "posit
 def _add_patch_sweep_route(app: Any, engine: Any) -> None:
     """``POST /v1/patch_sweep`` (``--patching``): :meth:`AsyncLLM.patch_sweep` with the fork's
     field names and response fields; ``"stream": true`` sends one server-sent event per cell
-    as it finishes (``{"layer", "position", "value"}``), then the result, then ``[DONE]``.
+    as it finishes (``{"layer", "position", "value", "pair"}``), then the result, then
+    ``[DONE]``. ``prompt`` and ``clean_prompt`` may be lists of pairs (``grids``, ``ci``).
     ``source_run`` names the clean run: a later sweep that sends the same name without
     ``clean_prompt`` runs against it again (its clean run is recomputed, one prefill); an
     unknown name is a 400."""
@@ -672,8 +673,8 @@ def _add_patch_sweep_route(app: Any, engine: Any) -> None:
     async def _streamed(asked: dict[str, Any], name: str | None) -> Any:
         cells: asyncio.Queue = asyncio.Queue()
 
-        def on_cell(layer: int, position: int, value: float) -> None:
-            cells.put_nowait({"layer": layer, "position": position, "value": value})
+        def on_cell(layer: int, position: int, value: float, pair: int) -> None:
+            cells.put_nowait({"layer": layer, "position": position, "value": value, "pair": pair})
 
         task = asyncio.ensure_future(engine.patch_sweep(on_cell=on_cell, **asked))
         while not (task.done() and cells.empty()):

@@ -353,24 +353,25 @@ def steer_case(shapes: Shapes) -> Case:
 
 def _patch_hook(module: nn.Module, args: Any, output: Any) -> None:
     hidden, residual = output
-    tensors = [module.patch_index, module.patch_rows, module.patch_alphas, module.patch_source]
+    tensors = [module.patch_index, module.patch_alphas, module.patch_adds, module.patch_source]
     write(hidden, residual, tensors, write_spec([("patch", PATCH_TENSORS, "")]))
     keep(hidden, residual, module.keep_index, module.patch_source)
 
 
 def patch_case(shapes: Shapes) -> Case:
-    """Activation patching (issue 52): one token of a request lerped toward a kept row of the
-    source bank (alpha of its own), and a request's tokens kept into the bank, both in one
-    step; checked against plain torch."""
+    """Activation patching (issue 52), every buffer per token: one token of a request lerped
+    toward a kept row of the source bank (its own alpha), a request's tokens given a noise row
+    each and one of them lerped too (corruption by noise, then a cell), a request's tokens kept
+    into the bank, one request untouched, all in one step; checked against plain torch."""
     x, residual = _hidden_inputs(shapes)
     layer = Layer(shapes)
-    slots, bank_rows = MAX_NUM_SEQS + 1, 4 * shapes.tokens
+    bank_rows = 4 * shapes.tokens
     source = torch.zeros(bank_rows + 1, shapes.d_model, dtype=torch.float32, device=shapes.device)
-    index = torch.zeros(shapes.max_tokens, dtype=torch.int64, device=shapes.device)
-    keep_index = torch.zeros(shapes.max_tokens, dtype=torch.int64, device=shapes.device)
-    rows = torch.zeros(slots, dtype=torch.int64, device=shapes.device)
-    alphas = torch.zeros(slots, dtype=torch.float32, device=shapes.device)
-    for name, tensor in (("patch_index", index), ("patch_rows", rows), ("patch_alphas", alphas),
+    index, adds, keep_index = (
+        torch.zeros(shapes.max_tokens, dtype=torch.int64, device=shapes.device) for _ in range(3)
+    )
+    alphas = torch.zeros(shapes.max_tokens, dtype=torch.float32, device=shapes.device)
+    for name, tensor in (("patch_index", index), ("patch_alphas", alphas), ("patch_adds", adds),
                          ("patch_source", source), ("keep_index", keep_index)):  # fmt: skip
         layer.register_buffer(name, tensor, persistent=False)
     layer.register_forward_hook(_patch_hook, prepend=True)
@@ -383,27 +384,34 @@ def patch_case(shapes: Shapes) -> Case:
         source[0] = 0
         before.copy_(source)
         starts = _requests(seed, shapes.tokens)
-        host_index = torch.zeros(shapes.max_tokens, dtype=torch.int64)
-        host_keep = torch.zeros(shapes.max_tokens, dtype=torch.int64)
+        host = {name: torch.zeros(shapes.max_tokens, dtype=torch.int64) for name in ("i", "a", "k")}
+        host_alpha = torch.zeros(shapes.max_tokens)
         for position, (lo, hi) in enumerate(zip(starts, starts[1:], strict=False)):
-            kind = (position + seed) % 3  # patched, kept, untouched
-            if kind == 0:
-                host_index[lo + int(torch.randint(0, hi - lo, (), generator=g))] = position + 1
-                rows[position + 1] = int(torch.randint(1, bank_rows + 1, (), generator=g))
-                alphas[position + 1] = float(torch.rand((), generator=g))
-            elif kind == 1:
-                host_keep[lo:hi] = torch.arange(1 + 2 * lo, 1 + 2 * hi, 2)  # distinct rows
-        index.copy_(host_index)
-        keep_index.copy_(host_keep)
+            kind = (position + seed) % 4  # patched, noised and patched, kept, untouched
+            if kind in (0, 1):
+                t = lo + int(torch.randint(0, hi - lo, (), generator=g))
+                host["i"][t] = int(torch.randint(1, bank_rows + 1, (), generator=g))
+                host_alpha[t] = float(torch.rand((), generator=g))
+            if kind == 1:
+                host["a"][lo:hi] = torch.randint(1, bank_rows + 1, (hi - lo,), generator=g)
+            elif kind == 2:
+                host["k"][lo:hi] = torch.arange(1 + 2 * lo, 1 + 2 * hi, 2)  # distinct rows
+        index.copy_(host["i"])
+        adds.copy_(host["a"])
+        keep_index.copy_(host["k"])
+        alphas.copy_(host_alpha)
 
     def verify(results: dict[str, torch.Tensor]) -> None:
         tokens = shapes.tokens
-        at = index[:tokens]
-        assert (at > 0).any() and (keep_index[:tokens] > 0).any(), "a step patches and keeps"
+        at, noised = index[:tokens], adds[:tokens]
+        assert (at > 0).any() and (noised > 0).any() and (keep_index[:tokens] > 0).any(), (
+            "a step patches, adds and keeps"
+        )
         stream = x.float() + residual.float()
-        alpha = alphas[at].unsqueeze(1)
-        delta = (alpha * (before[rows[at]] - stream)).to(x.dtype)  # as the op rounds it
-        hidden = torch.where((at > 0).unsqueeze(1), x + delta, x)
+        noise = torch.where((noised > 0).unsqueeze(1), before[noised], 0.0)
+        lerp = alphas[:tokens].unsqueeze(1) * (before[at] - (stream + noise))
+        delta = (noise + torch.where((at > 0).unsqueeze(1), lerp, 0.0)).to(x.dtype)  # as the op
+        hidden = torch.where(((at > 0) | (noised > 0)).unsqueeze(1), x + delta, x)
         kept = before.clone()
         where = keep_index[:tokens] > 0
         kept[keep_index[:tokens][where]] = (hidden.float() + residual.float())[where]

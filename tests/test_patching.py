@@ -204,6 +204,17 @@ def test_prompts_of_different_lengths_align_on_prefix_and_suffix(patch_llm) -> N
         ({"metric": "kl"}, r"metric='kl' is not one of"),
         ({"hook": "attn_out"}, r"hook='attn_out' is not one of"),
         ({"foil_token_id": None}, r"give one of foil_token .* not neither"),
+        ({"clean_prompt": None}, r"give clean_prompt .* or corruption="),
+        ({"corruption": {"noise": {"span": [3, 8]}}}, r"runs the prompt itself as the clean run"),
+        (
+            {"clean_prompt": None, "corruption": {"noise": {"span": [30, 41]}}},
+            r"span=\[30, 41\] must be \[start, end\) inside the prompt's 40 positions",
+        ),
+        (
+            {"clean_prompt": None, "corruption": {"noise": {"span": [1, 2], "scale": -1}}},
+            r"scale=-1 must be a positive number",
+        ),
+        ({"clean_prompt": None, "corruption": {"blur": {}}}, r"corruption=.* is not valid"),
     ],
 )
 def test_bad_sweeps_are_refused_by_name(patch_llm, kwargs, message) -> None:
@@ -282,3 +293,44 @@ def test_many_pairs_give_the_mean_each_pair_s_grid_and_a_bootstrap_interval(patc
     with pytest.raises(Exception, match="both lists of one length"):
         patch_llm.patch_sweep(prompt=[CORRUPT], clean_prompt=CLEAN, answer_token_id=ANSWER,
                               foil_token_id=FOIL, use_tqdm=False)  # fmt: skip
+
+
+def test_noise_corruption_equals_hugging_face_with_the_same_noise(patch_llm, llama_dir) -> None:
+    """ROME's causal tracing: the prompt is the clean run, its copy with seeded Gaussian noise
+    (3 x the input embeddings' standard deviation) on positions [3, 8) the corrupt one; every
+    cell equals HF with the same noise added at layer 0's input and the clean row put back."""
+    from probehook.frontend.patch_sweep import noise_rows
+
+    span, layers, positions = (3, 8), [0, 2], [0, 4, 6, 39]
+    sweep = patch_llm.patch_sweep(
+        prompt=CORRUPT, corruption={"noise": {"span": list(span), "scale": 3.0, "seed": 7}},
+        answer_token_id=ANSWER, foil_token_id=FOIL, layers=layers, positions=positions,
+        use_tqdm=False,
+    )  # fmt: skip
+    model = _hf_model(str(llama_dir), torch.float32)
+    std = float(model.model.embed_tokens.weight.double().std(unbiased=False))
+    assert abs(sweep.corruption["std"] - std) <= 1e-6 * std
+    noise = torch.from_numpy(noise_rows(7, span[1] - span[0], 128, 3.0, std))
+    clean_rows = _stream_inputs(model, CORRUPT, "resid_pre")
+
+    def add_noise(m: Any, args: tuple, kwargs: dict) -> Any:
+        key = "hidden_states" in kwargs
+        h = (kwargs["hidden_states"] if key else args[0]).clone()
+        h[0, span[0] : span[1]] += noise
+        return (args, {**kwargs, "hidden_states": h}) if key else ((h, *args[1:]), kwargs)
+
+    handle = model.model.layers[0].register_forward_pre_hook(add_noise, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            corrupt_ld, _ = _metrics(model(torch.tensor([CORRUPT])).logits[0, -1].double())
+        for i, layer in enumerate(layers):
+            for j, p in enumerate(positions):
+                logits = _patched_logits(model, CORRUPT, layer, "resid_pre", p,
+                                         clean_rows[layer][p], 1.0)  # fmt: skip
+                ld, _ = _metrics(logits)
+                assert abs(sweep.grid[i, j] - ld) <= TOL, (layer, p, sweep.grid[i, j], ld)
+    finally:
+        handle.remove()
+    assert abs(sweep.corrupt - corrupt_ld) <= TOL
+    assert abs(sweep.grid[0, 1] - sweep.corrupt) > 0.1  # position 4 at layer 0: its noise undone
+    assert abs(sweep.grid[0, 0] - sweep.corrupt) <= TOL  # position 0: no noise there

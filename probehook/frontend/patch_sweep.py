@@ -70,6 +70,8 @@ class PatchSweep:
     ci: np.ndarray | None = None
     """With many pairs: a bootstrap 95% interval of the mean, ``[2, layers, positions]``
     (lower, upper; seeded)."""
+    corruption: dict[str, Any] | None = None
+    """Corruption by noise: its ``span``, ``scale``, ``seed`` and the embeddings' ``std``."""
 
     @property
     def argmax(self) -> tuple[int, int]:
@@ -133,7 +135,7 @@ class SweepPlan:
         decode: Callable[[int], str],
         *,
         prompt: str | Sequence[int],
-        clean_prompt: str | Sequence[int],
+        clean_prompt: str | Sequence[int] | None = None,
         answer_token: str | None = None,
         foil_token: str | None = None,
         answer_token_id: int | None = None,
@@ -143,6 +145,7 @@ class SweepPlan:
         hook: str = "resid_pre",
         metric: str = "logit_diff",
         alpha: float = 1.0,
+        corruption: Mapping[str, Any] | None = None,
         first_row: int = 1,
     ) -> None:
         """``first_row``: the first row of the source bank this pair's clean run keeps into
@@ -165,7 +168,15 @@ class SweepPlan:
         num_layers = 1 + max(int(s["layer"]) for s in instances.values())
         rows = int(next(iter(instances.values()))["rows"])
         self.corrupt = _ids(prompt, tokenize, "prompt")
-        self.clean = _ids(clean_prompt, tokenize, "clean_prompt")
+        self.noise = _noise(corruption, clean_prompt, len(self.corrupt))
+        if self.noise is None and clean_prompt is None:
+            raise CaptureConfigError(
+                "give clean_prompt (the run whose rows are patched in) or corruption={'noise': "
+                "{'span': [start, end], 'scale': 3.0, 'seed': 0}} (the prompt is then the clean "
+                "run and its noised copy the corrupt one)."
+            )
+        self.clean = self.corrupt if self.noise is not None else _ids(clean_prompt, tokenize,
+                                                                       "clean_prompt")  # fmt: skip
         self.answer = _token(answer_token, answer_token_id, "answer", tokenize)
         self.foil = _token(foil_token, foil_token_id, "foil", tokenize)
         self.scored = [self.answer, self.foil]
@@ -175,6 +186,9 @@ class SweepPlan:
         self.cells = [p for p in self.positions if p in self.alignment]
         self.skipped = [p for p in self.positions if p not in self.alignment]
         self.rows_kept = len(self.layers) * len(self.clean)
+        if self.noise is not None:  # its rows after the kept ones
+            self.noise["first"] = first_row + self.rows_kept
+            self.rows_kept += self.noise["span"][1] - self.noise["span"][0]
         if first_row - 1 + self.rows_kept > rows:
             raise CaptureConfigError(
                 f"this sweep keeps {len(self.layers)} layers x {len(self.clean)} clean tokens = "
@@ -195,7 +209,19 @@ class SweepPlan:
         return self.clean, _options({"patch": keep}), self.scored
 
     def corrupt_request(self) -> Request:
-        return self.corrupt, _options({}), self.scored
+        return self.corrupt, _options(self._corrupted({})), self.scored
+
+    def _corrupted(self, terms: dict[str, Any]) -> dict[str, Any]:
+        """A corrupt request's patch terms with the noise added at layer 0's input (before a
+        cell there: the cell puts the clean row back over the noised one)."""
+        if self.noise is None:
+            return {"patch": terms} if terms else {}
+        start, end = self.noise["span"]
+        adds = [[p, self.noise["first"] + p - start] for p in range(start, end)]
+        site = instance_name("resid_pre", 0)
+        own = dict(terms.get(site, {"run": self.nonce}))
+        own["adds"] = adds
+        return {"patch": {**terms, site: own}}
 
     def cell_requests(self) -> list[Request]:
         """The corrupt run (inside the batch), then a cell per (layer, position), layer by
@@ -204,8 +230,8 @@ class SweepPlan:
         for layer in self.layers:
             for position in self.cells:
                 cell = [position, self.base[layer] + self.alignment[position], self.alpha]
-                terms = {instance_name(self.site, layer): {"cell": cell, "run": self.nonce}}
-                out.append((self.corrupt, _options({"patch": terms}), self.scored))
+                terms = {instance_name(self.site, layer): {"cells": [cell], "run": self.nonce}}
+                out.append((self.corrupt, _options(self._corrupted(terms)), self.scored))
         return out
 
     def cell_of(self, k: int) -> tuple[int, int]:
@@ -248,6 +274,9 @@ class SweepPlan:
             alignment={p: self.alignment[p] for p in self.cells}, hook=self.site,
             metric=self.metric, alpha=self.alpha, tokens=self.tokens,
             recomputed_tokens=len(self.corrupt),
+            corruption=None if self.noise is None else {
+                "span": list(self.noise["span"]), "scale": self.noise["scale"],
+                "seed": self.noise["seed"], "std": self.noise.get("std")},
         )  # fmt: skip
 
 
@@ -265,7 +294,7 @@ class PairedSweep:
         decode: Callable[[int], str],
         *,
         prompt: Any,
-        clean_prompt: Any,
+        clean_prompt: Any = None,
         answer_token: Any = None,
         foil_token: Any = None,
         answer_token_id: Any = None,
@@ -274,7 +303,11 @@ class PairedSweep:
         **common: Any,
     ) -> None:
         pairs = _is_many(prompt)
-        if pairs != _is_many(clean_prompt) or (pairs and len(prompt) != len(clean_prompt)):
+        if clean_prompt is None:  # corruption by noise: each prompt is its own clean run
+            clean_prompt = [None] * len(prompt) if pairs else None
+        if pairs != _is_many(clean_prompt, none=True) or (
+            pairs and len(prompt) != len(clean_prompt)
+        ):
             raise CaptureConfigError(
                 "prompt and clean_prompt must both be one prompt or both lists of one length "
                 "(one clean prompt per corrupt one)."
@@ -359,16 +392,73 @@ def bootstrap_ci(grids: np.ndarray, seed: int = 0, samples: int = BOOTSTRAP_SAMP
     return np.nanpercentile(means, [2.5, 97.5], axis=0).astype(np.float32)
 
 
-def _is_many(prompt: Any) -> bool:
-    """A list of prompts (texts, or lists of token ids), not one prompt."""
+def _is_many(prompt: Any, none: bool = False) -> bool:
+    """A list of prompts (texts, or lists of token ids; ``none``: Nones too), not one."""
     if isinstance(prompt, str) or not isinstance(prompt, Sequence) or not prompt:
         return False
     return all(isinstance(p, str) or (isinstance(p, Sequence) and not isinstance(p, str))
-               for p in prompt) and not all(isinstance(p, int) for p in prompt)  # fmt: skip
+               or (none and p is None) for p in prompt) and not all(
+        isinstance(p, int) for p in prompt)  # fmt: skip
 
 
 def _is_list_of(value: Any, count: int) -> bool:
     return isinstance(value, list | tuple) and len(value) == count
+
+
+NOISE_KEYS = ("span", "scale", "seed")
+
+
+def _noise(corruption: Any, clean_prompt: Any, length: int) -> dict[str, Any] | None:
+    """``corruption={"noise": {"span": [start, end], "scale": 3.0, "seed": 0}}`` checked."""
+    if corruption is None:
+        return None
+    example = "corruption={'noise': {'span': [1, 4], 'scale': 3.0, 'seed': 0}}"
+    noise = corruption.get("noise") if isinstance(corruption, Mapping) else None
+    if (
+        not isinstance(noise, Mapping)
+        or set(corruption) != {"noise"}
+        or set(noise) - set(NOISE_KEYS)
+    ):
+        raise CaptureConfigError(f"corruption={corruption!r:.80} is not valid; e.g. {example}.")
+    span = noise.get("span")
+    if not (isinstance(span, Sequence) and len(span) == 2 and all(isinstance(x, int) for x in span)
+            and 0 <= span[0] < span[1] <= length):  # fmt: skip
+        raise CaptureConfigError(
+            f"corruption noise span={span!r} must be [start, end) inside the prompt's "
+            f"{length} positions, start < end."
+        )
+    scale, seed = noise.get("scale", 3.0), noise.get("seed", 0)
+    if (
+        isinstance(scale, bool)
+        or not isinstance(scale, int | float)
+        or not (math.isfinite(scale) and scale > 0)
+    ):
+        raise CaptureConfigError(f"corruption noise scale={scale!r} must be a positive number.")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise CaptureConfigError(f"corruption noise seed={seed!r} must be an int.")
+    if clean_prompt is not None:
+        raise CaptureConfigError(
+            "corruption by noise runs the prompt itself as the clean run: drop clean_prompt."
+        )
+    return {"span": (int(span[0]), int(span[1])), "scale": float(scale), "seed": seed}
+
+
+def noise_rows(seed: int, count: int, hidden: int, scale: float, std: float) -> np.ndarray:
+    """float32 ``[count, hidden]``: ``scale * std`` times standard normal draws of a CPU
+    ``torch.Generator`` seeded with ``seed`` (the same on every machine and rank)."""
+    import torch
+
+    draws = torch.randn(count, hidden, generator=torch.Generator().manual_seed(seed))
+    return (draws * (scale * std)).numpy().astype(np.float32)
+
+
+def embedding_std(stats: Sequence[tuple[int, float, float, int]]) -> float:
+    """The standard deviation of the input embedding matrix from each rank's ``(entries, sum,
+    sum of squares, hidden)`` (``probehook_embedding_stats``: ranks hold vocabulary
+    shards)."""
+    n = sum(s[0] for s in stats)
+    mean = sum(s[1] for s in stats) / n
+    return math.sqrt(max(sum(s[2] for s in stats) / n - mean * mean, 0.0))
 
 
 def patch_sweep(
@@ -376,14 +466,21 @@ def patch_sweep(
     tokenize: Callable[..., list[int]],
     decode: Callable[[int], str],
     writes: Mapping[str, Any],
+    write_noise: Callable[[SweepPlan], None] | None = None,
     **kwargs: Any,
 ) -> PatchSweep:
     """Patch the clean run's rows into the corrupt one at each (layer, position); see
     :class:`PatchSweep`, :class:`SweepPlan` and :class:`PairedSweep` (the keywords).
     ``generate(requests)`` runs one request per :data:`Request` with one greedy token and
     the log-probs of its token ids (vLLM's ``logprob_token_ids``); ``writes``: the engine's
-    write-table entries by request option."""
+    write-table entries by request option; ``write_noise(plan)``: puts a plan's noise rows in
+    the workers' banks (corruption by noise)."""
     sweep = PairedSweep(writes, tokenize, decode, **kwargs)
+    for plan in sweep.plans:
+        if plan.noise is not None:
+            if write_noise is None:
+                raise CaptureConfigError("this engine cannot write noise rows")
+            write_noise(plan)
     clean_outs = generate(sweep.clean_requests())
     corrupt_outs = generate(sweep.corrupt_requests())  # away from the cells' batch
     sweep.set_ends(clean_outs, corrupt_outs)

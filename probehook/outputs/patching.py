@@ -85,30 +85,57 @@ class Patching(Intervention):
                     f"patch names site {name!r}, which this engine does not patch (its sites: "
                     f"{sorted(instances)[:4]}...)."
                 )
-            if not isinstance(terms, Mapping) or set(terms) - {"cell", "keep", "run"}:
+            if not isinstance(terms, Mapping) or set(terms) - {"cells", "adds", "keep", "run"}:
                 raise CaptureConfigError(f"patch[{name!r}]={terms!r:.80} is not valid.")
             run = str(terms.get("run", ""))
-            if "cell" in terms:
-                position, row, alpha = terms["cell"]
-                if not (isinstance(position, int) and position >= 0 and isinstance(row, int)
-                        and 1 <= row <= rows and 0.0 <= float(alpha) <= 1.0):  # fmt: skip
-                    raise CaptureConfigError(
-                        f"patch[{name!r}] cell {terms['cell']!r} is not valid."
-                    )
-                out[name] = {"cell": [position, row, float(alpha)], "run": run}
-            elif isinstance(terms.get("keep"), int) and 1 <= terms["keep"] <= rows:
+            if isinstance(terms.get("keep"), int) and 1 <= terms["keep"] <= rows:
                 out[name] = {"keep": int(terms["keep"]), "run": run}
-            else:
+                continue
+            cells, adds = terms.get("cells", []), terms.get("adds", [])
+            if not (_triples(cells, rows) and _pairs(adds, rows)) or not (cells or adds):
                 raise CaptureConfigError(f"patch[{name!r}]={terms!r:.80} is not valid.")
+            out[name] = {"cells": [[p, r, float(a)] for p, r, a in cells],
+                         "adds": [[p, r] for p, r in adds], "run": run}  # fmt: skip
         return out
 
     def applied(self, terms: Mapping[str, Any]) -> Any:
-        """``{site: [position, alpha]}`` of a cell, ``{"kept": [sites]}`` of a kept run."""
-        cells = {n: [t["cell"][0], t["cell"][2]] for n, t in terms.items() if "cell" in t}
-        return cells or {"kept": sorted(terms)}
+        """``{site: {"patched": [[position, alpha], ...], "noised": [positions]}}``, or
+        ``{"kept": [sites]}`` of a kept run."""
+        if all("keep" in t for t in terms.values()):
+            return {"kept": sorted(terms)}
+        return {
+            site: {"patched": [[p, a] for p, _, a in t.get("cells", [])],
+                   "noised": [p for p, _ in t.get("adds", [])]}
+            for site, t in terms.items() if "keep" not in t
+        }  # fmt: skip
 
     def mark(self, applied: Any) -> str:
         if "kept" in applied:
             return f"kept for patching at {len(applied['kept'])} sites"
-        return "; ".join(f"patched {site} at position {p} (alpha {a:g})"
-                         for site, (p, a) in applied.items())  # fmt: skip
+        parts = []
+        for site, what in applied.items():
+            parts += [f"patched {site} at position {p} (alpha {a:g})" for p, a in what["patched"]]
+            if what["noised"]:
+                parts.append(f"noised {site} at positions {what['noised']}")
+        return "; ".join(parts)
+
+
+def _triples(cells: Any, rows: int) -> bool:
+    """``[[position, row, alpha], ...]`` with rows in the bank and alphas in [0, 1]."""
+    return isinstance(cells, list | tuple) and all(
+        isinstance(c, list | tuple) and len(c) == 3 and _index(c[0], 0) and _index(c[1], 1, rows)
+        and isinstance(c[2], int | float) and 0.0 <= float(c[2]) <= 1.0
+        for c in cells
+    )  # fmt: skip
+
+
+def _pairs(adds: Any, rows: int) -> bool:
+    return isinstance(adds, list | tuple) and all(
+        isinstance(a, list | tuple) and len(a) == 2 and _index(a[0], 0) and _index(a[1], 1, rows)
+        for a in adds
+    )
+
+
+def _index(value: Any, low: int, high: int | None = None) -> bool:
+    return (isinstance(value, int) and not isinstance(value, bool) and value >= low
+            and (high is None or value <= high))  # fmt: skip

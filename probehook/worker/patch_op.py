@@ -4,13 +4,13 @@
 rows at a site in the engine's source bank for later cells to read.
 
 Each site of each layer (its input, ``resid_pre``; its output, ``resid_post``) has a writer of
-its own (:class:`PatchWriter`): the per-token ``index`` (the write table's: the request's row
-of the small tables, at the patched position only), ``rows`` (each request's source row) and
-``alphas``, and a ``keep_index`` (each token's row of the source bank to keep it in, 0: not
-kept). The source bank (``[rows + 1, hidden]`` float32, row 0 a scratch row) is one tensor
-shared by every writer, allocated at load inside vLLM's memory profiling: the front end
-(``probehook.frontend.patch_sweep``) decides which rows each run keeps and which each cell
-reads, so the worker holds no state of its own between steps.
+its own (:class:`PatchWriter`), every buffer per token: the ``index`` (the write table's; here
+the kept row a token is patched toward, 0: none) and its ``alphas``, ``adds`` (a bank row
+added to the token: corruption by noise) and ``keep_index`` (the row of the source bank to
+keep the token in, 0: not kept). The source bank (``[rows + 1, hidden]`` float32, row 0 a
+scratch row) is one tensor shared by every writer, allocated at load inside vLLM's memory
+profiling: the front end (``probehook.frontend.patch_sweep``) decides which rows each run
+keeps and which each cell reads, so the worker holds no state of its own between steps.
 
 No vLLM imports.
 """
@@ -32,27 +32,31 @@ from probehook.worker.write_table import InstanceWriter, WriterContext
 def patch_term(
     hidden: torch.Tensor, residual: torch.Tensor | None, tensors: Sequence[torch.Tensor], _: str
 ) -> None:
-    """``stream[t] <- (1 - alpha) stream[t] + alpha source[row]`` for the tokens whose index
-    names a request's row (``alpha``: that request's; the stream is ``hidden + residual``,
-    and the change goes into ``hidden``)."""
-    index, rows, alphas, source = tensors
-    slots = index[: hidden.shape[0]]
-    if hidden.device.type == "cpu":  # skip the unpatched tokens (a GPU computes every one)
-        if not bool(slots.any()):
+    """Per token: first ``stream += source[adds[t]]`` (a noise row: corruption), then
+    ``stream <- (1 - alphas[t]) stream + alphas[t] source[index[t]]`` (a kept row: a cell);
+    0 in ``adds`` or ``index``: nothing. The stream is ``hidden + residual``; the change goes
+    into ``hidden``."""
+    index, alphas, adds, source = tensors
+    n = hidden.shape[0]
+    rows, added = index[:n], adds[:n]
+    picked = None
+    if hidden.device.type == "cpu":  # skip the untouched tokens (a GPU computes every one)
+        touched = (rows > 0) | (added > 0)
+        if not bool(touched.any()):
             return
-        picked = slots.nonzero().squeeze(1)
-        slots = slots.index_select(0, picked)
-    else:
-        picked = None
+        picked = touched.nonzero().squeeze(1)
+        rows, added = rows.index_select(0, picked), added.index_select(0, picked)
     stream = hidden if picked is None else hidden.index_select(0, picked)
     stream = stream.float()
     if residual is not None:
         stream = stream + (residual if picked is None else residual.index_select(0, picked)).float()
-    clean = source.index_select(0, rows.index_select(0, slots))
-    alpha = alphas.index_select(0, slots).unsqueeze(1)
-    # A token that patches nothing reads row 0, the keep op's scratch row (any token's
-    # stream, an inf among them): select, never multiply by 0, so it adds an exact 0.
-    delta = torch.where(slots.unsqueeze(1) > 0, alpha * (clean - stream), 0.0).to(hidden.dtype)
+    # Tokens that read nothing read row 0, the keep op's scratch row (any token's stream, an
+    # inf among them): select, never multiply by 0, so they get an exact 0.
+    noise = torch.where((added > 0).unsqueeze(1), source.index_select(0, added), 0.0)
+    noised = stream + noise
+    alpha = alphas[:n] if picked is None else alphas.index_select(0, picked)
+    lerp = alpha.unsqueeze(1) * (source.index_select(0, rows) - noised)
+    delta = (noise + torch.where((rows > 0).unsqueeze(1), lerp, 0.0)).to(hidden.dtype)
     if picked is None:
         hidden.add_(delta)
     else:
@@ -60,7 +64,8 @@ def patch_term(
 
 
 PATCH_TENSORS = 4
-"""The buffers a ``"patch"`` term takes: the index, rows, alphas and the source bank."""
+"""The buffers a ``"patch"`` term takes: the index (each token's kept row), its alphas, its
+added rows and the source bank."""
 
 
 @torch.library.custom_op(f"{OP_NAMESPACE}::keep", mutates_args=("source",))
@@ -91,65 +96,76 @@ def _(
 
 
 class PatchWriter(InstanceWriter):
-    """One site of one layer: a request's terms there are ``{"cell": [position, row,
-    alpha]}`` (patch the row at that position from source row ``row``) or ``{"keep":
-    base}`` (keep each prompt position ``p`` in source row ``base + p``), with the run's
-    nonce (``"run"``, only the prefix-cache salt reads it)."""
+    """One site of one layer. A request's terms there: ``{"cells": [[position, row, alpha],
+    ...], "adds": [[position, row], ...]}`` (put kept row ``row`` back at ``position``; add
+    bank row ``row``, a noise row, at ``position``) or ``{"keep": base}`` (keep each prompt
+    position ``p`` in source row ``base + p``), with the run's nonce (``"run"``: only the
+    prefix-cache salt reads it). Every buffer is per token, so one request may patch and add
+    at several positions of one site."""
 
     kind = "patch"
 
-    def __init__(self, layer: int, site: str, source: torch.Tensor, slots: int) -> None:
+    def __init__(self, layer: int, site: str, source: torch.Tensor, max_tokens: int) -> None:
         self.layer, self.site = layer, site
         device = source.device
         self.buffers = {
-            "rows": torch.zeros(slots, dtype=torch.int64, device=device),
-            "alphas": torch.zeros(slots, dtype=torch.float32, device=device),
+            "alphas": torch.zeros(max_tokens, dtype=torch.float32, device=device),
+            "adds": torch.zeros(max_tokens, dtype=torch.int64, device=device),
             "source": source,
         }
         self.keep_index: torch.Tensor | None = None
         """``[max_num_batched_tokens]`` int64, set at load (the ``keep`` op's index)."""
-        self._kept = 0  # keep_index entries [0, _kept) may be nonzero
+        self._written = 0  # adds and keep_index entries [0, _written) may be nonzero
 
     @property
     def capacity(self) -> int:
         return self.buffers["source"].shape[0] - 1
 
-    def plan(self, terms: Any) -> tuple[str, int, int, float]:
-        if "cell" in terms:
-            position, row, alpha = terms["cell"]
-            return ("cell", int(position), int(row), float(alpha))
-        return ("keep", 0, int(terms["keep"]), 0.0)
+    def plan(self, terms: Any) -> Any:
+        if "keep" in terms:
+            return ("keep", int(terms["keep"]))
+        cells = {int(p): (int(r), float(a)) for p, r, a in terms.get("cells", ())}
+        adds = {int(p): int(r) for p, r in terms.get("adds", ())}
+        for row in [r for r, _ in cells.values()] + list(adds.values()):
+            if not 1 <= row <= self.capacity:
+                raise ValueError(f"source row {row} is outside the bank (1..{self.capacity})")
+        return ("patch", cells, adds)
 
-    def write_row(self, row: int, plan: tuple[str, int, int, float]) -> None:
-        kind, _, source_row, alpha = plan
-        if kind == "cell":
-            if not 1 <= source_row <= self.capacity:
-                raise ValueError(
-                    f"source row {source_row} is outside the bank (1..{self.capacity})"
-                )
-            self.buffers["rows"][row] = source_row
-            self.buffers["alphas"][row] = alpha
+    def write_row(self, row: int, plan: Any) -> None:
+        """Nothing per request: every buffer is per token (:meth:`write_tokens`)."""
 
     def write_tokens(self, slot: int, plan: Any, lo: int, hi: int, first: int) -> bool:
-        """A cell's patched position alone (if this step computes it); a kept run's every
+        """A cell's and a corruption's positions that this step computes; a kept run's every
         token (``first``: the absolute position of token ``lo``)."""
-        kind, position, base, _ = plan
-        if kind == "cell":
-            if first <= position < first + (hi - lo):
-                self.index[lo + position - first] = slot
-                return True
-            return False
-        rows = base + np.arange(first, first + hi - lo)
-        if int(rows[-1]) > self.capacity:
-            raise ValueError(f"kept rows up to {int(rows[-1])}, past the bank's {self.capacity}")
-        self.keep_index[lo:hi] = torch.from_numpy(rows)
-        self._kept = max(self._kept, hi)
-        return True
+        if plan[0] == "keep":
+            rows = plan[1] + np.arange(first, first + hi - lo)
+            if int(rows[-1]) > self.capacity:
+                raise ValueError(
+                    f"kept rows up to {int(rows[-1])}, past the bank's {self.capacity}"
+                )
+            self.keep_index[lo:hi] = torch.from_numpy(rows)
+            self._written = max(self._written, hi)
+            return True
+        _, cells, adds = plan
+        wrote = False
+        for position in range(first, first + hi - lo):
+            t = lo + position - first
+            if position in cells:
+                row, alpha = cells[position]
+                self.index[t] = row
+                self.buffers["alphas"][t] = alpha
+                wrote = True
+            if position in adds:
+                self.buffers["adds"][t] = adds[position]
+                self._written = max(self._written, t + 1)
+                wrote = True
+        return wrote
 
     def clear(self) -> None:
-        if self._kept:
-            self.keep_index[: self._kept].zero_()
-            self._kept = 0
+        if self._written:
+            self.keep_index[: self._written].zero_()
+            self.buffers["adds"][: self._written].zero_()
+            self._written = 0
 
 
 def patch_writers(
@@ -161,6 +177,6 @@ def patch_writers(
     source = torch.zeros((rows + 1, context.hidden_size), dtype=torch.float32,
                          device=context.device)  # fmt: skip
     return {
-        name: PatchWriter(int(s["layer"]), str(s["site"]), source, context.slots)
+        name: PatchWriter(int(s["layer"]), str(s["site"]), source, context.max_tokens)
         for name, s in instances.items()
     }

@@ -37,6 +37,8 @@ class WriterContext:
     """Rows of each per-request table: the batch's most requests, plus row 0 (nobody)."""
     banks: Mapping[str, Any] = field(default_factory=dict)
     """The engine's top-k banks by source (an SAE clamp writes with its SAE's weights)."""
+    max_tokens: int = 0
+    """Tokens a step holds at most (``max_num_batched_tokens``: per-token buffers)."""
 
 
 class InstanceWriter:

@@ -31,7 +31,7 @@ from vllm.v1.executor import Executor
 
 from probehook.adapter.frontend import cpu_memory, engine_config, outputs, setup
 from probehook.adapter.frontend.prompts import with_cache_salt
-from probehook.adapter.frontend.sweep_params import sweep_params
+from probehook.adapter.frontend.sweep_params import noise_write, sweep_params
 from probehook.capture_config import CaptureConfig
 from probehook.errors import CaptureConfigError
 from probehook.frontend import capture_request
@@ -289,6 +289,10 @@ class AsyncLLM(VllmAsyncLLM):
         async def every(requests: list[Any]) -> list[Any]:
             return await asyncio.gather(*(one(r) for r in requests))
 
+        for plan in sweep.plans:  # corruption by noise: its rows into the banks first
+            if plan.noise is not None:
+                stats = await self.collective_rpc("probehook_embedding_stats")
+                await self.collective_rpc("probehook_patch_rows", args=noise_write(plan, stats))
         clean = await every(sweep.clean_requests())
         sweep.set_ends(clean, await every(sweep.corrupt_requests()))
         requests = sweep.cell_requests()

@@ -22,7 +22,7 @@ from vllm import PoolingParams, SamplingParams
 from probehook.adapter.frontend import cpu_memory, engine_config, outputs, setup
 from probehook.adapter.frontend.engine_death import raise_on_engine_death
 from probehook.adapter.frontend.prompts import with_cache_salt
-from probehook.adapter.frontend.sweep_params import sweep_params
+from probehook.adapter.frontend.sweep_params import noise_write, sweep_params
 from probehook.capture_config import CaptureConfig
 from probehook.core.request_options import EXTRA_ARGS_KEY
 from probehook.errors import CaptureConfigError
@@ -403,6 +403,10 @@ class LLM(vllm.LLM):
             return self.generate([{"prompt_token_ids": p} for p, _, _ in requests], params,
                                  use_tqdm=shown)  # fmt: skip
 
+        def write_noise(plan: Any) -> None:
+            stats = self.collective_rpc("probehook_embedding_stats")
+            self.collective_rpc("probehook_patch_rows", args=noise_write(plan, stats))
+
         return patch_sweep(
             generate,
             lambda text, add_special_tokens=True: tokenizer.encode(
@@ -410,6 +414,7 @@ class LLM(vllm.LLM):
             ),
             lambda token: tokenizer.decode([token]),
             self.session.writes,
+            write_noise,
             **kwargs,
         )
 

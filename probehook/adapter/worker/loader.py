@@ -167,7 +167,8 @@ def _writers(
     registered = interventions(OUTPUT_PROCESSORS)
     param = next(model.parameters())
     context = WriterContext(param.device, param.dtype, model_config.get_hidden_size(),
-                            scheduler.max_num_seqs + 1, hook.top_k_banks)  # fmt: skip
+                            scheduler.max_num_seqs + 1, hook.top_k_banks,
+                            scheduler.max_num_batched_tokens)  # fmt: skip
     writers = {}
     for option, instances in writes.items():
         entry = registered.get(option)

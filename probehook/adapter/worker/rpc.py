@@ -16,6 +16,8 @@ import os
 import time
 from typing import Any
 
+import torch
+
 from probehook.adapter.worker import runner_v1
 from probehook.adapter.worker.loader import register_loader
 from probehook.adapter.worker.plan_cache import SharedReads, reuse_plans
@@ -265,6 +267,33 @@ class ProbehookWorkerExtension:
         steer.add_vector(name, vectors_from_wire(wire, steer.bank.hidden))
         return True
 
+    def probehook_patch_rows(self, first: int, data: bytes, count: int) -> bool:
+        """Write ``count`` float32 rows (raw bytes, no pickle) into the patching source bank
+        from row ``first`` (a sweep's noise rows; every rank writes the same)."""
+        writers = [w for w in (_hook(self).writers or {}).values() if w.kind == "patch"]
+        if not writers:
+            raise ValueError("this engine was built without patching=True")
+        source = writers[0].buffers["source"]
+        rows = torch.frombuffer(bytearray(data), dtype=torch.float32).view(count, -1)
+        if rows.shape[1] != source.shape[1] or not 1 <= first <= source.shape[0] - count:
+            raise ValueError(f"rows {first}..{first + count} of width {rows.shape[1]} do not fit "
+                             f"the bank {tuple(source.shape)}")  # fmt: skip
+        source[first : first + count].copy_(rows)
+        return True
+
+    def probehook_embedding_stats(self) -> tuple[int, float, float, int]:
+        """``(entries, sum, sum of squares, hidden size)`` of this rank's rows of the input
+        embedding matrix (its real vocabulary, padding rows left out): the front end joins
+        the ranks' into the matrix's standard deviation (noise corruption's unit)."""
+        embedding = _input_embedding(self.model_runner.get_model())
+        weight = embedding.weight
+        shard = getattr(embedding, "shard_indices", None)
+        if shard is not None:
+            weight = weight[: shard.org_vocab_end_index - shard.org_vocab_start_index]
+        values = weight.double()
+        return (values.numel(), float(values.sum()), float((values * values).sum()),
+                int(weight.shape[1]))  # fmt: skip
+
     def probehook_steering_remove(self, name: str) -> bool:
         """Take a vector out of the bank. Requests already steered keep their sums."""
         _steering_of(self).bank.remove(name)
@@ -359,6 +388,22 @@ def _compilations() -> dict[str, int]:
         "backend_compilations": compilation_counter.num_backend_compilations,
         "dynamo_graphs": int(counters["stats"]["unique_graphs"]),
     }
+
+
+def _input_embedding(model: Any) -> Any:
+    """The model's input embedding module (vLLM's ``VocabParallelEmbedding``, not its LM
+    head)."""
+    getter = getattr(model, "get_input_embeddings", None)
+    if callable(getter):
+        try:
+            return getter()
+        except (NotImplementedError, AttributeError):
+            pass
+    for module in model.modules():
+        kind = type(module).__name__
+        if kind == "VocabParallelEmbedding":
+            return module
+    raise ValueError(f"no input embedding found on {type(model).__name__}")
 
 
 def _steering_of(worker: Any) -> StepSteering:

@@ -334,3 +334,24 @@ def test_noise_corruption_equals_hugging_face_with_the_same_noise(patch_llm, lla
     assert abs(sweep.corrupt - corrupt_ld) <= TOL
     assert abs(sweep.grid[0, 1] - sweep.corrupt) > 0.1  # position 4 at layer 0: its noise undone
     assert abs(sweep.grid[0, 0] - sweep.corrupt) <= TOL  # position 0: no noise there
+
+
+def test_every_position_of_one_layer_s_input_patched_gives_the_clean_metric(patch_llm) -> None:
+    """The write terms take several cells a request: the clean run kept at layer 2's input,
+    then the corrupt prompt with all 40 of its rows there put back is the clean run from
+    there on (its logit difference the clean one)."""
+    from probehook import SamplingParams
+
+    def run(ids: list[int], patch: dict) -> float:
+        extra = {"probehook": {"layers": [], "patch": patch}}
+        params = SamplingParams(max_tokens=1, temperature=0, logprob_token_ids=[ANSWER, FOIL],
+                                extra_args=extra)  # fmt: skip
+        (out,) = patch_llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
+        logprobs = out.outputs[0].logprobs[0]
+        return logprobs[ANSWER].logprob - logprobs[FOIL].logprob
+
+    clean = run(CLEAN, {"resid_pre@2": {"keep": 1, "run": "every"}})
+    cells = [[p, 1 + p, 1.0] for p in range(len(CORRUPT))]
+    patched = run(CORRUPT, {"resid_pre@2": {"cells": cells, "run": "every"}})
+    corrupt = run(CORRUPT, {"resid_pre@2": {"cells": cells[:1], "run": "every-but"}})
+    assert abs(patched - clean) <= TOL and abs(corrupt - clean) > 0.1

@@ -58,6 +58,7 @@ bench: $(STAMP)
 	VLLM_CPU_KVCACHE_SPACE=1 $(PY) benchmarks/saes.py
 	VLLM_CPU_KVCACHE_SPACE=1 $(PY) benchmarks/lenses.py
 	VLLM_CPU_KVCACHE_SPACE=1 $(PY) benchmarks/attention.py
+	VLLM_CPU_KVCACHE_SPACE=1 $(PY) benchmarks/patching.py
 	VLLM_CPU_KVCACHE_SPACE=1 $(PY) benchmarks/collect.py
 	$(PY) benchmarks/store_lanes.py
 
@@ -66,7 +67,7 @@ bench: $(STAMP)
 # not a measurement (tests/test_benchmarks_smoke.py runs the same, in one process).
 bench-smoke: $(STAMP)
 	set -e; for b in overhead store_throughput async_streams serve_load pooling steering saes \
-		lenses attention collect store_lanes; do VLLM_CPU_KVCACHE_SPACE=1 $(PY) benchmarks/$$b.py --smoke; done
+		lenses attention patching collect store_lanes; do VLLM_CPU_KVCACHE_SPACE=1 $(PY) benchmarks/$$b.py --smoke; done
 
 # 30 minutes of mixed requests against `probehook serve` with a store: memory, descriptors,
 # requests lost, the store's fsck (benchmarks/results/soak.md). Not part of `make bench`.

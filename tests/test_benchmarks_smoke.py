@@ -44,6 +44,7 @@ BENCHMARKS = {
     "saes.py": "| prefill | requests ask for the four in turn |",
     "lenses.py": "| J-lens, 1 layer, every prompt row |",
     "attention.py": "| attention, 1 layer, every prompt row |",
+    "patching.py": "| a sweep over every layer and position: cells/s |",
     "collect.py": "| 1 replica |",
     "store_lanes.py": "Median of the per-round store ratios",
 }

@@ -67,19 +67,26 @@ def test_banks_round_trip(tmp_path: Any) -> None:
     probehook's banks is refused."""
     import base64
 
+    from probehook.core.steering_wire import VectorRows
+
     ones = np.ones(HIDDEN, np.float32)
     vectors = {"up": {1: np.arange(HIDDEN, dtype=np.float32)}, "two": {0: ones, 2: -ones}}
-    text = WorkerBanks(SPECS, 9, vectors).encode()
+    capped = VectorRows({1: ones / 3}, {1: -ones}, "cap", {"min": None, "max": 4.0})
+    text = WorkerBanks(SPECS, 9, {**vectors, "capped": capped}).encode()
     assert isinstance(text, str)  # travels in the engine's config, to any node
     read = WorkerBanks.decode(text)
     assert columns_of(read.probes) == columns_of(SPECS) and read.steering_capacity == 9
     for a, b in zip(read.probes, SPECS, strict=True):
         assert (a.name, a.layer, a.activation) == (b.name, b.layer, b.activation)
         assert np.array_equal(a.weight, b.weight) and np.array_equal(a.bias, b.bias)
-    assert read.vectors.keys() == vectors.keys()
+    assert read.vectors.keys() == {*vectors, "capped"}
     for name, by_layer in vectors.items():
-        assert read.vectors[name].keys() == by_layer.keys()
-        assert all(np.array_equal(read.vectors[name][k], v) for k, v in by_layer.items())
+        rows = read.vectors[name]
+        assert rows.op == "add" and rows.units is None and rows.writes.keys() == by_layer.keys()
+        assert all(np.array_equal(rows.writes[k], v) for k, v in by_layer.items())
+    back = read.vectors["capped"]
+    assert (back.op, back.params) == ("cap", {"min": None, "max": 4.0})
+    assert np.array_equal(back.writes[1], ones / 3) and np.array_equal(back.units[1], -ones)
     empty = WorkerBanks.decode(WorkerBanks().encode())
     assert empty.probes == [] and empty.vectors == {}
     from safetensors.numpy import save

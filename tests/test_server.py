@@ -622,7 +622,7 @@ def test_malformed_options_storm(client, server, offline) -> None:
                        "attention_spans": "attention_layers"}  # fmt: skip
     with urllib.request.urlopen(f"{server.base_url}/probehook") as reply:
         writes = list(json.load(reply)["writes"])  # the write table's entries' options too
-    assert writes == ["clamp", "scale"]
+    assert writes == ["patch", "clamp", "scale"]
     messages = []
     for value in objects:
         with pytest.raises(CaptureConfigError) as err:

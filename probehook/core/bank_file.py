@@ -29,6 +29,7 @@ class WorkerBanks:
     probes: list[ProbeSpec] = field(default_factory=list)
     steering_capacity: int = DEFAULT_CAPACITY
     vectors: dict[str, VectorRows] = field(default_factory=dict)
+    """``VectorRows`` each (a plain ``{layer: vector}`` encodes as an addition)."""
 
     def encode(self) -> str:
         """The banks as text: base64 of a safetensors blob (arrays, and the names, layers and
@@ -43,6 +44,8 @@ class WorkerBanks:
             probes.append({"name": spec.name, "layer": spec.layer, "activation": spec.activation})
         vectors = []
         for j, (name, rows) in enumerate(self.vectors.items()):
+            if not isinstance(rows, VectorRows):  # {layer: vector}: an addition
+                rows = VectorRows(dict(rows))
             for layer, vector in rows.writes.items():
                 tensors[f"vector.{j}.{int(layer)}"] = np.ascontiguousarray(vector, np.float32)
             for layer, unit in (rows.units or {}).items():

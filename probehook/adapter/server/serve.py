@@ -557,6 +557,14 @@ def _add_ui(app: Any) -> None:
     app.add_api_route(ROUTE, ui, methods=["GET"])
 
 
+def _bad_request(message: str, param: str) -> Any:
+    """A 400 in the OpenAI error form vLLM's own routes answer."""
+    from fastapi.responses import JSONResponse
+
+    error = {"message": message, "type": "BadRequestError", "param": param, "code": 400}
+    return JSONResponse({"error": error}, status_code=400)
+
+
 def _add_steering_routes(app: Any, engine: Any) -> None:
     """``POST /v1/steering`` ``{"name", "vectors": {"LAYER": [floats]}, "op", "min", "max",
     "to"}`` puts a named vector with its op in the bank; ``DELETE /v1/steering/NAME`` takes it
@@ -571,8 +579,7 @@ def _add_steering_routes(app: Any, engine: Any) -> None:
     from probehook.frontend.steering_set import INLINE_PREFIX
 
     def refused(message: str) -> JSONResponse:
-        error = {"message": message, "type": "BadRequestError", "param": "steering", "code": 400}
-        return JSONResponse({"error": error}, status_code=400)
+        return _bad_request(message, "steering")
 
     async def add(request: Any) -> Any:
         try:
@@ -635,8 +642,7 @@ def _add_patch_sweep_route(app: Any, engine: Any) -> None:
     runs: dict[str, Any] = {}
 
     def refused(message: str) -> JSONResponse:
-        error = {"message": message, "type": "BadRequestError", "param": "patch_sweep", "code": 400}
-        return JSONResponse({"error": error}, status_code=400)
+        return _bad_request(message, "patch_sweep")
 
     async def sweep(request: Any) -> Any:
         try:

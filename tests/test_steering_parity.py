@@ -313,3 +313,26 @@ def test_every_op_equals_hugging_face(steer_llm, llama_dir: Path, vectors, op_ve
             rows = _rows(out, 1).double()
             along = (rows @ u.double()).abs()
             assert bool((along <= 1e-5 * rows.norm(dim=-1)).all()), float(along.max())
+
+
+def test_probe_gated_ops_start_after_the_crossing(steer_llm, llama_dir: Path, op_vectors) -> None:
+    """A steer monitor naming vectors with other ops (an ablation, then a cap) steers them
+    like additions: from the position after the crossing, in the monitor's order, equal to
+    HF with the formulas applied from ``steering["start"]``; the completion names the ops."""
+    from probehook import ProbeMonitor
+
+    prompt = "Question: what is 17+25? Answer:"
+    (base,) = steer_llm.generate([prompt], _params(None, "both"), use_tqdm=False)
+    scores = base.outputs[0].probe_scores["truth"]
+    k, threshold, direction = first_record(scores, start=3)
+    steer = {"abl": 1.0, "cap": 1.0}
+    gate = ProbeMonitor("truth", threshold, action="steer", steer=steer, direction=direction)
+    (out,) = steer_llm.generate([prompt], _params(None, "both", monitors=[gate]), use_tqdm=False)
+    completion = out.outputs[0]
+    p = len(out.prompt_token_ids)
+    assert completion.steering["start"] == p + k
+    assert completion.steering["gate"]["vectors"] == steer
+    assert set(completion.steering["ops"]) == {"abl", "cap"}
+    terms = steering_terms(op_vectors, steer, completion.steering["start"])
+    _, effect = _check(llama_dir, out, terms, f"gated ops, start {p + k}")
+    assert effect > EFFECT

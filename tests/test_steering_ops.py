@@ -268,3 +268,58 @@ def test_salts_cover_each_op_its_parameters_and_the_order() -> None:
         "cap4": "cap(max=4)"
     }
     assert steering.describe()["vectors"]["abl"]["op"] == "ablate"
+
+
+@pytest.mark.engine
+def test_ops_alone_and_stored_through_fsck_and_compaction(llama_dir, tmp_path) -> None:
+    """An engine with steering ops and nothing else of probehook's (compiled) equals HF with
+    the formulas; an engine that stores what ops applied keeps it, rows included, bit-equal
+    through fsck and compaction."""
+    from probehook import LLM, ActivationStore, SamplingParams
+    from probehook.store.maintenance import compact, fsck
+    from probehook.testing_steering import hf_steered_logprobs, steering_terms
+
+    def direction(seed: int) -> torch.Tensor:
+        v = torch.randn(128, generator=torch.Generator().manual_seed(seed))
+        return v / v.norm() * 4.0
+
+    vectors = {
+        "abl": SteeringVector({1: direction(1)}).with_op("ablate"),
+        "cap": SteeringVector({1: direction(2)}).with_op("cap", min=-0.5, max=0.5),
+        "push": SteeringVector({1: direction(3)}).with_op("norm_scaled"),
+    }
+    steer = {"abl": 1.0, "push": 0.3, "cap": 1.0}
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=0,
+                            extra_args={"probehook": {"steer": steer}})  # fmt: skip
+    llm = LLM(str(llama_dir), steering=vectors, dtype="float32", max_model_len=128, seed=0)
+    try:
+        (out,) = llm.generate(["12+34=46. 7+"], params, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    completion = out.outputs[0]
+    got = [completion.logprobs[i][t].logprob for i, t in enumerate(completion.token_ids)]
+    want = hf_steered_logprobs(llama_dir, out.prompt_token_ids, completion.token_ids,
+                               steering_terms(vectors, steer, 0))  # fmt: skip
+    assert max(abs(a - b) for a, b in zip(got, want, strict=True)) <= 1e-3
+    plain = hf_steered_logprobs(llama_dir, out.prompt_token_ids, completion.token_ids, [])
+    assert max(abs(a - b) for a, b in zip(want, plain, strict=True)) > 0.05  # the ops act
+
+    root = tmp_path / "store"
+    stored_llm = LLM(str(llama_dir), steering=vectors, layers=[1], store=root, dtype="float32",
+                     max_model_len=128, seed=0, enforce_eager=True)  # fmt: skip
+    try:
+        outs = stored_llm.generate(["12+34=46. 7+", "3+4="], params, use_tqdm=False)
+    finally:
+        stored_llm.shutdown()
+    for maintained in (False, True):
+        if maintained:
+            assert fsck(root).ok
+            compact(root, progress=False)
+            assert fsck(root).ok
+        store = ActivationStore.open(root)
+        for o in outs:
+            record = store[o.store_id]
+            assert record.steering == o.outputs[0].steering
+            assert record.steering["ops"] == {"abl": "ablate", "cap": "cap(max=0.5, min=-0.5)",
+                                              "push": "norm_scaled"}  # fmt: skip
+            assert torch.equal(record.hidden_states[1], o.outputs[0].hidden_states[1])

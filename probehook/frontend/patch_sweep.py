@@ -462,7 +462,7 @@ def embedding_std(stats: Sequence[tuple[int, float, float, int]]) -> float:
 
 
 def patch_sweep(
-    generate: Callable[[list[Request]], list[Any]],
+    generate: Callable[[list[Request], bool], list[Any]],
     tokenize: Callable[..., list[int]],
     decode: Callable[[int], str],
     writes: Mapping[str, Any],
@@ -471,8 +471,9 @@ def patch_sweep(
 ) -> PatchSweep:
     """Patch the clean run's rows into the corrupt one at each (layer, position); see
     :class:`PatchSweep`, :class:`SweepPlan` and :class:`PairedSweep` (the keywords).
-    ``generate(requests)`` runs one request per :data:`Request` with one greedy token and
-    the log-probs of its token ids (vLLM's ``logprob_token_ids``); ``writes``: the engine's
+    ``generate(requests, progress)`` runs one request per :data:`Request` with one greedy
+    token and the log-probs of its token ids (vLLM's ``logprob_token_ids``), with a progress
+    bar where ``progress`` (the cells' batch); ``writes``: the engine's
     write-table entries by request option; ``write_noise(plan)``: puts a plan's noise rows in
     the workers' banks (corruption by noise)."""
     sweep = PairedSweep(writes, tokenize, decode, **kwargs)
@@ -481,10 +482,10 @@ def patch_sweep(
             if write_noise is None:
                 raise CaptureConfigError("this engine cannot write noise rows")
             write_noise(plan)
-    clean_outs = generate(sweep.clean_requests())
-    corrupt_outs = generate(sweep.corrupt_requests())  # away from the cells' batch
+    clean_outs = generate(sweep.clean_requests(), False)
+    corrupt_outs = generate(sweep.corrupt_requests(), False)  # away from the cells' batch
     sweep.set_ends(clean_outs, corrupt_outs)
-    return sweep.result(generate(sweep.cell_requests()))
+    return sweep.result(generate(sweep.cell_requests(), True))
 
 
 def _options(extra: dict[str, Any]) -> dict[str, Any]:

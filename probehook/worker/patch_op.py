@@ -148,16 +148,15 @@ class PatchWriter(InstanceWriter):
             return True
         _, cells, adds = plan
         wrote = False
-        for position in range(first, first + hi - lo):
-            t = lo + position - first
-            if position in cells:
-                row, alpha = cells[position]
-                self.index[t] = row
-                self.buffers["alphas"][t] = alpha
+        for position, (row, alpha) in cells.items():
+            if first <= position < first + hi - lo:
+                self.index[lo + position - first] = row
+                self.buffers["alphas"][lo + position - first] = alpha
                 wrote = True
-            if position in adds:
-                self.buffers["adds"][t] = adds[position]
-                self._written = max(self._written, t + 1)
+        for position, row in adds.items():
+            if first <= position < first + hi - lo:
+                self.buffers["adds"][lo + position - first] = row
+                self._written = max(self._written, lo + position - first + 1)
                 wrote = True
         return wrote
 

@@ -395,13 +395,11 @@ class LLM(vllm.LLM):
                 "capture_only) with patching=True."
             )
         tokenizer = self.get_tokenizer()
-        calls = iter(range(1 << 30))
 
-        def generate(requests: list[Any]) -> list[Any]:
+        def generate(requests: list[Any], progress: bool) -> list[Any]:
             params = [sweep_params(extra, ids) for _, extra, ids in requests]
-            shown = use_tqdm and next(calls) == 2  # the cells' batch
             return self.generate([{"prompt_token_ids": p} for p, _, _ in requests], params,
-                                 use_tqdm=shown)  # fmt: skip
+                                 use_tqdm=use_tqdm and progress)  # fmt: skip
 
         def write_noise(plan: Any) -> None:
             stats = self.collective_rpc("probehook_embedding_stats")

@@ -683,11 +683,8 @@ def _add_patch_sweep_route(app: Any, engine: Any) -> None:
             cells.put_nowait({"layer": layer, "position": position, "value": value, "pair": pair})
 
         task = asyncio.ensure_future(engine.patch_sweep(on_cell=on_cell, **asked))
-        while not (task.done() and cells.empty()):
-            try:
-                event = await asyncio.wait_for(cells.get(), timeout=0.1)
-            except TimeoutError:
-                continue
+        task.add_done_callback(lambda _: cells.put_nowait(None))  # the last event: done
+        while (event := await cells.get()) is not None:
             yield f"data: {json.dumps(event)}\n\n"
         try:
             result = task.result()

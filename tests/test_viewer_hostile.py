@@ -126,8 +126,12 @@ def test_a_stored_requests_hostile_names_and_marks_stay_text() -> None:
         [2, 3, 4],
         {name: torch.full((3,), 0.75) for name in HOSTILE},
         {name: torch.full((2,), 0.25) for name in HOSTILE},
-        steering={"vectors": {HOSTILE[1]: 2.0}, "start": 2, "clamp": {HOSTILE[0]: {"7": 0.0}},
-                  "ops": {HOSTILE[1]: HOSTILE[2]}},  # a stored record's op words are text too
+        steering={
+            "vectors": {HOSTILE[1]: 2.0},
+            "start": 2,
+            "clamp": {HOSTILE[0]: {"7": 0.0}},
+            "ops": {HOSTILE[1]: HOSTILE[2]},
+        },  # a stored record's op words are text too
         sae_features={HOSTILE[3]: rows},
     )
     shown = view(stored, Tokenizer(), labels={HOSTILE[3]: {7: HOSTILE[0]}})
